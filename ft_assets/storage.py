@@ -1,0 +1,406 @@
+"""Object storage: one interface, two backends (a local directory and S3), and atomic artifacts.
+
+Every large artifact of the pipeline (cleaned rows, token shards, checkpoints, models) lives in an
+object store under a versioned prefix, never on a worker's disk and never pickled through Dagster.
+An *artifact* is a prefix holding files plus a ``manifest.json`` that lists every file with its
+size and sha256 and is written last. Readers trust nothing without a manifest, which gives atomic
+publish on both backends: S3 makes single PUTs atomic, the local backend writes to a temporary
+name and renames, and the manifest's arrival is the commit point of the whole artifact.
+
+Credentials never appear here: boto3 reads them from the standard ``AWS_*`` environment variables
+(``AWS_ENDPOINT_URL`` included, so AWS S3, R2, MinIO and SeaweedFS all work alike).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+CHUNK = 8 * 1024 * 1024  # 8 MiB: read/hash granularity and S3 multipart part size
+
+
+class StoreError(RuntimeError):
+    """An object-store operation failed in a way the user must act on (what, where, what to do)."""
+
+
+class ArtifactNotFound(StoreError):
+    """No complete artifact (no manifest) exists at a prefix."""
+
+
+class ArtifactCorrupt(StoreError):
+    """An artifact's files do not match its manifest (missing file, size or sha256 mismatch)."""
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def join_key(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could escape the store root (path traversal) or are not plain relative paths."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise StoreError(f"invalid object key {key!r}: keys are relative, '/'-separated paths")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise StoreError(f"invalid object key {key!r}: empty, '.' or '..' path segments are not allowed")
+    return key
+
+
+class ObjectStore(ABC):
+    """Byte-level store operations; artifact semantics are built on top in this module."""
+
+    url: str
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_file(self, key: str, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """All keys under ``prefix`` (recursive), sorted."""
+
+    @abstractmethod
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Immediate child 'directories' of ``prefix`` (names only), sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    def uri(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in self.list(prefix):
+            self.delete(key)
+
+    def put_json(self, key: str, obj: object) -> None:
+        self.put_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> dict:
+        return json.loads(self.get_bytes(key))
+
+
+class LocalStore(ObjectStore):
+    """A directory on the local disk; the embedded default."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _atomic_write(self, key: str, write) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{uuid.uuid4().hex}-{target.name}"
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"could not write {target}: {exc.strerror or exc}") from exc
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self._atomic_write(key, lambda tmp: shutil.copyfile(path, tmp))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda tmp: tmp.write_bytes(data))
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        source = self._path(key)
+        if not source.is_file():
+            raise StoreError(f"missing object {self.uri(key)}")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, path)
+
+    def get_bytes(self, key: str) -> bytes:
+        source = self._path(key)
+        if not source.is_file():
+            raise StoreError(f"missing object {self.uri(key)}")
+        return source.read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for path in base.rglob("*"):
+            if path.is_file() and not path.name.startswith(".tmp-"):
+                keys.append(path.relative_to(self.root).as_posix())
+        return sorted(keys)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir())
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def size(self, key: str) -> int:
+        return self._path(key).stat().st_size
+
+    def uri(self, key: str) -> str:
+        return str(self.root / key)
+
+
+class S3Store(ObjectStore):
+    """An S3 bucket (AWS, R2, MinIO, SeaweedFS) through boto3, configured from the environment."""
+
+    def __init__(self, bucket: str, prefix: str = "", client=None, max_attempts: int = 8):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        if len(bucket) < 3:
+            raise StoreError(f"invalid bucket name {bucket!r}: S3 bucket names have at least 3 characters")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        # Standard retry mode with backoff rides out short outages of the endpoint; a store that stays
+        # down surfaces as a StoreError naming the endpoint after the attempts are spent.
+        self.client = client or boto3.client(
+            "s3",
+            config=BotoConfig(
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=60,
+            ),
+        )
+        from boto3.s3.transfer import TransferConfig
+
+        self.transfer = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK)
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, check_key(key))
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    def _call(self, what: str, key: str, fn, *args, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise StoreError(f"missing object {self.uri(key)}") from exc
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+                raise StoreError(
+                    f"{what} {self.uri(key)} was refused ({code}): check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY and the bucket policy"
+                ) from exc
+            if code == "NoSuchBucket":
+                raise StoreError(f"bucket {self.bucket!r} does not exist (create it first)") from exc
+            raise StoreError(f"{what} {self.uri(key)} failed: {code or exc}") from exc
+        except BotoCoreError as exc:
+            endpoint = self.client.meta.endpoint_url
+            raise StoreError(f"{what} {self.uri(key)} failed: cannot reach {endpoint}: {exc}") from exc
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self._call(
+            "upload to", key, self.client.upload_file, str(path), self.bucket, self._key(key), Config=self.transfer
+        )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_name(f".tmp-{uuid.uuid4().hex}")
+        try:
+            self._call(
+                "download of", key, self.client.download_file, self.bucket, self._key(key), str(tmp),
+                Config=self.transfer,
+            )
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> bytes:
+        response = self._call("read of", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+        return response["Body"].read()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("lookup of", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        except StoreError as exc:
+            if str(exc).startswith("missing object"):
+                return False
+            raise
+        return True
+
+    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
+        full = join_key(self.prefix, prefix)
+        full = f"{full}/" if full else ""
+        kwargs = {"Bucket": self.bucket, "Prefix": full}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        paginator = self.client.get_paginator("list_objects_v2")
+        yield from self._call("listing of", prefix or ".", lambda: list(paginator.paginate(**kwargs)))
+
+    def list(self, prefix: str) -> list[str]:
+        keys = []
+        for page in self._pages(prefix, None):
+            keys.extend(self._rel(obj["Key"]) for obj in page.get("Contents", []))
+        return sorted(keys)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        names = []
+        for page in self._pages(prefix, "/"):
+            for common in page.get("CommonPrefixes", []):
+                names.append(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def delete(self, key: str) -> None:
+        self._call("delete of", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
+
+    def size(self, key: str) -> int:
+        head = self._call("lookup of", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        return int(head["ContentLength"])
+
+
+def default_store_path() -> Path:
+    return Path(os.environ.get("FT_HOME", "var")).expanduser().resolve() / "store"
+
+
+def open_store(url: str | None = None) -> ObjectStore:
+    """``url`` (or ``FT_STORE``): a local path, or ``s3://bucket/prefix``; default ``$FT_HOME/store``."""
+    url = url or os.environ.get("FT_STORE") or str(default_store_path())
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        return S3Store(bucket, prefix)
+    if "://" in url:
+        raise StoreError(f"unsupported store URL {url!r}: use a local path or s3://bucket/prefix")
+    return LocalStore(url)
+
+
+# --- artifacts: a prefix of files plus a manifest written last -------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    prefix: str
+    files: dict[str, dict]  # relative path -> {"size": int, "sha256": str}
+    meta: dict
+    created_at: float
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["size"] for f in self.files.values())
+
+    @property
+    def digest(self) -> str:
+        """One hash for the whole artifact: sha256 over the sorted (path, sha256) pairs."""
+        lines = "".join(f"{path}\t{info['sha256']}\n" for path, info in sorted(self.files.items()))
+        return hashlib.sha256(lines.encode()).hexdigest()
+
+    def to_json(self) -> dict:
+        return {
+            "prefix": self.prefix,
+            "files": self.files,
+            "meta": self.meta,
+            "created_at": self.created_at,
+            "digest": self.digest,
+        }
+
+
+def publish_dir(store: ObjectStore, prefix: str, local_dir: str | Path, meta: dict | None = None) -> Manifest:
+    """Upload every file under ``local_dir`` to ``prefix``, then write the manifest last.
+
+    Files already published at this prefix by an earlier attempt are overwritten; a reader never sees
+    them as an artifact until the new manifest lands (the old manifest is removed first).
+    """
+    local_dir = Path(local_dir)
+    store.delete(join_key(prefix, MANIFEST))
+    files = {}
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(local_dir).as_posix()
+        if rel == MANIFEST:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        store.put_file(join_key(prefix, rel), path)
+    manifest = Manifest(prefix=prefix, files=files, meta=meta or {}, created_at=time.time())
+    store.put_json(join_key(prefix, MANIFEST), manifest.to_json())
+    return manifest
+
+
+def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
+    key = join_key(prefix, MANIFEST)
+    if not store.exists(key):
+        raise ArtifactNotFound(f"no complete artifact at {store.uri(prefix)} (no {MANIFEST})")
+    try:
+        raw = store.get_json(key)
+        return Manifest(prefix=raw["prefix"], files=raw["files"], meta=raw.get("meta", {}), created_at=raw["created_at"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactCorrupt(f"unreadable manifest {store.uri(key)}: {exc}") from exc
+
+
+def verify_artifact(store: ObjectStore, manifest: Manifest) -> None:
+    """Cheap check (presence and size of every file); ``fetch_artifact`` also checks sha256."""
+    for rel, info in manifest.files.items():
+        key = join_key(manifest.prefix, rel)
+        if not store.exists(key):
+            raise ArtifactCorrupt(f"artifact {store.uri(manifest.prefix)} lacks {rel} listed in its manifest")
+        if store.size(key) != info["size"]:
+            raise ArtifactCorrupt(f"artifact {store.uri(manifest.prefix)}: {rel} has the wrong size")
+
+
+def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path) -> Manifest:
+    """Download a complete artifact to ``dest``, verifying every file's sha256 against the manifest."""
+    manifest = read_manifest(store, prefix)
+    dest = Path(dest)
+    for rel, info in manifest.files.items():
+        target = dest / rel
+        if target.is_file() and target.stat().st_size == info["size"] and sha256_file(target) == info["sha256"]:
+            continue
+        store.get_file(join_key(prefix, rel), target)
+        if sha256_file(target) != info["sha256"]:
+            raise ArtifactCorrupt(
+                f"artifact {store.uri(prefix)}: {rel} does not match the sha256 in its manifest; "
+                "the artifact is corrupt, rebuild it"
+            )
+    return manifest
+
+
+def local_copy_dir() -> Path:
+    """Scratch space for a worker's local copies; never the source of truth."""
+    path = Path(os.environ.get("FT_SCRATCH", tempfile.gettempdir())) / "ft_assets"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
