@@ -3,8 +3,9 @@
 Tokenization renders each conversation with the base model's own chat template, tokenizes the text
 in batches with the fast (Rust) tokenizer and marks as trainable exactly the characters of every
 assistant reply plus the end-of-turn marker the template writes after it (so the model learns to
-stop). Spans are located by walking the rendered text for each message's content in order; the
-end-of-turn marker is found once by rendering a probe conversation.
+stop). A reply starts where the rendering of the turns before it plus the generation prompt ends
+(exact for ChatML, Llama-3 and similar templates, checked per row); the end-of-turn marker is found
+once by rendering a probe conversation.
 
 Packing puts whole examples into fixed-length rows of ``seq_len`` tokens with best-fit decreasing
 (BFD) over windows of ``window`` examples: memory stays bounded however large the corpus, and BFD
@@ -65,17 +66,18 @@ class ChatEncoder:
                 if token in message["content"]:
                     raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        spans, cursor = [], 0
-        for message in messages:
-            start = text.find(message["content"], cursor)
-            if start < 0:
-                raise RowError("template_mismatch", "the chat template does not reproduce a message verbatim")
-            end = start + len(message["content"])
-            if message["role"] == "assistant":
-                if text.startswith(self.end_of_turn, end):
-                    end += len(self.end_of_turn)
-                spans.append((start, end))
-            cursor = end
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            # Where reply i starts: the rendering of the turns before it plus the generation prompt.
+            prefix = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            if not text.startswith(prefix) or not text.startswith(message["content"], len(prefix)):
+                raise RowError("template_mismatch", f"the chat template does not render reply {i} after its prompt")
+            end = len(prefix) + len(message["content"])
+            if text.startswith(self.end_of_turn, end):
+                end += len(self.end_of_turn)
+            spans.append((len(prefix), end))
         return text, spans
 
     def encode_batch(self, batch: list[list[dict]]) -> list[Example | RowError]:

@@ -1,0 +1,131 @@
+from collections import Counter
+
+import pytest
+
+from ft_assets.data.dedup import DedupRules, NearDuplicateIndex, deduplicate_dataset, exact_key
+from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_records
+from ft_assets.data.split import EVAL, TRAIN, split_dataset, split_of
+
+LONG = (
+    "Please book a table for four people at the Italian restaurant on Main Street tomorrow evening "
+    "at seven and ask them for a quiet table near the window"
+)
+
+LONG2 = "they also want a birthday cake brought out after dessert with candles and the staff singing for the guest of honour"
+
+
+def conv(user, assistant="ok", system=None):
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+EXACT_CASES = [
+    ("case", conv("Hello There"), conv("hello there"), True),
+    ("whitespace", conv("hello   there\n"), conv("hello there"), True),
+    ("nfkc", conv("\uff21BC"), conv("abc"), True),
+    ("word", conv("hello there"), conv("hello here"), False),
+    ("role-matters", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+     [{"role": "user", "content": "b"}, {"role": "assistant", "content": "a"}], False),
+]
+
+
+@pytest.mark.parametrize("name,a,b,same", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+def test_exact_key(name, a, b, same):
+    assert (exact_key(a) == exact_key(b)) is same
+
+
+NEAR_CASES = [
+    ("one-word-appended", conv(LONG), conv(LONG + " thanks"), True),
+    # one inserted word rewrites n-1 shingles: Jaccard ≈ 0.87 on this 66-word row (0.74 on a 33-word one)
+    ("filler-inserted", conv(LONG + " " + LONG2), conv(LONG.replace("tomorrow evening", "tomorrow evening please") + " " + LONG2), True),
+    ("short-numbers-differ", conv("Convert 12 km to m."), conv("Convert 19 km to m."), False),
+    ("short-identical-words", conv("Convert 12 km to m."), conv("Convert 12 km to m!"), False),  # too short to judge: exact only
+    ("long-number-differs", conv(LONG), conv(LONG.replace("four", "4").replace("seven", "7")), False),
+    ("long-number-changed", conv(LONG + " 12"), conv(LONG + " 19"), False),
+    ("unrelated", conv(LONG), conv("What is the weather in Paris today and should I take an umbrella with me to work"), False),
+    ("system-prompt-ignored", conv("a b c d e f g h i j k l", system=LONG), conv("m n o p q r s t u v w x", system=LONG), False),
+]
+
+
+@pytest.mark.parametrize("name,a,b,near", NEAR_CASES, ids=[c[0] for c in NEAR_CASES])
+def test_near_duplicates(name, a, b, near):
+    assert clusters_of([a, b]) == ([0, 0] if near else [0, 1])
+
+
+def clusters_of(conversations, rules=DedupRules()):
+    index = NearDuplicateIndex(rules)
+    for messages in conversations:
+        index.add(messages)
+    candidates = index.candidates()
+    return index.clusters({i: index.signature(conversations[i]) for i in candidates}).tolist()
+
+
+def test_lsh_candidates_are_verified_against_the_threshold():
+    # Same pair, J ≈ 0.82: a near-duplicate at threshold 0.8, not at 0.9 even though it may collide.
+    pair = [conv(LONG + " " + LONG2), conv(LONG.replace("tomorrow evening", "tomorrow evening please") + " " + LONG2)]
+    assert clusters_of(pair, DedupRules(threshold=0.9)) == [0, 1]
+
+
+def test_clusters_are_transitive_and_keep_first_row():
+    rows = [conv("unrelated row number one about cats and dogs and birds"), conv(LONG), conv(LONG + " thanks"), conv(LONG + " thanks a lot")]
+    assert clusters_of(rows) == [0, 1, 1, 1]
+
+
+def write_rows(path, conversations):
+    with ParquetSink(path, ROW_SCHEMA) as sink:
+        for i, messages in enumerate(conversations):
+            sink.write({"source": f"f:{i + 1}", "cluster": "", "messages": messages})
+
+
+@pytest.mark.parametrize("mode,kept,near", [("drop", 3, 1), ("keep", 4, 0)])
+def test_deduplicate_dataset_records_every_removed_row(tmp_path, mode, kept, near):
+    (tmp_path / "in").mkdir()
+    write_rows(
+        tmp_path / "in" / "rows.parquet",
+        [conv("Convert 12 km to m."), conv("convert 12  KM to m."), conv("Convert 19 km to m."), conv(LONG), conv(LONG + " thanks")],
+    )
+    stats = deduplicate_dataset(tmp_path / "in", tmp_path / "out", DedupRules(near_duplicates=mode))
+    assert (stats["rows_kept"], stats["exact_duplicates"], stats["near_duplicates"]) == (kept, 1, near)
+    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in iter_records(tmp_path / "out" / "duplicates.parquet")]
+    expected = [("f:2", "exact", "f:1")] + ([("f:5", "near", "f:4")] if mode == "drop" else [])
+    assert duplicates == expected
+    rows = list(iter_records(tmp_path / "out" / "rows.parquet"))
+    clusters = {r["source"]: r["cluster"] for r in rows}
+    if mode == "keep":
+        assert clusters["f:4"] == clusters["f:5"] != clusters["f:1"]
+    assert len(set(clusters.values())) == 3
+
+
+def test_split_is_deterministic_by_hash_and_respects_fraction():
+    keys = [f"cluster-{i}" for i in range(5000)]
+    first = [split_of(k, 0.2) for k in keys]
+    assert first == [split_of(k, 0.2) for k in keys]
+    assert 0.17 < first.count(EVAL) / len(keys) < 0.23
+    assert [split_of(k, 0.0) for k in keys[:50]] == [TRAIN] * 50
+    assert first != [split_of(k, 0.2, salt="other") for k in keys]
+    with pytest.raises(ValueError, match="eval_fraction"):
+        split_of("x", 1.0)
+
+
+def test_split_keeps_clusters_together_and_is_independent_of_position(tmp_path):
+    (tmp_path / "in").mkdir()
+    conversations = [conv(f"question {i}") for i in range(400)]
+    with ParquetSink(tmp_path / "in" / "rows.parquet", ROW_SCHEMA) as sink:
+        for i, messages in enumerate(conversations):
+            sink.write({"source": f"f:{i}", "cluster": f"c{i // 4}", "messages": messages})
+    stats = split_dataset(tmp_path / "in", tmp_path / "out", 0.25)
+    assert stats["train_rows"] + stats["eval_rows"] == 400
+    where = {}
+    for split in ("train", "eval"):
+        for record in iter_records(tmp_path / "out" / f"{split}.parquet"):
+            where.setdefault(record["cluster"], set()).add(split)
+    assert all(len(s) == 1 for s in where.values()), "a near-duplicate cluster straddles train and eval"
+    assert Counter(next(iter(s)) for s in where.values())[EVAL] > 0
+    # Reordering the input changes nothing: the split is a function of content, not position.
+    (tmp_path / "rev").mkdir()
+    with ParquetSink(tmp_path / "rev" / "rows.parquet", ROW_SCHEMA) as sink:
+        for i in reversed(range(400)):
+            sink.write({"source": f"f:{i}", "cluster": f"c{i // 4}", "messages": conversations[i]})
+    split_dataset(tmp_path / "rev", tmp_path / "out2", 0.25)
+    sources = lambda d: sorted(r["source"] for r in iter_records(d / "eval.parquet"))  # noqa: E731
+    assert sources(tmp_path / "out") == sources(tmp_path / "out2")

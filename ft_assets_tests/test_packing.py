@@ -1,0 +1,112 @@
+import numpy as np
+import pytest
+
+from ft_assets.data.packing import ChatEncoder, Example, best_fit_decreasing, pack_rows, tokenize_and_pack
+from ft_assets.data.readers import RowError
+from ft_assets.data.rows import iter_records
+from ft_assets_tests.tiny import build_tokenizer
+
+BFD_CASES = [
+    ("exact-fit", [5, 5, 5, 5], 10, [[0, 1], [2, 3]]),
+    ("best-fit-not-first-fit", [6, 5, 4, 4], 10, [[0, 2], [1, 3]]),
+    ("decreasing-order", [1, 9, 2, 8], 10, [[1, 0], [3, 2]]),
+    ("fills-smallest-gap", [7, 6, 3, 4], 10, [[0, 2], [1, 3]]),
+    ("full-rows", [10, 10], 10, [[0], [1]]),
+    ("ties-stable", [3, 3, 3], 9, [[0, 1, 2]]),
+    ("empty", [], 8, []),
+]
+
+
+@pytest.mark.parametrize("name,lengths,capacity,expected", BFD_CASES, ids=[c[0] for c in BFD_CASES])
+def test_best_fit_decreasing(name, lengths, capacity, expected):
+    assert best_fit_decreasing(lengths, capacity) == expected
+
+
+def test_best_fit_decreasing_rejects_oversized():
+    with pytest.raises(ValueError, match="more than the row capacity"):
+        best_fit_decreasing([3, 11], 10)
+
+
+def test_pack_rows_layout():
+    examples = [
+        Example(np.array([1, 2, 3], dtype=np.int32), np.array([0, 1, 1], dtype=np.int8)),
+        Example(np.array([4, 5], dtype=np.int32), np.array([0, 1], dtype=np.int8)),
+    ]
+    (row,) = list(pack_rows(examples, seq_len=7, pad_id=0))
+    assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 0, 0]
+    assert row["loss_mask"].tolist() == [0, 1, 1, 0, 1, 0, 0]
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert row["seq_lens"] == [3, 2]
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return ChatEncoder(build_tokenizer())
+
+
+def conv(user, answer, system=None):
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+MASK_CASES = [
+    ("single-turn", conv("Set a timer for 12 minutes.", '{"name": "set_timer"}'), ['{"name": "set_timer"}<|im_end|>']),
+    ("with-system", conv("hi", "hello", system="Reply with one JSON tool call."), ["hello<|im_end|>"]),
+    ("answer-repeats-user-text", conv("hello", "hello"), ["hello<|im_end|>"]),
+    (
+        "multi-turn",
+        conv("a", "b") + [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+        ["b<|im_end|>", "d<|im_end|>"],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,messages,trained", MASK_CASES, ids=[c[0] for c in MASK_CASES])
+def test_loss_mask_covers_exactly_the_assistant_replies(encoder, name, messages, trained):
+    (example,) = encoder.encode_batch([messages])
+    ids, mask = example.input_ids.tolist(), example.loss_mask.tolist()
+    spans, current = [], []
+    for token, flag in zip(ids, mask):
+        if flag:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    assert [encoder.tokenizer.decode(s) for s in spans] == trained
+    full = encoder.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert encoder.tokenizer.decode(ids) == full
+
+
+def test_special_tokens_in_content_are_rejected(encoder):
+    (result,) = encoder.encode_batch([conv("ignore <|im_end|> this", "ok")])
+    assert isinstance(result, RowError) and result.reason == "special_token_in_content"
+
+
+def test_tokenize_and_pack_efficiency_and_rejections(encoder, tmp_path):
+    rows = [(f"f:{i}", conv(f"Convert {i} km to m." * (1 + i % 3), f"{i * 1000} m")) for i in range(300)]
+    rows.append(("f:long", conv("x " * 400, "y")))
+    stats = tokenize_and_pack(iter(rows), encoder, seq_len=256, out_dir=tmp_path, split="train", window=128)
+    assert stats.examples == 300
+    assert [(source, err.reason) for source, err in stats.rejected] == [("f:long", "too_long_tokens")]
+    windows = 3  # 301 rows in windows of 128: each window may leave one partly filled row
+    assert stats.rows <= -(-stats.tokens // 256) + windows
+    assert stats.packing_efficiency >= 0.95
+    packed = [r for f in stats.files for r in iter_records(tmp_path / f)]
+    assert len(packed) == stats.rows
+    assert sum(len(r["seq_lens"]) for r in packed) == 300
+    assert sum(sum(r["seq_lens"]) for r in packed) == stats.tokens
+    for r in packed:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) == len(r["position_ids"]) == 256
+        starts = np.cumsum([0] + r["seq_lens"][:-1])
+        assert all(r["position_ids"][s] == 0 for s in starts)
+
+
+def test_one_window_packs_within_one_row_of_the_lower_bound(encoder, tmp_path):
+    rows = [(f"f:{i}", conv(f"Convert {i} km to m." * (1 + i % 3), f"{i * 1000} m")) for i in range(300)]
+    stats = tokenize_and_pack(iter(rows), encoder, seq_len=256, out_dir=tmp_path, split="train")
+    assert stats.rows <= -(-stats.tokens // 256) + 1
+    assert stats.packing_efficiency > 0.96
