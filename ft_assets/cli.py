@@ -204,7 +204,7 @@ def cmd_run(args: argparse.Namespace) -> dict:
         if plane not in jobs:
             log(f"{plane} plane: not available yet in this version of ft-assets; stopping after {plane}")
             break
-        job = defs.get_job_def(jobs[plane])
+        job = defs.resolve_job_def(jobs[plane])
         log(f"running {job.name} for {key} ...")
         result = job.execute_in_process(
             instance=instance,

@@ -7,7 +7,6 @@ gives the data plane its tokenizer); the training plane is the only one that nee
 
 import dagster as dg
 
-from ft_assets.partitions import dataset_version
 
 DATA_PLANE = "data_plane"
 TRAINING_PLANE = "training_plane"
@@ -16,7 +15,6 @@ DELIVERY_PLANE = "delivery_plane"
 data_plane = dg.define_asset_job(
     DATA_PLANE,
     selection=dg.AssetSelection.groups("data") | dg.AssetSelection.assets("base_model"),
-    partitions_def=dataset_version,
     description="clean → deduplicate → split → tokenize/pack one dataset version (CPU).",
     tags={"ft/plane": "data"},
 )

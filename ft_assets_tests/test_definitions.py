@@ -1,0 +1,44 @@
+import dagster as dg
+
+from ft_assets.definitions import defs
+
+PLANE_GROUPS = {
+    "data": {"raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"},
+    "training": {"base_model"},
+}
+
+
+def test_definitions_load_and_resolve():
+    repository = defs.get_repository_def()
+    assert repository.get_job("data_plane") is not None
+    assert defs.resolve_sensor_def("dataset_version_sensor") is not None
+
+
+def test_every_asset_is_partitioned_by_dataset_version_and_grouped_by_plane():
+    graph = defs.get_repository_def().asset_graph
+    groups: dict[str, set[str]] = {}
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert node.partitions_def is not None and node.partitions_def.name == "dataset_version", key
+        groups.setdefault(node.group_name, set()).add(key.to_user_string())
+    assert set(groups) <= {"control", "data", "training", "delivery"}
+    for group, assets in PLANE_GROUPS.items():
+        assert assets <= groups[group], group
+
+
+def test_blocking_checks_guard_the_data_plane():
+    graph = defs.get_repository_def().asset_graph
+    checks = {key.name: graph.get_check_spec(key) for key in graph.asset_check_keys}
+    assert checks["quarantine_fraction_within_limit"].blocking
+    assert checks["rows_accounted_for"].blocking
+
+
+def test_launchpad_config_has_help_texts():
+    job = defs.resolve_job_def("data_plane")
+    for node in job.graph.nodes:
+        schema = node.definition.config_schema
+        if schema is None or not hasattr(schema.config_type, "fields"):
+            continue
+        for name, field in schema.config_type.fields.items():
+            assert field.description, f"{node.name}.{name} has no help text"
+    assert isinstance(defs, dg.Definitions)
