@@ -4,8 +4,9 @@ Exact: a 128-bit BLAKE2b of the conversation after NFKC + casefold + whitespace 
 that differ only in case or spacing are one row. The first occurrence (file order) is kept.
 
 Near: datasketch MinHash signatures (``num_perm`` permutations) of the word ``ngram``-shingles of
-the user and assistant turns (system prompts are left out: a prompt shared by every row would make
-every pair look alike). The LSH banding (b bands of r rows) comes from datasketch's own optimizer for
+the user and assistant turns, shingled turn by turn (no shingle spans two turns, so "thanks!" at the
+end of a request changes one shingle, not n) — system prompts are left out: a prompt shared by
+every row would make every pair look alike. The LSH banding (b bands of r rows) comes from datasketch's own optimizer for
 the threshold, so pairs above ≈ ``threshold`` Jaccard collide in at least one band. Bands are kept as
 one uint64 hash per row per band in numpy arrays (8·b bytes a row — 72 B at the defaults, vs ~2 kB a
 row for a dict-based index), and clusters are the connected components of band collisions.
@@ -123,11 +124,11 @@ class NearDuplicateIndex:
 
     def signature(self, messages: list[dict]) -> np.ndarray | None:
         """MinHash values of the row, or None when it is too short to judge."""
-        words = _WORD.findall(near_text(messages))
-        if len(words) < self.rules.min_words:
+        turns = [_WORD.findall(normalize(m["content"])) for m in messages if m["role"] != "system"]
+        if sum(map(len, turns)) < self.rules.min_words:
             return None
         minhash = self._minhash()
-        minhash.update_batch(shingles(words, self.rules.ngram))
+        minhash.update_batch({s for words in turns for s in shingles(words, self.rules.ngram)})
         return minhash.hashvalues
 
     def add(self, messages: list[dict]) -> None:
