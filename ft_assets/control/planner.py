@@ -1,0 +1,604 @@
+"""training_plan: how much GPU memory a fine-tune needs, which rented GPU to run it on, how long, what cost.
+
+Before a training run rents anything, the planner estimates peak VRAM from the base model's shape
+(``ModelShape``, read from its config.json), picks the cheapest GPU offering of the cost model that
+fits, chooses spot or on-demand from the run's purpose, and prices the run from the token count.
+
+Peak VRAM (``estimate_vram``), bytes, for N parameters, L layers, hidden h, query width q = heads x
+head_dim, key/value width kv = kv_heads x head_dim, MLP width i, vocabulary V and T = seq_len x batch
+tokens per micro-batch. It models the training plane's recipe (``ft_assets.training.recipe``):
+
+    weights + trainable state
+      full   16 N             fp32 master weights 4 + fp32 grads 4 + AdamW m, v 8 (ZeRO paper, sec. 3.1:
+                              16 bytes/param for mixed-precision Adam)
+      lora    2 N + 16 A      frozen bf16 base; A adapter params in fp32 (PEFT upcasts them) + grads + AdamW
+      qlora 0.516 Nq + 4 (N - Nq) + 16 A
+                              Nq = decoder-layer linear weights in NF4 with double quantization: 4 + 0.127
+                              bits/param (QLoRA paper, sec. 3); embeddings, lm_head and norms are upcast
+                              to fp32 by peft.prepare_model_for_kbit_training
+      A = r x sum(in + out) over the adapted projections x L
+    activations (bf16, SDPA/flash attention: no seq^2 term)
+      per layer per token  8h + 6q + 4kv + 8i   (norm inputs, q/k/v, attention out, o_proj input, the
+                                                four SwiGLU tensors), plus for LoRA per adapted projection
+                                                (2 or 3) x in + 2r (adapter input copy, dropout mask)
+      with gradient checkpointing  L x 2h x T (each layer's input) + one layer recomputed in backward
+      without                      L x per-layer x T
+      logits  16 V T: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for backward,
+              its fp32 gradient and the bf16 one back into lm_head. Calibrated on Unsloth's table of
+              the longest Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k
+              tokens from 12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
+    overhead  0.75 GiB: CUDA context with lazy module loading, cuBLAS workspace, allocator slack.
+
+Checked in ``test_planner.py`` against measured runs, 1-14% under them: Qwen's README (LoRA r=64,
+1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA context table; and against the
+ranges of the LLaMA-Factory and Unsloth hardware tables; the planner's 10% VRAM headroom absorbs
+the bias. What it gives (batch 1, gradient checkpointing, LoRA r=16 on all seven projections,
+dropout 0.05; ``python -m ft_assets.control.planner`` prints it):
+
+    GiB at seq 512 / 2048   qlora          lora           full
+    Qwen2.5-0.5B            2.8 / 6.4      3.0 / 6.7      9.3 / 12.9
+    Llama-2-7B              5.9 / 7.4     14.4 / 15.9    101.6 / 102.9
+    Llama-2-13B             9.6 / 11.4    26.5 / 28.3    195.2 / 196.8
+
+The 0.5B column is mostly logits: Qwen's 151,936-token vocabulary costs 2.3 GiB per 1k tokens.
+
+Throughput: hardware FLOPs per token = 2 x matmul params x (1 forward + 2 backward for full, 1 for
+LoRA whose frozen weights need input gradients only + 1 recompute with checkpointing) + causal
+attention 2 x L x seq x q x (1 + 2 + 1 recompute): the 6N rule of Kaplan et al., with attention as in
+PaLM's appendix B, halved for the causal mask. tokens/s = bf16 TFLOPS x MFU(method) x mfu_scale(tier)
+/ FLOPs per token, with the assumptions of the cost model. For Llama-2-7B LoRA at 2048 tokens
+(41.8 GFLOP/token) that is ~2,990 tokens/s on an A100, ~670 on an A10G and ~1,580 on an RTX 4090.
+
+Cost: hours = startup + tokens x epochs / tokens/s (x 1.1 on spot for restarts); cost = $/h x hours.
+Rental mode follows the purpose: experiments that checkpoint run on spot, validation runs on-demand,
+delivery rents no GPU (merge and export run on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
+
+Method = Literal["full", "lora", "qlora"]
+Purpose = Literal["experiment", "validation", "delivery"]
+METHODS: tuple[Method, ...] = ("qlora", "lora", "full")
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # = training default
+
+BF16_BYTES = 2  # frozen LoRA base and every activation
+FP32_BYTES = 4  # full FT's master weights and grads; LoRA adapters (PEFT upcasts them to fp32) and their grads;
+# QLoRA's non-quantized params (embeddings, lm_head, norms) after prepare_model_for_kbit_training
+ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32; with fp32 weight and grad the ZeRO paper's 16 bytes/param
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes + double-quantized absmax: 0.516 B
+LOGITS_BYTES_PER_TOKEN_PER_VOCAB = 16  # bf16 logits 2 + fp32 upcast 4 + log-softmax 4 + grads 4 (fp32) + 2 (bf16)
+DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per dropped element
+CUDA_OVERHEAD_GIB = 0.75  # context (~0.3-0.5 GiB with CUDA >= 11.7 lazy loading) + workspaces + slack
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+# config.json excerpts of the reference models the estimate is checked against (values from the
+# models' published config.json files on the Hugging Face hub).
+REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen2.5-0.5B": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "Llama-2-7B": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    "Llama-2-13B": {
+        "model_type": "llama",
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama-style decoder (Llama, Mistral, Qwen2/3, Gemma: gated SwiGLU MLP).
+
+    ``params`` is computed from the dimensions when not given; for the reference models it matches
+    the published counts exactly (Llama-2-7B 6,738,415,616; Qwen2.5-0.5B 494,032,768).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    head_dim: int | None = None  # hidden // heads unless the config says otherwise
+    tied_embeddings: bool = False  # lm_head shares the input embedding matrix
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v (a 0.01% effect, counted for exact params)
+    params: int | None = None  # total parameters; computed from the dimensions when None
+    name: str = ""
+
+    def __post_init__(self):
+        for attr in ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate"):
+            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < 1:
+                raise ValueError(f"ModelShape.{attr} must be a positive integer (got {getattr(self, attr)!r})")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}; give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.params is None:
+            object.__setattr__(self, "params", self._count_params())
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer of one decoder layer."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of the decoder layers' linear projections: what QLoRA quantizes to NF4."""
+        return self.layers * sum(a * b for a, b in self.projections().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the input embedding is a lookup)."""
+        return self.params - (0 if self.tied_embeddings else self.embedding_params)
+
+    def _count_params(self) -> int:
+        per_layer = sum(a * b for a, b in self.projections().values()) + 2 * self.hidden  # + 2 RMSNorms
+        if self.qkv_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim
+        embeddings = self.embedding_params * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embeddings + self.hidden  # + final norm
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], name: str = "", params: int | None = None) -> ModelShape:
+        """Build from a transformers config.json (as a dict). Multimodal configs: their ``text_config``."""
+        if isinstance(config.get("text_config"), Mapping):
+            config = config["text_config"]
+        moe = [key for key in MOE_KEYS if config.get(key)]
+        if moe:
+            raise ValueError(f"mixture-of-experts config ({', '.join(moe)}): the estimate covers dense models only")
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise ValueError(
+                f"config.json of {name or 'the base model'} lacks {', '.join(missing)}: the estimate needs a "
+                f"Llama-style decoder config with {', '.join(required)}"
+            )
+        heads = int(config["num_attention_heads"])
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            vocab=int(config["vocab_size"]),
+            intermediate=int(config["intermediate_size"]),
+            head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            params=params,
+            name=name or str(config.get("_name_or_path") or config.get("model_type") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class VramEstimate:
+    """Peak GPU memory of one training process, by component (GiB)."""
+
+    method: Method
+    seq_len: int
+    micro_batch: int
+    grad_checkpointing: bool
+    trainable_params: int
+    weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest)
+    adapter_gib: float  # LoRA adapter weights (0 for full)
+    gradients_gib: float
+    optimizer_gib: float  # AdamW exp_avg + exp_avg_sq
+    activations_gib: float  # saved for backward, logits excluded
+    logits_gib: float
+    overhead_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return (
+            self.weights_gib
+            + self.adapter_gib
+            + self.gradients_gib
+            + self.optimizer_gib
+            + self.activations_gib
+            + self.logits_gib
+            + self.overhead_gib
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total_gib": self.total_gib}
+
+    def breakdown(self) -> str:
+        parts = ("weights", "adapter", "gradients", "optimizer", "activations", "logits", "overhead")
+        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in parts if getattr(self, p + "_gib") >= 0.05)
+        return f"{self.total_gib:.1f} GiB ({shown})"
+
+
+def lora_params(shape: ModelShape, lora_r: int, lora_targets: Sequence[str] = LORA_TARGETS) -> int:
+    """Trainable LoRA parameters: r x (in + out) per adapted projection per layer."""
+    projections = shape.projections()
+    unknown = sorted(set(lora_targets) - set(projections))
+    if unknown or not lora_targets:
+        raise ValueError(f"lora_targets {sorted(lora_targets)} must be a non-empty subset of {list(projections)}")
+    return shape.layers * sum(lora_r * sum(projections[name]) for name in lora_targets)
+
+
+def estimate_vram(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    micro_batch: int,
+    grad_checkpointing: bool,
+    lora_r: int = 16,
+    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_dropout: float = 0.05,
+) -> VramEstimate:
+    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if seq_len < 1 or micro_batch < 1 or lora_r < 1:
+        raise ValueError(f"seq_len, micro_batch and lora_r must be >= 1 (got {seq_len}, {micro_batch}, {lora_r})")
+    tokens = seq_len * micro_batch
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    per_layer_token = BF16_BYTES * (2 * h + 3 * q + 2 * kv) + BF16_BYTES * (2 * h + 4 * i)  # attention + MLP
+
+    if method == "full":
+        trainable = shape.params
+        weights = FP32_BYTES * shape.params
+        adapter = 0
+        gradients = FP32_BYTES * shape.params
+        optimizer = ADAMW_STATE_BYTES * shape.params
+    else:
+        trainable = lora_params(shape, lora_r, lora_targets)
+        if method == "lora":
+            weights = BF16_BYTES * shape.params
+        else:
+            quantized = shape.layer_linear_params
+            weights = NF4_BYTES_PER_PARAM * quantized + FP32_BYTES * (shape.params - quantized)
+        adapter = FP32_BYTES * trainable
+        gradients = FP32_BYTES * trainable
+        optimizer = ADAMW_STATE_BYTES * trainable
+        saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if lora_dropout > 0 else 0)
+        projections = shape.projections()
+        per_layer_token += sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets)
+
+    if grad_checkpointing:
+        activations = shape.layers * BF16_BYTES * h * tokens + per_layer_token * tokens
+    else:
+        activations = shape.layers * per_layer_token * tokens
+    logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * tokens
+    return VramEstimate(
+        method=method,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_checkpointing=grad_checkpointing,
+        trainable_params=trainable,
+        weights_gib=weights / GIB,
+        adapter_gib=adapter / GIB,
+        gradients_gib=gradients / GIB,
+        optimizer_gib=optimizer / GIB,
+        activations_gib=activations / GIB,
+        logits_gib=logits / GIB,
+        overhead_gib=CUDA_OVERHEAD_GIB,
+    )
+
+
+def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool) -> float:
+    """Hardware FLOPs one trained token costs (module docstring); LoRA's own matmuls (<1%) left out."""
+    forward_matmul = 2 * shape.matmul_params
+    forward_attention = 2 * shape.layers * seq_len * shape.q_dim  # QK^T and AV, halved by the causal mask
+    recompute = 1 if grad_checkpointing else 0
+    backward_matmul = 2 if method == "full" else 1
+    return forward_matmul * (1 + backward_matmul + recompute) + forward_attention * (1 + 2 + recompute)
+
+
+def tokens_per_second(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    grad_checkpointing: bool,
+    offering: GpuOffering,
+    cost_model: CostModel,
+) -> float:
+    """Assumed training throughput of ``offering``: its bf16 peak x MFU over FLOPs per token."""
+    sustained = offering.bf16_tflops * 1e12 * cost_model.mfu(method) * offering.mfu_scale
+    return sustained / flops_per_token(shape, method, seq_len, grad_checkpointing)
+
+
+@dataclass(frozen=True)
+class TierCandidate:
+    """One offering considered by the planner, fitting or not, priced in the plan's rental mode."""
+
+    name: str
+    gpu: str
+    region: str
+    vram_gib: float
+    usable_gib: float  # vram x (1 - headroom)
+    fits: bool
+    usd_per_hour: float | None  # None: no price in this rental mode
+    tokens_per_second: float
+    hours: float
+    cost_usd: float | None
+    reason: str = ""  # why it cannot be chosen; empty when it can
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """training_plan of one dataset version: where and how the run rents its GPU, and what it costs."""
+
+    purpose: Purpose
+    method: Method
+    mode: RentalMode | Literal["none"]
+    tier: str | None  # offering name; None when no GPU is rented (delivery)
+    gpu: str | None
+    region: str | None
+    vram: VramEstimate
+    total_tokens: int  # train tokens x epochs
+    tokens_per_second: float | None
+    est_hours: float
+    est_cost_usd: float
+    usd_per_hour: float | None
+    warnings: tuple[str, ...] = ()
+    candidates: tuple[TierCandidate, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (asset metadata); the VRAM breakdown and candidates nested."""
+        data = asdict(self)
+        data["vram"] = self.vram.as_dict()
+        return data
+
+    def to_markdown(self) -> str:
+        """The candidates table, cheapest first, with the chosen tier marked."""
+        lines = [
+            f"needs {self.vram.breakdown()}",
+            "",
+            "| tier | GPU | region | usable GiB | fits | $/h | tokens/s | hours | cost $ | |",
+            "|" + "---|" * 10,
+        ]
+        for c in sorted(self.candidates, key=lambda c: (c.cost_usd is None, c.cost_usd or 0.0, c.name)):
+            mark = "chosen" if c.name == self.tier else c.reason
+            price = "-" if c.usd_per_hour is None else f"{c.usd_per_hour:.2f}"
+            cost = "-" if c.cost_usd is None else f"{c.cost_usd:,.2f}"
+            lines.append(
+                f"| {c.name} | {c.gpu} | {c.region} | {c.usable_gib:.1f} | {'yes' if c.fits else 'no'} | {price} | "
+                f"{c.tokens_per_second:,.0f} | {c.hours:.2f} | {cost} | {mark} |"
+            )
+        return "\n".join(lines)
+
+
+class NoGpuFits(ValueError):
+    """No offering of the cost model has the VRAM the run needs; the message says what would fit."""
+
+    def __init__(self, message: str, vram: VramEstimate, candidates: tuple[TierCandidate, ...]):
+        super().__init__(message)
+        self.vram = vram
+        self.candidates = candidates
+
+
+def rental_mode_for(purpose: Purpose, resumable: bool) -> tuple[RentalMode | Literal["none"], list[str]]:
+    """Spot for experiments that resume from checkpoints, on-demand for validation, none for delivery."""
+    if purpose == "delivery":
+        return "none", []
+    if purpose == "validation":
+        return "on_demand", []
+    if purpose != "experiment":
+        raise ValueError(f"unknown purpose {purpose!r}: use 'experiment', 'validation' or 'delivery'")
+    if resumable:
+        return "spot", []
+    return "on_demand", [
+        "experiment does not resume from checkpoints: renting on-demand, since a spot preemption would "
+        "lose all progress"
+    ]
+
+
+def plan_training(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    micro_batch: int,
+    grad_checkpointing: bool,
+    train_tokens: int,
+    epochs: float = 1,
+    cost_model: CostModel | None = None,
+    purpose: Purpose = "experiment",
+    data_region: str | None = None,
+    *,
+    lora_r: int = 16,
+    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_dropout: float = 0.05,
+    resumable: bool = True,
+) -> TrainingPlan:
+    """Cheapest fitting GPU, rental mode, hours and cost of one training run.
+
+    ``train_tokens`` is the token count of the train shards (one epoch); ``data_region`` where they
+    are stored. Raises NoGpuFits, with what would fit instead, when no offering has enough memory.
+    """
+    cost_model = cost_model or CostModel()
+    if train_tokens < 1 or epochs <= 0:
+        raise ValueError(f"train_tokens must be >= 1 and epochs > 0 (got {train_tokens}, {epochs})")
+    vram = estimate_vram(shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout)
+    total_tokens = round(train_tokens * epochs)
+    mode, warnings = rental_mode_for(purpose, resumable)
+    if mode == "none":
+        return TrainingPlan(purpose, method, "none", None, None, None, vram, total_tokens, None, 0.0, 0.0, None)
+
+    def price_all(rental_mode: RentalMode) -> tuple[TierCandidate, ...]:
+        return tuple(
+            _candidate(o, rental_mode, vram, shape, method, seq_len, grad_checkpointing, total_tokens, cost_model)
+            for o in cost_model.offerings
+        )
+
+    candidates = price_all(mode)
+    if not any(c.fits for c in candidates):
+        message = _no_fit_message(shape, vram, candidates, cost_model, lora_r, lora_targets, lora_dropout)
+        raise NoGpuFits(message, vram, candidates)
+    eligible = [c for c in candidates if not c.reason]
+    if not eligible:  # only possible on spot: nothing that fits has a spot price
+        warnings.append("no offering that fits has a spot price: falling back to on-demand")
+        mode = "on_demand"
+        candidates = price_all(mode)
+        eligible = [c for c in candidates if not c.reason]
+    chosen = min(eligible, key=lambda c: (c.cost_usd, c.region != data_region, c.name))
+    if data_region is not None and chosen.region != data_region:
+        warnings.append(
+            f"data is in {data_region} but the worker ({chosen.name}) runs in {chosen.region}: every shard "
+            f"download and checkpoint upload crosses regions, billed as egress at ${cost_model.egress_usd_per_gb}/GB "
+            f"and slower; store the data in {chosen.region} or add an offering in {data_region}"
+        )
+    return TrainingPlan(
+        purpose=purpose,
+        method=method,
+        mode=mode,
+        tier=chosen.name,
+        gpu=chosen.gpu,
+        region=chosen.region,
+        vram=vram,
+        total_tokens=total_tokens,
+        tokens_per_second=chosen.tokens_per_second,
+        est_hours=chosen.hours,
+        est_cost_usd=chosen.cost_usd,
+        usd_per_hour=chosen.usd_per_hour,
+        warnings=tuple(warnings),
+        candidates=candidates,
+    )
+
+
+def _candidate(
+    offering: GpuOffering,
+    mode: RentalMode,
+    vram: VramEstimate,
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    grad_checkpointing: bool,
+    total_tokens: int,
+    cost_model: CostModel,
+) -> TierCandidate:
+    usable = offering.vram_gib * (1 - cost_model.vram_headroom)
+    fits = vram.total_gib <= usable
+    rate = offering.usd_per_hour(mode)
+    speed = tokens_per_second(shape, method, seq_len, grad_checkpointing, offering, cost_model)
+    train_hours = total_tokens / speed / 3600 * (1 + (cost_model.spot_restart_overhead if mode == "spot" else 0))
+    hours = cost_model.startup_minutes / 60 + train_hours
+    if not fits:
+        reason = f"needs {vram.total_gib:.1f} GiB"
+    elif rate is None:
+        reason = "no spot price"
+    else:
+        reason = ""
+    return TierCandidate(
+        name=offering.name,
+        gpu=offering.gpu,
+        region=offering.region,
+        vram_gib=offering.vram_gib,
+        usable_gib=usable,
+        fits=fits,
+        usd_per_hour=rate,
+        tokens_per_second=speed,
+        hours=hours,
+        cost_usd=None if rate is None else rate * hours,
+        reason=reason,
+    )
+
+
+def _no_fit_message(
+    shape: ModelShape,
+    vram: VramEstimate,
+    candidates: tuple[TierCandidate, ...],
+    cost_model: CostModel,
+    lora_r: int,
+    lora_targets: Sequence[str],
+    lora_dropout: float,
+) -> str:
+    largest = max(candidates, key=lambda c: c.usable_gib)
+    what = f"{vram.method} of {shape.name or 'the model'} ({shape.params / 1e9:.2f}B params)"
+    shape_of_run = f"seq {vram.seq_len} x batch {vram.micro_batch}"
+    lines = [
+        f"no GPU offering fits {what} at {shape_of_run}: it needs ~{vram.breakdown()}; the largest, "
+        f"{largest.name}, has {largest.usable_gib:.1f} GiB usable ({largest.vram_gib:g} GiB less "
+        f"{cost_model.vram_headroom:.0%} headroom). Options:"
+    ]
+    # Each option adds to the ones above it: first those that keep the math, then 4-bit quantization.
+    method, checkpointing, batch = vram.method, vram.grad_checkpointing, vram.micro_batch
+    options = []
+    if not checkpointing:
+        checkpointing = True
+        options.append(("gradient checkpointing", method, checkpointing, batch))
+    if batch > 1:
+        batch = 1
+        options.append(("micro batch 1 (same global batch via gradient accumulation)", method, checkpointing, batch))
+    if method != "qlora":
+        method = "qlora"
+        options.append(("method qlora", method, checkpointing, batch))
+    for number, (label, method, checkpointing, batch) in enumerate(options):
+        estimate = estimate_vram(shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout)
+        fitting = [c.name for c in candidates if estimate.total_gib <= c.usable_gib]
+        verdict = f"fits {', '.join(fitting)}" if fitting else "still too big"
+        lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB, {verdict}")
+    lines.append("  - add a larger (or multi-GPU sharded) offering to the cost model")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the VRAM and throughput tables quoted in the module docstring."""
+    cost_model = CostModel()
+    print("VRAM GiB, batch 1, gradient checkpointing, LoRA r=16 on all projections, seq 512 / 2048")
+    for name, config in REFERENCE_CONFIGS.items():
+        shape = ModelShape.from_config(config, name)
+        cells = []
+        for method in METHODS:
+            short, long = (estimate_vram(shape, method, s, 1, True).total_gib for s in (512, 2048))
+            cells.append(f"{method} {short:.1f} / {long:.1f}")
+        print(f"  {name:<14} {shape.params:>14,} params   " + "   ".join(cells))
+    llama7b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
+    gflops = flops_per_token(llama7b, "lora", 2048, True) / 1e9
+    print(f"Llama-2-7B LoRA at seq 2048 with checkpointing: {gflops:.1f} GFLOP/token; tokens/s by tier:")
+    for offering in cost_model.offerings:
+        speed = tokens_per_second(llama7b, "lora", 2048, True, offering, cost_model)
+        print(f"  {offering.name:<14} {speed:>7,.0f}")
+
+
+if __name__ == "__main__":
+    main()

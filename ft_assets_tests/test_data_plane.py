@@ -1,0 +1,92 @@
+"""The data plane end to end through ``ft-assets run`` on a real (SQLite) Dagster instance."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from ft_assets.cli import main
+from ft_assets.data.rows import iter_records
+from ft_assets.storage import LocalStore, read_manifest, verify_artifact
+
+SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "toolcalls"
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
+    monkeypatch.delenv("FT_STORE", raising=False)
+    config = tmp_path / "run_config.yaml"
+    config.write_text(yaml.safe_dump({"ops": {"base_model": {"config": {"source": str(tiny_model_dir)}}}}))
+    return tmp_path, config
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_sample_data_plane_accounts_for_every_row(project, capsys):
+    tmp_path, config = project
+    summary = run_json(capsys, "run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
+                       "--until", "data", "--config", str(config), "--json")
+    assert summary["partition"] == "toolcalls@t1"
+    # The generator's injected dirt (ft_assets/data/sample.py): 3,333 lines = 3,000 examples + 150 exact
+    # duplicates + 90 near-duplicates + 90 bad rows + 3 blank lines.
+    assert summary["rows_in"] == 3330
+    assert summary["exact_duplicates"] == 150
+    assert 90 <= summary["near_duplicates"] <= 92
+    assert summary["rows_quarantined"] == 90
+    assert summary["quarantine_reasons"] == {
+        "bad_role_order": 20, "empty_answer": 30, "invalid_json": 18, "not_an_object": 12, "unknown_role": 10
+    }
+    assert summary["rows_in"] == summary["rows_kept"] + summary["rows_quarantined"] + summary["exact_duplicates"] + summary["near_duplicates"]
+    assert summary["accounting_invariant_holds"] is True
+    assert summary["train_rows"] + summary["eval_rows"] == summary["rows_kept"]
+    assert 0.05 < summary["eval_rows"] / summary["rows_kept"] < 0.15
+    assert summary["packing_efficiency"] > 0.97  # the tiny BPE makes ~140-token rows; SmolLM2's ~74 pack tighter
+
+    store = LocalStore(tmp_path / "home" / "store")
+    for asset, uri in summary["artifacts"].items():
+        prefix = Path(uri).relative_to(store.root).as_posix()
+        verify_artifact(store, read_manifest(store, prefix))
+    shards = Path(summary["artifacts"]["tokenized_shards"])
+    table = pq.read_table(shards / "train-00000.parquet")
+    assert table.column_names == ["input_ids", "loss_mask", "position_ids", "seq_lens"]
+    assert {len(x) for x in table.column("input_ids").to_pylist()} == {512}
+    quarantined = list(iter_records(Path(summary["artifacts"]["raw_dataset"]) / "quarantine.parquet"))
+    assert all(q["source"].startswith("part-") and q["reason"] for q in quarantined)
+
+    # Same dataset again: the version is recognised, nothing is re-registered, the runs repeat cleanly.
+    again = run_json(capsys, "run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
+                     "--until", "data", "--config", str(config), "--json")
+    assert again["rows_kept"] == summary["rows_kept"]
+
+
+def test_truncated_gzip_fails_the_version_naming_the_file(project, capsys):
+    tmp_path, config = project
+    data = tmp_path / "bad"
+    data.mkdir()
+    rows = "\n".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) for i in range(500)).encode()
+    blob = gzip.compress(rows)
+    (data / "part.jsonl.gz").write_bytes(blob[: len(blob) // 2])
+    assert main(["run", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
+    assert "part.jsonl.gz: the gzip stream is truncated" in capsys.readouterr().err
+
+
+def test_existing_version_with_other_content_is_refused(project, capsys):
+    tmp_path, config = project
+    first = tmp_path / "a.jsonl"
+    first.write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    second = tmp_path / "b.jsonl"
+    second.write_text(json.dumps({"instruction": "hi", "output": "bye"}) + "\n")
+    common = ["--name", "same", "--version", "v1", "--until", "data", "--config", str(config)]
+    main(["run", "--dataset", str(first), *common])
+    capsys.readouterr()
+    assert main(["run", "--dataset", str(second), *common]) == 2
+    assert "already exists" in capsys.readouterr().err
