@@ -202,7 +202,7 @@ def cmd_run(args: argparse.Namespace) -> dict:
     jobs = {"data": DATA_PLANE}
     for plane in PLANES[: PLANES.index(args.until) + 1]:
         if plane not in jobs:
-            log(f"{plane} plane: not available yet in this version of ft-assets; stopping after {plane}")
+            log(f"the {plane} plane is not available in this version of ft-assets; stopping here")
             break
         job = defs.resolve_job_def(jobs[plane])
         log(f"running {job.name} for {key} ...")

