@@ -117,6 +117,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     rebuilt = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     rebuilt.load_state_dict(loaded.state_dict())
     rebuilt.generation_config = loaded.generation_config
+    if hasattr(rebuilt.config, "quantization_config"):
+        del rebuilt.config.quantization_config  # the GGUF's; the rebuilt weights are plain fp32
     out_dir.mkdir(parents=True, exist_ok=True)
     rebuilt.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

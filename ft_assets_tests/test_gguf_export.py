@@ -1,0 +1,201 @@
+"""GGUF export: round trip through transformers' GGUF loader, metadata, fallbacks, Modelfile, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+
+import pytest
+
+from ft_assets.delivery import gguf_export
+from ft_assets.delivery.gguf_export import (
+    SUPPORTED_QTYPES,
+    GgufExportError,
+    export_gguf,
+    pre_tokenizer_name,
+    verify_gguf,
+    write_modelfile,
+)
+from ft_assets_tests.tiny import CHATML_TEMPLATE
+
+# qtype -> tensor types written for the tiny model (2 layers: 14 matrices + token_embd, 5 norms).
+ROUND_TRIP_CASES = [
+    ("f32", {"F32": 20}),
+    ("f16", {"F16": 15, "F32": 5}),
+    ("q8_0", {"Q8_0": 15, "F32": 5}),
+    ("q4_0", {"Q4_0": 14, "Q8_0": 1, "F32": 5}),  # token_embd (the tied output head) stays Q8_0
+]
+
+
+def _fields(path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return {name: field.contents() for name, field in reader.fields.items()} | {
+        "_tensors": {t.name: t.tensor_type.name for t in reader.tensors}
+    }
+
+
+@pytest.mark.parametrize("qtype, tensor_types", ROUND_TRIP_CASES)
+def test_round_trip_within_tolerance(tiny_model_dir, tmp_path, qtype, tensor_types):
+    written = export_gguf(tiny_model_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
+
+    assert written["tensor_types"] == tensor_types
+    assert written["tensor_count"] == sum(tensor_types.values())
+    assert written["bytes"] == (tmp_path / f"tiny-{qtype}.gguf").stat().st_size
+    assert written["sha256"] == hashlib.sha256((tmp_path / f"tiny-{qtype}.gguf").read_bytes()).hexdigest()
+    assert not list(tmp_path.glob("*.tmp"))
+    report = verify_gguf(tiny_model_dir, written["path"], qtype)
+    assert report["tokens_match"], report["token_mismatches"]
+    assert report["chat_template_match"]
+    assert report["rel_error"] <= report["tolerance"], report
+    assert report["ok"]
+
+
+def test_verification_catches_unpermuted_qk(tiny_model_dir, tmp_path, monkeypatch):
+    """Without llama.cpp's Q/K permutation the file loads fine but the model is wrong: f32 must notice."""
+    monkeypatch.setattr(gguf_export, "_permute", lambda weights, n_head: weights)
+    written = export_gguf(tiny_model_dir, tmp_path / "unpermuted.gguf", "f32")
+
+    report = verify_gguf(tiny_model_dir, written["path"], "f32")
+    assert report["tokens_match"] and not report["logits_ok"] and not report["ok"]
+
+
+def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, tmp_path):
+    export_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "q8_0", name="tiny-chat")
+    fields = _fields(tmp_path / "tiny.gguf")
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+
+    expected = {
+        "general.architecture": "llama",
+        "general.name": "tiny-chat",
+        "general.file_type": 7,  # MOSTLY_Q8_0
+        "llama.context_length": 512,
+        "llama.embedding_length": 32,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.rope.dimension_count": 8,
+        "llama.rope.freq_base": pytest.approx(10000.0),
+        "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-6),
+        "llama.vocab_size": config["vocab_size"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.bos_token_id": 1,  # <|im_start|>
+        "tokenizer.ggml.eos_token_id": 2,  # <|im_end|>
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHATML_TEMPLATE,
+    }
+    assert {key: fields.get(key) for key in expected} == expected
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == config["vocab_size"]
+    assert tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] and types[:3] == [3, 3, 3]  # CONTROL
+    assert all(tokens[index] == token for token, index in vocab.items())
+    assert len(fields["tokenizer.ggml.merges"]) > 0
+    assert "output.weight" not in fields["_tensors"]  # tied: llama.cpp reuses token_embd
+    assert fields["_tensors"]["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_rows_off_the_block_size_fall_back_to_f16(tmp_path):
+    """Hidden 48 is no multiple of the 32-wide Q8_0 block: those matrices are written F16 and still load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ft_assets_tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model_dir = tmp_path / "odd"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    written = export_gguf(model_dir, tmp_path / "odd.gguf", "q8_0")
+    tensors = _fields(tmp_path / "odd.gguf")["_tensors"]
+
+    assert tensors["blk.0.ffn_down.weight"] == "Q8_0"  # rows of intermediate_size 64
+    assert tensors["blk.0.attn_q.weight"] == tensors["token_embd.weight"] == "F16"  # rows of 48
+    assert written["tensor_types"] == {"F16": 7, "Q8_0": 1, "F32": 3}
+    assert verify_gguf(model_dir, written["path"], "q8_0")["ok"]
+
+
+@pytest.mark.parametrize("system", [None, "You answer with one JSON tool call."])
+def test_modelfile(tmp_path, system):
+    write_modelfile("tiny-q8_0.gguf", tmp_path / "Modelfile", system=system)
+    text = (tmp_path / "Modelfile").read_text()
+
+    assert text.startswith("FROM ./tiny-q8_0.gguf\n")
+    assert 'TEMPLATE """' in text
+    assert "<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n" in text
+    assert "<|im_start|>system\n{{ .System }}<|im_end|>\n" in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+    assert ('SYSTEM """You answer with one JSON tool call."""' in text) == (system is not None)
+
+
+def _with_config(tiny_model_dir, tmp_path, **changes):
+    model_dir = tmp_path / "changed"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text()) | changes
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+ERROR_CASES = [
+    ("qtype", {}, "q4_k_m", "not supported; choose one of f32, f16, q8_0, q4_0"),
+    ("architecture", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "f16", "'qwen2'"),
+    ("scaled rope", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "f16", "rope_type 'llama3'"),
+    ("vocab too small", {"vocab_size": 100}, "f16", "beyond config.json vocab_size 100"),
+]
+
+
+@pytest.mark.parametrize("case, changes, qtype, message", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_clear_errors(tiny_model_dir, tmp_path, case, changes, qtype, message):
+    model_dir = _with_config(tiny_model_dir, tmp_path, **changes)
+    with pytest.raises(GgufExportError, match=re.escape(message)):
+        export_gguf(model_dir, tmp_path / "out.gguf", qtype)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+PRE_TOKENIZER_CASES = [
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt2"),
+    (
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            ],
+        },
+        "smollm",
+    ),
+    ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}, None),
+    (None, None),
+]
+
+
+@pytest.mark.parametrize("pre_tokenizer, name", PRE_TOKENIZER_CASES)
+def test_pre_tokenizer_name(pre_tokenizer, name):
+    if name is None:
+        with pytest.raises(GgufExportError, match="pre_tokenizer"):
+            pre_tokenizer_name(pre_tokenizer)
+    else:
+        assert pre_tokenizer_name(pre_tokenizer) == name
+
+
+def test_supported_qtypes_have_tolerances():
+    assert set(SUPPORTED_QTYPES) == set(gguf_export.TOLERANCES)
