@@ -110,6 +110,11 @@ class ObjectStore(ABC):
         return json.loads(self.get_bytes(key))
 
 
+def _stored_files(directory: Path) -> Iterator[Path]:
+    """Files under ``directory``, recursively, without the temporary files of writes in flight."""
+    return (p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
+
+
 class LocalStore(ObjectStore):
     """A directory on the local disk; the embedded default."""
 
@@ -158,26 +163,43 @@ class LocalStore(ObjectStore):
         base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
-        keys = []
-        for path in base.rglob("*"):
-            if path.is_file() and not path.name.startswith(".tmp-"):
-                keys.append(path.relative_to(self.root).as_posix())
-        return sorted(keys)
+        return sorted(path.relative_to(self.root).as_posix() for path in _stored_files(base))
 
     def list_dirs(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
-        return sorted(p.name for p in base.iterdir() if p.is_dir())
+        # As on S3, a directory exists only while it holds a file: deleting an artifact's files leaves
+        # empty folders behind here, and they must not show up as, say, a dataset version.
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and any(_stored_files(p)))
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
     def size(self, key: str) -> int:
-        return self._path(key).stat().st_size
+        source = self._path(key)
+        if not source.is_file():
+            raise StoreError(f"missing object {self.uri(key)}")
+        return source.stat().st_size
 
     def uri(self, key: str) -> str:
         return str(self.root / key)
+
+
+def _env_credentials() -> dict:
+    """The ``AWS_*`` keys as they are now, for ``boto3.client``.
+
+    boto3's default session caches the first credentials it resolves, so without this a store opened
+    after the variables changed would sign with the old keys. (A fresh boto3 session per store would
+    also do, but costs ~0.5 s of model loading each.)
+    """
+    if "AWS_ACCESS_KEY_ID" not in os.environ:
+        return {}  # the rest of boto3's chain: shared config files, instance roles
+    return {
+        "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        "aws_session_token": os.environ.get("AWS_SESSION_TOKEN"),
+    }
 
 
 class S3Store(ObjectStore):
@@ -196,6 +218,7 @@ class S3Store(ObjectStore):
         # down surfaces as a StoreError naming the endpoint after the attempts are spent.
         self.client = client or boto3.client(
             "s3",
+            **_env_credentials(),
             config=BotoConfig(
                 retries={"max_attempts": max_attempts, "mode": "standard"},
                 connect_timeout=5,
@@ -213,12 +236,17 @@ class S3Store(ObjectStore):
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
     def _call(self, what: str, key: str, fn, *args, **kwargs):
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn(*args, **kwargs)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
+        except (ClientError, S3UploadFailedError) as exc:
+            # upload_file re-raises any ClientError as S3UploadFailedError; classify the original.
+            error = exc if isinstance(exc, ClientError) else exc.__context__
+            if not isinstance(error, ClientError):
+                raise StoreError(f"{what} {self.uri(key)} failed: {exc}") from exc
+            code = error.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise StoreError(f"missing object {self.uri(key)}") from exc
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
@@ -228,7 +256,7 @@ class S3Store(ObjectStore):
                 ) from exc
             if code == "NoSuchBucket":
                 raise StoreError(f"bucket {self.bucket!r} does not exist (create it first)") from exc
-            raise StoreError(f"{what} {self.uri(key)} failed: {code or exc}") from exc
+            raise StoreError(f"{what} {self.uri(key)} failed: {code or error}") from exc
         except BotoCoreError as exc:
             endpoint = self.client.meta.endpoint_url
             raise StoreError(f"{what} {self.uri(key)} failed: cannot reach {endpoint}: {exc}") from exc
@@ -266,27 +294,21 @@ class S3Store(ObjectStore):
             raise
         return True
 
-    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
+    def list(self, prefix: str) -> list[str]:
         full = join_key(self.prefix, prefix)
         full = f"{full}/" if full else ""
-        kwargs = {"Bucket": self.bucket, "Prefix": full}
-        if delimiter:
-            kwargs["Delimiter"] = delimiter
         paginator = self.client.get_paginator("list_objects_v2")
-        yield from self._call("listing of", prefix or ".", lambda: list(paginator.paginate(**kwargs)))
-
-    def list(self, prefix: str) -> list[str]:
-        keys = []
-        for page in self._pages(prefix, None):
-            keys.extend(self._rel(obj["Key"]) for obj in page.get("Contents", []))
-        return sorted(keys)
+        pages = self._call(
+            "listing of", prefix or ".", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=full))
+        )
+        return sorted(self._rel(obj["Key"]) for page in pages for obj in page.get("Contents", []))
 
     def list_dirs(self, prefix: str) -> list[str]:
-        names = []
-        for page in self._pages(prefix, "/"):
-            for common in page.get("CommonPrefixes", []):
-                names.append(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
-        return sorted(names)
+        # From the keys, not from a Delimiter listing: SeaweedFS reports a folder whose last object was
+        # deleted as a common prefix until its delayed empty-folder cleanup runs, minutes later.
+        base = join_key(prefix)
+        base = f"{base}/" if base else ""
+        return sorted({key[len(base) :].split("/")[0] for key in self.list(prefix) if "/" in key[len(base) :]})
 
     def delete(self, key: str) -> None:
         self._call("delete of", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
@@ -393,10 +415,18 @@ def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path, include=No
     for rel, info in manifest.files.items():
         if include is not None and not include(rel):
             continue
-        target = dest / rel
+        target = dest / check_key(rel)  # an absolute path in a manifest would escape dest
         if target.is_file() and target.stat().st_size == info["size"] and sha256_file(target) == info["sha256"]:
             continue
-        store.get_file(join_key(prefix, rel), target)
+        key = join_key(prefix, rel)
+        try:
+            store.get_file(key, target)
+        except StoreError as exc:
+            if store.exists(key):
+                raise
+            raise ArtifactCorrupt(
+                f"artifact {store.uri(prefix)} lacks {rel} listed in its manifest; the artifact is corrupt, rebuild it"
+            ) from exc
         if sha256_file(target) != info["sha256"]:
             raise ArtifactCorrupt(
                 f"artifact {store.uri(prefix)}: {rel} does not match the sha256 in its manifest; "
