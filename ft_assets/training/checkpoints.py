@@ -1,0 +1,379 @@
+"""Training checkpoints in the object store: layout, contents, latest-complete lookup, pruning, upload.
+
+A training run lives under ``runs/<name>/<version>/train/<run_id>/`` and writes one artifact per
+checkpoint, ``checkpoint-<step:08d>/``, published with ``storage.publish_dir`` (manifest last), so a
+checkpoint either has a manifest and verified files or does not exist as far as a reader is concerned.
+The run id hashes everything that changes the trained weights (partition, result-changing config,
+base model digest, shards digest): rerunning the same work finds and resumes the same checkpoints,
+changing any of it starts fresh.
+
+One checkpoint holds everything needed to continue bit-for-bit:
+
+| file                  | what                                                    | written with       |
+|-----------------------|---------------------------------------------------------|--------------------|
+| weights.safetensors   | trainable parameters (LoRA adapters, or every weight)   | safetensors        |
+| optimizer.pt          | AdamW moments and step counts                           | torch.save         |
+| scheduler.pt          | learning-rate scheduler position                        | torch.save         |
+| rng_state.pt          | python, numpy, torch CPU (+CUDA) RNG, one entry per rank | torch.save         |
+| trainer_state.json    | step, epoch, samples/tokens seen, loss history, timings | json               |
+
+Torch files are read back with ``torch.load(weights_only=True)``: a tampered checkpoint cannot run
+code. Weights never go through pickle at all.
+
+Uploading is slow next to a training step (a 7B LoRA checkpoint is ~0.5 GB with optimizer state, a
+few seconds to S3; a full fine-tune tens of GB), so ``BackgroundUploader`` publishes a checkpoint that
+was written to local disk while training continues. At most one upload is in flight: the GPU waits
+only when checkpoints are produced faster than the store takes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ft_assets.storage import (
+    MANIFEST,
+    ArtifactCorrupt,
+    ArtifactNotFound,
+    Manifest,
+    ObjectStore,
+    StoreError,
+    fetch_artifact,
+    join_key,
+    publish_dir,
+)
+from ft_assets.training.config import TrainingConfig
+
+WEIGHTS = "weights.safetensors"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+RNG_STATE = "rng_state.pt"
+TRAINER_STATE = "trainer_state.json"
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d{8})$")  # 8 digits: sorts by name up to 99,999,999 steps
+
+Log = Callable[[str], None]
+
+
+def run_id(
+    partition_key: str,
+    config: TrainingConfig,
+    base_model_digest: str,
+    shards_digest: str,
+    cuda_available: bool | None = None,
+) -> str:
+    """A stable 16-hex-digit id of one training run: same inputs, same id, same checkpoints to resume.
+
+    ``cuda_available`` resolves ``method=None`` (qlora on CUDA, lora elsewhere); it defaults to this
+    machine, so compute the id on the worker that trains.
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    identity = {
+        "partition": partition_key,
+        "config": config.result_fields(cuda_available),
+        "base_model": base_model_digest,
+        "shards": shards_digest,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_prefix(dataset_name: str, version: str, run: str) -> str:
+    return join_key("runs", dataset_name, version, "train", run)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:08d}"
+
+
+def checkpoint_prefix(prefix: str, step: int) -> str:
+    return join_key(prefix, checkpoint_name(step))
+
+
+def _scan(store: ObjectStore, prefix: str) -> dict[int, bool]:
+    """Step -> has a manifest, for every ``checkpoint-*`` under a run that holds at least one file.
+
+    One recursive listing answers both questions for every checkpoint (one request per 1,000 keys
+    on S3), instead of a folder listing plus one existence check per checkpoint.
+    """
+    found: dict[int, bool] = {}
+    for key in store.list(prefix):
+        name, _, rest = key[len(prefix) :].strip("/").partition("/")
+        if (match := CHECKPOINT_RE.match(name)) and rest:
+            step = int(match.group(1))
+            found[step] = found.get(step, False) or rest == MANIFEST
+    return found
+
+
+def checkpoint_steps(store: ObjectStore, prefix: str) -> list[int]:
+    """Steps of every checkpoint under a run, complete or not, newest first."""
+    return sorted(_scan(store, prefix), reverse=True)
+
+
+def complete_checkpoints(store: ObjectStore, prefix: str) -> list[str]:
+    """URIs of the checkpoints that have a manifest, oldest first."""
+    steps = sorted(step for step, complete in _scan(store, prefix).items() if complete)
+    return [store.uri(checkpoint_prefix(prefix, step)) for step in steps]
+
+
+# --- contents ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerState:
+    """Progress of a run, carried from checkpoint to checkpoint across worker restarts."""
+
+    step: int = 0
+    total_steps: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    world_size: int = 1
+    method: str = ""
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+    # One entry per worker attempt: start step, last checkpointed step and the attempt's timings up
+    # to that checkpoint. Time an attempt spent after its last checkpoint (before a SIGKILL) is lost.
+    attempts: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerState:
+        raw = json.loads(text)
+        raw["loss_history"] = [tuple(item) for item in raw.get("loss_history", [])]
+        raw["eval_history"] = [tuple(item) for item in raw.get("eval_history", [])]
+        return cls(**raw)
+
+
+def capture_rng_state() -> dict:
+    """Every RNG the training step may draw from, in a form ``torch.load(weights_only=True)`` accepts."""
+    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": bit_generator,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["bit_generator"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_checkpoint(
+    local_dir: Path,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    scheduler_state: dict,
+    rng_states: list[dict],
+    trainer_state: TrainerState,
+) -> Path:
+    """Write one checkpoint to a local folder (the uploader publishes it); ``rng_states[rank]``."""
+    if local_dir.exists():
+        shutil.rmtree(local_dir)
+    local_dir.mkdir(parents=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in weights.items()}, local_dir / WEIGHTS)
+    torch.save(optimizer_state, local_dir / OPTIMIZER)
+    torch.save(scheduler_state, local_dir / SCHEDULER)
+    torch.save(rng_states, local_dir / RNG_STATE)
+    (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
+    return local_dir
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint fetched (and sha256-verified) to a local folder."""
+
+    step: int
+    uri: str
+    local_dir: Path
+    manifest: Manifest
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_file(self.local_dir / WEIGHTS)
+
+    def optimizer_state(self) -> dict:
+        return torch.load(self.local_dir / OPTIMIZER, weights_only=True)
+
+    def scheduler_state(self) -> dict:
+        return torch.load(self.local_dir / SCHEDULER, weights_only=True)
+
+    def rng_states(self) -> list[dict]:
+        return torch.load(self.local_dir / RNG_STATE, weights_only=True)
+
+    def trainer_state(self) -> TrainerState:
+        return TrainerState.from_json((self.local_dir / TRAINER_STATE).read_text())
+
+
+def fetch_checkpoint(store: ObjectStore, prefix: str, step: int, dest: Path) -> Checkpoint:
+    """Download and verify one checkpoint; raises ``ArtifactNotFound`` / ``ArtifactCorrupt``."""
+    key = checkpoint_prefix(prefix, step)
+    local_dir = dest / checkpoint_name(step)
+    try:
+        manifest = fetch_artifact(store, key, local_dir)
+    except ArtifactNotFound:
+        raise
+    except StoreError as exc:  # a file listed in the manifest is missing from the store
+        raise ArtifactCorrupt(str(exc)) from exc
+    return Checkpoint(step=step, uri=store.uri(key), local_dir=local_dir, manifest=manifest)
+
+
+def find_latest_checkpoint(
+    store: ObjectStore, prefix: str, dest: Path, log: Log = print
+) -> tuple[Checkpoint | None, list[int]]:
+    """The newest checkpoint that is complete and verifies, and the steps of the newer ones skipped.
+
+    A checkpoint without a manifest (its upload was interrupted) or whose files fail their sha256 is
+    skipped with a warning and the previous one is tried.
+    """
+    skipped = []
+    for step in checkpoint_steps(store, prefix):
+        uri = store.uri(checkpoint_prefix(prefix, step))
+        try:
+            checkpoint = fetch_checkpoint(store, prefix, step, dest)
+        except ArtifactNotFound:
+            log(f"WARNING: skipping {uri}: it has no {MANIFEST} (its upload was interrupted)")
+        except ArtifactCorrupt as exc:
+            log(f"WARNING: skipping {uri}: corrupt ({exc})")
+        else:
+            return checkpoint, skipped
+        shutil.rmtree(dest / checkpoint_name(step), ignore_errors=True)
+        skipped.append(step)
+    return None, skipped
+
+
+def delete_checkpoint(store: ObjectStore, prefix: str, step: int) -> None:
+    """Delete one checkpoint, manifest first: a half-deleted checkpoint never looks complete."""
+    key = checkpoint_prefix(prefix, step)
+    store.delete(join_key(key, MANIFEST))
+    store.delete_prefix(key)
+
+
+def prune_checkpoints(store: ObjectStore, prefix: str, keep: int, log: Log = print) -> list[int]:
+    """Keep the ``keep`` newest complete checkpoints; delete older ones and older incomplete leftovers.
+
+    Incomplete checkpoints newer than the newest complete one are left alone: one may be uploading.
+    """
+    scan = _scan(store, prefix)
+    steps = sorted(scan, reverse=True)
+    complete = [step for step in steps if scan[step]]
+    if not complete:
+        return []
+    kept = set(complete[:keep])
+    doomed = [s for s in steps if s not in kept and s < complete[0]]
+    for step in doomed:
+        delete_checkpoint(store, prefix, step)
+    if doomed:
+        log(f"pruned {len(doomed)} old checkpoint(s) of {store.uri(prefix)}: steps {sorted(doomed)}")
+    return doomed
+
+
+# --- background upload ---------------------------------------------------------------------------
+
+
+class CheckpointUploadFailed(StoreError):
+    """A background checkpoint upload failed; raised on the next save, ``wait()`` or ``close()``."""
+
+
+class BackgroundUploader:
+    """Publish locally written checkpoints of one run in a background thread, one at a time.
+
+    ``submit`` first waits for the previous upload (re-raising its error), then starts the next one
+    and returns at once. After each manifest lands, old checkpoints are pruned to ``keep``. The local
+    folder is deleted once published: the store is the only copy that counts. Log lines from the
+    upload thread are queued and handed to ``log`` on the caller's thread (``submit``, ``wait``,
+    ``drain_log``), so ``log`` need not be thread-safe.
+    """
+
+    def __init__(self, store: ObjectStore, run: str, keep: int | None = None, log: Log = print):
+        self.store = store
+        self.run = run
+        self.keep = keep
+        self.log = log
+        self.bytes_uploaded = 0
+        self.upload_seconds = 0.0  # time the uploads took, in the background
+        self.wait_seconds = 0.0  # time the caller was blocked waiting for an upload
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._current = ""
+        self._messages: list[str] = []
+
+    def submit(self, local_dir: Path, step: int, meta: dict | None = None) -> str:
+        """Start publishing ``local_dir`` as the checkpoint of ``step``; returns its URI."""
+        self.wait()
+        prefix = checkpoint_prefix(self.run, step)
+        self._current = self.store.uri(prefix)
+        self._thread = threading.Thread(
+            target=self._upload, args=(Path(local_dir), prefix, meta), name="checkpoint-upload", daemon=True
+        )
+        self._thread.start()
+        return self._current
+
+    def _upload(self, local_dir: Path, prefix: str, meta: dict | None) -> None:
+        started = time.monotonic()
+        try:
+            manifest = publish_dir(self.store, prefix, local_dir, meta=meta)
+            seconds = time.monotonic() - started
+            self.bytes_uploaded += manifest.total_bytes
+            self.upload_seconds += seconds
+            self._messages.append(f"published {self.store.uri(prefix)} ({manifest.total_bytes / 1e6:,.1f} MB in {seconds:.1f}s)")
+            if self.keep is not None:
+                prune_checkpoints(self.store, self.run, self.keep, log=self._messages.append)
+            shutil.rmtree(local_dir, ignore_errors=True)
+        except BaseException as exc:  # surfaced in the training thread by wait()
+            self._error = exc
+
+    def drain_log(self) -> None:
+        while self._messages:
+            self.log(self._messages.pop(0))
+
+    def wait(self) -> None:
+        """Block until the upload in flight (if any) is published; raise its error if it failed."""
+        if self._thread is not None:
+            started = time.monotonic()
+            self._thread.join()
+            self.wait_seconds += time.monotonic() - started
+            self._thread = None
+        self.drain_log()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointUploadFailed(f"upload of checkpoint {self._current} failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the last upload; a worker must not report success before its checkpoint landed."""
+        self.wait()

@@ -1,0 +1,148 @@
+"""Training configuration: every knob of the recipe, typed, defaulted and documented.
+
+A plain pydantic model so that the Dagster asset can mirror it as a ``dagster.Config`` (which is
+pydantic too): every field's ``description`` becomes the launchpad help text. Defaults follow the
+common LoRA recipe for 0.1-8B chat models (r=16, alpha=32, lr 2e-4 cosine, all attention and MLP
+projections) and need no tuning for a first run.
+
+Fields split in two: those that change the trained weights (``RESULT_FIELDS``, hashed into the run
+id, so changing one starts a new run) and those that only change how the run is operated (how often
+to checkpoint, log or evaluate, where to report), which may differ between the attempts of one run.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Method = Literal["qlora", "lora", "full"]
+
+ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
+# and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
+# memory for compute with the same math, so it may be flipped between attempts to fit a smaller GPU.
+OPERATIONAL_FIELDS = frozenset(
+    {"save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing"}
+)
+
+REPORTERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")  # accelerate trackers
+
+
+class TrainingConfig(BaseModel):
+    """How to fine-tune the base model on the packed shards of one dataset version."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    method: Method | None = Field(
+        default=None,
+        description="'qlora' (4-bit NF4 base + LoRA), 'lora' (LoRA on the full-precision base) or 'full' "
+        "(every weight trained). Empty: qlora when a CUDA GPU is present, else lora.",
+    )
+    lora_r: int = Field(default=16, description="LoRA rank: size of the low-rank update (ignored by 'full').")
+    lora_alpha: int = Field(default=32, description="LoRA scaling numerator; the update is scaled by alpha / r.")
+    lora_dropout: float = Field(default=0.05, description="Dropout on the LoRA input, in [0, 1).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(ATTENTION_AND_MLP_PROJECTIONS),
+        description="Module names that get LoRA adapters; default all attention and MLP projections.",
+    )
+    learning_rate: float = Field(default=2e-4, description="Peak learning rate of AdamW.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="Learning-rate decay after warmup: 'cosine', 'linear' or 'constant'."
+    )
+    warmup_steps: int = Field(default=10, description="Optimizer steps of linear warmup from 0 to learning_rate.")
+    epochs: int = Field(default=1, description="Passes over the training shards (ignored when max_steps is set).")
+    max_steps: int | None = Field(
+        default=None,
+        description="Stop after this many optimizer steps (cycling over epochs if needed). Empty or -1: "
+        "epochs x steps per epoch.",
+    )
+    per_device_batch_size: int = Field(default=4, description="Packed rows per forward pass on each process.")
+    gradient_accumulation_steps: int = Field(
+        default=1, description="Forward/backward passes per optimizer step; global batch = this x batch x processes."
+    )
+    max_seq_len: int = Field(
+        default=2048,
+        description="Longest packed row accepted. Shards packed longer are refused (repack them shorter) so "
+        "that a data change cannot silently blow up GPU memory.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in backward: ~30% slower, much less GPU memory."
+    )
+    save_steps: int = Field(default=50, description="Checkpoint to the object store every this many optimizer steps.")
+    save_total_limit: int | None = Field(
+        default=3, description="Keep only this many newest checkpoints in the store. Empty: keep all."
+    )
+    seed: int = Field(default=42, description="Seed of weight init, dropout and data order; same seed, same result.")
+    num_processes: int = Field(
+        default=1, description="Data-parallel processes (GPUs); >1 needs `accelerate launch --num_processes N`."
+    )
+    report_to: list[str] = Field(
+        default_factory=list,
+        description=f"Experiment trackers that accelerate logs metrics to, any of {', '.join(REPORTERS)}.",
+    )
+    eval_steps: int | None = Field(
+        default=None, description="Also compute eval loss every this many steps. Empty: only at the end."
+    )
+    logging_steps: int = Field(default=10, description="Log one progress line every this many optimizer steps.")
+    weight_decay: float = Field(default=0.0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float = Field(default=1.0, description="Clip the global gradient norm to this value; 0 disables.")
+
+    @field_validator("max_steps", mode="before")
+    @classmethod
+    def _minus_one_means_unset(cls, value):
+        return None if value == -1 else value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty_modules(cls, value: list[str]) -> list[str]:
+        if not value or any(not name.strip() for name in value):
+            raise ValueError("target_modules must list at least one module name, e.g. ['q_proj', 'v_proj']")
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_reporters(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(REPORTERS))
+        if unknown:
+            raise ValueError(f"report_to has unknown tracker(s) {unknown}; use any of {list(REPORTERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> TrainingConfig:
+        problems = []
+        positive = ["lora_r", "lora_alpha", "epochs", "per_device_batch_size", "gradient_accumulation_steps"]
+        positive += ["save_steps", "num_processes", "logging_steps"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        for name in ("max_steps", "save_total_limit", "eval_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or empty (got {getattr(self, name)})")
+        if not 0 <= self.lora_dropout < 1:
+            problems.append(f"lora_dropout must be in [0, 1) (got {self.lora_dropout})")
+        if not self.learning_rate > 0:
+            problems.append(f"learning_rate must be > 0 (got {self.learning_rate})")
+        if self.warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if self.max_seq_len < 2:
+            problems.append(f"max_seq_len must be >= 2 (got {self.max_seq_len})")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            problems.append("weight_decay and max_grad_norm must be >= 0")
+        if problems:
+            raise ValueError("invalid training config: " + "; ".join(problems))
+        return self
+
+    def resolved_method(self, cuda_available: bool) -> Method:
+        """The method actually used: the configured one, else qlora on CUDA and lora elsewhere."""
+        return self.method or ("qlora" if cuda_available else "lora")
+
+    def result_fields(self, cuda_available: bool) -> dict:
+        """The fields that change the trained weights, with ``method`` resolved (hashed into the run id)."""
+        fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS))
+        fields["method"] = self.resolved_method(cuda_available)
+        if fields["method"] == "full":
+            for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules"):
+                fields.pop(name)
+        return fields

@@ -1,0 +1,497 @@
+"""The training recipe on a tiny Llama: methods, packing isolation, exact resume, preemption, pruning, DDP.
+
+Everything runs on CPU against a ``LocalStore`` in ``tmp_path``. Runs that must be interrupted run in
+a child process (multiprocessing spawn, or ``python -m ft_assets.training.recipe``) so that SIGKILL
+and SIGTERM hit a real worker.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ft_assets.storage import MANIFEST, LocalStore, join_key
+from ft_assets.training.checkpoints import (
+    WEIGHTS,
+    BackgroundUploader,
+    CheckpointUploadFailed,
+    capture_rng_state,
+    checkpoint_prefix,
+    checkpoint_steps,
+    complete_checkpoints,
+    find_latest_checkpoint,
+    restore_rng_state,
+    run_id,
+)
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, load_packed_rows, train
+
+SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
+RUN = "runs/timers/v1/train/test"
+SYSTEM = "Reply with one JSON tool call."
+
+
+# --- fixtures: a tiny model and packed shards in the data plane's format ---------------------------
+
+
+def chat_examples(count: int) -> list[tuple[str, str]]:
+    examples = []
+    for i in range(count):
+        minutes = 1 + (i * 7) % 19
+        examples.append((f"Set a timer for {minutes} minutes.", json.dumps({"name": "set_timer", "arguments": {"minutes": minutes}})))
+    return examples
+
+
+def tokenize(tokenizer, user: str, assistant: str) -> tuple[list[int], list[int]]:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(assistant + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
+
+
+def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> list[dict]:
+    """Greedy in-order packing into rows of exactly seq_len, padding tail as its own position run."""
+    rows, current = [], []
+    for example in examples + [None]:
+        used = sum(len(ids) for ids, _ in current)
+        if example is None or used + len(example[0]) > seq_len:
+            ids = [t for e, _ in current for t in e]
+            mask = [m for _, e in current for m in e]
+            positions = [p for e, _ in current for p in range(len(e))]
+            pad = seq_len - len(ids)
+            rows.append(
+                {
+                    "input_ids": ids + [pad_id] * pad,
+                    "loss_mask": mask + [0] * pad,
+                    "position_ids": positions + list(range(pad)),
+                    "seq_lens": [len(e) for e, _ in current],
+                }
+            )
+            current = []
+        if example is not None:
+            current.append(example)
+    return rows
+
+
+SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("position_ids", pa.list_(pa.int32())),
+        ("seq_lens", pa.list_(pa.int32())),
+    ]
+)
+
+
+def write_shards(out_dir: Path, split: str, rows: list[dict], rows_per_file: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for index, start in enumerate(range(0, len(rows), rows_per_file)):
+        table = pa.Table.from_pylist(rows[start : start + rows_per_file], schema=SCHEMA)
+        pq.write_table(table, out_dir / f"{split}-{index:05d}.parquet")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny models on 2 shared cores: intra-op threads spin against each other, 1 thread is ~10x faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """tiny.py's Llama, 64 wide and initialised at std 0.2 instead of 0.02.
+
+    At std 0.02 the frozen tied embedding bounds every logit to about +-0.6, so LoRA alone cannot
+    move the loss off ln(vocab); a base with some range behaves like a pretrained one.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ft_assets_tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer([SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(model_config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenized = [tokenize(tokenizer, u, a) for u, a in chat_examples(60)]
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(out, "train", pack(tokenized[:48], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
+    write_shards(out, "eval", pack(tokenized[48:], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
+    return out
+
+
+def config(**overrides) -> TrainingConfig:
+    base = dict(
+        method="lora", lora_r=8, lora_alpha=16, learning_rate=2e-2, warmup_steps=2, max_steps=12,
+        per_device_batch_size=2, save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=SEQ_LEN,
+    )  # fmt: skip
+    return TrainingConfig(**(base | overrides))
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    name = "model.safetensors" if result.method == "full" else "adapter_model.safetensors"
+    return load_file(result.output_dir / name)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-7), name
+
+
+# --- config and run id ---------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ({"lora_r": 0}, "lora_r must be >= 1"),
+    ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1)"),
+    ({"learning_rate": 0}, "learning_rate must be > 0"),
+    ({"max_steps": 0}, "max_steps must be >= 1 or empty"),
+    ({"target_modules": []}, "target_modules must list at least one module"),
+    ({"report_to": ["stdout"]}, "unknown tracker"),
+    ({"method": "dora"}, "method"),
+    ({"save_stpes": 5}, "save_stpes"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_config_rejects_bad_values_with_a_clear_message(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        TrainingConfig(**overrides)
+
+
+def test_config_defaults_and_method_resolution():
+    default = TrainingConfig()
+    assert default.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert TrainingConfig(max_steps=-1).max_steps is None
+    assert default.resolved_method(cuda_available=True) == "qlora"
+    assert default.resolved_method(cuda_available=False) == "lora"
+    assert all(field.description for field in TrainingConfig.model_fields.values())
+
+
+def test_run_id_ignores_operational_fields_only():
+    def rid(cfg, partition="timers@v1", base="b" * 64, data="d" * 64):
+        return run_id(partition, cfg, base, data, cuda_available=False)
+
+    reference = rid(TrainingConfig())
+    assert rid(TrainingConfig(save_steps=7, report_to=["tensorboard"], eval_steps=3, logging_steps=1)) == reference
+    assert rid(TrainingConfig(method="lora")) == reference  # None resolves to lora without CUDA
+    for changed in (rid(TrainingConfig(learning_rate=1e-4)), rid(TrainingConfig(), partition="timers@v2"),
+                    rid(TrainingConfig(), base="c" * 64), rid(TrainingConfig(), data="e" * 64)):  # fmt: skip
+        assert changed != reference
+    assert len(reference) == 16
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def test_packed_rows_load_with_labels_from_the_loss_mask(shards):
+    rows = load_packed_rows(shards, "train", max_seq_len=SEQ_LEN)
+    table = pq.read_table(shards / "train-00000.parquet")
+    first = table.slice(0, 1).to_pylist()[0]
+    assert rows.seq_len == SEQ_LEN and len(first["seq_lens"]) >= 2  # really packed
+    expected = [t if m else -100 for t, m in zip(first["input_ids"], first["loss_mask"])]
+    assert rows.labels[0].tolist() == expected
+    assert rows.position_ids[0].tolist() == first["position_ids"]
+    with pytest.raises(ValueError, match="above max_seq_len=64"):
+        load_packed_rows(shards, "train", max_seq_len=64)
+
+
+def test_ragged_shard_is_refused_naming_the_file(tmp_path):
+    write_shards(tmp_path, "train", [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]},
+                                     {"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]}], 8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"train-00000\.parquet: column 'input_ids' has rows of lengths \[2, 3\]"):
+        load_packed_rows(tmp_path, "train", max_seq_len=16)
+
+
+def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
+    plan = DataPlan(num_rows=50, batch_size=2, accumulation=3, world_size=2, seed=1)
+    assert plan.steps_per_epoch == 4  # 50 // 12, the tail is dropped
+    seen = [i for step in range(4) for rank in range(2) for batch in plan.micro_batches(step, rank) for i in batch]
+    assert len(seen) == len(set(seen)) == 48
+    assert [b.tolist() for b in plan.micro_batches(5, 1)] == [b.tolist() for b in plan.micro_batches(5, 1)]
+    assert plan.epoch_order(0).tolist() != plan.epoch_order(1).tolist()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_examples_do_not_attend_to_each_other(tiny_model, shards, attn):
+    """transformers builds the block-diagonal mask from position_ids, but only without a KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn).eval()
+    row = pq.read_table(shards / "train-00000.parquet").slice(0, 1).to_pylist()[0]
+    assert len(row["seq_lens"]) >= 2 and sum(row["seq_lens"]) < SEQ_LEN
+    input_ids = torch.tensor([row["input_ids"]])
+    position_ids = torch.tensor([row["position_ids"]])
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+        leaky = model(input_ids=input_ids, position_ids=position_ids).logits[0]  # config.use_cache=True
+        start = 0
+        for length in row["seq_lens"]:
+            alone = model(input_ids=input_ids[:, start : start + length]).logits[0]
+            assert torch.allclose(packed[start : start + length], alone, atol=1e-5)
+            start += length
+    second = slice(row["seq_lens"][0], row["seq_lens"][0] + row["seq_lens"][1])
+    assert not torch.allclose(leaky[second], packed[second], atol=1e-3), "a KV cache should disable packing detection"
+
+
+# --- checkpoint store pieces ---------------------------------------------------------------------
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    torch.save([capture_rng_state()], tmp_path / "rng.pt")
+    expected = torch.rand(3)
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)[0])
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_upload_error_surfaces_on_the_next_save(tmp_path):
+    class BrokenStore(LocalStore):
+        def put_file(self, key, path):
+            raise OSError("disk full")
+
+    uploader = BackgroundUploader(BrokenStore(tmp_path / "store"), RUN, log=lambda line: None)
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    (local / "a.bin").write_bytes(b"x")
+    uploader.submit(local, 1)  # returns at once
+    with pytest.raises(CheckpointUploadFailed, match="checkpoint-00000001 failed: .*disk full"):
+        uploader.submit(local, 2)
+    uploader.close()  # the error was reported once
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "method,lr", [("lora", 2e-2), ("qlora", 2e-2), ("full", 5e-3)]
+)  # fmt: skip
+def test_each_method_trains_and_lowers_the_loss(tiny_model, shards, tmp_path, method, lr):
+    store = LocalStore(tmp_path / "store")
+    metrics, lines = [], []
+    result = train(config(method=method, learning_rate=lr, max_steps=30, save_steps=10, eval_steps=15),
+                   tiny_model, shards, store, RUN, tmp_path / "work", log=lines.append, on_metrics=metrics.append)  # fmt: skip
+    first, last = result.loss_history[0][1], result.loss_history[-1][1]
+    assert result.steps == 30 and result.method == method and result.device == "cpu x1"
+    assert last < 0.5 * first, result.loss_history
+    assert result.eval_loss is not None and result.eval_loss < first
+    assert result.resumed_from_step is None and result.bytes_uploaded > 0
+    assert [uri.rsplit("/", 1)[-1] for uri in result.checkpoints] == [
+        "checkpoint-00000010", "checkpoint-00000020", "checkpoint-00000030"]  # fmt: skip
+    assert 0 < result.effective_training_fraction < 1 and result.step_seconds < result.wall_seconds
+    assert result.tokens_seen == 30 * 2 * SEQ_LEN
+    assert any("WARNING: no CUDA or MPS device" in line for line in lines)
+    assert any(line.startswith("step 30/30  loss") and "tok/s" in line and "eta" in line for line in lines)
+    assert [m["step"] for m in metrics if "loss" in m] == [4, 8, 12, 16, 20, 24, 28, 30]
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [15, 30]
+    weights = final_weights(result)
+    if method == "full":
+        assert (result.output_dir / "config.json").is_file()
+    else:
+        assert (result.output_dir / "adapter_config.json").is_file()
+        assert all("lora_" in name for name in weights)
+    assert (result.output_dir / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, shards, tmp_path_factory):
+    """An uninterrupted run, to compare interrupted-and-resumed runs against."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result = train(config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
+    return final_weights(result)
+
+
+def slow_worker(cfg_json: str, base: str, shards: str, store: str, work: str) -> None:
+    """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
+    torch.set_num_threads(1)
+    train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards), LocalStore(store), RUN, Path(work),
+          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_model, shards, tmp_path, reference):
+    cfg = config(max_steps=24, logging_steps=1, save_steps=3)
+    store = LocalStore(tmp_path / "store")
+    manifest = join_key(checkpoint_prefix(RUN, 9), MANIFEST)
+    worker = multiprocessing.get_context("spawn").Process(
+        target=slow_worker, args=(cfg.model_dump_json(), str(tiny_model), str(shards), str(store.root), str(tmp_path / "w1"))
+    )
+    worker.start()
+    try:
+        wait_for(lambda: store.exists(manifest) or not worker.is_alive(), 120, "checkpoint 9")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+    finally:
+        worker.kill()
+    assert worker.exitcode == -signal.SIGKILL
+    assert max(checkpoint_steps(store, RUN)) < 24, "the worker finished before it could be killed"
+
+    lines = []
+    result = train(cfg.model_copy(update={"logging_steps": 4}), tiny_model, shards, store, RUN, tmp_path / "w2", log=lines.append)
+    assert result.resumed_from_step is not None and 9 <= result.resumed_from_step < 24
+    assert result.restarts and result.restarts[0]["resumed_from_step"] is None
+    assert any("resuming from" in line for line in lines)
+    assert_same_weights(final_weights(result), reference)
+
+
+@pytest.mark.integration
+def test_corrupt_and_half_written_checkpoints_are_skipped_for_the_previous_one(tiny_model, shards, tmp_path, reference):
+    store = LocalStore(tmp_path / "store")
+    cfg = config(max_steps=24, save_steps=8)
+    train(cfg, tiny_model, shards, store, RUN, tmp_path / "w1", log=lambda line: None)
+    assert checkpoint_steps(store, RUN) == [24, 16, 8]
+    weights = store.root / checkpoint_prefix(RUN, 24) / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-10:] = bytes(b ^ 0xFF for b in data[-10:])  # same size: only the sha256 check can tell
+    weights.write_bytes(bytes(data))
+    store.delete(join_key(checkpoint_prefix(RUN, 16), MANIFEST))  # as if the upload died before the manifest
+
+    lines = []
+    result = train(cfg, tiny_model, shards, store, RUN, tmp_path / "w2", log=lines.append)
+    warnings = [line for line in lines if line.startswith("WARNING: skipping")]
+    assert len(warnings) == 2 and "corrupt" in warnings[0] and "no manifest.json" in warnings[1]
+    assert result.resumed_from_step == 8
+    assert_same_weights(final_weights(result), reference)
+    latest, skipped = find_latest_checkpoint(store, RUN, tmp_path / "check", log=lambda line: None)
+    assert latest.step == 24 and skipped == []  # both were rewritten, verified
+
+
+@pytest.mark.integration
+def test_gradient_checkpointing_changes_memory_not_weights(tiny_model, shards, tmp_path, reference):
+    """Why gradient_checkpointing is left out of the run id: same math, same dropout masks."""
+    result = train(config(max_steps=24, gradient_checkpointing=True), tiny_model, shards, LocalStore(tmp_path / "store"),
+                   RUN, tmp_path / "work", log=lambda line: None)  # fmt: skip
+    assert_same_weights(final_weights(result), reference)
+
+
+@pytest.mark.integration
+def test_save_total_limit_prunes_checkpoints_in_the_store(tiny_model, shards, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    result = train(config(max_steps=10, save_steps=2, save_total_limit=2), tiny_model, shards, store, RUN,
+                   tmp_path / "work", log=lambda line: None)  # fmt: skip
+    assert checkpoint_steps(store, RUN) == [10, 8]
+    assert result.checkpoints == [store.uri(checkpoint_prefix(RUN, 8)), store.uri(checkpoint_prefix(RUN, 10))]
+
+
+ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
+
+
+def recipe_command(cfg: TrainingConfig, tiny_model, shards, store_dir, work_dir, launcher: list[str]) -> list[str]:
+    return launcher + ["-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(tiny_model),
+                       "--shards", str(shards), "--store", str(store_dir), "--run-prefix", RUN, "--work-dir", str(work_dir)]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_sigterm_checkpoints_at_the_step_boundary_and_exits_preempted(tiny_model, shards, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    cmd = recipe_command(config(max_steps=100_000, logging_steps=1, save_steps=1000), tiny_model, shards, store.root,
+                         tmp_path / "work", [sys.executable])  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("step 5/"):
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                break
+        output.extend(proc.stdout)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log = "".join(output)
+    assert proc.returncode == EXIT_PREEMPTED, log
+    steps = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")]
+    preempted_at = steps[-1]  # no step ran after the one in progress when SIGTERM arrived
+    assert f"preempted by SIGTERM at step {preempted_at}" in log
+    assert complete_checkpoints(store, RUN) == [store.uri(checkpoint_prefix(RUN, preempted_at))]
+    assert time.monotonic() - sent < 30
+    latest, _ = find_latest_checkpoint(store, RUN, tmp_path / "check", log=lambda line: None)
+    assert latest.step == preempted_at and latest.trainer_state().step == preempted_at
+
+
+class RecordingStore(LocalStore):
+    """A local store that notes which process rank wrote each object."""
+
+    def put_file(self, key, path):
+        self._record(key)
+        super().put_file(key, path)
+
+    def put_bytes(self, key, data):
+        self._record(key)
+        super().put_bytes(key, data)
+
+    def _record(self, key):
+        with open(self.root.parent / "writers.log", "a") as handle:
+            handle.write(f"{os.environ.get('RANK', '0')}\t{key}\n")
+
+
+def ddp_main(argv: list[str]) -> None:
+    """Entry point of each rank under `accelerate launch -m ft_assets_tests.test_training ...`."""
+    cfg, base, shards_dir, store_dir, work = argv
+    result = train(TrainingConfig.model_validate_json(cfg), Path(base), Path(shards_dir), RecordingStore(store_dir), RUN,
+                   Path(work), log=print)  # fmt: skip
+    if os.environ.get("RANK") == "0":
+        (Path(store_dir).parent / "result.json").write_text(json.dumps(result.to_json()))
+
+
+@pytest.mark.integration
+def test_two_process_data_parallel_run_on_cpu_only_rank0_writes(tiny_model, shards, tmp_path):
+    cfg = config(num_processes=2, max_steps=8, per_device_batch_size=1)
+    store_dir = tmp_path / "store"
+    # `--cpu` would make accelerate 1.15 start ONE process; `--multi_gpu` starts torchrun, and the recipe's
+    # Accelerator(cpu=True) turns the processes into a gloo group when there is no GPU.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+           "-m", "ft_assets_tests.test_training", cfg.model_dump_json(), str(tiny_model), str(shards), str(store_dir),
+           str(tmp_path / "work")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["device"] == "cpu x2" and result["steps"] == 8
+    assert result["tokens_seen"] == 8 * 2 * SEQ_LEN
+    writers = {line.split("\t")[0] for line in (tmp_path / "writers.log").read_text().splitlines()}
+    assert writers == {"0"}
+    assert complete_checkpoints(LocalStore(store_dir), RUN)[-1].endswith("checkpoint-00000008")
+
+
+if __name__ == "__main__":
+    ddp_main(sys.argv[1:])
