@@ -18,7 +18,7 @@ from ft_assets.delivery.gguf_export import (
     verify_gguf,
     write_modelfile,
 )
-from ft_assets_tests.tiny import CHATML_TEMPLATE
+from ft_assets_tests.tiny import CHATML_TEMPLATE, build_tiny_model
 
 # qtype -> tensor types written for the tiny model (2 layers: 14 matrices + token_embd, 5 norms).
 ROUND_TRIP_CASES = [
@@ -27,6 +27,12 @@ ROUND_TRIP_CASES = [
     ("q8_0", {"Q8_0": 15, "F32": 5}),
     ("q4_0", {"Q4_0": 14, "Q8_0": 1, "F32": 5}),  # token_embd (the tied output head) stays Q8_0
 ]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """tiny.py's Llama at hidden 32 with Llama's own init (std 0.02): the tolerances were set on it."""
+    return build_tiny_model(tmp_path_factory.mktemp("gguf-tiny"), hidden=32, init_std=0.02)
 
 
 def _fields(path) -> dict:

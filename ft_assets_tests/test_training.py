@@ -117,26 +117,10 @@ def one_cpu_thread():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    """tiny.py's Llama, 64 wide and initialised at std 0.2 instead of 0.02.
+    """tiny.py's trainable Llama, with a tokenizer that knows this module's chat examples."""
+    from ft_assets_tests.tiny import build_tiny_model
 
-    At std 0.02 the frozen tied embedding bounds every logit to about +-0.6, so LoRA alone cannot
-    move the loss off ln(vocab); a base with some range behaves like a pretrained one.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ft_assets_tests.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer([SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
-    model_config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-model")
-    LlamaForCausalLM(model_config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
 
 
 @pytest.fixture(scope="module")

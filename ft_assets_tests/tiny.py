@@ -2,7 +2,7 @@
 
 No downloads. The tokenizer speaks ChatML like SmolLM2 (``<|im_start|>``/``<|im_end|>``) so the
 chat-template, loss-masking and GGUF paths see the same shapes as the real base model. Building it
-takes well under a second; the model has ~60k parameters.
+takes well under a second; the model has ~100k parameters.
 """
 
 from __future__ import annotations
@@ -53,8 +53,15 @@ def build_tokenizer(extra_text: list[str] | None = None, vocab_size: int = 384):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_text: list[str] | None = None) -> Path:
-    """Write a random-init 2-layer Llama + ChatML BPE tokenizer as a HF directory (safetensors)."""
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, extra_text: list[str] | None = None, hidden: int = 64, init_std: float = 0.2
+) -> Path:
+    """Write a random-init 2-layer Llama + ChatML BPE tokenizer as a HF directory (safetensors).
+
+    ``init_std`` 0.2, not Llama's 0.02: at 0.02 the frozen tied embedding bounds every logit to about
+    ±0.6, so LoRA alone cannot move the loss off ln(vocab); a base with some range behaves like a
+    pretrained one and LoRA visibly learns on it.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -62,12 +69,13 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_text: list[str] |
     tokenizer = build_tokenizer(extra_text)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
+        initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

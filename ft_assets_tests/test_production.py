@@ -1,0 +1,379 @@
+"""The production profile: dagster.prod.yaml on a real PostgreSQL, and the cloud GPU launcher examples.
+
+- ``dagster.prod.yaml`` is copied verbatim into a temp ``DAGSTER_HOME`` (settings come from the
+  ``DAGSTER_PG_*`` variables, as in production). ``ft-assets run`` evaluates the sensor and
+  materializes the data plane on it; the runs, materializations and the dynamic partition are then
+  read back from PostgreSQL itself. A second run goes the production way: ``dagster job launch``
+  puts it in PoolRunCoordinator's queue, a real ``dagster-daemon`` dequeues it and PoolRunLauncher
+  hands it to the cpu pool's launcher.
+- ``deploy/launchers/{ecs,k8s}-gpu.yaml`` are validated against EcsRunLauncher's and K8sRunLauncher's
+  own config schemas, then loaded into an instance as written and made to launch routed runs: ECS on
+  moto (EC2/ECS control plane only), Kubernetes against a stub API server that records the Job it is
+  sent. Only what cannot exist here is replaced: moto's subnet/security-group IDs, and an out-of-
+  cluster kubeconfig instead of ``load_incluster_config``.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster._config import process_config
+from dagster._config.field_utils import convert_potential_field
+from dagster._core.code_pointer import ModuleCodePointer
+from dagster._core.launcher.base import LaunchRunContext
+from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+from dagster._core.test_utils import create_run_for_test
+from dagster_aws.ecs import EcsRunLauncher
+from dagster_k8s import K8sRunLauncher
+
+from ft_assets.cli import main
+from ft_assets.definitions import defs
+from ft_assets.control.launcher import POOL_TAG, PoolRunCoordinator, PoolRunLauncher
+from ft_assets_tests.pg import PostgresDatabase, postgres_server  # noqa: F401  (postgres_server: fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
+SAMPLE_LINES = 300  # enough dirt of every kind for the accounting, ~10 s per data-plane run
+DATA_ASSETS = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model")
+DATA_CHECKS = sorted(key.name for key in defs.get_repository_def().asset_graph.asset_check_keys if key.asset_key.path[-1] in DATA_ASSETS)
+DAEMON_TIMEOUT_S = 180.0
+LAUNCHERS = {"ecs": (REPO / "deploy/launchers/ecs-gpu.yaml", EcsRunLauncher), "k8s": (REPO / "deploy/launchers/k8s-gpu.yaml", K8sRunLauncher)}
+IMAGE = "ghcr.io/example/ft-assets:test"
+
+
+# --- dagster.prod.yaml on PostgreSQL --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prod(postgres_server, tmp_path_factory, tiny_model_dir):
+    """A DAGSTER_HOME holding dagster.prod.yaml on a fresh database, with one data-plane run done by the CLI."""
+    db = PostgresDatabase(postgres_server, postgres_server.create_database())
+    root = tmp_path_factory.mktemp("prod")
+    home = root / "dagster_home"
+    home.mkdir()
+    shutil.copyfile(REPO / "dagster.prod.yaml", home / "dagster.yaml")
+    data = root / "toolcalls.jsonl"
+    data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:SAMPLE_LINES]))
+    config = root / "run_config.yaml"
+    config.write_text(yaml.safe_dump({"ops": {"base_model": {"config": {"source": str(tiny_model_dir)}}}}))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**db.env, "FT_HOME": str(root / "ft"), "DAGSTER_HOME": str(home)}.items():
+            mp.setenv(key, value)
+        mp.delenv("FT_STORE", raising=False)
+        out = root / "summary.json"
+        with open(out, "w") as stdout, pytest.MonkeyPatch.context() as mp_out:
+            mp_out.setattr(sys, "stdout", stdout)
+            code = main(["run", "--dataset", str(data), "--name", "toolcalls", "--version", "prod1",
+                         "--until", "data", "--config", str(config), "--json"])
+        assert code == 0, "ft-assets run failed on the production instance; see the captured log"
+        summary = json.loads(out.read_text().strip().splitlines()[-1])
+        yield {"db": db, "home": home, "config": config, "summary": summary}
+
+
+@pytest.mark.integration
+def test_prod_instance_keeps_runs_events_and_partitions_in_postgres(prod):
+    db, summary = prod["db"], prod["summary"]
+    key = summary["partition"]
+    assert key == "toolcalls@prod1" and summary["accounting_invariant_holds"] is True
+
+    with dg.DagsterInstance.get() as instance:
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+        assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
+        coordinator = instance.run_coordinator
+        assert isinstance(coordinator, PoolRunCoordinator)
+        assert {"key": POOL_TAG, "value": "gpu", "limit": 2} in coordinator.get_run_queue_config().tag_concurrency_limits
+        assert isinstance(instance.run_launcher, PoolRunLauncher)
+        assert instance.run_retries_enabled
+        assert instance.run_monitoring_enabled
+
+        run = instance.get_run_by_id(summary["runs"]["data"])
+        assert run.status == dg.DagsterRunStatus.SUCCESS and run.job_name == "data_plane"
+        assert run.tags["dagster/partition"] == key
+        for asset in DATA_ASSETS:
+            records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[key]), limit=10).records
+            assert [r.run_id for r in records] == [run.run_id], asset
+        shards = instance.fetch_materializations(dg.AssetKey("tokenized_shards"), limit=1).records[0]
+        metadata = shards.asset_materialization.metadata
+        assert metadata["packing_efficiency"].value == pytest.approx(summary["packing_efficiency"], abs=1e-5)
+
+    # The same facts straight from PostgreSQL: nothing went to a SQLite file on the side.
+    assert db.query("SELECT partitions_def_name, partition FROM dynamic_partitions") == [("dataset_version", key)]
+    assert db.query("SELECT run_id, pipeline_name, status FROM runs") == [(run.run_id, "data_plane", "SUCCESS")]
+    materialized = db.query(
+        "SELECT asset_key, partition, count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION' "
+        "GROUP BY asset_key, partition"
+    )
+    assert sorted(materialized) == sorted((json.dumps([a]), key, 1) for a in DATA_ASSETS)
+    checks = db.query("SELECT check_name, execution_status FROM asset_check_executions WHERE run_id = %s", run.run_id)
+    assert sorted(checks) == sorted((name, "SUCCEEDED") for name in DATA_CHECKS)
+    assert not list(prod["home"].rglob("*.db")), "a SQLite database appeared next to the PostgreSQL instance"
+
+
+def _start_group(argv, log_path: Path) -> subprocess.Popen:
+    """Start a process in its own group (so its code servers go with it) with its output in a file."""
+    log = open(log_path, "w")
+    return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+@pytest.mark.integration
+def test_daemon_routes_a_queued_run_to_its_pool(prod, tmp_path):
+    key = prod["summary"]["partition"]
+    # Steps in one process: the queue and the launcher are under test here, not the executor (the
+    # default multiprocess executor would start a Python per step: ~60 s instead of ~15 s).
+    config = tmp_path / "run_config.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load(prod["config"].read_text()), "execution": {"config": {"in_process": {}}}}))
+    bin_dir = Path(sys.executable).parent
+    launch = subprocess.run(
+        [str(bin_dir / "dagster"), "job", "launch", "-w", "workspace.yaml", "-j", "data_plane", "-c", str(config),
+         "--tags", json.dumps({"dagster/partition": key, "ft/dataset": key})],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert launch.returncode == 0, launch.stdout + launch.stderr
+
+    with dg.DagsterInstance.get() as instance:
+        queued = instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.QUEUED]))
+        assert len(queued) == 1, "dagster job launch should leave the run in PoolRunCoordinator's queue"
+        run_id = queued[0].run_id
+        assert queued[0].tags[POOL_TAG] == "cpu"
+        assert prod["db"].query("SELECT value FROM run_tags WHERE run_id = %s AND key = %s", run_id, POOL_TAG) == [("cpu",)]
+
+        daemon = _start_group([str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"], tmp_path / "daemon.log")
+        try:
+            deadline = time.monotonic() + DAEMON_TIMEOUT_S
+            while not instance.get_run_by_id(run_id).is_finished:
+                assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"run {run_id} not finished after {DAEMON_TIMEOUT_S:.0f} s"
+                time.sleep(1)
+        finally:
+            _kill_group(daemon)
+
+        run = instance.get_run_by_id(run_id)
+        log = [e.message for e in instance.all_logs(run_id)]
+        assert run.status == dg.DagsterRunStatus.SUCCESS, "\n".join(m for m in log if m)[-3000:]
+        assert any("routed this run to the cpu pool (DefaultRunLauncher)" in (m or "") for m in log)
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("tokenized_shards"), asset_partitions=[key]), limit=10
+        ).records
+        assert {r.run_id for r in records} == {prod["summary"]["runs"]["data"], run_id}
+
+
+# --- deploy/launchers: ECS and Kubernetes GPU pools ----------------------------------------------
+
+
+def launcher_block(name: str) -> dict:
+    path, _ = LAUNCHERS[name]
+    block = yaml.safe_load(path.read_text())["run_launcher"]
+    assert (block["module"], block["class"]) == ("ft_assets.control.launcher", "PoolRunLauncher"), path
+    return block
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_examples_match_the_launchers_own_schemas(name):
+    path, launcher_class = LAUNCHERS[name]
+    block = launcher_block(name)
+    assert process_config(convert_potential_field(PoolRunLauncher.config_type()).config_type, block["config"]).success
+    for pool in ("gpu", "cpu"):
+        spec = block["config"]["pools"][pool]
+        assert f"{spec['module']}.{spec['class']}".endswith(launcher_class.__name__), (path, pool)
+        schema = convert_potential_field(launcher_class.config_type()).config_type
+        result = process_config(schema, spec["config"])
+        assert result.success, f"{path.name} pools.{pool}: {[e.message for e in result.errors]}"
+        # The schema is strict where it matters: a misspelt key is an error, not a silent no-op.
+        assert not process_config(schema, {**spec["config"], "gpus": 1}).success
+
+
+def job_origin(job_name: str) -> JobPythonOrigin:
+    pointer = ModuleCodePointer("ft_assets.definitions", "defs", str(REPO))
+    return JobPythonOrigin(job_name, RepositoryPythonOrigin(sys.executable, pointer, container_image=IMAGE))
+
+
+def launch(instance, job_name: str, tags: dict, asset: str | None = None) -> dg.DagsterRun:
+    """Create a run like the queue daemon would hand it over and send it through PoolRunLauncher."""
+    run = create_run_for_test(
+        instance, job_name=job_name, job_code_origin=job_origin(job_name), tags=tags,
+        asset_selection=frozenset({dg.AssetKey(asset)}) if asset else None,
+    )
+    instance.run_launcher.launch_run(LaunchRunContext(run, None))
+    return instance.get_run_by_id(run.run_id)
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    from moto import mock_aws
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with mock_aws():
+        yield
+
+
+def ecs_account(block: dict) -> None:
+    """What the ECS example expects to exist: cluster, capacity providers, the two task definitions, a GPU host."""
+    import boto3
+
+    ec2, ecs = boto3.client("ec2"), boto3.client("ecs")
+    pools = block["config"]["pools"]
+    gpu_provider = pools["gpu"]["config"]["run_task_kwargs"]["capacityProviderStrategy"][0]["capacityProvider"]
+    ecs.create_capacity_provider(
+        name=gpu_provider,
+        autoScalingGroupProvider={
+            "autoScalingGroupArn": "arn:aws:autoscaling:us-east-1:123456789012:autoScalingGroup:0:autoScalingGroupName/ft-gpu",
+            "managedScaling": {"status": "ENABLED"},
+        },
+    )
+    ecs.create_cluster(clusterName=pools["gpu"]["config"]["run_task_kwargs"]["cluster"],
+                       capacityProviders=["FARGATE", "FARGATE_SPOT", gpu_provider])
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    for instance_type in ("g5.xlarge", "g5.12xlarge"):  # 1 and 4 GPUs: the spot pool's instance types
+        host = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType=instance_type)["Instances"][0]
+        ecs.register_container_instance(cluster="ft-assets", instanceIdentityDocument=json.dumps({"instanceId": host["InstanceId"]}))
+    ecs.register_task_definition(
+        family=pools["gpu"]["config"]["task_definition"], requiresCompatibilities=["EC2"], networkMode="bridge",
+        containerDefinitions=[{"name": "run", "image": IMAGE, "memory": 4096, "resourceRequirements": [{"type": "GPU", "value": "1"}]}],
+    )
+    ecs.register_task_definition(
+        family=pools["cpu"]["config"]["task_definition"], requiresCompatibilities=["FARGATE"], networkMode="awsvpc",
+        cpu="2048", memory="8192", containerDefinitions=[{"name": "run", "image": IMAGE, "memory": 8192}],
+    )
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    ec2.modify_vpc_attribute(VpcId=vpc, EnableDnsHostnames={"Value": True})  # awsvpc tasks get a private DNS name
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24")["Subnet"]["SubnetId"]
+    group = ec2.create_security_group(GroupName="ft-assets", Description="ft-assets runs", VpcId=vpc)["GroupId"]
+    for pool in pools.values():  # placeholder IDs in the example → the ones that exist in this account
+        network = pool["config"]["run_task_kwargs"].get("networkConfiguration")
+        if network:
+            network["awsvpcConfiguration"].update(subnets=[subnet], securityGroups=[group])
+
+
+def test_ecs_example_sends_training_to_spot_gpu_and_the_rest_to_fargate(aws):
+    import boto3
+
+    block = launcher_block("ecs")
+    ecs_account(block)
+    ecs = boto3.client("ecs")
+    with dg.instance_for_test(overrides={"run_launcher": block}) as instance:
+        pool_launcher = instance.run_launcher
+        assert isinstance(pool_launcher, PoolRunLauncher)
+        assert pool_launcher.launcher("gpu").task_definition.endswith(":task-definition/ft-assets-gpu:1")
+
+        training = launch(instance, "training_plane", {"dagster/partition": "toolcalls@v1"}, asset="lora_adapter")
+        bigger = launch(instance, "training_plane", {
+            "dagster/partition": "toolcalls@v1",
+            "ecs/container_overrides": json.dumps({"resourceRequirements": [{"type": "GPU", "value": "4"}]}),
+        }, asset="lora_adapter")
+        data = launch(instance, "data_plane", {"dagster/partition": "toolcalls@v1", "ft/plane": "data"})
+
+        def task(run):
+            return ecs.describe_tasks(cluster="ft-assets", tasks=[run.tags["ecs/task_arn"]], include=["TAGS"])["tasks"][0]
+
+        for run in (training, bigger):
+            assert run.tags[POOL_TAG] == "gpu"
+            gpu_task = task(run)
+            assert gpu_task["taskDefinitionArn"].endswith("task-definition/ft-assets-gpu:1")
+            assert gpu_task["capacityProviderName"] == "ft-assets-gpu-spot"
+            assert {"key": "ft/pool", "value": "gpu"} in gpu_task["tags"]
+            assert {"key": "dagster/partition", "value": "toolcalls@v1"} in gpu_task["tags"]
+        gpu_def = ecs.describe_task_definition(taskDefinition=task(training)["taskDefinitionArn"])["taskDefinition"]
+        assert gpu_def["containerDefinitions"][0]["resourceRequirements"] == [{"type": "GPU", "value": "1"}]
+        assert "resourceRequirements" not in task(training)["overrides"]["containerOverrides"][0]
+        override = task(bigger)["overrides"]["containerOverrides"][0]
+        assert override["name"] == "run" and override["resourceRequirements"] == [{"type": "GPU", "value": "4"}]
+        assert "execute_run" in override["command"]
+
+        assert data.tags[POOL_TAG] == "cpu"
+        cpu_task = task(data)
+        assert cpu_task["taskDefinitionArn"].endswith("task-definition/ft-assets-cpu:1")
+        assert cpu_task["capacityProviderName"] == "FARGATE_SPOT"
+        assert {"key": "ft/pool", "value": "cpu"} in cpu_task["tags"]
+
+
+class _KubeApiStub(BaseHTTPRequestHandler):
+    """Accepts Job creations like the API server and records their bodies (the kubernetes client's real wire format)."""
+
+    created: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.created.append((self.path, body))
+        reply = json.dumps(body).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def kube_api(tmp_path):
+    _KubeApiStub.created = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KubeApiStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig.yaml"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+        "clusters": [{"name": "stub", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "stub", "user": {}}],
+        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+    }))
+    try:
+        yield kubeconfig, _KubeApiStub.created
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_k8s_example_puts_training_on_a_spot_gpu_node(kube_api):
+    kubeconfig, created = kube_api
+    block = launcher_block("k8s")
+    for pool in block["config"]["pools"].values():
+        assert pool["config"]["load_incluster_config"] is True  # production: the daemon runs in the cluster
+        pool["config"].update(load_incluster_config=False, kubeconfig_file=str(kubeconfig))
+    with dg.instance_for_test(overrides={"run_launcher": block}) as instance:
+        training = launch(instance, "training_plane", {"dagster/partition": "toolcalls@v1"}, asset="lora_adapter")
+        data = launch(instance, "data_plane", {"dagster/partition": "toolcalls@v1", "ft/plane": "data"})
+    assert (training.tags[POOL_TAG], data.tags[POOL_TAG]) == ("gpu", "cpu")
+    assert [path for path, _ in created] == ["/apis/batch/v1/namespaces/ft-assets/jobs"] * 2
+    (_, gpu_job), (_, cpu_job) = created
+
+    gpu_pod = gpu_job["spec"]["template"]["spec"]
+    container = gpu_pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert gpu_pod["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in gpu_pod["tolerations"]
+    assert {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"} in gpu_pod["tolerations"]
+    assert gpu_pod["terminationGracePeriodSeconds"] == 120
+    assert gpu_pod["serviceAccountName"] == "ft-assets-run"
+    assert gpu_job["spec"]["backoffLimit"] == 0
+    assert gpu_job["metadata"]["labels"]["ft/pool"] == "gpu"
+    assert container["image"] == IMAGE  # the code location's own image wins over job_image
+    password = [e for e in container["env"] if e["name"] == "DAGSTER_PG_PASSWORD"]
+    assert password and password[0]["valueFrom"]["secretKeyRef"]["name"] == "ft-assets-postgresql"
+    assert {"configMapRef": {"name": "ft-assets-env"}} in container["envFrom"]
+
+    cpu_pod = cpu_job["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in json.dumps(cpu_pod["containers"][0]["resources"])
+    assert "nodeSelector" not in cpu_pod and "tolerations" not in cpu_pod
+    assert cpu_job["metadata"]["labels"]["ft/pool"] == "cpu"
