@@ -182,11 +182,29 @@ def data_summary(store, partition_key: str) -> dict:
     }
 
 
+def training_summary(store, partition_key: str) -> dict:
+    from ft_assets.resources import ref_key
+
+    adapter = store.get_json(ref_key(partition_key, "lora_adapter"))
+    stats = adapter["stats"]
+    return {
+        "train_loss": stats["train_loss"],
+        "eval_loss": stats["eval_loss"],
+        "steps": stats["steps"],
+        "resumed_from_step": stats["resumed_from_step"],
+        "effective_training_fraction": round(stats["effective_training_fraction"], 4),
+        "checkpoints": stats["checkpoints"],
+        "training_wall_seconds": round(stats["wall_seconds"], 1),
+        "training_method": stats["method"],
+        "adapter_uri": adapter["uri"],
+    }
+
+
 def cmd_run(args: argparse.Namespace) -> dict:
     ensure_home()
     import dagster as dg
 
-    from ft_assets.control.jobs import DATA_PLANE
+    from ft_assets.control.jobs import DATA_PLANE, TRAINING_PLANE
     from ft_assets.definitions import defs
     from ft_assets.storage import open_store
 
@@ -199,26 +217,44 @@ def cmd_run(args: argparse.Namespace) -> dict:
     requested = run_sensor(instance, defs, key)
     log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
     summary: dict = {"partition": key, "store": store.url, "dagster_home": os.environ["DAGSTER_HOME"], "runs": {}}
-    jobs = {"data": DATA_PLANE}
+    jobs = {"data": DATA_PLANE, "training": TRAINING_PLANE}
+    summaries = {"data": data_summary, "training": training_summary}
     for plane in PLANES[: PLANES.index(args.until) + 1]:
         if plane not in jobs:
             log(f"the {plane} plane is not available in this version of ft-assets; stopping here")
             break
         job = defs.resolve_job_def(jobs[plane])
+        summary["runs"][plane] = run_plane(instance, job, key, plane_run_config(job, run_config))
+        summary.update(summaries[plane](store, key))
+    return summary
+
+
+def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
+    """Execute one plane's job for a partition; like the daemon's run retries, a preempted run is rerun.
+
+    Returns the run ids (more than one when a preempted run was retried and resumed).
+    """
+    from ft_assets.training.assets import PREEMPTED_TAG
+
+    retries = int(job.tags.get("dagster/max_retries", 0))
+    run_ids = []
+    while True:
         log(f"running {job.name} for {key} ...")
         result = job.execute_in_process(
             instance=instance,
             partition_key=key,
-            run_config=plane_run_config(job, run_config),
+            run_config=run_config,
             tags={"ft/dataset": key, "ft/launched-by": "ft-assets-cli"},
             raise_on_error=False,
         )
-        summary["runs"][plane] = result.run_id
-        if not result.success:
-            raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
-        if plane == "data":
-            summary.update(data_summary(store, key))
-    return summary
+        run_ids.append(result.run_id)
+        if result.success:
+            return run_ids
+        preempted = instance.get_run_by_id(result.run_id).tags.get(PREEMPTED_TAG) == "true"
+        if preempted and len(run_ids) <= retries:
+            log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
+            continue
+        raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
 
 
 def log(message: str) -> None:
@@ -236,6 +272,13 @@ def print_summary(summary: dict) -> None:
             f"  train/eval rows {summary['train_rows']}/{summary['eval_rows']}, tokens {summary['tokens']}, "
             f"packing efficiency {summary['packing_efficiency']:.4f}",
             f"  token shards: {summary['artifacts']['tokenized_shards']}",
+        ]
+    if "steps" in summary:
+        lines += [
+            f"  training ({summary['training_method']}): {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
+            f"eval loss {summary['eval_loss']:.4f}, resumed from step {summary['resumed_from_step'] or 0}",
+            f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
+            f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
         ]
     lines += [
         f"  Dagster instance: {summary['dagster_home']} — open the UI with `make ui` (http://127.0.0.1:3000)",

@@ -19,4 +19,16 @@ data_plane = dg.define_asset_job(
     tags={"ft/plane": "data"},
 )
 
-PLANE_JOBS = [data_plane]
+training_plane = dg.define_asset_job(
+    TRAINING_PLANE,
+    selection=dg.AssetSelection.assets("lora_adapter"),
+    description="fine-tune one dataset version on the GPU pool; retried from the last checkpoint after preemption.",
+    tags={
+        "ft/plane": "training",
+        "ft/pool": "gpu",
+        "dagster/max_retries": "3",  # a spot worker can be reclaimed several times in one run
+        "dagster/retry_strategy": "ALL_STEPS",
+    },
+)
+
+PLANE_JOBS = [data_plane, training_plane]

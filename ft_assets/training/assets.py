@@ -1,16 +1,34 @@
-"""Training-plane assets (group ``training``): the base model and the fine-tuned adapter."""
+"""Training-plane assets (group ``training``): the base model and the fine-tuned adapter.
+
+``lora_adapter`` is the only asset that needs a GPU (the run launcher sends it to the ``gpu`` pool).
+It is stateless: everything it needs comes from the store (base model, shards, the latest complete
+checkpoint of its run), so any worker can pick a run up after a preemption. On SIGTERM it
+checkpoints, then fails with ``ft/preempted`` so that Dagster's run retry starts it again elsewhere.
+"""
 
 
+import json
+import os
+import sys
 import time
+from pathlib import Path
+from types import UnionType
+from typing import Literal, Optional, Union, get_args, get_origin
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, ValidationError, create_model
 
-from ft_assets.artifacts import make_ref, ref_metadata
-from ft_assets.partitions import dataset_version
+from ft_assets.artifacts import make_ref, publish, ref_metadata
+from ft_assets.partitions import DatasetVersion, dataset_version
+from ft_assets.plots import line_chart
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.storage import ArtifactNotFound, ArtifactCorrupt, publish_dir, read_manifest, verify_artifact
+from ft_assets.storage import ArtifactCorrupt, ArtifactNotFound, fetch_artifact, join_key, publish_dir, read_manifest, verify_artifact
 from ft_assets.training import base_model as bm
+from ft_assets.training.checkpoints import run_id, run_prefix
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.recipe import EXIT_PREEMPTED, Preempted, train
+
+PREEMPTED_TAG = "ft/preempted"
 
 
 class BaseModelConfig(dg.Config):
@@ -77,5 +95,145 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
             "source_sha256": fingerprint,
             "cached": cached,
             "duration_s": round(time.perf_counter() - started, 3),
+        },
+    )
+
+
+def _launchpad_type(annotation):
+    """Dagster config has no Literal: show the choices as a str (TrainingConfig validates them)."""
+    if get_origin(annotation) is Literal:
+        return str
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, UnionType) and len(args) == 1:
+        return Optional[_launchpad_type(args[0])]
+    return annotation
+
+
+# The launchpad form for lora_adapter, derived from TrainingConfig so the two can never drift apart.
+LoraAdapterConfig = create_model(
+    "LoraAdapterConfig",
+    __base__=dg.Config,
+    **{
+        name: (
+            _launchpad_type(field.annotation),
+            Field(default=field.get_default(call_default_factory=True), description=field.description),
+        )
+        for name, field in TrainingConfig.model_fields.items()
+    },
+)
+
+
+def _training_config(config) -> TrainingConfig:
+    try:
+        return TrainingConfig(**config.model_dump())
+    except ValidationError as exc:
+        raise dg.Failure(f"lora_adapter config: {exc}") from exc
+
+
+def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path) -> dict:
+    """``accelerate launch`` of the recipe, driven with dagster-pipes; rank 0 alone reports and uploads."""
+    result_path = work / "result.json"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", str(training.num_processes), "--num_machines", "1",
+        "--main_process_port", str(free_port()),
+        "-m", "ft_assets.training.recipe",
+        "--config", training.model_dump_json(), "--base-model", str(base_dir), "--shards", str(shards_dir),
+        "--store", objects.url, "--run-prefix", prefix, "--work-dir", str(work / "run"),
+        "--result", str(result_path), "--pipes",
+    ]  # fmt: skip
+    try:
+        dg.PipesSubprocessClient().run(command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    except dg.DagsterPipesExecutionError as exc:
+        if f"exit code {EXIT_PREEMPTED}" in str(exc) or f"code {EXIT_PREEMPTED}" in str(exc):
+            raise Preempted(-1, None) from exc
+        raise
+    result = json.loads(result_path.read_text())
+    result["output_dir"] = Path(result["output_dir"])
+    return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dg.asset(
+    partitions_def=dataset_version,
+    group_name="training",
+    io_manager_key="refs",
+    kinds={"pytorch"},
+    tags={"ft/pool": "gpu"},
+)
+def lora_adapter(
+    context: dg.AssetExecutionContext,
+    config: LoraAdapterConfig,
+    store: ObjectStoreResource,
+    tokenized_shards: dict,
+    base_model: dict,
+) -> dg.Output[dict]:
+    """LoRA / QLoRA / full fine-tune on the packed shards; checkpoints to the store, resumes after preemption."""
+    started = time.monotonic()
+    training = _training_config(config)
+    version = DatasetVersion.from_key(context.partition_key)
+    run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])
+    prefix = run_prefix(version.name, version.version, run)
+    objects = store.open()
+    with store.scratch("train") as work:
+        context.log.info(f"fetching base model and shards for run {run}")
+        fetch_artifact(objects, base_model["prefix"], work / "base")
+        fetch_artifact(objects, tokenized_shards["prefix"], work / "shards")
+        try:
+            if training.num_processes > 1:
+                result = _train_distributed(context, training, work / "base", work / "shards", objects, prefix, work)
+            else:
+                result = train(
+                    training, work / "base", work / "shards", objects, prefix, work / "run",
+                    log=context.log.info, started_at=started,
+                ).to_json()  # fmt: skip
+                result["output_dir"] = Path(result["output_dir"])
+        except Preempted as exc:
+            context.instance.add_run_tags(context.run_id, {PREEMPTED_TAG: "true"})
+            raise dg.Failure(
+                description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {objects.uri(prefix)}.",
+                metadata={"preempted": True, "run_prefix": objects.uri(prefix)},
+                allow_retries=True,
+            ) from exc
+        except (ValueError, FileNotFoundError) as exc:
+            raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+        stats = {
+            key: result[key]
+            for key in (
+                "method", "device", "steps", "train_loss", "eval_loss", "tokens_seen", "wall_seconds", "step_seconds",
+                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
+            )
+        }  # fmt: skip
+        stats["run_id"] = run
+        stats["seq_len"] = tokenized_shards["stats"]["seq_len"]
+        ref = publish(
+            objects, "lora_adapter", context.partition_key, join_key(prefix, "final"), result["output_dir"], stats,
+            {"tokenized_shards": tokenized_shards, "base_model": base_model},
+            training_config=training.model_dump(), run_prefix=prefix, checkpoint=(result["checkpoints"] or [None])[-1],
+        )  # fmt: skip
+    history = [tuple(point) for point in result["loss_history"]]
+    return dg.Output(
+        ref,
+        metadata={
+            **ref_metadata(ref),
+            "method": stats["method"],
+            "device": stats["device"],
+            "steps": stats["steps"],
+            "train_loss": dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
+            "eval_loss": dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
+            "tokens_seen": stats["tokens_seen"],
+            "wall_seconds": round(stats["wall_seconds"], 1),
+            "effective_training_fraction": dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
+            "resumed_from_step": stats["resumed_from_step"] or 0,
+            "checkpoints": dg.MetadataValue.json(stats["checkpoints"]),
+            "loss_curve": dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
+            "run_id": run,
         },
     )

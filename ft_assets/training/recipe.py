@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import signal
 import sys
@@ -638,22 +639,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-prefix", required=True, help="runs/<name>/<version>/train/<run_id>")
     parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
     parser.add_argument("--result", type=Path, help="write the TrainingResult here as JSON (rank 0)")
+    parser.add_argument("--pipes", action="store_true", help="report to Dagster through dagster-pipes (rank 0 only)")
     args = parser.parse_args(argv)
 
     raw = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
     config = TrainingConfig.model_validate_json(raw)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    try:
-        result = train(config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log)
-    except Preempted as exc:
-        log(str(exc))
-        return EXIT_PREEMPTED
     from accelerate import PartialState
 
-    if args.result and PartialState().is_main_process:
+    is_main = PartialState().is_main_process
+    pipes = nullcontext(None)
+    if args.pipes:
+        if is_main:
+            from dagster_pipes import open_dagster_pipes
+
+            pipes = open_dagster_pipes()
+        else:  # only rank 0 talks to Dagster: the other ranks drop the Pipes channel they inherited
+            for name in [n for n in os.environ if n.startswith("DAGSTER_PIPES_")]:
+                del os.environ[name]
+
+    with pipes as channel:
+
+        def log(line: str) -> None:
+            if channel is not None:
+                channel.log.info(line)
+            else:
+                print(line, flush=True)
+
+        try:
+            result = train(config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log)
+        except Preempted as exc:
+            log(str(exc))
+            return EXIT_PREEMPTED
+    if args.result and is_main:
         args.result.write_text(json.dumps(result.to_json(), indent=2))
     return 0
 

@@ -1,0 +1,178 @@
+"""GPU-aware run routing: training runs go to the ``gpu`` pool, everything else to the ``cpu`` pool.
+
+Two pieces, both configured in ``dagster.yaml``:
+
+- ``PoolRunCoordinator`` (a ``QueuedRunCoordinator``) decides a run's pool when it is submitted and
+  writes it as the run tag ``ft/pool``, so the queue's ``tag_concurrency_limits`` can cap GPU runs at
+  the pool's size (slots = GPUs you are willing to rent at once). It rejects, with a message in the
+  run's log, a run that mixes GPU assets with CPU assets: such a run would either hold a GPU while
+  it cleans data or train on a CPU box. Materialize the planes separately instead (each plane has
+  its own job, and `ft-assets run` and the automation sensors already do that).
+- ``PoolRunLauncher`` wraps one ordinary Dagster launcher per pool (locally ``DefaultRunLauncher``
+  for both; in production ``EcsRunLauncher`` with a GPU task definition or ``K8sRunLauncher`` with
+  ``nvidia.com/gpu`` limits for ``gpu``) and hands each run to the launcher of its pool.
+
+Why not just tag the training job: asset tags do not become run tags, so a training asset
+materialized ad hoc from the UI arrives as an anonymous asset job. The routing therefore looks at,
+in order: an explicit ``ft/pool`` run tag, the run's asset selection, the ``ft/plane`` job tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from dagster import Array, Field, Permissive, Shape, _check as check
+from dagster._core.launcher.base import CheckRunHealthResult, LaunchRunContext, RunLauncher, WorkerStatus
+from dagster._core.run_coordinator.base import SubmitRunContext
+from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordinator
+from dagster._core.storage.dagster_run import DagsterRun
+from dagster._serdes import ConfigurableClass, ConfigurableClassData
+
+POOL_TAG = "ft/pool"
+PLANE_TAG = "ft/plane"
+GPU, CPU, ANY = "gpu", "cpu", "any"
+DEFAULT_GPU_ASSETS = ("lora_adapter",)  # the only step that needs an accelerator
+DEFAULT_ANY_ASSETS = ("base_model", "training_plan")  # cheap, needed by both sides: never force a pool
+
+
+class MixedPoolRun(ValueError):
+    pass
+
+
+def pool_for_run(
+    tags: Mapping[str, str],
+    asset_keys: Iterable[str] | None,
+    gpu_assets: Iterable[str] = DEFAULT_GPU_ASSETS,
+    any_assets: Iterable[str] = DEFAULT_ANY_ASSETS,
+) -> str:
+    """``gpu`` or ``cpu`` for a run; raises ``MixedPoolRun`` when it selects GPU and CPU assets together."""
+    if tags.get(POOL_TAG) in (GPU, CPU):
+        return tags[POOL_TAG]
+    if asset_keys:
+        names = {key.split("/")[-1] for key in asset_keys}
+        gpu = names & set(gpu_assets)
+        cpu = names - set(gpu_assets) - set(any_assets)
+        if gpu and cpu:
+            raise MixedPoolRun(
+                f"this run selects GPU assets ({', '.join(sorted(gpu))}) together with CPU assets "
+                f"({', '.join(sorted(cpu))}); materialize them in separate runs (one plane per run) so the "
+                "GPU worker only trains"
+            )
+        if gpu:
+            return GPU
+        if cpu:
+            return CPU
+    return GPU if tags.get(PLANE_TAG) == "training" else CPU
+
+
+def _asset_names(run: DagsterRun) -> list[str] | None:
+    if not run.asset_selection:
+        return None
+    return ["/".join(key.path) for key in run.asset_selection]
+
+
+class PoolRunCoordinator(QueuedRunCoordinator):
+    """A ``QueuedRunCoordinator`` that tags each run with its pool on submission (see module doc)."""
+
+    def __init__(self, gpu_assets=None, any_assets=None, **kwargs):
+        self.gpu_assets = tuple(gpu_assets or DEFAULT_GPU_ASSETS)
+        self.any_assets = tuple(any_assets or DEFAULT_ANY_ASSETS)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def config_type(cls):
+        base = dict(super().config_type())
+        base["gpu_assets"] = Field(Array(str), is_required=False, description="Asset names that need the gpu pool.")
+        base["any_assets"] = Field(Array(str), is_required=False, description="Asset names that may run in either pool.")
+        return base
+
+    @classmethod
+    def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]):
+        config = dict(config_value)
+        return cls(inst_data=inst_data, gpu_assets=config.pop("gpu_assets", None), any_assets=config.pop("any_assets", None), **config)
+
+    def submit_run(self, context: SubmitRunContext) -> DagsterRun:
+        run = context.dagster_run
+        try:
+            pool = pool_for_run(run.tags, _asset_names(run), self.gpu_assets, self.any_assets)
+        except MixedPoolRun as exc:
+            self._instance.report_engine_event(f"ft-assets refused this run: {exc}", run, cls=self.__class__)
+            self._instance.report_run_failed(run)
+            return self._instance.get_run_by_id(run.run_id)
+        if run.tags.get(POOL_TAG) != pool:
+            self._instance.add_run_tags(run.run_id, {POOL_TAG: pool})
+            run = self._instance.get_run_by_id(run.run_id)
+        return super().submit_run(SubmitRunContext(run, context.workspace))
+
+
+class PoolRunLauncher(RunLauncher, ConfigurableClass):
+    """Delegates each run to the launcher of its pool (``pools.gpu`` / ``pools.cpu`` in dagster.yaml)."""
+
+    def __init__(self, pools: Mapping[str, Mapping[str, Any]], inst_data: ConfigurableClassData | None = None):
+        self._inst_data = inst_data
+        missing = {GPU, CPU} - set(pools)
+        check.invariant(not missing, f"PoolRunLauncher needs pools {sorted(missing)} in dagster.yaml")
+        self._pool_specs = pools
+        self._launchers: dict[str, RunLauncher] = {}
+        super().__init__()
+
+    @property
+    def inst_data(self):
+        return self._inst_data
+
+    @classmethod
+    def config_type(cls):
+        launcher = Shape({"module": str, "class": str, "config": Field(Permissive(), is_required=False, default_value={})})
+        return {"pools": Shape({GPU: launcher, CPU: launcher})}
+
+    @classmethod
+    def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]):
+        return cls(pools=config_value["pools"], inst_data=inst_data)
+
+    def launcher(self, pool: str) -> RunLauncher:
+        if pool not in self._launchers:
+            spec = self._pool_specs[pool]
+            inner = ConfigurableClassData(spec["module"], spec["class"], yaml.safe_dump(dict(spec.get("config") or {}))).rehydrate(
+                as_type=RunLauncher
+            )
+            inner.register_instance(self._instance)
+            self._launchers[pool] = inner
+        return self._launchers[pool]
+
+    def _pool_of(self, run: DagsterRun) -> str:
+        return pool_for_run(run.tags, _asset_names(run))
+
+    def launch_run(self, context: LaunchRunContext) -> None:
+        run = context.dagster_run
+        pool = self._pool_of(run)
+        inner = self.launcher(pool)
+        self._instance.add_run_tags(run.run_id, {POOL_TAG: pool})
+        self._instance.report_engine_event(
+            f"ft-assets routed this run to the {pool} pool ({type(inner).__name__})", run, cls=self.__class__
+        )
+        inner.launch_run(LaunchRunContext(self._instance.get_run_by_id(run.run_id), context.workspace))
+
+    def terminate(self, run_id: str) -> bool:
+        run = self._instance.get_run_by_id(run_id)
+        return bool(run) and self.launcher(self._pool_of(run)).terminate(run_id)
+
+    @property
+    def supports_check_run_worker_health(self) -> bool:
+        return all(self.launcher(pool).supports_check_run_worker_health for pool in (GPU, CPU))
+
+    def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
+        inner = self.launcher(self._pool_of(run))
+        if not inner.supports_check_run_worker_health:
+            return CheckRunHealthResult(WorkerStatus.UNKNOWN, "pool launcher does not report worker health")
+        return inner.check_run_worker_health(run)
+
+    def dispose(self) -> None:
+        for inner in self._launchers.values():
+            inner.dispose()
+
+    def join(self, timeout: int = 30) -> None:
+        for inner in self._launchers.values():
+            inner.join(timeout)
