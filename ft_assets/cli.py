@@ -30,8 +30,9 @@ class CliError(RuntimeError):
 
 def ensure_home() -> Path:
     """Default FT_HOME=./var and DAGSTER_HOME=$FT_HOME/dagster_home, seeded with the project's dagster.yaml."""
-    ft_home = Path(os.environ.setdefault("FT_HOME", str(Path("var").resolve()))).resolve()
-    dagster_home = Path(os.environ.setdefault("DAGSTER_HOME", str(ft_home / "dagster_home"))).resolve()
+    ft_home = Path(os.environ.get("FT_HOME") or "var").resolve()
+    dagster_home = Path(os.environ.get("DAGSTER_HOME") or ft_home / "dagster_home").resolve()
+    os.environ["FT_HOME"], os.environ["DAGSTER_HOME"] = str(ft_home), str(dagster_home)  # Dagster wants absolute paths
     dagster_home.mkdir(parents=True, exist_ok=True)
     target = dagster_home / "dagster.yaml"
     if not target.exists() and (REPO_ROOT / "dagster.yaml").is_file():

@@ -6,14 +6,16 @@ from ft_assets.control.jobs import PLANE_JOBS
 from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.data import assets as data_assets
 from ft_assets.data import checks as data_checks
+from ft_assets.delivery import assets as delivery_assets
+from ft_assets.delivery import checks as delivery_checks
 from ft_assets.resources import ArtifactRefIOManager, ObjectStoreResource
 from ft_assets.training import assets as training_assets
 
 store = ObjectStoreResource()
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([data_assets, training_assets]),
-    asset_checks=dg.load_asset_checks_from_modules([data_checks]),
+    assets=dg.load_assets_from_modules([data_assets, training_assets, delivery_assets]),
+    asset_checks=dg.load_asset_checks_from_modules([data_checks, delivery_checks]),
     jobs=PLANE_JOBS,
     sensors=[dataset_version_sensor],
     resources={"store": store, "refs": ArtifactRefIOManager(store=store)},

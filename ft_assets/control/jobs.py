@@ -31,4 +31,11 @@ training_plane = dg.define_asset_job(
     },
 )
 
-PLANE_JOBS = [data_plane, training_plane]
+delivery_plane = dg.define_asset_job(
+    DELIVERY_PLANE,
+    selection=dg.AssetSelection.groups("delivery"),
+    description="merge → GGUF → evaluate (blocking gate) → publish one dataset version (CPU).",
+    tags={"ft/plane": "delivery"},
+)
+
+PLANE_JOBS = [data_plane, training_plane, delivery_plane]

@@ -1,0 +1,261 @@
+"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish.
+
+No GPU time is spent here: merging, export and evaluation of a small-to-mid model run on CPU
+workers while the GPU pool trains the next version. Artifacts go to
+``runs/<name>/<version>/delivery/<run>/``; only a model that passed the eval gate is copied to the
+registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import dagster as dg
+
+from ft_assets.artifacts import make_ref, publish, ref_metadata
+from ft_assets.data.rows import iter_records
+from ft_assets.delivery import evaluate as ev
+from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig
+from ft_assets.delivery.gguf_export import SUPPORTED_QTYPES, export_gguf, verify_gguf, write_modelfile
+from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
+from ft_assets.delivery.publish import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, push_to_hub
+from ft_assets.partitions import DatasetVersion, dataset_version
+from ft_assets.plots import bar_chart
+from ft_assets.resources import ObjectStoreResource, ref_key
+from ft_assets.storage import ArtifactNotFound, fetch_artifact, join_key, read_manifest
+
+DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
+
+
+def _delivery_prefix(partition: str, adapter: dict, what: str) -> str:
+    return join_key(DatasetVersion.from_key(partition).run_prefix, "delivery", adapter["stats"]["run_id"], what)
+
+
+@dg.asset(**DELIVERY, kinds={"pytorch", "safetensors"})
+def merged_model(
+    context: dg.AssetExecutionContext, config: MergeConfig, store: ObjectStoreResource, lora_adapter: dict, base_model: dict
+) -> dg.Output[dict]:
+    """The adapter folded into a full-precision copy of the base (never a 4-bit one): safetensors + tokenizer."""
+    started = time.perf_counter()
+    objects = store.open()
+    with store.scratch("merge") as work:
+        fetch_artifact(objects, lora_adapter["prefix"], work / "adapter")
+        out = work / "merged"
+        if lora_adapter["stats"]["method"] == "full":
+            shutil.copytree(work / "adapter", out)
+            stats = {"dtype": "as trained", "method": "full"}
+        else:
+            fetch_artifact(objects, base_model["prefix"], work / "base")
+            context.log.info(f"merging the {lora_adapter['stats']['method']} adapter into a {config.dtype} base")
+            stats = merge_adapter(work / "base", work / "adapter", out, config.dtype)
+            stats["method"] = lora_adapter["stats"]["method"]
+        copy_tokenizer(work / "adapter", out)
+        ref = publish(
+            objects, "merged_model", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "merged"),
+            out, stats, {"lora_adapter": lora_adapter, "base_model": base_model},
+        )  # fmt: skip
+    return dg.Output(ref, metadata={**ref_metadata(ref), "dtype": stats["dtype"], "duration_s": round(time.perf_counter() - started, 3)})
+
+
+@dg.asset(**DELIVERY, kinds={"gguf"})
+def gguf_model(
+    context: dg.AssetExecutionContext, config: GgufConfig, store: ObjectStoreResource, merged_model: dict, lora_adapter: dict
+) -> dg.Output[dict]:
+    """GGUF files (llama.cpp / Ollama) with tokenizer and chat template embedded, each verified against the merged logits."""
+    started = time.perf_counter()
+    unknown = sorted(set(config.qtypes) - set(SUPPORTED_QTYPES))
+    if unknown or not config.qtypes:
+        raise dg.Failure(f"gguf_model config qtypes={config.qtypes}: choose from {', '.join(SUPPORTED_QTYPES)}")
+    objects = store.open()
+    version = DatasetVersion.from_key(context.partition_key)
+    with store.scratch("gguf") as work:
+        fetch_artifact(objects, merged_model["prefix"], work / "merged")
+        out = work / "gguf"
+        out.mkdir()
+        files, rows = {}, []
+        for qtype in config.qtypes:
+            name = f"{version.name}-{version.version}-{qtype}.gguf"
+            written = export_gguf(work / "merged", out / name, qtype, name=f"{version.name}-{version.version}")
+            entry = {"qtype": qtype, "bytes": written["bytes"], "sha256": written["sha256"]}
+            if config.verify:
+                report = verify_gguf(work / "merged", out / name, qtype)
+                entry.update({k: report[k] for k in ("rel_error", "top1_agreement", "tolerance", "tokens_match", "ok")})
+                if not report["ok"]:
+                    raise dg.Failure(
+                        f"{name} does not reproduce the merged model: rel_error {report['rel_error']:.4f} (tolerance "
+                        f"{report['tolerance']}), tokens match {report['tokens_match']}, chat template {report['chat_template_match']}",
+                        metadata={k: str(v) for k, v in report.items()},
+                    )
+            context.log.info(f"{name}: {written['bytes'] / 1e6:.1f} MB" + (f", rel. logit error {entry['rel_error']:.2e}" if config.verify else ""))
+            files[name] = entry
+            rows.append(
+                f"| {name} | {qtype} | {written['bytes'] / 1e6:.1f} | "
+                + (f"{entry['rel_error']:.2e} | {entry['top1_agreement']:.1%} |" if config.verify else "– | – |")
+            )
+        first = next(iter(files))
+        write_modelfile(first, out / "Modelfile", system=config.system_prompt or None)
+        smoke = llamacpp_smoke(out / first)
+        stats = {"files": files, "modelfile": "Modelfile", "llamacpp_smoke": smoke}
+        ref = publish(
+            objects, "gguf_model", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "gguf"),
+            out, stats, {"merged_model": merged_model},
+        )  # fmt: skip
+    table = "| file | type | MB | rel. logit error | top-1 agreement |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+    return dg.Output(
+        ref,
+        metadata={
+            **ref_metadata(ref),
+            "files": dg.MetadataValue.md(table),
+            "llamacpp_smoke": smoke,
+            "duration_s": round(time.perf_counter() - started, 3),
+        },
+    )
+
+
+def llamacpp_smoke(path: Path) -> str:
+    """Load the GGUF in llama.cpp and generate a few tokens, when the optional [llamacpp] extra is installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return "not run: install the optional extra ft-assets[llamacpp] (llama-cpp-python)"
+    model = Llama(model_path=str(path), n_ctx=256, verbose=False)
+    reply = model.create_chat_completion(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+    text = reply["choices"][0]["message"]["content"]
+    return f"ok: llama.cpp answered {text!r}"
+
+
+@dg.asset(**DELIVERY, kinds={"pytorch"})
+def eval_report(
+    context: dg.AssetExecutionContext,
+    config: EvalConfig,
+    store: ObjectStoreResource,
+    merged_model: dict,
+    base_model: dict,
+    train_eval_split: dict,
+    tokenized_shards: dict,
+    lora_adapter: dict,
+) -> dg.Output[dict]:
+    """Base vs fine-tuned on the fixed eval split: eval loss, perplexity, the task metric, answers side by side."""
+    started = time.perf_counter()
+    if config.metric not in ev.METRICS:
+        raise dg.Failure(f"eval_report config metric={config.metric!r}: choose one of {', '.join(ev.METRICS)}")
+    from transformers import AutoTokenizer
+
+    objects = store.open()
+    with store.scratch("eval") as work:
+        fetch_artifact(objects, train_eval_split["prefix"], work / "split", include=lambda rel: rel == "eval.parquet")
+        fetch_artifact(objects, tokenized_shards["prefix"], work / "shards", include=lambda rel: rel.startswith("eval-"))
+        examples = ev.eval_examples(list(iter_records(work / "split" / "eval.parquet")), config.max_examples)
+        if not examples:
+            raise dg.Failure(f"{context.partition_key}: the eval split is empty; raise train_eval_split.eval_fraction")
+        scores = {}
+        for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
+            fetch_artifact(objects, ref["prefix"], work / label)
+            tokenizer = AutoTokenizer.from_pretrained(work / label, trust_remote_code=False)
+            model = load_full_precision(work / label)
+            context.log.info(f"scoring the {label} model on {len(examples)} eval conversations ({config.metric})")
+            scores[label] = ev.score_model(model, tokenizer, examples, work / "shards", config.metric, config.max_new_tokens, context.log.info)
+            del model
+        base, tuned = scores["base"], scores["fine-tuned"]
+        improvement = tuned.metric - base.metric
+        stats = {
+            "metric_name": config.metric,
+            "base_metric": base.metric,
+            "finetuned_metric": tuned.metric,
+            "improvement": improvement,
+            "min_improvement": config.min_improvement,
+            "passed": improvement >= config.min_improvement,
+            "base_eval_loss": base.eval_loss,
+            "finetuned_eval_loss": tuned.eval_loss,
+            "base_perplexity": base.perplexity,
+            "finetuned_perplexity": tuned.perplexity,
+            "examples": len(examples),
+        }
+        samples = [
+            {"source": e.source, "reference": e.reference, "base": a, "fine-tuned": b}
+            for e, a, b in zip(examples, base.answers, tuned.answers)
+        ]
+        out = work / "report"
+        out.mkdir()
+        (out / "report.json").write_text(json.dumps({"stats": stats, "answers": samples}, indent=2))
+        ref = publish(
+            objects, "eval_report", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "eval"),
+            out, stats, {"merged_model": merged_model, "base_model": base_model, "train_eval_split": train_eval_split},
+        )  # fmt: skip
+    context.log.info(
+        f"{config.metric}: base {base.metric:.3f} → fine-tuned {tuned.metric:.3f}; eval loss {base.eval_loss:.4f} → {tuned.eval_loss:.4f}"
+    )
+    summary = (
+        f"| | base | fine-tuned |\n| --- | --- | --- |\n"
+        f"| {config.metric} | {base.metric:.3f} | {tuned.metric:.3f} |\n"
+        f"| eval loss | {base.eval_loss:.4f} | {tuned.eval_loss:.4f} |\n"
+        f"| perplexity | {base.perplexity:.2f} | {tuned.perplexity:.2f} |"
+    )
+    chart = bar_chart({config.metric: {"base": base.metric, "fine-tuned": tuned.metric}}, f"{config.metric} on {len(examples)} eval prompts", config.metric)
+    return dg.Output(
+        ref,
+        metadata={
+            **ref_metadata(ref),
+            "comparison": dg.MetadataValue.md(summary),
+            "chart": dg.MetadataValue.md(chart),
+            "answers": dg.MetadataValue.md(ev.comparison_table(examples, base, tuned)),
+            "base_metric": dg.MetadataValue.float(base.metric),
+            "finetuned_metric": dg.MetadataValue.float(tuned.metric),
+            "base_eval_loss": dg.MetadataValue.float(base.eval_loss),
+            "finetuned_eval_loss": dg.MetadataValue.float(tuned.eval_loss),
+            "duration_s": round(time.perf_counter() - started, 3),
+        },
+    )
+
+
+@dg.asset(**DELIVERY, kinds={"python"}, deps=["gguf_model"])
+def published_model(
+    context: dg.AssetExecutionContext, config: PublishConfig, store: ObjectStoreResource, eval_report: dict, lora_adapter: dict
+) -> dg.Output[dict]:
+    """The gated model in the registry with its lineage manifest; a published run is never overwritten."""
+    stats = eval_report["stats"]
+    if not stats["passed"]:
+        raise dg.Failure(
+            f"not publishing {context.partition_key}: fine-tuned {stats['metric_name']} {stats['finetuned_metric']:.3f} does not beat "
+            f"base {stats['base_metric']:.3f} by {stats['min_improvement']:.3f} (see eval_report)"
+        )
+    objects = store.open()
+    version = DatasetVersion.from_key(context.partition_key)
+    prefix = join_key(version.registry_prefix, lora_adapter["stats"]["run_id"])
+    refs = {name: objects.get_json(ref_key(context.partition_key, name)) for name in LINEAGE_CHAIN}
+    try:
+        existing = read_manifest(objects, prefix)
+    except ArtifactNotFound:
+        existing = None
+    with store.scratch("publish") as work:
+        out = work / "published"
+        if existing is not None:
+            context.log.warning(f"{objects.uri(prefix)} is already published; not overwriting it")
+            fetch_artifact(objects, prefix, out, include=lambda rel: rel == LINEAGE_FILE)
+            lineage = json.loads((out / LINEAGE_FILE).read_text())
+            ref = make_ref(objects, "published_model", context.partition_key, existing, {"already_published": True}, {})
+        else:
+            fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
+            fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
+            fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
+            lineage = build_lineage(context.partition_key, refs, objects.uri(prefix))
+            (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+            ref = publish(
+                objects, "published_model", context.partition_key, prefix, out, {"already_published": False},
+                {name: refs[name] for name in ("eval_report", "gguf_model", "merged_model", "lora_adapter")},
+            )  # fmt: skip
+        if config.hub_repo_id:
+            push_to_hub(out, config.hub_repo_id, os.environ.get("HF_TOKEN"), config.hub_dry_run, log=context.log.info)
+    return dg.Output(
+        ref,
+        metadata={
+            **ref_metadata(ref),
+            "code_version": lineage["code_version"],
+            "lineage": dg.MetadataValue.md(
+                "\n".join(f"- **{a['asset']}** `{a['digest'][:12]}` {a['uri']}" for a in lineage["artifacts"])
+            ),
+            "already_published": existing is not None,
+        },
+    )

@@ -1,0 +1,102 @@
+import json
+
+import pytest
+import torch
+
+from ft_assets.delivery.evaluate import EvalExample, eval_examples, exact_match, rouge_l, token_f1
+from ft_assets.delivery.merge import merge_adapter
+from ft_assets.delivery.publish import LINEAGE_CHAIN, build_lineage, hub_upload_plan, push_to_hub
+
+METRIC_CASES = [
+    ("exact", exact_match, '{"a": 1}', ' {"a": 1}\n', 1.0),
+    ("exact-differs", exact_match, '{"a": 1}', '{"a": 2}', 0.0),
+    ("f1-partial", token_f1, "the cat sat", "the cat ran", 2 / 3),
+    ("f1-disjoint", token_f1, "a b", "c d", 0.0),
+    ("f1-empty-both", token_f1, "", "", 1.0),
+    ("f1-repeats", token_f1, "a a a", "a", 0.5),
+    ("rouge-order", rouge_l, "a b c d", "a c d", 2 * (3 / 4) * 1 / (3 / 4 + 1)),
+    ("rouge-same", rouge_l, "x y", "x y", 1.0),
+    ("rouge-none", rouge_l, "x", "y", 0.0),
+]
+
+
+@pytest.mark.parametrize("name,fn,prediction,reference,expected", METRIC_CASES, ids=[c[0] for c in METRIC_CASES])
+def test_metrics(name, fn, prediction, reference, expected):
+    assert fn(prediction, reference) == pytest.approx(expected)
+
+
+def test_eval_examples_cut_before_the_last_reply():
+    rows = [{"source": "f:1", "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
+    ]}] * 3  # fmt: skip
+    examples = eval_examples(rows, limit=2)
+    assert len(examples) == 2
+    assert examples[0] == EvalExample("f:1", rows[0]["messages"][:4], "a2")
+
+
+def test_merged_model_reproduces_base_plus_adapter(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # a non-zero update, as after training
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merge_adapter(tiny_model_dir, tmp_path / "adapter", tmp_path / "merged")
+
+    ids = torch.tensor([[1, 5, 9, 12, 40, 7]])
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", use_safetensors=True)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        expected, got, before = reference(ids).logits, merged(ids).logits, plain(ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, before, atol=1e-3), "the adapter changed nothing: the test would prove nothing"
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    assert not list((tmp_path / "merged").glob("*.bin"))
+
+
+def _refs():
+    refs = {}
+    for i, name in enumerate(LINEAGE_CHAIN):
+        refs[name] = {"asset": name, "uri": f"/store/{name}", "digest": f"{i:064x}", "created_at": 1000.0 + i,
+                      "upstream": {LINEAGE_CHAIN[i - 1]: {"digest": f"{i - 1:064x}"}} if i else {}, "stats": {}}  # fmt: skip
+    refs["base_model"]["stats"] = {"model_id": "tiny", "source": "/m", "source_sha256": "ab" * 32}
+    refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": "/store/ckpt-8"})
+    refs["lora_adapter"]["stats"] = {"run_id": "r1", "method": "lora", "steps": 8, "resumed_from_step": None}
+    refs["eval_report"]["stats"] = {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 0.9,
+                                    "base_eval_loss": 3.0, "finetuned_eval_loss": 1.0, "improvement": 0.9}  # fmt: skip
+    refs["gguf_model"]["stats"] = {"files": {"m-f16.gguf": {"sha256": "cd" * 32}}}
+    return refs
+
+
+def test_lineage_names_every_upstream_artifact_and_hash():
+    lineage = build_lineage("toolcalls@v1", _refs(), "/store/registry/toolcalls/v1/r1")
+    assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)
+    assert all(len(a["digest"]) == 64 for a in lineage["artifacts"])
+    assert lineage["artifacts"][1]["upstream"] == {"raw_dataset": f"{0:064x}"}
+    assert lineage["base_model"]["source_sha256"] == "ab" * 32
+    assert lineage["training"]["checkpoint"] == "/store/ckpt-8"
+    assert lineage["gguf"]["m-f16.gguf"]["sha256"] == "cd" * 32
+    assert lineage["code_version"]
+    refs = _refs()
+    del refs["merged_model"]
+    with pytest.raises(ValueError, match="no reference for merged_model"):
+        build_lineage("toolcalls@v1", refs, "/x")
+
+
+def test_hub_dry_run_lists_files_and_never_needs_a_token(tmp_path):
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "m.gguf").write_bytes(b"x")
+    (tmp_path / "lineage.json").write_text(json.dumps({}))
+    logged = []
+    assert push_to_hub(tmp_path, "me/model", token=None, dry_run=True, log=logged.append) == ["gguf/m.gguf", "lineage.json"]
+    assert logged == ["[dry run] would upload gguf/m.gguf to hf://me/model", "[dry run] would upload lineage.json to hf://me/model"]
+    assert hub_upload_plan(tmp_path) == ["gguf/m.gguf", "lineage.json"]
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        push_to_hub(tmp_path, "me/model", token=None, dry_run=False)
