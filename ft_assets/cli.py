@@ -201,11 +201,31 @@ def training_summary(store, partition_key: str) -> dict:
     }
 
 
+def delivery_summary(store, partition_key: str) -> dict:
+    from ft_assets.resources import ref_key
+    from ft_assets.storage import join_key
+
+    evaluation = store.get_json(ref_key(partition_key, "eval_report"))["stats"]
+    gguf = store.get_json(ref_key(partition_key, "gguf_model"))
+    published = store.get_json(ref_key(partition_key, "published_model"))
+    adapter = store.get_json(ref_key(partition_key, "lora_adapter"))
+    return {
+        "metric_name": evaluation["metric_name"],
+        "base_metric": evaluation["base_metric"],
+        "finetuned_metric": evaluation["finetuned_metric"],
+        "base_eval_loss": evaluation["base_eval_loss"],
+        "finetuned_eval_loss": evaluation["finetuned_eval_loss"],
+        "gguf_uri": store.uri(join_key(gguf["prefix"], next(iter(gguf["stats"]["files"])))),
+        "published_uri": published["uri"],
+        "run_id": adapter["stats"]["run_id"],
+    }
+
+
 def cmd_run(args: argparse.Namespace) -> dict:
     ensure_home()
     import dagster as dg
 
-    from ft_assets.control.jobs import DATA_PLANE, TRAINING_PLANE
+    from ft_assets.control.jobs import DATA_PLANE, DELIVERY_PLANE, TRAINING_PLANE
     from ft_assets.definitions import defs
     from ft_assets.storage import open_store
 
@@ -218,8 +238,8 @@ def cmd_run(args: argparse.Namespace) -> dict:
     requested = run_sensor(instance, defs, key)
     log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
     summary: dict = {"partition": key, "store": store.url, "dagster_home": os.environ["DAGSTER_HOME"], "runs": {}}
-    jobs = {"data": DATA_PLANE, "training": TRAINING_PLANE}
-    summaries = {"data": data_summary, "training": training_summary}
+    jobs = {"data": DATA_PLANE, "training": TRAINING_PLANE, "delivery": DELIVERY_PLANE}
+    summaries = {"data": data_summary, "training": training_summary, "delivery": delivery_summary}
     for plane in PLANES[: PLANES.index(args.until) + 1]:
         if plane not in jobs:
             log(f"the {plane} plane is not available in this version of ft-assets; stopping here")
@@ -280,6 +300,13 @@ def print_summary(summary: dict) -> None:
             f"eval loss {summary['eval_loss']:.4f}, resumed from step {summary['resumed_from_step'] or 0}",
             f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
             f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
+        ]
+    if "published_uri" in summary:
+        lines += [
+            f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "
+            f"eval loss {summary['base_eval_loss']:.4f} → {summary['finetuned_eval_loss']:.4f}",
+            f"  GGUF: {summary['gguf_uri']}",
+            f"  published: {summary['published_uri']} (lineage.json inside)",
         ]
     lines += [
         f"  Dagster instance: {summary['dagster_home']} — open the UI with `make ui` (http://127.0.0.1:3000)",

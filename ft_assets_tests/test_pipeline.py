@@ -1,0 +1,100 @@
+"""All four planes end to end with the tiny model: data → training → delivery → registry, via ft-assets run.
+
+The dataset is one a 2-layer model can learn in a few dozen LoRA steps (every request is answered
+with the same short tool call), so the eval gate has something real to measure: the random-init
+base never produces the answer, the fine-tuned model does.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ft_assets.cli import main
+from ft_assets.delivery.publish import LINEAGE_CHAIN
+from ft_assets.storage import LocalStore, read_manifest
+
+pytestmark = pytest.mark.integration
+ANSWER = '{"name": "ok"}'
+
+
+def write_dataset(path: Path, rows: int = 240) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "part-0.jsonl", "w") as handle:
+        for i in range(rows):
+            handle.write(json.dumps({"instruction": f"Request number {i}: please acknowledge item {i * 7 % 1000}.", "output": ANSWER}) + "\n")
+    return path
+
+
+def run_config(tiny_model_dir, steps: int, lr: float) -> dict:
+    return {
+        "ops": {
+            "base_model": {"config": {"source": str(tiny_model_dir)}},
+            "tokenized_shards": {"config": {"seq_len": 256}},
+            "train_eval_split": {"config": {"eval_fraction": 0.1}},
+            "lora_adapter": {"config": {"max_steps": steps, "save_steps": 10, "per_device_batch_size": 4,
+                                        "learning_rate": lr, "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16}},  # fmt: skip
+            "gguf_model": {"config": {"qtypes": ["f16"]}},
+            "eval_report": {"config": {"max_examples": 12, "max_new_tokens": 12, "min_improvement": 0.5}},
+        }
+    }
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("FT_STORE", raising=False)
+    return tmp_path
+
+
+def cli(capsys, *argv) -> tuple[int, dict | None, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, (json.loads(lines[-1]) if code == 0 and lines else None), captured.err
+
+
+def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_model_dir):
+    config = home / "run_config.yaml"
+    config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=60, lr=0.01)))
+    data = write_dataset(home / "data")
+    code, summary, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+    assert code == 0, err
+    assert summary["steps"] == 60 and summary["train_loss"] < summary["eval_loss"] * 10
+    assert summary["base_metric"] == 0.0
+    assert summary["finetuned_metric"] >= 0.5, summary
+    assert summary["finetuned_eval_loss"] < summary["base_eval_loss"]
+    assert summary["published_uri"].endswith(f"registry/acks/v1/{summary['run_id']}")
+    assert summary["gguf_uri"].endswith(".gguf") and Path(summary["gguf_uri"]).is_file()
+
+    store = LocalStore(home / "home" / "store")
+    registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
+    manifest = read_manifest(store, registry)
+    assert {"lineage.json", "merged/model.safetensors", "gguf/Modelfile"} <= set(manifest.files)
+    lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
+    assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)
+    for artifact in lineage["artifacts"]:  # every hash in the lineage is the digest of a published artifact
+        prefix = Path(artifact["uri"]).relative_to(store.root).as_posix()
+        assert read_manifest(store, prefix).digest == artifact["digest"], artifact["asset"]
+    assert lineage["partition"] == "acks@v1"
+
+    # Publishing the same run again does not overwrite it.
+    before = store.get_bytes(f"{registry}/manifest.json")
+    code, again, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+    assert code == 0, err
+    assert again["published_uri"] == summary["published_uri"]
+    assert store.get_bytes(f"{registry}/manifest.json") == before
+    assert "already published" in err
+
+
+def test_eval_gate_blocks_a_model_that_is_not_better(home, capsys, tiny_model_dir):
+    config = home / "run_config.yaml"
+    config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
+    data = write_dataset(home / "data", rows=120)
+    code, _, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "weak", "--config", str(config))
+    assert code == 2
+    assert "blocking check finetuned_beats_base failed" in err
+    assert not (home / "home" / "store" / "registry").exists()
