@@ -11,6 +11,7 @@ launcher do the same thing unattended.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -97,9 +98,21 @@ def register_dataset(store, path: Path, name: str | None, version: str | None) -
     return target.key, True
 
 
+PLAN_KNOBS = ("method", "per_device_batch_size", "gradient_checkpointing", "lora_r", "epochs")
+
+
 def plane_run_config(job, run_config: dict) -> dict:
-    """The part of a whole-pipeline run config that one plane's job accepts."""
-    ops = run_config.get("ops", {})
+    """The part of a whole-pipeline run config that one plane's job accepts.
+
+    The training plan is made for the run that will happen: training knobs given to lora_adapter
+    are copied to training_plan unless it sets them itself.
+    """
+    ops = copy.deepcopy(run_config.get("ops", {}))
+    training = ops.get("lora_adapter", {}).get("config", {})
+    plan = ops.setdefault("training_plan", {}).setdefault("config", {})
+    for knob in PLAN_KNOBS:
+        if knob in training and knob not in plan and training[knob] is not None:
+            plan[knob] = training[knob]
     names = {node.name for node in job.graph.nodes}
     config = {k: v for k, v in run_config.items() if k != "ops"}
     selected = {k: v for k, v in ops.items() if k in names}
@@ -180,6 +193,20 @@ def data_summary(store, partition_key: str) -> dict:
         "tokens": shards["stats"]["tokens"],
         "packing_efficiency": round(shards["stats"]["packing_efficiency"], 6),
         "artifacts": uris,
+        **plan_summary(store, partition_key),
+    }
+
+
+def plan_summary(store, partition_key: str) -> dict:
+    from ft_assets.resources import ref_key
+
+    plan = store.get_json(ref_key(partition_key, "training_plan"))["stats"]
+    return {
+        "gpu_tier": plan["gpu_tier"],
+        "rental_mode": plan["rental_mode"],
+        "estimated_vram_gib": round(plan["vram_gib"], 2),
+        "estimated_hours": round(plan["est_hours"], 4),
+        "estimated_cost_usd": round(plan["estimated_cost_usd"], 4),
     }
 
 
@@ -205,6 +232,7 @@ def delivery_summary(store, partition_key: str) -> dict:
     from ft_assets.resources import ref_key
     from ft_assets.storage import join_key
 
+    cost = store.get_json(ref_key(partition_key, "training_cost"))["stats"]
     evaluation = store.get_json(ref_key(partition_key, "eval_report"))["stats"]
     gguf = store.get_json(ref_key(partition_key, "gguf_model"))
     published = store.get_json(ref_key(partition_key, "published_model"))
@@ -218,6 +246,9 @@ def delivery_summary(store, partition_key: str) -> dict:
         "gguf_uri": store.uri(join_key(gguf["prefix"], next(iter(gguf["stats"]["files"])))),
         "published_uri": published["uri"],
         "run_id": adapter["stats"]["run_id"],
+        "actual_cost_usd": round(cost["total_usd"], 6),
+        "eth_usd": None if cost["eth_usd_per_hour"] is None else round(cost["eth_usd_per_hour"], 4),
+        "idle_share": round(cost["idle_share"], 4),
     }
 
 
@@ -247,6 +278,11 @@ def cmd_run(args: argparse.Namespace) -> dict:
         job = defs.resolve_job_def(jobs[plane])
         summary["runs"][plane] = run_plane(instance, job, key, plane_run_config(job, run_config))
         summary.update(summaries[plane](store, key))
+        if plane == "data":
+            log(
+                f"training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
+                f"~{summary['estimated_hours']} h, ~${summary['estimated_cost_usd']}"
+            )
     return summary
 
 
@@ -301,6 +337,17 @@ def print_summary(summary: dict) -> None:
             f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
             f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
         ]
+    if "estimated_cost_usd" in summary:
+        lines.append(
+            f"  training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
+            f"~{summary['estimated_hours']} h, estimated ${summary['estimated_cost_usd']}"
+        )
+    if "actual_cost_usd" in summary:
+        eth = "n/a" if summary["eth_usd"] is None else f"${summary['eth_usd']}/h"
+        lines.append(
+            f"  training cost: ${summary['actual_cost_usd']} actual, ETH {eth} per effective training hour "
+            f"(idle share {summary['idle_share']:.1%})"
+        )
     if "published_uri" in summary:
         lines += [
             f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "

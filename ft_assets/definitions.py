@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from ft_assets.control import assets as control_assets
 from ft_assets.control.jobs import PLANE_JOBS
 from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.data import assets as data_assets
@@ -14,7 +15,7 @@ from ft_assets.training import assets as training_assets
 store = ObjectStoreResource()
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([data_assets, training_assets, delivery_assets]),
+    assets=dg.load_assets_from_modules([control_assets, data_assets, training_assets, delivery_assets]),
     asset_checks=dg.load_asset_checks_from_modules([data_checks, delivery_checks]),
     jobs=PLANE_JOBS,
     sensors=[dataset_version_sensor],

@@ -1,7 +1,8 @@
 """One job per plane, so that each plane runs as its own run and the launcher can route it.
 
 The data plane also materializes ``base_model`` (CPU work: it converts or copies the checkpoint and
-gives the data plane its tokenizer); the training plane is the only one that needs a GPU.
+gives the data plane its tokenizer) and ``training_plan`` (so the GPU plan is known before training);
+the delivery plane also prices the finished training run. Only the training plane needs a GPU.
 """
 
 
@@ -14,7 +15,7 @@ DELIVERY_PLANE = "delivery_plane"
 
 data_plane = dg.define_asset_job(
     DATA_PLANE,
-    selection=dg.AssetSelection.groups("data") | dg.AssetSelection.assets("base_model"),
+    selection=dg.AssetSelection.groups("data") | dg.AssetSelection.assets("base_model", "training_plan"),
     description="clean → deduplicate → split → tokenize/pack one dataset version (CPU).",
     tags={"ft/plane": "data"},
 )
@@ -33,8 +34,8 @@ training_plane = dg.define_asset_job(
 
 delivery_plane = dg.define_asset_job(
     DELIVERY_PLANE,
-    selection=dg.AssetSelection.groups("delivery"),
-    description="merge → GGUF → evaluate (blocking gate) → publish one dataset version (CPU).",
+    selection=dg.AssetSelection.groups("delivery") | dg.AssetSelection.assets("training_cost", "cost_report"),
+    description="price the training run (ETH), then merge → GGUF → evaluate (blocking gate) → publish (CPU).",
     tags={"ft/plane": "delivery"},
 )
 

@@ -26,6 +26,7 @@ from ft_assets.storage import ArtifactCorrupt, ArtifactNotFound, fetch_artifact,
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import run_id, run_prefix
 from ft_assets.training.config import TrainingConfig
+from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.recipe import EXIT_PREEMPTED, Preempted, train
 
 PREEMPTED_TAG = "ft/preempted"
@@ -187,14 +188,15 @@ def lora_adapter(
         fetch_artifact(objects, base_model["prefix"], work / "base")
         fetch_artifact(objects, tokenized_shards["prefix"], work / "shards")
         try:
-            if training.num_processes > 1:
-                result = _train_distributed(context, training, work / "base", work / "shards", objects, prefix, work)
-            else:
-                result = train(
-                    training, work / "base", work / "shards", objects, prefix, work / "run",
-                    log=context.log.info, started_at=started,
-                ).to_json()  # fmt: skip
-                result["output_dir"] = Path(result["output_dir"])
+            with GpuUtilization() as utilization:
+                if training.num_processes > 1:
+                    result = _train_distributed(context, training, work / "base", work / "shards", objects, prefix, work)
+                else:
+                    result = train(
+                        training, work / "base", work / "shards", objects, prefix, work / "run",
+                        log=context.log.info, started_at=started,
+                    ).to_json()  # fmt: skip
+                    result["output_dir"] = Path(result["output_dir"])
         except Preempted as exc:
             context.instance.add_run_tags(context.run_id, {PREEMPTED_TAG: "true"})
             raise dg.Failure(
@@ -213,10 +215,12 @@ def lora_adapter(
         }  # fmt: skip
         stats["run_id"] = run
         stats["seq_len"] = tokenized_shards["stats"]["seq_len"]
+        stats["gpu_utilization"] = utilization.mean
         ref = publish(
             objects, "lora_adapter", context.partition_key, join_key(prefix, "final"), result["output_dir"], stats,
             {"tokenized_shards": tokenized_shards, "base_model": base_model},
             training_config=training.model_dump(), run_prefix=prefix, checkpoint=(result["checkpoints"] or [None])[-1],
+            upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
     history = [tuple(point) for point in result["loss_history"]]
     return dg.Output(
