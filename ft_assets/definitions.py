@@ -3,8 +3,10 @@
 import dagster as dg
 
 from ft_assets.control import assets as control_assets
+from ft_assets.control.automation import deliver_after_training, train_after_data, training_window
 from ft_assets.control.jobs import PLANE_JOBS
 from ft_assets.control.sensors import dataset_version_sensor
+from ft_assets.control.shutdown import Ec2WorkersResource, idle_gpu_worker_sensor
 from ft_assets.data import assets as data_assets
 from ft_assets.data import checks as data_checks
 from ft_assets.delivery import assets as delivery_assets
@@ -18,6 +20,7 @@ defs = dg.Definitions(
     assets=dg.load_assets_from_modules([control_assets, data_assets, training_assets, delivery_assets]),
     asset_checks=dg.load_asset_checks_from_modules([data_checks, delivery_checks]),
     jobs=PLANE_JOBS,
-    sensors=[dataset_version_sensor],
-    resources={"store": store, "refs": ArtifactRefIOManager(store=store)},
+    sensors=[dataset_version_sensor, train_after_data, deliver_after_training, idle_gpu_worker_sensor],
+    schedules=[training_window],
+    resources={"store": store, "refs": ArtifactRefIOManager(store=store), "ec2_workers": Ec2WorkersResource()},
 )

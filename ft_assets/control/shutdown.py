@@ -45,6 +45,7 @@ import boto3
 import dagster as dg
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from dagster import DagsterRunStatus
 from dagster._core.storage.dagster_run import RunRecord
 from pydantic import Field
 
@@ -64,10 +65,11 @@ IMDS_TIMEOUT_S = 0.5  # IMDS answers in milliseconds on EC2; off EC2 the address
 # A run in one of these statuses holds no worker; any other status (queued for the worker, starting,
 # running, canceling, or a status Dagster adds later) keeps its worker up.
 SETTLED_STATUSES = frozenset(
-    {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.SUSPENDED}
+    {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED, DagsterRunStatus.SUSPENDED}
 )
-BUSY_STATUSES = tuple(status for status in dg.DagsterRunStatus if status not in SETTLED_STATUSES)
-PLACED_STATUSES = (dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING)
+BUSY_STATUSES = tuple(status for status in DagsterRunStatus if status not in SETTLED_STATUSES)
+# Launched, so running on some worker, whether or not it has said which yet.
+PLACED_STATUSES = (DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING)
 
 # EC2 GPU instance types -> (default cost-model offering, GPUs per instance), to log the $/h a stop saves.
 # The price is the cost model's per-GPU price, not the EC2 list price (g5.xlarge lists $1.006/h).
@@ -96,7 +98,7 @@ class WorkerRun:
     """A Dagster run tied to a worker by its ``ft/worker-instance-id`` tag."""
 
     run_id: str
-    status: dg.DagsterRunStatus
+    status: DagsterRunStatus
     ended_at: datetime | None  # when a settled run ended (or last changed status); None while busy
 
 
@@ -263,8 +265,8 @@ def runs_by_instance(instance: dg.DagsterInstance, instance_ids: Sequence[str]) 
     """Each worker's busy runs and its most recent runs, from the ``ft/worker-instance-id`` run tag."""
     records = {}
     if instance_ids:
-        busy = instance.get_run_records(dg.RunsFilter(tags={WORKER_TAG: list(instance_ids)}, statuses=list(BUSY_STATUSES)))
-        records = {record.dagster_run.run_id: record for record in busy}
+        busy = dg.RunsFilter(tags={WORKER_TAG: list(instance_ids)}, statuses=list(BUSY_STATUSES))
+        records = {record.dagster_run.run_id: record for record in instance.get_run_records(busy)}
     for instance_id in instance_ids:
         recent = instance.get_run_records(dg.RunsFilter(tags={WORKER_TAG: instance_id}), limit=RECENT_RUNS_PER_WORKER)
         records.update({record.dagster_run.run_id: record for record in recent})
@@ -374,15 +376,19 @@ def idle_gpu_worker_sensor(context: dg.SensorEvaluationContext, ec2_workers: Ec2
     threshold = timedelta(minutes=ec2_workers.idle_minutes)
     idle = find_idle_workers(workers, runs, now, threshold, ec2_workers.role_tag)
     if not idle:
-        return dg.SkipReason(f"{len(workers)} GPU worker(s) running, none idle for more than {ec2_workers.idle_minutes:g} min")
+        return dg.SkipReason(
+            f"{len(workers)} GPU worker(s) running, none idle for more than {ec2_workers.idle_minutes:g} min"
+        )
 
     actions = stop_idle_workers(ec2, idle, ec2_workers.action, ec2_workers.dry_run)
     for action in actions:
         (context.log.info if action.ok else context.log.warning)(action.describe())
     done = [a for a in actions if a.ok]
     saved = sum(a.worker.usd_per_hour or 0.0 for a in done)
-    verb = ec2_workers.action if ec2_workers.dry_run else {"stop": "stopped", "terminate": "terminated"}[ec2_workers.action]
-    summary = f"{'dry run: would ' if ec2_workers.dry_run else ''}{verb} {len(done)} idle GPU worker(s)"
+    if ec2_workers.dry_run:
+        summary = f"dry run: would {ec2_workers.action} {len(done)} idle GPU worker(s)"
+    else:
+        summary = f"{'stopped' if ec2_workers.action == 'stop' else 'terminated'} {len(done)} idle GPU worker(s)"
     if done:
         summary += f" ({', '.join(a.worker.instance_id for a in done)}; ~${saved:.2f}/h)"
     if len(done) < len(actions):

@@ -23,6 +23,7 @@ from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import line_chart
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import ArtifactCorrupt, ArtifactNotFound, fetch_artifact, join_key, publish_dir, read_manifest, verify_artifact
+from ft_assets.control.shutdown import worker_instance_tag
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import run_id, run_prefix
 from ft_assets.training.config import TrainingConfig
@@ -178,6 +179,9 @@ def lora_adapter(
 ) -> dg.Output[dict]:
     """LoRA / QLoRA / full fine-tune on the packed shards; checkpoints to the store, resumes after preemption."""
     started = time.monotonic()
+    worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
+    if worker:
+        context.instance.add_run_tags(context.run_id, worker)
     training = _training_config(config)
     version = DatasetVersion.from_key(context.partition_key)
     run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])

@@ -1,0 +1,360 @@
+import http.server
+import logging
+import socket
+import threading
+from datetime import datetime, timedelta, timezone
+
+import boto3
+import dagster as dg
+import pytest
+from botocore.stub import Stubber
+from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+from dagster._core.test_utils import create_run_for_test, freeze_time
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from moto import mock_aws
+
+from ft_assets.control import shutdown
+from ft_assets.control.cost import CostModel
+from ft_assets.control.shutdown import (
+    HEARTBEAT_TAG,
+    ROLE_TAG_KEY,
+    ROLE_TAG_VALUE,
+    WORKER_TAG,
+    Ec2WorkersResource,
+    IdleWorker,
+    WorkerRun,
+    find_idle_workers,
+    idle_gpu_worker_sensor,
+    stop_idle_workers,
+    worker_instance_tag,
+)
+
+S = dg.DagsterRunStatus
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+THRESHOLD = timedelta(minutes=30)
+WORKER = {ROLE_TAG_KEY: ROLE_TAG_VALUE}
+
+
+def minutes_ago(minutes: float) -> datetime:
+    return NOW - timedelta(minutes=minutes)
+
+
+def ec2_instance(tags=WORKER, launched=180, state="running") -> dict:
+    """An EC2 DescribeInstances entry, as boto3 returns it."""
+    return {
+        "InstanceId": "i-0abc",
+        "InstanceType": "g5.xlarge",
+        "LaunchTime": minutes_ago(launched),
+        "State": {"Name": state},
+        "Tags": [{"Key": key, "Value": value} for key, value in tags.items()],
+    }
+
+
+def ended(minutes: float, run_id="r1", status=S.SUCCESS) -> WorkerRun:
+    return WorkerRun(run_id, status, minutes_ago(minutes))
+
+
+def busy(status: S, run_id="r1") -> WorkerRun:
+    return WorkerRun(run_id, status, None)
+
+
+# (case, instance, runs tied to it, expected: None = untouched, else (idle minutes, what it was idle since))
+CASES = [
+    ("idle since launch", ec2_instance(), [], (180, "launch")),
+    ("idle since its last run ended", ec2_instance(), [ended(60)], (60, "run r1 ended")),
+    ("a failed run counts like a successful one", ec2_instance(), [ended(45, status=S.FAILURE)], (45, "run r1 ended")),
+    ("the latest run end counts", ec2_instance(), [ended(120, "old"), ended(50, "new")], (50, "run new ended")),
+    ("suspended run holds no worker", ec2_instance(), [ended(90, status=S.SUSPENDED)], (90, "run r1 ended")),
+    ("run in progress", ec2_instance(launched=600), [busy(S.STARTED)], None),
+    ("run starting", ec2_instance(launched=600), [busy(S.STARTING)], None),
+    ("run canceling", ec2_instance(launched=600), [busy(S.CANCELING)], None),
+    ("run queued for this worker", ec2_instance(launched=600), [busy(S.QUEUED)], None),
+    ("busy run next to old finished ones", ec2_instance(launched=600), [ended(300, "a"), busy(S.STARTED, "b")], None),
+    ("run finished recently", ec2_instance(), [ended(10)], None),
+    ("recent run among old ones", ec2_instance(), [ended(120, "a"), ended(10, "b")], None),
+    ("launched recently", ec2_instance(launched=5), [], None),
+    ("heartbeat recent", ec2_instance({**WORKER, HEARTBEAT_TAG: minutes_ago(5).isoformat()}), [], None),
+    ("heartbeat old", ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:15Z"}), [ended(100)], (45, "heartbeat tag")),
+    ("heartbeat without zone is UTC", ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:50:00"}), [], None),
+    ("heartbeat unreadable: kept", ec2_instance({**WORKER, HEARTBEAT_TAG: "yesterday"}, launched=6000), [], None),
+    ("untagged instance", ec2_instance(tags={}, launched=6000), [], None),
+    ("other role", ec2_instance(tags={ROLE_TAG_KEY: "database"}, launched=6000), [], None),
+    ("already stopping", ec2_instance(launched=6000, state="stopping"), [], None),
+    ("exactly at the threshold", ec2_instance(launched=30), [], None),
+    ("one second past the threshold", ec2_instance(launched=30 + 1 / 60), [], (30, "launch")),
+]
+
+
+@pytest.mark.parametrize("case, instance, runs, expected", CASES, ids=[case[0] for case in CASES])
+def test_find_idle_workers(case, instance, runs, expected):
+    idle = find_idle_workers([instance], {"i-0abc": runs}, NOW, THRESHOLD)
+    if expected is None:
+        assert idle == []
+    else:
+        assert [(w.instance_id, w.idle_minutes, w.last_activity) for w in idle] == [("i-0abc", *expected)]
+
+
+@pytest.mark.parametrize(
+    "instance_type, spot, offering, gpus",
+    [
+        ("g5.xlarge", False, "a10g-24gb", 1),
+        ("g5.12xlarge", False, "a10g-24gb", 4),
+        ("g6.xlarge", True, "l4-24gb", 1),
+        ("p4d.24xlarge", True, "a100-40gb", 8),
+        ("p5.48xlarge", False, "h100-80gb", 8),
+        ("m5.large", False, None, 0),
+    ],
+)
+def test_hourly_price_saved(instance_type, spot, offering, gpus):
+    worker = IdleWorker("i-1", instance_type, spot, NOW, "launch", THRESHOLD)
+    if offering is None:
+        assert worker.usd_per_hour is None
+    else:
+        per_gpu = CostModel().offering(offering).usd_per_hour("spot" if spot else "on_demand")
+        assert worker.usd_per_hour == pytest.approx(gpus * per_gpu)
+
+
+# --- EC2 (moto) and the sensor on a real Dagster instance -------------------------------------------
+
+A10G = CostModel().offering("a10g-24gb").on_demand_usd_per_h  # g5.xlarge: one A10G
+A100 = CostModel().offering("a100-40gb").on_demand_usd_per_h  # p4d.24xlarge: eight A100 40GB
+
+
+@pytest.fixture(scope="module")
+def aws():
+    """One moto EC2 for the module: a botocore session loads the EC2 model once (0.6 s) instead of per test."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        env.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")  # 0.5 s per reset otherwise; any AMI id launches
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_EC2"):
+            env.delenv(name, raising=False)
+        with mock_aws():
+            yield
+
+
+@pytest.fixture
+def ec2(aws):
+    """The EC2 client; every instance a test launched is terminated afterwards, out of the next test's way."""
+    client = boto3.client("ec2")
+    yield client
+    pages = client.get_paginator("describe_instances").paginate()
+    instances = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+    ids = [i["InstanceId"] for i in instances if i["State"]["Name"] != "terminated"]
+    if ids:
+        client.terminate_instances(InstanceIds=ids)
+
+
+def launch(ec2, tags=WORKER, instance_type="g5.xlarge") -> str:
+    spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}] if tags else []
+    reply = ec2.run_instances(
+        ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType=instance_type, TagSpecifications=spec
+    )
+    return reply["Instances"][0]["InstanceId"]
+
+
+def state(ec2, instance_id) -> str:
+    return ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]["State"]["Name"]
+
+
+@pytest.fixture
+def two_hours_later(monkeypatch):
+    """The sensor's clock, two hours after the instances were launched."""
+    later = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=2)
+    monkeypatch.setattr(shutdown, "utc_now", lambda: later)
+    return later
+
+
+@pytest.fixture(scope="module")
+def dagster_instance():
+    """One Dagster instance for the sensor tests (1-2 s each to create); moto gives every test fresh instance ids."""
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+# A queued run needs a code-location origin; this one points at this file and is never loaded.
+QUEUED_ORIGIN = RemoteJobOrigin(
+    RemoteRepositoryOrigin(InProcessCodeLocationOrigin(LoadableTargetOrigin(python_file=__file__)), "repo"), "train"
+)
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def tick(instance, **config) -> tuple[str, list[str]]:
+    """One sensor evaluation: its skip message and what it logged."""
+    log = Lines()
+    with dg.build_sensor_context(instance=instance, resources={"ec2_workers": Ec2WorkersResource(**config)}) as context:
+        context.log.addHandler(log)
+        return idle_gpu_worker_sensor(context).skip_message, log.lines
+
+
+def test_sensor_stops_only_the_idle_worker(ec2, two_hours_later, dagster_instance):
+    instance = dagster_instance
+    idle = launch(ec2)
+    running_job = launch(ec2)
+    queued_for = launch(ec2)
+    just_finished = launch(ec2)
+    not_a_worker = launch(ec2, tags={"Name": "jupyter"})
+    create_run_for_test(instance, status=S.STARTED, tags={WORKER_TAG: running_job, "ft/pool": "gpu"})
+    create_run_for_test(instance, status=S.QUEUED, tags={WORKER_TAG: queued_for}, remote_job_origin=QUEUED_ORIGIN)
+    finished_long_ago = create_run_for_test(instance, status=S.STARTED, tags={WORKER_TAG: idle})
+    finished = create_run_for_test(instance, status=S.STARTED, tags={WORKER_TAG: just_finished})
+    with freeze_time(two_hours_later - timedelta(minutes=45)):
+        instance.report_run_canceled(finished_long_ago)
+    with freeze_time(two_hours_later - timedelta(minutes=10)):
+        instance.report_run_failed(finished)
+
+    summary, lines = tick(instance)
+
+    assert {i: state(ec2, i) for i in (idle, running_job, queued_for, just_finished, not_a_worker)} == {
+        idle: "stopped",
+        running_job: "running",
+        queued_for: "running",
+        just_finished: "running",
+        not_a_worker: "running",
+    }
+    assert summary == f"stopped 1 idle GPU worker(s) ({idle}; ~${A10G:.2f}/h)"
+    [line] = lines
+    ended_at = two_hours_later - timedelta(minutes=45)
+    assert line == (
+        f"stopped {idle} (g5.xlarge), idle 45 min since {ended_at:%Y-%m-%d %H:%M} UTC "
+        f"(run {finished_long_ago.run_id} ended); saves ~${A10G:.2f}/h (1 x a10g-24gb, cost model)"
+    )
+
+    assert tick(instance) == ("3 GPU worker(s) running, none idle for more than 30 min", [])
+
+
+def test_a_long_run_is_seen_behind_many_newer_ones(ec2, two_hours_later, dagster_instance, monkeypatch):
+    monkeypatch.setattr(shutdown, "RECENT_RUNS_PER_WORKER", 1)  # the long run falls out of the recent window
+    worker = launch(ec2)
+    create_run_for_test(dagster_instance, status=S.STARTED, tags={WORKER_TAG: worker})
+    newer = create_run_for_test(dagster_instance, status=S.STARTED, tags={WORKER_TAG: worker})
+    with freeze_time(two_hours_later - timedelta(minutes=90)):
+        dagster_instance.report_run_failed(newer)
+    assert tick(dagster_instance)[0] == "1 GPU worker(s) running, none idle for more than 30 min"
+    assert state(ec2, worker) == "running"
+
+
+def test_sensor_terminate_mode_terminates(ec2, two_hours_later, dagster_instance):
+    worker = launch(ec2, instance_type="p4d.24xlarge")
+    summary, lines = tick(dagster_instance, action="terminate")
+    assert summary == f"terminated 1 idle GPU worker(s) ({worker}; ~${8 * A100:.2f}/h)"
+    assert lines[0].startswith(f"terminated {worker} (p4d.24xlarge), idle ")
+    assert state(ec2, worker) == "terminated"
+
+
+def test_sensor_dry_run_changes_nothing(ec2, two_hours_later, dagster_instance):
+    worker = launch(ec2)
+    summary, lines = tick(dagster_instance, dry_run=True)
+    assert summary == f"dry run: would stop 1 idle GPU worker(s) ({worker}; ~${A10G:.2f}/h)"
+    assert lines[0].startswith(f"dry run: would stop {worker} (g5.xlarge), idle ")
+    assert state(ec2, worker) == "running"
+
+
+def test_sensor_respects_idle_minutes(ec2, two_hours_later, dagster_instance):
+    worker = launch(ec2)
+    assert tick(dagster_instance, idle_minutes=180)[0] == "1 GPU worker(s) running, none idle for more than 180 min"
+    assert state(ec2, worker) == "running"
+
+
+def test_sensor_waits_while_a_gpu_run_has_no_worker_tag(ec2, two_hours_later, dagster_instance):
+    worker = launch(ec2)
+    run = create_run_for_test(dagster_instance, status=S.STARTED, tags={"ft/pool": "gpu"})
+    create_run_for_test(dagster_instance, status=S.STARTED, tags={"ft/pool": "cpu"})  # cpu runs hold no GPU worker
+    try:
+        assert tick(dagster_instance)[0].startswith(f"gpu run(s) {run.run_id} started without a {WORKER_TAG} tag")
+        assert state(ec2, worker) == "running"
+    finally:
+        dagster_instance.report_run_canceled(run)  # settled: it must not hold off the other tests
+
+
+def test_sensor_skips_the_tick_on_an_ec2_error(aws, dagster_instance, monkeypatch):
+    client = boto3.client("ec2")
+    stubber = Stubber(client)
+    stubber.add_client_error("describe_instances", "RequestLimitExceeded", "Request limit exceeded.", 503)
+    monkeypatch.setattr(Ec2WorkersResource, "client", lambda self: client)
+    with stubber:
+        summary, lines = tick(dagster_instance)
+    assert summary.startswith("EC2 DescribeInstances failed: An error occurred (RequestLimitExceeded)")
+    assert lines[0].startswith("could not list GPU workers, trying again next tick")
+
+
+def test_sensor_with_no_workers(ec2, dagster_instance):
+    launch(ec2, tags={})
+    assert tick(dagster_instance)[0] == f"no running EC2 instance tagged {ROLE_TAG_KEY}={ROLE_TAG_VALUE}"
+
+
+def test_sensor_warns_about_an_unreadable_heartbeat(ec2, two_hours_later, dagster_instance):
+    worker = launch(ec2, tags={**WORKER, HEARTBEAT_TAG: "soon"})
+    summary, lines = tick(dagster_instance)
+    assert summary == "1 GPU worker(s) running, none idle for more than 30 min"
+    assert lines == [f"{worker}: instance tag {HEARTBEAT_TAG}='soon' is not an ISO 8601 timestamp; write e.g. "
+                     "'2026-01-31T14:05:00Z' (the worker stays up until it is fixed)"]
+    assert state(ec2, worker) == "running"
+
+
+def test_one_refusal_does_not_block_the_others(aws):
+    client = boto3.client("ec2")
+    stubber = Stubber(client)
+    stubber.add_client_error("stop_instances", "UnsupportedOperation", "You can't stop the Spot Instance 'i-1'.")
+    stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-2"], "DryRun": False})
+    workers = [IdleWorker(i, "g5.xlarge", i == "i-1", NOW, "launch", timedelta(hours=1)) for i in ("i-1", "i-2")]
+    with stubber:
+        actions = stop_idle_workers(client, workers, "stop", dry_run=False)
+    assert [(a.worker.instance_id, a.ok) for a in actions] == [("i-1", False), ("i-2", True)]
+    assert actions[0].describe().startswith("could not stop i-1 (g5.xlarge, spot), idle 60 min")
+    assert "UnsupportedOperation: You can't stop the Spot Instance" in actions[0].describe()
+    with pytest.raises(ValueError, match="'stop' or 'terminate'"):
+        stop_idle_workers(client, workers, "hibernate", dry_run=False)
+
+
+# --- worker_instance_tag: IMDSv2 -----------------------------------------------------------------
+
+
+class FakeImds(http.server.BaseHTTPRequestHandler):
+    def do_PUT(self):
+        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self._reply(200 if ok else 400, b"token-123")
+
+    def do_GET(self):
+        token = self.headers.get("X-aws-ec2-metadata-token")
+        ok = self.path == "/latest/meta-data/instance-id" and token == "token-123"
+        self._reply(200 if ok else 401, b"i-0123456789abcdef0")
+
+    def _reply(self, code, body):
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_worker_instance_tag_reads_imdsv2(monkeypatch):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_port}/")
+        assert worker_instance_tag() == {WORKER_TAG: "i-0123456789abcdef0"}
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        assert worker_instance_tag() == {}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_worker_instance_tag_off_ec2(monkeypatch):
+    with socket.socket() as probe:  # a port nobody listens on: refused at once, like a machine off EC2
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{port}")
+    assert worker_instance_tag() == {}
