@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast ui bench clean
+.PHONY: install system-deps demo test ui ui-prod docs-screenshots bench clean
 
 install: $(STAMP)
 
@@ -29,11 +29,25 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/ft-assets run --dataset samples/toolcalls --name toolcalls --version sample-v1
 
-test: $(STAMP)
+# PostgreSQL (production-profile tests) and Chromium (UI test) from Debian, only when missing.
+system-deps:
+	sh scripts/install-system-deps.sh
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
+
+# The production profile (PostgreSQL storage): set DAGSTER_PG_HOST/PORT/USER/DB/PASSWORD first.
+PROD_HOME ?= $(FT_HOME)/dagster_home_prod
+ui-prod: $(STAMP)
+	@test -n "$$DAGSTER_PG_PASSWORD" || { echo "set DAGSTER_PG_* (see dagster.prod.yaml)"; exit 2; }
+	mkdir -p $(PROD_HOME) && cp dagster.prod.yaml $(PROD_HOME)/dagster.yaml
+	DAGSTER_HOME=$(PROD_HOME) $(BIN)/dagster dev -w workspace.yaml
+
+docs-screenshots: $(STAMP) system-deps
+	FT_UPDATE_DOCS=1 $(BIN)/python -m pytest -q ft_assets_tests/test_ui.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -7,9 +7,9 @@ other's runs.
 
 What it takes to run it anywhere the suite runs:
 - PostgreSQL refuses to run as root. As root (CI containers), the cluster is created and started as
-  the ``postgres`` system user (``runuser``) in a temp dir that user owns; as anyone else, as
-  that user. The dir sits directly under the system temp dir because pytest's own temp dirs are
-  ``0700 root`` and the ``postgres`` user could not enter them.
+  the ``postgres`` system user that the Debian package creates (``runuser``), in a temp dir that user
+  owns; any other user runs it directly. The dir sits directly under the system temp dir because
+  pytest's own temp dirs are ``0700 root`` and the ``postgres`` user could not enter them.
 - Debian keeps the server binaries off ``PATH`` (``/usr/lib/postgresql/<major>/bin``); the newest
   installed major is used unless ``initdb`` is on ``PATH``.
 - TCP on 127.0.0.1 only, no Unix socket, password (scram-sha-256) required: the same way Dagster
@@ -23,12 +23,12 @@ a feature that cannot be tested must not look like a feature that works.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +115,9 @@ class PostgresServer:
 
         return psycopg2.connect(host=self.host, port=self.port, user=self.user, password=self.password, dbname=db_name)
 
-    def create_database(self, name: str | None = None) -> str:
-        name = name or f"ft_{uuid.uuid4().hex[:12]}"
+    def create_database(self) -> PostgresDatabase:
+        """A new, empty database on this server."""
+        name = f"ft_{uuid.uuid4().hex[:12]}"
         conn = self.connect()
         conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
         try:
@@ -124,7 +125,7 @@ class PostgresServer:
                 cur.execute(f'CREATE DATABASE "{name}"')
         finally:
             conn.close()
-        return name
+        return PostgresDatabase(self, name)
 
 
 @dataclass
@@ -157,8 +158,13 @@ class PostgresDatabase:
 @pytest.fixture(scope="session")
 def postgres_server():
     bindir = postgres_bindir()
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.fail("running as root needs `runuser` (util-linux) to start PostgreSQL as the postgres user")
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            pytest.fail(f"running as root needs `runuser` (util-linux) to start PostgreSQL as the postgres user: {INSTALL_HINT}")
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.fail(f"running as root needs the `postgres` system user that the Debian package creates: {INSTALL_HINT}")
     root = Path(tempfile.mkdtemp(prefix="ft-assets-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
@@ -176,5 +182,5 @@ def postgres_server():
 @pytest.fixture
 def pg_database(postgres_server) -> PostgresDatabase:
     """A fresh, empty database on the session's server."""
-    return PostgresDatabase(postgres_server, postgres_server.create_database())
+    return postgres_server.create_database()
 

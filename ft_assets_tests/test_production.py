@@ -37,15 +37,17 @@ from dagster_aws.ecs import EcsRunLauncher
 from dagster_k8s import K8sRunLauncher
 
 from ft_assets.cli import main
-from ft_assets.definitions import defs
 from ft_assets.control.launcher import POOL_TAG, PoolRunCoordinator, PoolRunLauncher
-from ft_assets_tests.pg import PostgresDatabase, postgres_server  # noqa: F401  (postgres_server: fixture)
+from ft_assets.definitions import defs
+
+pytest_plugins = ["ft_assets_tests.pg"]  # the postgres_server fixture
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
 SAMPLE_LINES = 300  # enough dirt of every kind for the accounting, ~10 s per data-plane run
-DATA_ASSETS = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model")
-DATA_CHECKS = sorted(key.name for key in defs.get_repository_def().asset_graph.asset_check_keys if key.asset_key.path[-1] in DATA_ASSETS)
+DATA_PLANE = defs.resolve_job_def("data_plane").asset_layer
+DATA_ASSETS = sorted(key.to_user_string() for key in DATA_PLANE.selected_asset_keys)
+DATA_CHECKS = sorted(key.name for key in DATA_PLANE.asset_graph.asset_check_keys)
 DAEMON_TIMEOUT_S = 180.0
 LAUNCHERS = {"ecs": (REPO / "deploy/launchers/ecs-gpu.yaml", EcsRunLauncher), "k8s": (REPO / "deploy/launchers/k8s-gpu.yaml", K8sRunLauncher)}
 IMAGE = "ghcr.io/example/ft-assets:test"
@@ -57,7 +59,7 @@ IMAGE = "ghcr.io/example/ft-assets:test"
 @pytest.fixture(scope="module")
 def prod(postgres_server, tmp_path_factory, tiny_model_dir):
     """A DAGSTER_HOME holding dagster.prod.yaml on a fresh database, with one data-plane run done by the CLI."""
-    db = PostgresDatabase(postgres_server, postgres_server.create_database())
+    db = postgres_server.create_database()
     root = tmp_path_factory.mktemp("prod")
     home = root / "dagster_home"
     home.mkdir()
@@ -94,10 +96,12 @@ def test_prod_instance_keeps_runs_events_and_partitions_in_postgres(prod):
         assert isinstance(coordinator, PoolRunCoordinator)
         assert {"key": POOL_TAG, "value": "gpu", "limit": 2} in coordinator.get_run_queue_config().tag_concurrency_limits
         assert isinstance(instance.run_launcher, PoolRunLauncher)
-        assert instance.run_retries_enabled
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 0
+        assert instance.run_retries_retry_on_asset_or_op_failure  # preemption surfaces as a step failure
         assert instance.run_monitoring_enabled
 
-        run = instance.get_run_by_id(summary["runs"]["data"])
+        [run_id] = summary["runs"]["data"]
+        run = instance.get_run_by_id(run_id)
         assert run.status == dg.DagsterRunStatus.SUCCESS and run.job_name == "data_plane"
         assert run.tags["dagster/partition"] == key
         for asset in DATA_ASSETS:
@@ -120,13 +124,8 @@ def test_prod_instance_keeps_runs_events_and_partitions_in_postgres(prod):
     assert not list(prod["home"].rglob("*.db")), "a SQLite database appeared next to the PostgreSQL instance"
 
 
-def _start_group(argv, log_path: Path) -> subprocess.Popen:
-    """Start a process in its own group (so its code servers go with it) with its output in a file."""
-    log = open(log_path, "w")
-    return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a process started with ``start_new_session=True`` and the code servers it started."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
@@ -154,15 +153,18 @@ def test_daemon_routes_a_queued_run_to_its_pool(prod, tmp_path):
         assert queued[0].tags[POOL_TAG] == "cpu"
         assert prod["db"].query("SELECT value FROM run_tags WHERE run_id = %s AND key = %s", run_id, POOL_TAG) == [("cpu",)]
 
-        daemon = _start_group([str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"], tmp_path / "daemon.log")
+        daemon_log = tmp_path / "daemon.log"
+        with open(daemon_log, "w") as log_file:
+            daemon = subprocess.Popen([str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO,
+                                      stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + DAEMON_TIMEOUT_S
             while not instance.get_run_by_id(run_id).is_finished:
-                assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+                assert daemon.poll() is None, f"dagster-daemon exited:\n{daemon_log.read_text()[-3000:]}"
                 assert time.monotonic() < deadline, f"run {run_id} not finished after {DAEMON_TIMEOUT_S:.0f} s"
                 time.sleep(1)
         finally:
-            _kill_group(daemon)
+            kill_group(daemon)
 
         run = instance.get_run_by_id(run_id)
         log = [e.message for e in instance.all_logs(run_id)]
@@ -171,7 +173,7 @@ def test_daemon_routes_a_queued_run_to_its_pool(prod, tmp_path):
         records = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("tokenized_shards"), asset_partitions=[key]), limit=10
         ).records
-        assert {r.run_id for r in records} == {prod["summary"]["runs"]["data"], run_id}
+        assert {r.run_id for r in records} == {*prod["summary"]["runs"]["data"], run_id}
 
 
 # --- deploy/launchers: ECS and Kubernetes GPU pools ----------------------------------------------
@@ -242,9 +244,8 @@ def ecs_account(block: dict) -> None:
     )
     ecs.create_cluster(clusterName=pools["gpu"]["config"]["run_task_kwargs"]["cluster"],
                        capacityProviders=["FARGATE", "FARGATE_SPOT", gpu_provider])
-    image = ec2.describe_images()["Images"][0]["ImageId"]
     for instance_type in ("g5.xlarge", "g5.12xlarge"):  # 1 and 4 GPUs: the spot pool's instance types
-        host = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType=instance_type)["Instances"][0]
+        host = ec2.run_instances(ImageId="ami-0123456789abcdef0", MinCount=1, MaxCount=1, InstanceType=instance_type)["Instances"][0]
         ecs.register_container_instance(cluster="ft-assets", instanceIdentityDocument=json.dumps({"instanceId": host["InstanceId"]}))
     ecs.register_task_definition(
         family=pools["gpu"]["config"]["task_definition"], requiresCompatibilities=["EC2"], networkMode="bridge",
@@ -352,10 +353,15 @@ def test_k8s_example_puts_training_on_a_spot_gpu_node(kube_api):
         pool["config"].update(load_incluster_config=False, kubeconfig_file=str(kubeconfig))
     with dg.instance_for_test(overrides={"run_launcher": block}) as instance:
         training = launch(instance, "training_plane", {"dagster/partition": "toolcalls@v1"}, asset="lora_adapter")
+        four_gpus = {"nvidia.com/gpu": "4"}
+        bigger = launch(instance, "training_plane", {
+            "dagster/partition": "toolcalls@v1",
+            "dagster-k8s/config": json.dumps({"container_config": {"resources": {"requests": four_gpus, "limits": four_gpus}}}),
+        }, asset="lora_adapter")
         data = launch(instance, "data_plane", {"dagster/partition": "toolcalls@v1", "ft/plane": "data"})
-    assert (training.tags[POOL_TAG], data.tags[POOL_TAG]) == ("gpu", "cpu")
-    assert [path for path, _ in created] == ["/apis/batch/v1/namespaces/ft-assets/jobs"] * 2
-    (_, gpu_job), (_, cpu_job) = created
+    assert [run.tags[POOL_TAG] for run in (training, bigger, data)] == ["gpu", "gpu", "cpu"]
+    assert [path for path, _ in created] == ["/apis/batch/v1/namespaces/ft-assets/jobs"] * 3
+    (_, gpu_job), (_, bigger_job), (_, cpu_job) = created
 
     gpu_pod = gpu_job["spec"]["template"]["spec"]
     container = gpu_pod["containers"][0]
@@ -372,6 +378,10 @@ def test_k8s_example_puts_training_on_a_spot_gpu_node(kube_api):
     password = [e for e in container["env"] if e["name"] == "DAGSTER_PG_PASSWORD"]
     assert password and password[0]["valueFrom"]["secretKeyRef"]["name"] == "ft-assets-postgresql"
     assert {"configMapRef": {"name": "ft-assets-env"}} in container["envFrom"]
+
+    bigger_resources = bigger_job["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert bigger_resources["limits"] == {"memory": "14Gi", "nvidia.com/gpu": "4"}
+    assert bigger_resources["requests"]["nvidia.com/gpu"] == "4"
 
     cpu_pod = cpu_job["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in json.dumps(cpu_pod["containers"][0]["resources"])

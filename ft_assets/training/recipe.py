@@ -644,9 +644,9 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
     config = TrainingConfig.model_validate_json(raw)
-    from accelerate import PartialState
-
-    is_main = PartialState().is_main_process
+    # Rank from the launcher's environment: creating accelerate's PartialState here would fix the
+    # process group before train() asks for a CPU (gloo) one.
+    is_main = int(os.environ.get("RANK", "0")) == 0
     pipes = nullcontext(None)
     if args.pipes:
         if is_main:
