@@ -27,7 +27,7 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	cp dagster.yaml $@
 
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/ft-assets run --dataset samples/toolcalls --name toolcalls --version sample-v1
+	$(BIN)/ft-assets run --dataset samples/toolcalls --name toolcalls --version sample-v1 --config samples/demo_run_config.yaml
 
 # PostgreSQL (production-profile tests) and Chromium (UI test) from Debian, only when missing.
 system-deps:

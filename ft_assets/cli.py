@@ -314,6 +314,75 @@ def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
         raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
 
 
+def split_registry_uri(uri: str) -> tuple[str, str]:
+    """'<store URL>/registry/<name>/<version>/<run>' → (store URL, key)."""
+    marker = "/registry/"
+    if uri.startswith("registry/"):
+        return "", uri.rstrip("/")
+    if marker not in uri:
+        raise CliError(f"{uri} is not a published model: expected <store>/registry/<name>/<version>/<run>")
+    store_url, _, rest = uri.rstrip("/").partition(marker)
+    return store_url, "registry/" + rest
+
+
+def cmd_lineage(args: argparse.Namespace) -> dict:
+    """The chain behind a published model, from its lineage manifest, each link checked against its manifest."""
+    from datetime import UTC, datetime
+
+    from ft_assets.delivery.publish import LINEAGE_FILE
+    from ft_assets.storage import ArtifactNotFound, StoreError, join_key, open_store, read_manifest
+
+    store_url, key = split_registry_uri(args.uri)
+    store = open_store(store_url or None)
+    try:
+        read_manifest(store, key)
+        lineage = store.get_json(join_key(key, LINEAGE_FILE))
+    except ArtifactNotFound as exc:
+        raise CliError(f"{args.uri}: {exc}") from exc
+    chain = []
+    for artifact in lineage["artifacts"]:
+        prefix = artifact["uri"][len(store.url) :].lstrip("/") if artifact["uri"].startswith(store.url) else artifact["uri"]
+        try:
+            status = "ok" if read_manifest(store, prefix).digest == artifact["digest"] else "DIGEST MISMATCH"
+        except (ArtifactNotFound, StoreError):
+            status = "missing from the store"
+        chain.append(
+            {
+                "asset": artifact["asset"],
+                "digest": artifact["digest"],
+                "created_at": datetime.fromtimestamp(artifact["created_at"], UTC).isoformat(timespec="seconds"),
+                "uri": artifact["uri"],
+                "status": status,
+            }
+        )
+    return {
+        "published_uri": lineage["published_uri"],
+        "dataset_version": lineage["partition"],
+        "base_model": lineage["base_model"],
+        "checkpoint": lineage["training"]["checkpoint"],
+        "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
+        "gguf": lineage["gguf"],
+        "eval": lineage["eval"],
+        "code_version": lineage["code_version"],
+        "chain": chain,
+        "verified": all(link["status"] == "ok" for link in chain),
+    }
+
+
+def print_lineage(report: dict) -> None:
+    print(f"{report['published_uri']}")
+    print(f"  dataset version {report['dataset_version']}; base model {report['base_model']['model_id']} (sha256 {report['base_model']['source_sha256'][:16]}…)")
+    for link in report["chain"]:
+        print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at']}  {link['status']}")
+        if link["asset"] == "lora_adapter":
+            print(f"      checkpoint {report['checkpoint']} ({report['training']['method']}, {report['training']['steps']} steps)")
+    for name, info in report["gguf"].items():
+        print(f"  GGUF {name}: sha256 {info['sha256'][:16]}…")
+    ev = report["eval"]
+    print(f"  eval {ev['metric_name']}: base {ev['base_metric']:.3f} → fine-tuned {ev['finetuned_metric']:.3f}; code {report['code_version']}")
+    print(f"  lineage {'verified against every manifest' if report['verified'] else 'NOT verified: see the statuses above'}")
+
+
 def log(message: str) -> None:
     print(f"[ft-assets] {message}", file=sys.stderr, flush=True)
 
@@ -371,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
     run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    lineage = sub.add_parser("lineage", help="print the chain behind a published model, from the store alone")
+    lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
+    lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
     return parser
 
 
@@ -379,15 +451,19 @@ def main(argv: list[str] | None = None) -> int:
     from ft_assets.data.readers import DatasetFileError
     from ft_assets.storage import StoreError
 
+    command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage)}[args.command]
     try:
-        summary = cmd_run(args)
+        result = command(args)
     except (CliError, StoreError, DatasetFileError) as exc:
         print(f"ft-assets: error: {exc}", file=sys.stderr)
         return 2
-    print_summary(summary)
+    if args.json and args.command == "lineage":
+        print(json.dumps(result, sort_keys=True))
+        return 0 if result["verified"] else 1
+    show(result)
     if args.json:
-        print(json.dumps(summary, sort_keys=True))
-    return 0
+        print(json.dumps(result, sort_keys=True))
+    return 0 if args.command == "run" or result["verified"] else 1
 
 
 if __name__ == "__main__":

@@ -54,10 +54,11 @@ def cli(capsys, *argv) -> tuple[int, dict | None, str]:
     code = main(list(argv))
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
-    return code, (json.loads(lines[-1]) if code == 0 and lines else None), captured.err
+    last = lines[-1] if lines else ""
+    return code, (json.loads(last) if last.startswith("{") else None), captured.err
 
 
-def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_model_dir):
+def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_model_dir, monkeypatch):
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=60, lr=0.01)))
     data = write_dataset(home / "data")
@@ -80,6 +81,18 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
         prefix = Path(artifact["uri"]).relative_to(store.root).as_posix()
         assert read_manifest(store, prefix).digest == artifact["digest"], artifact["asset"]
     assert lineage["partition"] == "acks@v1"
+
+    # ft-assets lineage: the chain from the store alone (no Dagster instance), every link verified.
+    monkeypatch.delenv("DAGSTER_HOME")
+    code, chain, err = cli(capsys, "lineage", summary["published_uri"], "--json")
+    assert code == 0, err
+    assert chain["verified"] and chain["dataset_version"] == "acks@v1"
+    assert [link["asset"] for link in chain["chain"]] == list(LINEAGE_CHAIN)
+    assert chain["checkpoint"].endswith("checkpoint-00000060")
+    store.delete(Path(chain["chain"][1]["uri"]).relative_to(store.root).as_posix() + "/manifest.json")
+    code, chain, _ = cli(capsys, "lineage", summary["published_uri"], "--json")
+    assert code == 1 and chain["chain"][1]["status"] == "missing from the store" and not chain["verified"]
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "home" / "dagster_home"))
 
     # Publishing the same run again does not overwrite it.
     before = store.get_bytes(f"{registry}/manifest.json")
