@@ -399,6 +399,11 @@ def print_summary(summary: dict) -> None:
             f"packing efficiency {summary['packing_efficiency']:.4f}",
             f"  token shards: {summary['artifacts']['tokenized_shards']}",
         ]
+    if "estimated_cost_usd" in summary:
+        lines.append(
+            f"  training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
+            f"~{summary['estimated_hours']} h, estimated ${summary['estimated_cost_usd']}"
+        )
     if "steps" in summary:
         lines += [
             f"  training ({summary['training_method']}): {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
@@ -406,15 +411,10 @@ def print_summary(summary: dict) -> None:
             f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
             f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
         ]
-    if "estimated_cost_usd" in summary:
-        lines.append(
-            f"  training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
-            f"~{summary['estimated_hours']} h, estimated ${summary['estimated_cost_usd']}"
-        )
     if "actual_cost_usd" in summary:
-        eth = "n/a" if summary["eth_usd"] is None else f"${summary['eth_usd']}/h"
+        eth = "n/a" if summary["eth_usd"] is None else f"${summary['eth_usd']:.2f}"
         lines.append(
-            f"  training cost: ${summary['actual_cost_usd']} actual, ETH {eth} per effective training hour "
+            f"  training cost: ${summary['actual_cost_usd']:.4f} actual, ETH {eth} per effective training hour "
             f"(idle share {summary['idle_share']:.1%})"
         )
     if "published_uri" in summary:
