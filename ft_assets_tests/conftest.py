@@ -9,6 +9,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = ["ft_assets_tests.s3server"]
 
 
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh project folder: FT_HOME (store under it) and DAGSTER_HOME in tmp_path, one torch thread."""
+    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("FT_STORE", raising=False)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init 2-layer Llama + ChatML BPE tokenizer, built once per session (no downloads)."""

@@ -17,10 +17,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch, tiny_model_dir):
-    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
-    monkeypatch.delenv("FT_STORE", raising=False)
+def project(home, tiny_model_dir):
+    tmp_path = home
     config = tmp_path / "run_config.yaml"
     config.write_text(yaml.safe_dump({"ops": {"base_model": {"config": {"source": str(tiny_model_dir)}}}}))
     return tmp_path, config

@@ -41,15 +41,6 @@ def run_config(tiny_model_dir, steps: int, lr: float) -> dict:
     }
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("FT_STORE", raising=False)
-    return tmp_path
-
-
 def cli(capsys, *argv) -> tuple[int, dict | None, str]:
     code = main(list(argv))
     captured = capsys.readouterr()

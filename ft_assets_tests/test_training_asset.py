@@ -16,15 +16,6 @@ from ft_assets_tests.test_pipeline import run_config, write_dataset
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home" / "dagster_home"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("FT_STORE", raising=False)
-    return tmp_path
-
-
 def test_two_processes_train_through_pipes_and_report_from_rank_0(home, capsys, tiny_model_dir):
     config = run_config(tiny_model_dir, steps=6, lr=0.01)
     config["ops"]["lora_adapter"]["config"].update(num_processes=2, save_steps=3)
