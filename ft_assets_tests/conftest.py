@@ -25,3 +25,15 @@ def tiny_model_dir(tmp_path_factory):
     from ft_assets_tests.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: on CPU-only machines (CI) they are reported as skipped, with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (CI has none; run on a GPU worker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -181,7 +181,7 @@ def lora_adapter(
     started = time.monotonic()
     worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
     if worker:
-        context.instance.add_run_tags(context.run_id, worker)
+        context.instance.add_run_tags(context.run.run_id, worker)
     training = _training_config(config)
     version = DatasetVersion.from_key(context.partition_key)
     run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])
@@ -202,7 +202,7 @@ def lora_adapter(
                     ).to_json()  # fmt: skip
                     result["output_dir"] = Path(result["output_dir"])
         except Preempted as exc:
-            context.instance.add_run_tags(context.run_id, {PREEMPTED_TAG: "true"})
+            context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
             raise dg.Failure(
                 description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {objects.uri(prefix)}.",
                 metadata={"preempted": True, "run_prefix": objects.uri(prefix)},
