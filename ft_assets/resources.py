@@ -15,10 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
+from ft_assets import locks
 from ft_assets.partitions import DatasetVersion
 from ft_assets.storage import ObjectStore, join_key, open_store
+
+PARTITION_TAG = "dagster/partition"
 
 
 class ObjectStoreResource(dg.ConfigurableResource):
@@ -49,19 +52,63 @@ def ref_key(partition_key: str, asset_name: str) -> str:
 
 
 class ArtifactRefIOManager(dg.ConfigurableIOManager):
-    """Stores each asset's JSON-able return value (a reference, never the artifact) in the store."""
+    """Stores each asset's JSON-able return value (a reference, never the artifact) in the store.
+
+    Every asset of every plane writes through it, so it also holds the run's partition lease
+    (``ft_assets.locks``) from setup to teardown: two runs of the same dataset version never write its
+    artifacts at once, the second fails at start naming the first. (On the IO manager rather than on
+    ``ObjectStoreResource``, which sensors use outside any run.)
+    """
 
     store: dg.ResourceDependency[ObjectStoreResource]
+    _lease: locks.Lease | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        run = context.run
+        partition = run.tags.get(PARTITION_TAG) if run is not None else None
+        if partition is None:  # not a run of one partition
+            return
+        instance = context.instance
+
+        def run_status(run_id: str) -> str | None:
+            record = instance.get_run_by_id(run_id) if instance is not None else None
+            return None if record is None else record.status.value
+
+        try:
+            self._lease = locks.acquire(self.store.open(), partition, run.run_id, run_status)
+        except locks.PartitionBusy as exc:
+            raise dg.Failure(str(exc)) from exc
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _check_lease(self) -> None:
+        """Fail if another run took this run's partition over (after this one missed its heartbeats)."""
+        if self._lease is not None and not self._lease.held():
+            raise dg.Failure(
+                f"run {self._lease.run_id} lost the lease on partition {self._lease.partition} to another run "
+                f"(no heartbeat for {locks.EXPIRY_SECONDS:.0f} s); its output is not published"
+            )
+
+    @staticmethod
+    def _partition(context) -> str:
+        # Every asset is partitioned by dataset_version with the identity mapping, so an input's partition
+        # is the run's. Asked for the asset's own, Dagster may answer with "all partitions" when the run's
+        # partition was the only one at its start, which names two as soon as a second one is added.
+        return context.partition_key if context.has_partition_key else context.asset_partition_key
 
     def _key(self, context) -> str:
         if not context.has_asset_partitions:
             raise dg.Failure(f"{context.asset_key.to_user_string()} must be partitioned by dataset_version")
-        return ref_key(context.asset_partition_key, context.asset_key.path[-1])
+        return ref_key(self._partition(context), context.asset_key.path[-1])
 
     def handle_output(self, context: dg.OutputContext, obj: dict) -> None:
         if obj is None:
             return
         json.dumps(obj)  # fail loudly here, not in a reader, if a non-JSON value slipped in
+        self._check_lease()
         self.store.open().put_json(self._key(context), obj)
 
     def load_input(self, context: dg.InputContext) -> dict:
@@ -70,6 +117,6 @@ class ArtifactRefIOManager(dg.ConfigurableIOManager):
         if not store.exists(key):
             raise dg.Failure(
                 f"upstream {context.asset_key.to_user_string()} has no output for partition "
-                f"{context.asset_partition_key} ({store.uri(key)}): materialize it first"
+                f"{self._partition(context)} ({store.uri(key)}): materialize it first"
             )
         return store.get_json(key)

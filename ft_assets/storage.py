@@ -9,12 +9,20 @@ name and renames, and the manifest's arrival is the commit point of the whole ar
 
 Credentials never appear here: boto3 reads them from the standard ``AWS_*`` environment variables
 (``AWS_ENDPOINT_URL`` included, so AWS S3, R2, MinIO and SeaweedFS all work alike).
+
+Faults: an S3 call that cannot reach the endpoint (refused, reset, timed out, a 5xx) is retried with
+exponential backoff, 0.5 s doubling to 8 s, 10 attempts: a store that comes back within ~45 s (a
+SeaweedFS restart takes ~5 s) is never noticed, one that stays down is a ``StoreError`` naming the
+endpoint. A full local disk is a ``StoreError`` naming the local path. Neither leaves a partial file
+behind, and no artifact is published without its manifest.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +35,15 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 CHUNK = 8 * 1024 * 1024  # 8 MiB: read/hash granularity and S3 multipart part size
+S3_ATTEMPTS = 10  # waits 0.5+1+2+4+8+8+8+8+8 = 47.5 s in all before an unreachable store is an error
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 8.0
+# S3 error codes worth another attempt: the server is up but overloaded, restarting or timing out.
+TRANSIENT_CODES = frozenset(
+    {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "ConditionalRequestConflict", "500", "502", "503", "504"}
+)
+
+logger = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
@@ -39,6 +56,28 @@ class ArtifactNotFound(StoreError):
 
 class ArtifactCorrupt(StoreError):
     """An artifact's files do not match its manifest (missing file, size or sha256 mismatch)."""
+
+
+class ObjectNotFound(StoreError):
+    """No object at a key."""
+
+
+class ObjectExists(StoreError):
+    """A create-if-absent write found the object already there."""
+
+
+class _Transient(StoreError):
+    """A failure another attempt may not have (connection refused or reset, timeout, 5xx)."""
+
+
+def backoff_seconds(attempt: int) -> float:
+    """The wait after failed attempt ``attempt`` (1-based): 0.5, 1, 2, 4, then 8 s."""
+    return min(BACKOFF_FIRST_S * 2 ** (attempt - 1), BACKOFF_MAX_S)
+
+
+def _disk_error(what: str, path: str | Path, exc: OSError) -> StoreError:
+    hint = " (free space there, or point FT_SCRATCH at a bigger disk)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return StoreError(f"{what} {path}: {exc.strerror or exc}{hint}")
 
 
 def sha256_file(path: str | Path) -> str:
@@ -72,6 +111,10 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` atomically unless it exists; False if it did (another writer got there first)."""
 
     @abstractmethod
     def get_file(self, key: str, path: str | Path) -> None: ...
@@ -126,16 +169,17 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _atomic_write(self, key: str, write) -> None:
+    def _atomic_write(self, key: str, write, publish=os.replace) -> None:
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{uuid.uuid4().hex}-{target.name}"
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             write(tmp)
-            os.replace(tmp, target)
+            publish(tmp, target)
         except OSError as exc:
+            raise _disk_error("could not write", target, exc) from exc
+        finally:
             tmp.unlink(missing_ok=True)
-            raise StoreError(f"could not write {target}: {exc.strerror or exc}") from exc
 
     def put_file(self, key: str, path: str | Path) -> None:
         self._atomic_write(key, lambda tmp: shutil.copyfile(path, tmp))
@@ -143,17 +187,38 @@ class LocalStore(ObjectStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda tmp: tmp.write_bytes(data))
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        def link(tmp: Path, target: Path) -> None:
+            try:  # a hard link fails if the target exists: an atomic create-if-absent, content in place
+                os.link(tmp, target)
+            except FileExistsError:
+                raise ObjectExists(f"{target} already exists") from None
+
+        try:
+            self._atomic_write(key, lambda tmp: tmp.write_bytes(data), publish=link)
+        except ObjectExists:
+            return False
+        return True
+
     def get_file(self, key: str, path: str | Path) -> None:
         source = self._path(key)
         if not source.is_file():
-            raise StoreError(f"missing object {self.uri(key)}")
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, path)
+            raise ObjectNotFound(f"missing object {self.uri(key)}")
+        path = Path(path)
+        tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _disk_error(f"copy of {source} to", path, exc) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> bytes:
         source = self._path(key)
         if not source.is_file():
-            raise StoreError(f"missing object {self.uri(key)}")
+            raise ObjectNotFound(f"missing object {self.uri(key)}")
         return source.read_bytes()
 
     def exists(self, key: str) -> bool:
@@ -179,7 +244,7 @@ class LocalStore(ObjectStore):
     def size(self, key: str) -> int:
         source = self._path(key)
         if not source.is_file():
-            raise StoreError(f"missing object {self.uri(key)}")
+            raise ObjectNotFound(f"missing object {self.uri(key)}")
         return source.stat().st_size
 
     def uri(self, key: str) -> str:
@@ -205,25 +270,27 @@ def _env_credentials() -> dict:
 class S3Store(ObjectStore):
     """An S3 bucket (AWS, R2, MinIO, SeaweedFS) through boto3, configured from the environment."""
 
-    def __init__(self, bucket: str, prefix: str = "", client=None, max_attempts: int = 8):
+    def __init__(self, bucket: str, prefix: str = "", client=None, max_attempts: int = S3_ATTEMPTS):
         import boto3
         from botocore.config import Config as BotoConfig
 
+        if "@" in bucket or ":" in bucket:  # s3://KEY:SECRET@bucket: refuse without repeating it
+            raise StoreError(
+                "the store URL must not carry credentials (s3://user:secret@bucket); set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY in the environment instead"
+            )
         if len(bucket) < 3:
             raise StoreError(f"invalid bucket name {bucket!r}: S3 bucket names have at least 3 characters")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        # Standard retry mode with backoff rides out short outages of the endpoint; a store that stays
-        # down surfaces as a StoreError naming the endpoint after the attempts are spent.
+        self.max_attempts = max(1, max_attempts)
+        # Retries are ours (_call), not botocore's: one deterministic schedule for every operation, a
+        # whole transfer retried as a unit, and an error message that says how long the store was down.
         self.client = client or boto3.client(
             "s3",
             **_env_credentials(),
-            config=BotoConfig(
-                retries={"max_attempts": max_attempts, "mode": "standard"},
-                connect_timeout=5,
-                read_timeout=60,
-            ),
+            config=BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60),
         )
         from boto3.s3.transfer import TransferConfig
 
@@ -236,30 +303,59 @@ class S3Store(ObjectStore):
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
     def _call(self, what: str, key: str, fn, *args, **kwargs):
-        from boto3.exceptions import S3UploadFailedError
-        from botocore.exceptions import BotoCoreError, ClientError
+        """``fn(*args, **kwargs)``, retried with backoff while the endpoint is unreachable; errors → StoreError."""
+        started, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - classified below; anything unknown is re-raised as is
+                error = self._classify(what, key, exc)
+                if error is None:
+                    raise
+                if not isinstance(error, _Transient):
+                    raise error from exc
+                if attempt >= self.max_attempts:
+                    waited = time.monotonic() - started
+                    raise StoreError(
+                        f"{what} {self.uri(key)} failed: {error} (gave up after {attempt} attempt(s) over {waited:.0f} s); "
+                        "check that the object store is up and reachable, then rerun"
+                    ) from exc
+                delay = backoff_seconds(attempt)
+                logger.warning("%s %s: %s; retrying in %.1f s (attempt %d/%d)", what, self.uri(key), error, delay, attempt, self.max_attempts)
+                time.sleep(delay)
 
-        try:
-            return fn(*args, **kwargs)
-        except (ClientError, S3UploadFailedError) as exc:
-            # upload_file re-raises any ClientError as S3UploadFailedError; classify the original.
-            error = exc if isinstance(exc, ClientError) else exc.__context__
-            if not isinstance(error, ClientError):
-                raise StoreError(f"{what} {self.uri(key)} failed: {exc}") from exc
+    def _classify(self, what: str, key: str, exc: Exception) -> StoreError | None:
+        """The StoreError for a failed call: ``_Transient`` when another attempt may succeed, None if not ours."""
+        from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError
+
+        error = exc
+        if isinstance(exc, S3UploadFailedError):  # upload_file re-raises a request's ClientError wrapped
+            error = exc.__context__ or exc
+        elif isinstance(exc, RetriesExceededError):  # download_file: the body stream kept breaking
+            error = exc.last_exception or exc
+        if isinstance(error, ClientError):
             code = error.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "404", "NotFound"):
-                raise StoreError(f"missing object {self.uri(key)}") from exc
+                return ObjectNotFound(f"missing object {self.uri(key)}")
+            if code in ("PreconditionFailed", "412"):
+                return ObjectExists(f"{self.uri(key)} already exists")
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-                raise StoreError(
+                return StoreError(
                     f"{what} {self.uri(key)} was refused ({code}): check AWS_ACCESS_KEY_ID / "
                     "AWS_SECRET_ACCESS_KEY and the bucket policy"
-                ) from exc
+                )
             if code == "NoSuchBucket":
-                raise StoreError(f"bucket {self.bucket!r} does not exist (create it first)") from exc
-            raise StoreError(f"{what} {self.uri(key)} failed: {code or error}") from exc
-        except BotoCoreError as exc:
-            endpoint = self.client.meta.endpoint_url
-            raise StoreError(f"{what} {self.uri(key)} failed: cannot reach {endpoint}: {exc}") from exc
+                return StoreError(f"bucket {self.bucket!r} does not exist (create it first)")
+            if code in TRANSIENT_CODES:
+                return _Transient(f"{self.client.meta.endpoint_url} answered {code}")
+            return StoreError(f"{what} {self.uri(key)} failed: {code or error}")
+        if isinstance(error, (ConnectionError, HTTPClientError)) or isinstance(exc, RetriesExceededError):
+            return _Transient(f"cannot reach {self.client.meta.endpoint_url}: {error}")
+        if isinstance(error, BotoCoreError) or isinstance(exc, S3UploadFailedError):
+            return StoreError(f"{what} {self.uri(key)} failed: {error}")
+        return None
 
     def put_file(self, key: str, path: str | Path) -> None:
         self._call(
@@ -269,29 +365,43 @@ class S3Store(ObjectStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
 
-    def get_file(self, key: str, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(path).with_name(f".tmp-{uuid.uuid4().hex}")
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        # If-None-Match: '*' makes the PUT conditional (AWS S3 since 2024, SeaweedFS 4.x, R2, MinIO). A
+        # retry after a lost response sees its own object and answers False: callers re-read to tell.
         try:
+            self._call(
+                "create of", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+            )
+        except ObjectExists:
+            return False
+        return True
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             self._call(
                 "download of", key, self.client.download_file, self.bucket, self._key(key), str(tmp),
                 Config=self.transfer,
             )
             os.replace(tmp, path)
+        except OSError as exc:  # the local side: a full disk, a read-only folder
+            raise _disk_error(f"download of {self.uri(key)} to", path, exc) from exc
         finally:
             tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> bytes:
-        response = self._call("read of", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
-        return response["Body"].read()
+        # The body is read inside the retried call: a connection that drops mid-body is one more attempt.
+        return self._call(
+            "read of", key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        )
 
     def exists(self, key: str) -> bool:
         try:
             self._call("lookup of", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
-        except StoreError as exc:
-            if str(exc).startswith("missing object"):
-                return False
-            raise
+        except ObjectNotFound:
+            return False
         return True
 
     def list(self, prefix: str) -> list[str]:
@@ -421,9 +531,7 @@ def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path, include=No
         key = join_key(prefix, rel)
         try:
             store.get_file(key, target)
-        except StoreError as exc:
-            if store.exists(key):
-                raise
+        except ObjectNotFound as exc:
             raise ArtifactCorrupt(
                 f"artifact {store.uri(prefix)} lacks {rel} listed in its manifest; the artifact is corrupt, rebuild it"
             ) from exc

@@ -1,0 +1,195 @@
+"""Partition leases: one run at a time writes the artifacts of a dataset version, on either backend.
+
+The run queue serializes the runs of one partition (dagster.yaml: ``dagster/partition`` with
+``applyLimitPerUniqueValue``), but ``ft-assets run``, ``dagster asset materialize`` and tests execute
+in-process and never meet the queue, and two Dagster instances can share one bucket. So the store
+holds the lock too, and a second writer fails at start with a message naming the run in its way,
+before it has written anything.
+
+Layout: ``leases/<name>/<version>/<generation>/owner.json`` names the run that holds the partition;
+each process of that run (one per step under the multiprocess executor) keeps a heartbeat object next
+to it, renewed every ``RENEW_SECONDS``. The owner object is created with an atomic create-if-absent
+(``O_EXCL``-like hard link locally, ``If-None-Match: *`` on S3), so of two runs racing for the same
+generation exactly one wins; a run taking over a free lease creates the next generation, so a
+takeover is a race for a fresh key as well, and generations never go back.
+
+A lease is free when its run is finished (asked of the Dagster instance), when a run this instance
+does not know has released every heartbeat, or when no heartbeat came for ``EXPIRY_SECONDS`` (a
+worker killed with SIGKILL, whose run the instance still thinks is running).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ft_assets.partitions import DatasetVersion
+from ft_assets.storage import ObjectNotFound, ObjectStore, StoreError, join_key
+
+LEASES = "leases"
+OWNER = "owner.json"
+RENEW_SECONDS = 10.0  # heartbeat period of every process of the run holding a lease
+EXPIRY_SECONDS = 60.0  # six missed heartbeats: the process is gone (or cut off from the store)
+
+logger = logging.getLogger(__name__)
+
+RunStatus = Callable[[str], "str | None"]  # run id -> "STARTED", "SUCCESS", ... or None if unknown here
+FINISHED = frozenset({"SUCCESS", "FAILURE", "CANCELED"})
+
+
+class PartitionBusy(StoreError):
+    """Another run holds the partition's lease."""
+
+
+def lease_prefix(partition: str) -> str:
+    version = DatasetVersion.from_key(partition)  # validated: no '..' or '/' can reach the key
+    return join_key(LEASES, version.name, version.version)
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    generation: int
+    owner: dict  # {"run_id", "lease_id", "partition", "created_at"}
+    heartbeats: list[dict]  # [{"holder", "renewed_at", "released"}]
+
+
+def read_lease(store: ObjectStore, partition: str) -> LeaseState | None:
+    """The newest generation that has an owner, with its heartbeats; None if the partition was never leased."""
+    prefix = lease_prefix(partition)
+    generations: dict[int, list[str]] = {}
+    for key in store.list(prefix):
+        generation, _, name = key[len(prefix) + 1 :].partition("/")
+        if generation.isdigit():
+            generations.setdefault(int(generation), []).append(name)
+    for generation in sorted(generations, reverse=True):
+        names = generations[generation]
+        if OWNER not in names:
+            continue  # a late heartbeat of a lease that was taken over and cleaned up
+        base = join_key(prefix, f"{generation:08d}")
+        try:
+            owner = store.get_json(join_key(base, OWNER))
+        except ObjectNotFound:
+            continue  # removed between the listing and the read: an older generation being cleaned up
+        beats = []
+        for name in names:
+            if name.startswith("holders/"):
+                try:
+                    beats.append(store.get_json(join_key(base, name)))
+                except ObjectNotFound:
+                    pass
+        return LeaseState(generation, owner, beats)
+    return None
+
+
+def busy_reason(state: LeaseState, run_status: RunStatus, now: float) -> str | None:
+    """Why the lease is held (for the error message), or None when it is free to take over."""
+    run_id = state.owner["run_id"]
+    status = run_status(run_id)
+    if status in FINISHED:
+        return None
+    beats = [state.owner["created_at"]] + [b["renewed_at"] for b in state.heartbeats]
+    if status is None:
+        # A run of another Dagster instance (or an ephemeral one): only its own heartbeats tell.
+        live = [b["renewed_at"] for b in state.heartbeats if not b["released"]]
+        if not state.heartbeats:
+            live = [state.owner["created_at"]]  # created, first heartbeat not written yet
+    else:
+        live = beats  # known and not finished: between two steps, released heartbeats still count
+    fresh = [t for t in live if now - t < EXPIRY_SECONDS]
+    if not fresh:
+        return None
+    age = now - max(fresh)
+    return (
+        f"partition {state.owner['partition']} is being materialized by run {run_id} "
+        f"({status.lower() if status else 'unknown to this Dagster instance'}, last heartbeat {age:.0f} s ago); retry when it "
+        f"finishes. A run that died without finishing frees it {EXPIRY_SECONDS:.0f} s after its last heartbeat."
+    )
+
+
+def _holder_id() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+class Lease:
+    """One process's share of a partition lease: a heartbeat renewed in a daemon thread until ``release``."""
+
+    def __init__(self, store: ObjectStore, partition: str, generation: int, run_id: str):
+        self.store, self.partition, self.generation, self.run_id = store, partition, generation, run_id
+        self.base = join_key(lease_prefix(partition), f"{generation:08d}")
+        self.holder_key = join_key(self.base, "holders", f"{_holder_id()}.json")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _beat(self, released: bool = False) -> None:
+        self.store.put_json(self.holder_key, {"holder": self.holder_key, "renewed_at": time.time(), "released": released})
+
+    def start(self) -> Lease:
+        self._beat()
+        self._thread = threading.Thread(target=self._renew, name=f"lease-{self.partition}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_SECONDS):
+            try:
+                self._beat()
+            except StoreError as exc:  # an outage: keep trying; EXPIRY_SECONDS leaves room for several misses
+                logger.warning("could not renew the lease on %s: %s", self.partition, exc)
+
+    def held(self) -> bool:
+        """Whether this run still holds the partition (nobody took the lease over after it expired)."""
+        state = read_lease(self.store, self.partition)
+        return state is not None and state.generation == self.generation and state.owner["run_id"] == self.run_id
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark it released; the run's other processes keep theirs."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self._beat(released=True)
+        except StoreError as exc:  # the lease then expires on its own
+            logger.warning("could not release the lease on %s: %s", self.partition, exc)
+
+
+def acquire(store: ObjectStore, partition: str, run_id: str, run_status: RunStatus, now=time.time) -> Lease:
+    """Hold ``partition`` for ``run_id`` (re-entrant for the run's other processes) or raise ``PartitionBusy``."""
+    prefix = lease_prefix(partition)
+    for _ in range(5):  # each pass either returns, raises, or lost a creation race and looks again
+        state = read_lease(store, partition)
+        if state is not None and state.owner["run_id"] == run_id:
+            return Lease(store, partition, state.generation, run_id).start()
+        if state is not None and (reason := busy_reason(state, run_status, now())):
+            raise PartitionBusy(reason)
+        generation = state.generation + 1 if state else 1
+        owner = {"run_id": run_id, "lease_id": uuid.uuid4().hex, "partition": partition, "created_at": now()}
+        key = join_key(prefix, f"{generation:08d}", OWNER)
+        created = store.put_bytes_if_absent(key, json.dumps(owner, indent=2).encode())
+        if not created:
+            try:  # a retried request may have created it before its answer was lost
+                created = store.get_json(key).get("lease_id") == owner["lease_id"]
+            except ObjectNotFound:
+                created = False
+        if created:
+            lease = Lease(store, partition, generation, run_id).start()
+            _drop_generations_below(store, prefix, generation)
+            return lease
+    raise PartitionBusy(f"partition {partition}: the lease changed hands five times while acquiring it; retry")
+
+
+def _drop_generations_below(store: ObjectStore, prefix: str, generation: int) -> None:
+    try:
+        for key in store.list(prefix):
+            head = key[len(prefix) + 1 :].split("/", 1)[0]
+            if head.isdigit() and int(head) < generation:
+                store.delete(key)
+    except StoreError as exc:  # leftovers are ignored by read_lease and dropped by the next takeover
+        logger.warning("could not clean up old leases under %s: %s", prefix, exc)
