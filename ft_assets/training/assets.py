@@ -72,7 +72,13 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
         cached = False
         with store.scratch("base-model") as work:
             try:
-                bm.materialize_source(source, work / "model", config.allow_pickle_weights, log=context.log.info)
+                bm.materialize_source(
+                    source,
+                    work / "model",
+                    config.allow_pickle_weights,
+                    log=context.log.info,
+                    trust_remote_code=config.trust_remote_code,
+                )
             except bm.BaseModelError as exc:
                 raise dg.Failure(str(exc)) from exc
             summary = bm.describe(work / "model")

@@ -8,7 +8,9 @@ the source: every later load takes about a second.
 
 Safety: weights are read from safetensors only. A source that holds only pickle-based weights
 (``.bin``/``.pt``/``.pth``/``.ckpt``) is refused unless ``allow_pickle_weights`` is set, because
-unpickling runs arbitrary code; ``trust_remote_code`` is off unless explicitly enabled.
+unpickling runs arbitrary code. ``trust_remote_code`` is off unless explicitly enabled: a model that
+ships its own Python (``auto_map`` in config.json, ``*.py`` files) is refused before any of it is copied
+to the store, where every worker would import it; hub downloads never fetch ``*.py`` at all.
 """
 
 from __future__ import annotations
@@ -106,6 +108,24 @@ def check_weights_safe(model_dir: Path, allow_pickle_weights: bool) -> None:
         raise BaseModelError(f"{model_dir} has no weight files (*.safetensors)")
 
 
+def check_no_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """Refuse a model that brings Python of its own (``auto_map`` classes, ``*.py``) unless it is trusted."""
+    if trust_remote_code:
+        return
+    config_path = model_dir / "config.json"
+    try:
+        auto_map = json.loads(config_path.read_text()).get("auto_map") if config_path.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise BaseModelError(f"{config_path} is not a readable JSON config: {exc}") from exc
+    found = ([f"auto_map {sorted(auto_map)}"] if auto_map else []) + sorted(p.name for p in model_dir.glob("*.py"))
+    if found:
+        raise BaseModelError(
+            f"{model_dir} ships its own model code ({', '.join(found)}); running it would execute whatever the source "
+            "put there on every worker. Use a model whose architecture transformers supports natively, or set "
+            "trust_remote_code=true on base_model if you trust the source"
+        )
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     """Dequantize a GGUF into an fp32 safetensors HF checkpoint + tokenizer (one-time, ~1-2 min for 135M)."""
     import torch
@@ -124,7 +144,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def materialize_source(source: ModelSource, out_dir: Path, allow_pickle_weights: bool, log=print) -> None:
+def materialize_source(
+    source: ModelSource, out_dir: Path, allow_pickle_weights: bool, log=print, trust_remote_code: bool = False
+) -> None:
     """Write the model as a safetensors HF directory at ``out_dir``."""
     if source.kind == "gguf":
         convert_gguf(Path(source.location), out_dir, log)
@@ -140,6 +162,7 @@ def materialize_source(source: ModelSource, out_dir: Path, allow_pickle_weights:
         )
     else:
         location = source.location
+    check_no_remote_code(Path(location), trust_remote_code)
     check_weights_safe(Path(location), allow_pickle_weights)
     shutil.copytree(location, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git*", ".cache"))
 

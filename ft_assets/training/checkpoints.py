@@ -18,7 +18,11 @@ One checkpoint holds everything needed to continue bit-for-bit:
 | trainer_state.json    | step, epoch, samples/tokens seen, loss history, timings | json               |
 
 Torch files are read back with ``torch.load(weights_only=True)``: a tampered checkpoint cannot run
-code. Weights never go through pickle at all.
+code, it is refused with ``UntrustedCheckpoint``. Weights never go through pickle at all.
+
+A store that cannot be reached while resuming is not a corrupt checkpoint: ``find_latest_checkpoint``
+skips (and the recipe then deletes) only checkpoints that have no manifest or fail their sha256; an
+outage, after the store's own retries, is an error and nothing is skipped or deleted.
 
 Uploading is slow next to a training step (a 7B LoRA checkpoint is ~0.5 GB with optimizer state, a
 few seconds to S3; a full fine-tune tens of GB), so ``BackgroundUploader`` publishes a checkpoint that
@@ -29,7 +33,9 @@ only when checkpoints are produced faster than the store takes them.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import pickle
 import random
 import re
 import shutil
@@ -41,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ft_assets.storage import (
@@ -195,6 +202,40 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteFailed(OSError):
+    """A checkpoint could not be written to the worker's local disk (full, read-only)."""
+
+
+class _WriteRecorder(io.RawIOBase):
+    """A file wrapper that keeps the OSError of a failed write: torch.save reports only 'unexpected pos'."""
+
+    def __init__(self, handle):
+        super().__init__()
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as handle:
+        recorder = _WriteRecorder(handle)
+        try:
+            torch.save(obj, recorder)
+        except RuntimeError as exc:
+            if recorder.error is None:
+                raise
+            raise recorder.error from exc
+
+
 def write_checkpoint(
     local_dir: Path,
     weights: dict[str, torch.Tensor],
@@ -204,15 +245,32 @@ def write_checkpoint(
     trainer_state: TrainerState,
 ) -> Path:
     """Write one checkpoint to a local folder (the uploader publishes it); ``rng_states[rank]``."""
-    if local_dir.exists():
-        shutil.rmtree(local_dir)
-    local_dir.mkdir(parents=True)
-    save_file({name: t.detach().to("cpu").contiguous() for name, t in weights.items()}, local_dir / WEIGHTS)
-    torch.save(optimizer_state, local_dir / OPTIMIZER)
-    torch.save(scheduler_state, local_dir / SCHEDULER)
-    torch.save(rng_states, local_dir / RNG_STATE)
-    (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+    try:
+        if local_dir.exists():
+            shutil.rmtree(local_dir)
+        local_dir.mkdir(parents=True)
+        save_file(tensors, local_dir / WEIGHTS)
+        _torch_save(optimizer_state, local_dir / OPTIMIZER)
+        _torch_save(scheduler_state, local_dir / SCHEDULER)
+        _torch_save(rng_states, local_dir / RNG_STATE)
+        (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        try:
+            free = f"{shutil.disk_usage(local_dir.parent).free / 1e6:,.2f} MB free there"
+        except OSError:
+            free = "free space unknown"
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointWriteFailed(
+            f"could not write checkpoint {local_dir} ({free}): {reason}; free space on that disk or point FT_SCRATCH "
+            "at a bigger one, then rerun: the run resumes from its last complete checkpoint"
+        ) from exc
     return local_dir
+
+
+class UntrustedCheckpoint(ValueError):
+    """A checkpoint file holds pickled objects other than tensors and plain data: it is not loaded."""
 
 
 @dataclass(frozen=True)
@@ -228,28 +286,39 @@ class Checkpoint:
         return load_file(self.local_dir / WEIGHTS)
 
     def optimizer_state(self) -> dict:
-        return torch.load(self.local_dir / OPTIMIZER, weights_only=True)
+        return self._load(OPTIMIZER)
 
     def scheduler_state(self) -> dict:
-        return torch.load(self.local_dir / SCHEDULER, weights_only=True)
+        return self._load(SCHEDULER)
 
     def rng_states(self) -> list[dict]:
-        return torch.load(self.local_dir / RNG_STATE, weights_only=True)
+        return self._load(RNG_STATE)
+
+    def _load(self, name: str):
+        """A torch file of the checkpoint, unpickled with ``weights_only``: tensors and plain data only."""
+        try:
+            return torch.load(self.local_dir / name, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            reason = str(exc).strip().splitlines()[0][:300]
+            raise UntrustedCheckpoint(
+                f"refusing to load {self.uri}/{name}: it holds pickled objects other than tensors ({reason}). "
+                "Unpickling them could run arbitrary code, and ft-assets never writes such files: if you did not "
+                f"put it there, treat the store as compromised; otherwise delete {self.uri} and rerun"
+            ) from exc
 
     def trainer_state(self) -> TrainerState:
         return TrainerState.from_json((self.local_dir / TRAINER_STATE).read_text())
 
 
 def fetch_checkpoint(store: ObjectStore, prefix: str, step: int, dest: Path) -> Checkpoint:
-    """Download and verify one checkpoint; raises ``ArtifactNotFound`` / ``ArtifactCorrupt``."""
+    """Download and verify one checkpoint.
+
+    Raises ``ArtifactNotFound`` (no manifest), ``ArtifactCorrupt`` (a file missing or failing its sha256)
+    and, for anything else (the store unreachable after its retries, access refused), ``StoreError``.
+    """
     key = checkpoint_prefix(prefix, step)
     local_dir = dest / checkpoint_name(step)
-    try:
-        manifest = fetch_artifact(store, key, local_dir)
-    except ArtifactNotFound:
-        raise
-    except StoreError as exc:  # a file listed in the manifest is missing from the store
-        raise ArtifactCorrupt(str(exc)) from exc
+    manifest = fetch_artifact(store, key, local_dir)
     return Checkpoint(step=step, uri=store.uri(key), local_dir=local_dir, manifest=manifest)
 
 
@@ -259,10 +328,15 @@ def find_latest_checkpoint(
     """The newest checkpoint that is complete and verifies, and the steps of the newer ones skipped.
 
     A checkpoint without a manifest (its upload was interrupted) or whose files fail their sha256 is
-    skipped with a warning and the previous one is tried.
+    skipped with a warning and the previous one is tried. Any other store error is raised: an outage
+    must not make good checkpoints look corrupt (the recipe deletes the skipped ones).
     """
     skipped = []
-    for step in checkpoint_steps(store, prefix):
+    try:
+        steps = checkpoint_steps(store, prefix)
+    except StoreError as exc:
+        raise StoreError(f"cannot look for checkpoints under {store.uri(prefix)}: {exc}") from exc
+    for step in steps:
         uri = store.uri(checkpoint_prefix(prefix, step))
         try:
             checkpoint = fetch_checkpoint(store, prefix, step, dest)
@@ -270,6 +344,10 @@ def find_latest_checkpoint(
             log(f"WARNING: skipping {uri}: it has no {MANIFEST} (its upload was interrupted)")
         except ArtifactCorrupt as exc:
             log(f"WARNING: skipping {uri}: corrupt ({exc})")
+        except StoreError as exc:
+            raise StoreError(
+                f"cannot resume from {uri}: {exc}. Nothing was skipped or deleted; rerun once the store is reachable"
+            ) from exc
         else:
             return checkpoint, skipped
         shutil.rmtree(dest / checkpoint_name(step), ignore_errors=True)
