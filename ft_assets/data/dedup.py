@@ -8,8 +8,16 @@ the user and assistant turns, shingled turn by turn (no shingle spans two turns,
 end of a request changes one shingle, not n) — system prompts are left out: a prompt shared by
 every row would make every pair look alike. The LSH banding (b bands of r rows) comes from datasketch's own optimizer for
 the threshold, so pairs above ≈ ``threshold`` Jaccard collide in at least one band. Bands are kept as
-one uint64 hash per row per band in numpy arrays (8·b bytes a row — 72 B at the defaults, vs ~2 kB a
-row for a dict-based index), and clusters are the connected components of band collisions.
+one uint64 hash per row per band in numpy arrays (8·b bytes a row — 112 B at the defaults, vs ~2 kB
+a row for a dict-based index), and clusters are the connected components of band collisions.
+
+Throughput: every row is normalized once (exact key, shingles and numbers all come from it), the
+MinHash values of 64 rows at a time are one numpy pass (the same values as datasketch's, which the
+index checks when it starts), exact duplicates are found by sorting the 16-byte keys instead of a
+dict of every key (~130 bytes a row in all), LSH collisions are found with numpy sorts, and the
+rows are filtered as Arrow batches. On the 200k-row benchmark corpus this stage takes 56 s of CPU
+instead of 122 s, with the same output (``make bench``); a third of what is left is SHA-1 over
+each shingle, which is datasketch's definition of the signature.
 
 What must not collapse: short rows that differ in what matters. "Convert 12 km to m." and
 "Convert 19 km to m." are 5 words — below ``min_words`` rows are only ever exact-deduplicated —
@@ -24,14 +32,21 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-_WS = re.compile(r"\s+")
+try:  # CPython's own SHA-1: the same digests as hashlib's OpenSSL one, 25% less overhead on short inputs
+    from _sha1 import sha1 as _sha1
+except ImportError:  # pragma: no cover - interpreters built without it
+    from hashlib import sha1 as _sha1
+
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: datasketch's "affine32" pre-mix
+MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 
 
 @dataclass(frozen=True)
@@ -45,12 +60,23 @@ class DedupRules:
 
 
 def normalize(text: str) -> str:
-    return _WS.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    """NFKC, casefold, whitespace runs to one space, stripped.
+
+    An ASCII string is already NFKC and casefolds to ``lower()``; ``split()`` splits on exactly the
+    characters that ``\\s`` matches (``str.isspace``), so the join equals a regex substitution.
+    """
+    if text.isascii():
+        return " ".join(text.lower().split())
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def _key(roles: Iterable[str], normalized: Iterable[str]) -> bytes:
+    joined = "\x1e".join(f"{role}\x1f{text}" for role, text in zip(roles, normalized))
+    return hashlib.blake2b(joined.encode(), digest_size=16).digest()
 
 
 def exact_key(messages: list[dict]) -> bytes:
-    joined = "\x1e".join(f"{m['role']}\x1f{normalize(m['content'])}" for m in messages)
-    return hashlib.blake2b(joined.encode(), digest_size=16).digest()
+    return _key((m["role"] for m in messages), (normalize(m["content"]) for m in messages))
 
 
 def near_text(messages: list[dict]) -> str:
@@ -63,9 +89,38 @@ def shingles(words: list[str], n: int) -> list[bytes]:
     return [" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)]
 
 
+def _shingle_texts(words: list[str], n: int) -> Iterable[str]:
+    """``shingles`` as str, built by zipping shifted word lists (30% faster than slicing)."""
+    if len(words) <= n:
+        return (" ".join(words),)
+    return map(" ".join, zip(*(words[i:] for i in range(n))))
+
+
 def numbers_key(text: str) -> int:
     found = sorted(_NUMBER.findall(text))
     return int.from_bytes(hashlib.blake2b("\x1f".join(found).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class RowFeatures:
+    """What deduplication needs of one row, from one normalization of each message."""
+
+    key: bytes  # exact_key(messages)
+    shingles: set[str] | None  # word n-grams of the user/assistant turns; None: too short to judge
+    salt: int  # numbers_key(near_text(messages)): rows whose numbers differ never collide
+
+
+def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
+    normalized = [normalize(m["content"]) for m in messages]
+    turns = [text for m, text in zip(messages, normalized) if m["role"] != "system"]
+    # Space is a stable code point of NFKC and casefold maps characters one by one, so the near text of
+    # the joined turns is the join of the normalized turns, unless one normalizes to nothing.
+    near = " ".join(turns) if all(turns) else near_text(messages)
+    words = [_WORD.findall(text) for text in turns]
+    found = None
+    if sum(map(len, words)) >= rules.min_words:
+        found = {s for turn in words for s in _shingle_texts(turn, rules.ngram)}
+    return RowFeatures(_key((m["role"] for m in messages), normalized), found, numbers_key(near))
 
 
 class _UnionFind:
@@ -85,6 +140,13 @@ class _UnionFind:
         if ra != rb:  # the smaller index (earlier row) becomes the root: it is the one kept
             self.parent[max(ra, rb)] = min(ra, rb)
 
+    def roots(self) -> np.ndarray:
+        """``find(i)`` for every i at once, by pointer jumping (parents only ever point down)."""
+        roots = self.parent.copy()
+        while not np.array_equal(jumped := roots[roots], roots):
+            roots = jumped
+        return roots
+
 
 class NearDuplicateIndex:
     """Collects MinHash band hashes row by row, then resolves clusters in one vectorized pass.
@@ -94,6 +156,11 @@ class NearDuplicateIndex:
     its Jaccard similarity (the caller recomputes ``signature()`` for the candidates only, so full
     signatures are never all held at once) and maps each row to the smallest row index of its cluster.
     Rows too short to judge map to themselves.
+
+    Signatures are datasketch's ``MinHash`` (scheme "affine32": SHA-1 of each shingle, MurmurHash3
+    pre-mix, ``a·h + b mod 2**32`` per permutation), computed for a batch of rows in one numpy pass
+    instead of one ``MinHash`` object per row: 4x faster, and the constructor checks that the values
+    are datasketch's own.
     """
 
     CHUNK = 65_536  # rows per numpy block: the index grows in blocks instead of per row
@@ -111,62 +178,112 @@ class NearDuplicateIndex:
             rules.threshold, rules.num_perm, self.FALSE_POSITIVE_WEIGHT, self.FALSE_NEGATIVE_WEIGHT
         )
         template = MinHash(num_perm=rules.num_perm, seed=rules.seed)
-        self._minhash = lambda: MinHash(
-            num_perm=rules.num_perm, seed=rules.seed, permutations=template.permutations, scheme=template.scheme
-        )
+        if template.scheme != "affine32":
+            raise RuntimeError(f"datasketch's default MinHash scheme is now {template.scheme!r}; update dedup.py")
+        self._a, self._b = (np.asarray(p, dtype=np.uint32) for p in template.permutations)
         # Odd 64-bit multipliers fold a band's r values into one uint64 (a polynomial hash).
         self._mix = np.random.default_rng(rules.seed).integers(1, 2**63, self.rows_per_band, dtype=np.uint64) | 1
-        self._blocks: list[np.ndarray] = []
-        self._block = np.zeros((self.CHUNK, self.bands + 1), dtype=np.uint64)
-        self._fill = 0
+        self._blocks: list[tuple[np.ndarray, np.ndarray]] = []  # (band hashes, eligible) per full block
+        self._new_block()
         self.count = 0
         self.pairs_checked = 0
+        probe = {"probe shingle one", "probe shingle two", ""}
+        reference = MinHash(num_perm=rules.num_perm, seed=rules.seed)
+        reference.update_batch([s.encode() for s in probe])
+        if not np.array_equal(self.minhashes([probe])[0], reference.hashvalues):
+            raise RuntimeError("batched MinHash values differ from datasketch's; update dedup.py")
+
+    def _new_block(self) -> None:
+        self._block = np.zeros((self.CHUNK, self.bands), dtype=np.uint64)
+        self._eligible = np.zeros(self.CHUNK, dtype=bool)  # False: too short, never compared
+        self._fill = 0
+
+    def minhashes(self, shingle_sets: list[set[str]]) -> np.ndarray:
+        """MinHash values (rows x num_perm, uint32) of shingle sets, in one numpy pass."""
+        if not all(shingle_sets):  # an empty set keeps the initial values, as in datasketch
+            values = np.full((len(shingle_sets), len(self._a)), np.iinfo(np.uint32).max, dtype=np.uint32)
+            filled = [i for i, found in enumerate(shingle_sets) if found]
+            if filled:
+                values[filled] = self.minhashes([shingle_sets[i] for i in filled])
+            return values
+        digests = b"".join([_sha1(s.encode()).digest()[:4] for found in shingle_sets for s in found])
+        h = np.frombuffer(digests, dtype="<u4").astype(np.uint32)
+        s1, m1, s2, m2, s3 = _FMIX32
+        h ^= h >> np.uint32(s1)
+        h *= np.uint32(m1)
+        h ^= h >> np.uint32(s2)
+        h *= np.uint32(m2)
+        h ^= h >> np.uint32(s3)
+        # permutations x shingles, so that each row's minimum runs over contiguous memory
+        permuted = self._a[:, None] * h  # uint32: wraps mod 2**32, like datasketch
+        permuted += self._b[:, None]
+        starts = np.cumsum([0] + [len(found) for found in shingle_sets[:-1]])
+        return np.minimum.reduceat(permuted, starts, axis=1).T
 
     def signature(self, messages: list[dict]) -> np.ndarray | None:
         """MinHash values of the row, or None when it is too short to judge."""
-        turns = [_WORD.findall(normalize(m["content"])) for m in messages if m["role"] != "system"]
-        if sum(map(len, turns)) < self.rules.min_words:
-            return None
-        minhash = self._minhash()
-        minhash.update_batch({s for words in turns for s in shingles(words, self.rules.ngram)})
-        return minhash.hashvalues
+        found = row_features(messages, self.rules).shingles
+        return None if found is None else self.minhashes([found])[0]
 
     def add(self, messages: list[dict]) -> None:
-        values = self.signature(messages)
-        row = self._block[self._fill]
-        if values is None:
-            row[:] = 0  # column 0 is the eligibility marker: 0 = too short, never compared
-        else:
-            bands = values[: self.bands * self.rows_per_band].reshape(self.bands, self.rows_per_band)
-            band_hashes = (bands.astype(np.uint64) * self._mix).sum(axis=1)  # wraps mod 2**64 by design
-            salt = np.uint64(numbers_key(near_text(messages)))
-            row[0] = 1
-            row[1:] = band_hashes ^ salt  # numbers mixed in: rows with different numbers never collide
-        self._fill += 1
-        self.count += 1
-        if self._fill == self.CHUNK:
-            self._blocks.append(self._block)
-            self._block = np.zeros((self.CHUNK, self.bands + 1), dtype=np.uint64)
-            self._fill = 0
+        self.add_rows([row_features(messages, self.rules)])
+
+    def add_rows(self, rows: list[RowFeatures]) -> None:
+        for start in range(0, len(rows), MINHASH_BATCH):
+            chunk = rows[start : start + MINHASH_BATCH]
+            eligible = np.array([row.shingles is not None for row in chunk], dtype=bool)
+            hashes = np.zeros((len(chunk), self.bands), dtype=np.uint64)
+            if eligible.any():
+                values = self.minhashes([row.shingles for row in chunk if row.shingles is not None])
+                bands = values[:, : self.bands * self.rows_per_band].reshape(-1, self.bands, self.rows_per_band)
+                band_hashes = (bands.astype(np.uint64) * self._mix).sum(axis=2)  # wraps mod 2**64 by design
+                salts = np.array([row.salt for row in chunk if row.shingles is not None], dtype=np.uint64)
+                hashes[eligible] = band_hashes ^ salts[:, None]  # numbers mixed in: rows with different numbers never collide
+            self._append(hashes, eligible)
+
+    def _append(self, hashes: np.ndarray, eligible: np.ndarray) -> None:
+        done = 0
+        while done < len(hashes):
+            take = min(len(hashes) - done, self.CHUNK - self._fill)
+            self._block[self._fill : self._fill + take] = hashes[done : done + take]
+            self._eligible[self._fill : self._fill + take] = eligible[done : done + take]
+            self._fill += take
+            self.count += take
+            done += take
+            if self._fill == self.CHUNK:
+                self._blocks.append((self._block, self._eligible))
+                self._new_block()
+
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        blocks = self._blocks + [(self._block[: self._fill], self._eligible[: self._fill])]
+        return np.concatenate([b for b, _ in blocks]), np.concatenate([e for _, e in blocks])
+
+    def keep_only(self, rows: np.ndarray) -> None:
+        """Drop every row not in ``rows`` (sorted indices) and renumber the rest 0, 1, 2, …"""
+        table, eligible = self._table()
+        self._blocks = [(table[rows], eligible[rows])]
+        self._new_block()
+        self.count = len(rows)
 
     def _collisions(self) -> list[tuple[int, int]]:
+        """Sorted (first, other) pairs: rows sharing a band hash, each against the run's first row."""
         if not self.count:
             return []
-        table = np.concatenate(self._blocks + [self._block[: self._fill]])
-        eligible = np.flatnonzero(table[:, 0] == 1)
-        pairs = set()
-        for band in range(1, self.bands + 1):
-            hashes = table[eligible, band]
-            order = np.argsort(hashes, kind="stable")
+        table, eligible = self._table()
+        rows = np.flatnonzero(eligible)
+        found = []
+        for band in range(self.bands):
+            hashes = table[rows, band]
+            order = np.argsort(hashes, kind="stable")  # stable: a run of equal hashes starts at its smallest row
             sorted_hashes = hashes[order]
-            run_start = 0
-            for pos in range(1, len(order) + 1):
-                if pos == len(order) or sorted_hashes[pos] != sorted_hashes[run_start]:
-                    first = int(eligible[order[run_start]])
-                    for k in range(run_start + 1, pos):
-                        pairs.add((first, int(eligible[order[k]])))  # each member against the run's first
-                    run_start = pos
-        return sorted(pairs)
+            starts_run = np.empty(len(order), dtype=bool)
+            starts_run[:1] = True
+            np.not_equal(sorted_hashes[1:], sorted_hashes[:-1], out=starts_run[1:])
+            run_first = order[np.flatnonzero(starts_run)][np.cumsum(starts_run) - 1]
+            members = ~starts_run
+            found.append(rows[run_first[members]] * self.count + rows[order[members]])
+        codes = np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
+        return list(zip((codes // self.count).tolist(), (codes % self.count).tolist()))
 
     def candidates(self) -> set[int]:
         self._pairs = self._collisions()
@@ -178,68 +295,107 @@ class NearDuplicateIndex:
             self.pairs_checked += 1
             if float(np.mean(signatures[a] == signatures[b])) >= self.rules.threshold:
                 union.union(a, b)
-        return np.array([union.find(i) for i in range(self.count)], dtype=np.int64)
+        return union.roots()
+
+
+def _first_occurrences(keys: np.ndarray) -> np.ndarray:
+    """For each row, the index of the first row with the same 16-byte key (itself if none earlier)."""
+    if not len(keys):
+        return np.empty(0, dtype=np.int64)
+    halves = keys.view(np.uint64).reshape(-1, 2)
+    order = np.lexsort((halves[:, 1], halves[:, 0]))  # stable: equal keys stay in row order
+    ordered = halves[order]
+    new_key = np.ones(len(order), dtype=bool)
+    new_key[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    first = np.empty(len(order), dtype=np.int64)
+    first[order] = order[np.flatnonzero(new_key)][np.cumsum(new_key) - 1]
+    return first
 
 
 def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules) -> dict:
-    """Two streaming passes over ``cleaned_dir/rows.parquet``.
+    """Three streaming passes over ``cleaned_dir/rows.parquet``, holding ~130 bytes a row.
 
-    Pass 1 drops exact duplicates (a set of 16-byte keys) and feeds the survivors to the near-duplicate
-    index; pass 2 recomputes signatures of the LSH candidates only, to verify them; pass 3 writes every
-    surviving row with its cluster key, and a ``duplicates.parquet`` record for every row removed
-    (which kind, and which kept row it duplicates).
+    Pass 1 computes every row's exact key and MinHash band hashes; the keys (16 bytes a row) then give
+    each row's first occurrence, and the band hashes of the first occurrences give the LSH candidates.
+    Pass 2 records every exact duplicate (with the row it repeats) and recomputes the signatures of
+    the candidates only, to verify them. Pass 3 filters the Arrow batches: it writes every surviving
+    row with its cluster key and records every near duplicate with the row it was merged into.
     """
-    from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_records
+    import pyarrow as pa
+
+    from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches
 
     if rules.near_duplicates not in ("drop", "keep"):
         raise ValueError(f"near_duplicates must be 'drop' or 'keep', got {rules.near_duplicates!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
     source_path = cleaned_dir / "rows.parquet"
-    first_seen: dict[bytes, str] = {}
-    unique_keys: list[bytes] = []
     index = NearDuplicateIndex(rules)
-    exact = 0
+    keys = []
+    for batch in iter_batches(source_path, columns=["messages"]):
+        features = [row_features(messages, rules) for messages in batch.column("messages").to_pylist()]
+        keys.append(b"".join(f.key for f in features))
+        index.add_rows(features)
+    keys = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 16)
+    first = _first_occurrences(keys)
+    survivors = np.flatnonzero(first == np.arange(len(first)))
+    rank = np.full(len(first), -1, dtype=np.int64)  # position among the survivors (= near-duplicate index row)
+    rank[survivors] = np.arange(len(survivors))
+    index.keep_only(survivors)
+    candidates = np.zeros(len(survivors), dtype=bool)
+    candidates[sorted(index.candidates())] = True
+    exact = int(len(first) - len(survivors))
+
     with ParquetSink(out_dir / "duplicates.parquet", DUPLICATE_SCHEMA) as duplicates:
-        for record in iter_records(source_path):
-            key = exact_key(record["messages"])
-            if key in first_seen:
-                exact += 1
-                duplicates.write({"source": record["source"], "kind": "exact", "duplicate_of": first_seen[key]})
-                continue
-            first_seen[key] = record["source"]
-            unique_keys.append(key)
-            index.add(record["messages"])
-        candidates = index.candidates()
-        signatures = {}
+        quoted = np.zeros(len(first), dtype=bool)  # rows some duplicate refers to: their source is kept
+        quoted[first[first != np.arange(len(first))]] = True
+        sources: dict[int, str] = {}
+        signatures: dict[int, np.ndarray] = {}
         position = 0
-        for record in iter_records(source_path):
-            if first_seen.get(exact_key(record["messages"])) != record["source"]:
-                continue
-            if position in candidates:
-                signatures[position] = index.signature(record["messages"])
-            position += 1
+        for batch in iter_batches(source_path, columns=["source", "messages"]):
+            span = np.arange(position, position + batch.num_rows)
+            names = batch.column("source").to_pylist()
+            for i in np.flatnonzero(quoted[span] | (first[span] != span)).tolist():
+                row = position + i
+                if quoted[row]:
+                    sources[row] = names[i]
+                if first[row] != row:
+                    duplicates.write({"source": names[i], "kind": "exact", "duplicate_of": sources[int(first[row])]})
+            picked = np.flatnonzero((rank[span] >= 0) & candidates[np.maximum(rank[span], 0)])
+            conversations = batch.column("messages").take(picked).to_pylist()
+            for i, messages in zip(picked.tolist(), conversations):
+                signatures[int(rank[position + i])] = index.signature(messages)
+            position += batch.num_rows
         roots = index.clusters(signatures)
+
+        merged = roots != np.arange(len(roots))
+        quoted = np.zeros(len(roots), dtype=bool)
+        quoted[roots[merged]] = True
+        survivor_sources: dict[int, str] = {}
         near = 0
         position = 0
         with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows:
-            for record in iter_records(source_path):
-                key = exact_key(record["messages"])
-                if first_seen.get(key) != record["source"]:
-                    continue
-                root = int(roots[position])
-                position += 1
-                if root != position - 1 and rules.near_duplicates == "drop":
-                    near += 1
-                    duplicates.write(
-                        {"source": record["source"], "kind": "near", "duplicate_of": first_seen[unique_keys[root]]}
-                    )
-                    continue
-                rows.write({"source": record["source"], "cluster": unique_keys[root].hex(), "messages": record["messages"]})
+            for batch in iter_batches(source_path):
+                ranks = rank[position : position + batch.num_rows]
+                position += batch.num_rows
+                kept = ranks >= 0
+                names = batch.column("source").to_pylist()
+                for i in np.flatnonzero(kept).tolist():
+                    r = int(ranks[i])
+                    if quoted[r]:
+                        survivor_sources[r] = names[i]
+                    if merged[r] and rules.near_duplicates == "drop":
+                        near += 1
+                        kept[i] = False
+                        duplicates.write({"source": names[i], "kind": "near", "duplicate_of": survivor_sources[int(roots[r])]})
+                kept_rows = batch.filter(pa.array(kept))
+                clusters = [bytes(key).hex() for key in keys[survivors[roots[ranks[kept]]]]]
+                columns = [kept_rows.column("source"), pa.array(clusters, type=pa.string()), kept_rows.column("messages")]
+                rows.write_table(pa.RecordBatch.from_arrays(columns, schema=ROW_SCHEMA))
     return {
         "rows_kept": rows.count,
         "exact_duplicates": exact,
         "near_duplicates": near,
-        "near_clusters": int(len(set(roots.tolist())) if len(roots) else 0),
+        "near_clusters": int(len(np.unique(roots))),
         "lsh_bands": index.bands,
         "lsh_rows_per_band": index.rows_per_band,
         "lsh_pairs_verified": index.pairs_checked,

@@ -14,10 +14,18 @@ slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 ``position_ids`` that restart at every example and the example lengths (``seq_lens``), so training
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
 example instead of packing wastes most slots on short chat data (see ``make bench``).
+
+Throughput: the Rust tokenizer is the floor, so everything around it is kept small. Chat templates
+that insert contents verbatim (ChatML and most others) are rendered once per conversation shape and
+filled in per row (``ChatEncoder``); texts go to the backend tokenizer in batches without the Python
+wrapper; rows are completed by a bitset subset sum (``_best_subset``) and shards are written from flat
+arrays. On the 200k-row benchmark corpus (SmolLM2 tokenizer, 1,024-token rows) tokenizing and
+packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer itself; output unchanged.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,8 +46,85 @@ class Example:
     loss_mask: np.ndarray  # int8, 1 = assistant token the model learns to produce
 
 
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")  # private-use marks: content i is rendered as \ue000i\ue001
+_CAPTURING = ("FilterBlock", "AssignBlock", "Macro", "CallBlock")  # blocks whose output a template can rework
+# Contents that a template which trims, escapes, quotes or tests its input renders differently.
+_PROBE_CONTENTS = ("  Quoted \"text\" with \\ and\n{{ braces }} <b>&amp;</b> {% raw %}  ", "x", "\n")
+
+
+def template_inserts_content_verbatim(template: str) -> bool:
+    """Whether a chat template only ever writes a message's content as is, into its output.
+
+    True when every read of ``content`` (``message['content']`` or ``message.content``) sits in an
+    output expression, possibly inside ``+``/``~`` concatenations, outside any block that captures or
+    filters output, and the template does not read the clock. Such a template renders a conversation
+    as fixed text around the contents, so the text can be filled in per row instead of rendered.
+    ChatML (SmolLM2, Qwen2.5) qualifies; Llama 3 (``| trim``, the date) does not.
+    """
+    from jinja2 import nodes
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if "strftime_now" in template:
+        return False
+    try:
+        tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError:
+        return False
+    parents: dict[int, nodes.Node] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in node.iter_child_nodes():
+            parents[id(child)] = node
+            stack.append(child)
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Const)):
+        if isinstance(node, nodes.Const):
+            parent = parents.get(id(node))
+            if node.value == "content" and not (isinstance(parent, nodes.Getitem) and parent.arg is node):
+                return False  # e.g. message.get('content')
+            continue
+        if getattr(node, "attr", None) != "content" and not (
+            isinstance(getattr(node, "arg", None), nodes.Const) and node.arg.value == "content"
+        ):
+            continue
+        parent = parents.get(id(node))
+        while isinstance(parent, (nodes.Add, nodes.Concat)):
+            parent = parents.get(id(parent))
+        if not isinstance(parent, nodes.Output):
+            return False
+        while parent is not None:
+            if type(parent).__name__ in _CAPTURING:
+                return False
+            parent = parents.get(id(parent))
+    return True
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A rendered conversation shape: ``pieces[0] + content[slots[0]] + pieces[1] + …``."""
+
+    pieces: tuple[str, ...]
+    slots: tuple[int, ...]
+
+    def fill(self, contents: list[str]) -> str:
+        parts = [self.pieces[0]]
+        for slot, piece in zip(self.slots, self.pieces[1:]):
+            parts.append(contents[slot])
+            parts.append(piece)
+        return "".join(parts)
+
+
 class ChatEncoder:
-    """Renders conversations with a tokenizer's chat template and masks the loss to assistant turns."""
+    """Renders conversations with a tokenizer's chat template and masks the loss to assistant turns.
+
+    Rendering is exact either way. A template that inserts contents verbatim
+    (``template_inserts_content_verbatim``) is rendered through jinja once per conversation shape
+    (the roles, and whether the generation prompt follows) with placeholders, checked against jinja
+    on probe contents, and then filled in per row: 1 µs instead of ~300 µs a render through
+    ``apply_chat_template``, of which a row needs one plus one per reply. Other templates go
+    through ``apply_chat_template`` every time.
+    """
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "is_fast", False):
@@ -50,6 +135,9 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.special = [t for t in tokenizer.all_special_tokens if t]
+        self._special_starts = {t[0] for t in self.special}  # a text holding none of these holds no special token
+        self._verbatim = template_inserts_content_verbatim(tokenizer.chat_template)
+        self._layouts: dict[tuple[tuple[str, ...], bool], _Layout | None] = {}
         self.end_of_turn = self._probe_end_of_turn()
 
     def _probe_end_of_turn(self) -> str:
@@ -60,19 +148,46 @@ class ChatEncoder:
         tail = text[text.index(reply) + len(reply) :]
         return tail.rstrip()
 
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _layout(self, roles: tuple[str, ...], generation_prompt: bool) -> _Layout | None:
+        """The layout of this conversation shape; None when the template must render it itself."""
+        key = (roles, generation_prompt)
+        if key not in self._layouts:
+            self._layouts[key] = None
+            if self._verbatim:
+                marked = self._apply([{"role": r, "content": f"\ue000{i}\ue001"} for i, r in enumerate(roles)], generation_prompt)
+                parts = _PLACEHOLDER.split(marked)
+                layout = _Layout(tuple(parts[0::2]), tuple(int(i) for i in parts[1::2]))
+                probes = [[_PROBE_CONTENTS[(i + k) % len(_PROBE_CONTENTS)] for i in range(len(roles))] for k in range(len(_PROBE_CONTENTS))]
+                if all(
+                    layout.fill(contents) == self._apply([{"role": r, "content": c} for r, c in zip(roles, contents)], generation_prompt)
+                    for contents in probes
+                ):
+                    self._layouts[key] = layout
+        return self._layouts[key]
+
+    def _render(self, messages: list[dict], roles: tuple[str, ...], contents: list[str], generation_prompt: bool) -> str:
+        layout = self._layout(roles, generation_prompt)
+        return self._apply(messages, generation_prompt) if layout is None else layout.fill(contents)
+
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the [start, end) character spans that carry loss."""
         for message in messages:
-            for token in self.special:
-                if token in message["content"]:
-                    raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            if any(first in message["content"] for first in self._special_starts):
+                for token in self.special:
+                    if token in message["content"]:
+                        raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
+        roles = tuple(m["role"] for m in messages)
+        contents = [m["content"] for m in messages]
+        text = self._render(messages, roles, contents, False)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             # Where reply i starts: the rendering of the turns before it plus the generation prompt.
-            prefix = self.tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            prefix = self._render(messages[:i], roles[:i], contents[:i], True)
             if not text.startswith(prefix) or not text.startswith(message["content"], len(prefix)):
                 raise RowError("template_mismatch", f"the chat template does not render reply {i} after its prompt")
             end = len(prefix) + len(message["content"])
@@ -80,6 +195,18 @@ class ChatEncoder:
                 end += len(self.end_of_turn)
             spans.append((len(prefix), end))
         return text, spans
+
+    def _encode_texts(self, texts: list[str]) -> list:
+        """``tokenizer(texts, add_special_tokens=False)`` without the Python wrapper: the same backend
+        settings (no truncation or padding, special tokens in text kept whole), then the Rust call."""
+        backend = self.tokenizer.backend_tokenizer
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        if backend.encode_special_tokens != bool(self.tokenizer.split_special_tokens):
+            backend.encode_special_tokens = bool(self.tokenizer.split_special_tokens)
+        return backend.encode_batch(texts, add_special_tokens=False)
 
     def encode_batch(self, batch: list[list[dict]]) -> list[Example | RowError]:
         rendered: list[tuple[str, list] | RowError] = []
@@ -89,16 +216,15 @@ class ChatEncoder:
             except RowError as exc:
                 rendered.append(exc)
         texts = [r[0] for r in rendered if not isinstance(r, RowError)]
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        encodings = iter(self._encode_texts(texts) if texts else [])
         out: list[Example | RowError] = []
-        k = 0
         for item in rendered:
             if isinstance(item, RowError):
                 out.append(item)
                 continue
-            ids = np.asarray(encoded["input_ids"][k], dtype=np.int32)
-            offsets = np.asarray(encoded["offset_mapping"][k], dtype=np.int64).reshape(-1, 2)
-            k += 1
+            encoding = next(encodings)
+            ids = np.array(encoding.ids, dtype=np.int32)
+            offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
             mask = np.zeros(len(ids), dtype=np.int8)
             for start, end in item[1]:
                 mask[(offsets[:, 1] > start) & (offsets[:, 0] < end)] = 1
@@ -107,23 +233,106 @@ class ChatEncoder:
 
 
 def _best_subset(room: int, counts: dict[int, int]) -> tuple[tuple[int, int], ...]:
-    """(length, how many) pairs from ``counts`` whose total is the largest ≤ ``room`` (a bounded
-    subset sum over distinct lengths, longest first, stopping at the first exact fill)."""
-    reach: dict[int, tuple[tuple[int, int], ...]] = {0: ()}
+    """(length, how many) pairs from ``counts`` whose total is the largest ≤ ``room``.
+
+    A bounded subset sum over distinct lengths, longest first, stopping at the first exact fill, with
+    the answer of the textbook dictionary DP (``reach[total] = choice``, first choice found kept):
+
+        reach = {0: ()}
+        for size in lengths, longest first:
+            for total, chosen in list(reach.items()):   # in insertion order
+                for k in 1..counts[size] while total + k·size ≤ room:
+                    reach.setdefault(total + k·size, chosen + ((size, k),))
+            stop once room is in reach
+        return reach[max(reach)]
+
+    That DP touches every reachable total at every stage (2 ms a row at 1,024 tokens). Here the
+    reachable totals of each stage are one Python int used as a bitset (a stage is a few shifts), and
+    the first choice is recovered only along the winning total's chain: among the ways to reach a
+    total, the DP keeps the one whose previous total it inserted first, and insertion order is (stage
+    first reached, then the previous total's own order, then k). 9-18x faster, same rows.
+    """
+    full = (1 << (room + 1)) - 1
+    sizes: list[int] = []  # the length added at each stage
+    reachable_after: list[int] = []  # per stage, bit t set: some subset of the lengths so far sums to t
+    reachable = 1
     for size in sorted(counts, reverse=True):
         if size > room:
             continue
-        grown = dict(reach)
-        for total, chosen in reach.items():
-            for k in range(1, counts[size] + 1):
-                filled = total + k * size
-                if filled > room:
-                    break
-                grown.setdefault(filled, chosen + ((size, k),))
-        reach = grown
-        if room in reach:
+        grown, shifted = 0, reachable
+        for _ in range(counts[size]):
+            shifted = (shifted << size) & full
+            if not shifted:
+                break
+            grown |= shifted
+        reachable |= grown
+        sizes.append(size)
+        reachable_after.append(reachable)
+        if reachable >> room & 1:
             break
-    return reach[max(reach)]
+
+    def stage(total: int) -> int:
+        """The stage that first reached ``total`` (-1 for 0), by binary search over the bitsets."""
+        if total == 0:
+            return -1
+        low, high = 0, len(sizes) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if reachable_after[middle] >> total & 1:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    came_from: dict[int, tuple[int, int]] = {}  # total -> (previous total, k) of the DP's first choice
+
+    def inserted_before(a: int, b: int) -> tuple[bool, int | None]:
+        """(whether the DP inserted total ``a`` before ``b``, None) or (False, a total to resolve first)."""
+        while True:
+            stage_a, stage_b = stage(a), stage(b)
+            if stage_a != stage_b:
+                return stage_a < stage_b, None
+            for total in (a, b):
+                if total not in came_from:
+                    return False, total
+            (a, k_a), (b, k_b) = came_from[a], came_from[b]
+            if a == b:
+                return k_a < k_b, None
+
+    def resolve(total: int) -> tuple[int, int]:
+        pending = [total]  # an explicit stack: chains can be as long as there are stages
+        while pending:
+            current = pending[-1]
+            if current in came_from:
+                pending.pop()
+                continue
+            at = stage(current)
+            size, before = sizes[at], reachable_after[at - 1] if at else 1
+            best, missing = None, None
+            for k in range(1, min(counts[size], current // size) + 1):
+                if not before >> (current - k * size) & 1:
+                    continue
+                if best is None:
+                    best = (current - k * size, k)
+                    continue
+                earlier, missing = inserted_before(current - k * size, best[0])
+                if missing is not None:
+                    break
+                if earlier:
+                    best = (current - k * size, k)
+            if missing is not None:
+                pending.append(missing)
+            else:
+                came_from[current] = best
+                pending.pop()
+        return came_from[total]
+
+    chosen, total = [], reachable.bit_length() - 1
+    while total:
+        previous, k = resolve(total)
+        chosen.append((sizes[stage(total)], k))
+        total = previous
+    return tuple(reversed(chosen))
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -132,7 +341,8 @@ def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     Bin completion: each row takes the longest remaining example, then the subset of the remaining
     ones that fills it best. Plain best-fit decreasing leaves, in most rows, a gap shorter than any
     example left (0.974 of slots used on the sample at 512 tokens); completing rows by subset sum
-    closes them (0.997, one row above the lower bound). Cost: ~0.2 ms per example in a 16k window.
+    closes them (0.997, one row above the lower bound). Cost: ~20 µs per example in a 16k window of
+    the benchmark corpus at 1,024 tokens (175 µs with the dictionary DP).
     """
     queues: dict[int, deque[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
@@ -220,8 +430,14 @@ class ShardWriter:
         if not self.buffer:
             return
         name = f"{self.prefix}-{len(self.files):05d}.parquet"
-        table = pa.table({col: [row[col] for row in self.buffer] for col in self.schema.names}, schema=self.schema)
-        pq.write_table(table, self.out_dir / name)
+        columns = []
+        for field in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
+            values = [row[field.name] for row in self.buffer]
+            offsets = np.zeros(len(values) + 1, dtype=np.int32)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            flat = pa.array(np.concatenate(values), type=field.type.value_type)
+            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=field.type))
+        pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
         self.files.append(name)
         self.buffer = []
 

@@ -22,14 +22,20 @@ def split_of(cluster_key: str, eval_fraction: float, salt: str = "ft-assets") ->
 
 
 def split_dataset(dedup_dir: Path, out_dir: Path, eval_fraction: float, salt: str = "ft-assets") -> dict:
-    """Stream ``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``."""
-    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_records
+    """Stream ``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``.
+
+    Only the cluster column is read into Python; the rows themselves are filtered as Arrow batches.
+    """
+    import pyarrow as pa
+
+    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_batches
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with ParquetSink(out_dir / "train.parquet", ROW_SCHEMA) as train, ParquetSink(
         out_dir / "eval.parquet", ROW_SCHEMA
     ) as evaluation:
-        for record in iter_records(dedup_dir / "rows.parquet"):
-            sink = evaluation if split_of(record["cluster"], eval_fraction, salt) == EVAL else train
-            sink.write(record)
+        for batch in iter_batches(dedup_dir / "rows.parquet"):
+            to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in batch.column("cluster").to_pylist()])
+            train.write_table(batch.filter(pa.compute.invert(to_eval)))
+            evaluation.write_table(batch.filter(to_eval))
     return {"train_rows": train.count, "eval_rows": evaluation.count}
