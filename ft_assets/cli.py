@@ -136,6 +136,26 @@ def load_run_config(path: str | None) -> dict:
     return loaded
 
 
+def add_partitions(instance, partitions_def_name: str, keys: list[str], attempts: int = 3) -> None:
+    """Add dynamic partitions, tolerating another ``ft-assets run`` adding the same ones at the same moment.
+
+    Two runs started together both see every new version and both insert them; the instance checks for
+    existing keys before inserting, so the slower one can hit a unique-constraint error. What matters is
+    that the keys exist afterwards.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            instance.add_dynamic_partitions(partitions_def_name, keys)
+            return
+        except Exception:  # the storage's own IntegrityError (SQLite, PostgreSQL): look before judging
+            missing = set(keys) - set(instance.get_dynamic_partitions(partitions_def_name))
+            if not missing:
+                return
+            if attempt == attempts:
+                raise
+            keys = sorted(missing)
+
+
 def run_sensor(instance, defs, partition_key: str) -> list[str]:
     """Evaluate the dataset sensor once, apply its partition requests; returns the keys it requested runs for."""
     import dagster as dg
@@ -150,7 +170,7 @@ def run_sensor(instance, defs, partition_key: str) -> list[str]:
     )
     result = dataset_version_sensor(context)
     for request in result.dynamic_partitions_requests or []:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        add_partitions(instance, request.partitions_def_name, list(request.partition_keys))
     requested = [r.partition_key for r in result.run_requests or []]
     if partition_key not in instance.get_dynamic_partitions("dataset_version"):
         raise CliError(f"the sensor did not register {partition_key}")

@@ -302,3 +302,26 @@ def test_two_partitions_train_side_by_side(forkserver, project):
     assert start_1 < end_2 and start_2 < end_1, f"the two trainings did not overlap: {windows}"
     for version in ("p1", "p2"):
         assert locks.read_lease(store, f"acks@{version}").owner["run_id"] in [s["runs"]["training"][0] for s in summaries]
+
+
+def test_a_partition_added_by_a_concurrent_run_is_not_an_error():
+    """Two ``ft-assets run``s see the same new versions; the slower insert hits the unique constraint."""
+    from ft_assets.cli import add_partitions
+
+    with dg.instance_for_test() as instance:
+        real_add = instance.add_dynamic_partitions
+
+        def add_after_the_other_run(name, keys):
+            real_add(name, keys)  # the other run's insert lands between our check and our insert
+            raise RuntimeError("UNIQUE constraint failed: dynamic_partitions.partition")
+
+        instance.add_dynamic_partitions = add_after_the_other_run
+        add_partitions(instance, "dataset_version", ["acks@p1", "acks@p2"])
+        assert set(instance.get_dynamic_partitions("dataset_version")) == {"acks@p1", "acks@p2"}
+
+        def always_fails(name, keys):
+            raise RuntimeError("database is locked")
+
+        instance.add_dynamic_partitions = always_fails
+        with pytest.raises(RuntimeError, match="database is locked"):
+            add_partitions(instance, "dataset_version", ["acks@p3"])
