@@ -83,14 +83,8 @@ def near_text(messages: list[dict]) -> str:
     return normalize(" ".join(m["content"] for m in messages if m["role"] != "system"))
 
 
-def shingles(words: list[str], n: int) -> list[bytes]:
-    if len(words) <= n:
-        return [" ".join(words).encode()]
-    return [" ".join(words[i : i + n]).encode() for i in range(len(words) - n + 1)]
-
-
 def _shingle_texts(words: list[str], n: int) -> Iterable[str]:
-    """``shingles`` as str, built by zipping shifted word lists (30% faster than slicing)."""
+    """Word n-grams joined by spaces (the whole text when shorter than n), by zipping shifted word lists."""
     if len(words) <= n:
         return (" ".join(words),)
     return map(" ".join, zip(*(words[i:] for i in range(n))))
