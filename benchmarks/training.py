@@ -24,7 +24,6 @@ real S3 server (SeaweedFS on loopback, ``ft_assets_tests/s3server.py``) when ``w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal

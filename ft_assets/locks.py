@@ -61,8 +61,8 @@ class LeaseState:
     heartbeats: list[dict]  # [{"holder", "renewed_at", "released"}]
 
 
-def read_lease(store: ObjectStore, partition: str) -> LeaseState | None:
-    """The newest generation that has an owner, with its heartbeats; None if the partition was never leased."""
+def read_lease(store: ObjectStore, partition: str, heartbeats: bool = True) -> LeaseState | None:
+    """The newest generation that has an owner, with its heartbeats (unless not wanted); None if never leased."""
     prefix = lease_prefix(partition)
     generations: dict[int, list[str]] = {}
     for key in store.list(prefix):
@@ -79,7 +79,7 @@ def read_lease(store: ObjectStore, partition: str) -> LeaseState | None:
         except ObjectNotFound:
             continue  # removed between the listing and the read: an older generation being cleaned up
         beats = []
-        for name in names:
+        for name in names if heartbeats else ():
             if name.startswith("holders/"):
                 try:
                     beats.append(store.get_json(join_key(base, name)))
@@ -146,7 +146,7 @@ class Lease:
 
     def held(self) -> bool:
         """Whether this run still holds the partition (nobody took the lease over after it expired)."""
-        state = read_lease(self.store, self.partition)
+        state = read_lease(self.store, self.partition, heartbeats=False)
         return state is not None and state.generation == self.generation and state.owner["run_id"] == self.run_id
 
     def release(self) -> None:

@@ -431,12 +431,12 @@ class ShardWriter:
             return
         name = f"{self.prefix}-{len(self.files):05d}.parquet"
         columns = []
-        for field in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
-            values = [row[field.name] for row in self.buffer]
+        for column in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
+            values = [row[column.name] for row in self.buffer]
             offsets = np.zeros(len(values) + 1, dtype=np.int32)
             np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = pa.array(np.concatenate(values), type=field.type.value_type)
-            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=field.type))
+            flat = pa.array(np.concatenate(values), type=column.type.value_type)
+            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
         pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
         self.files.append(name)
         self.buffer = []
