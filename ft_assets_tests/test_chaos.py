@@ -8,7 +8,10 @@ whole time must never be handed a checkpoint whose files do not match its manife
 The schedule is a seeded list of (kind, step, delay): ``step`` kills land ``delay`` seconds after the
 worker logged that step (mid-step, mid-checkpoint write or mid-upload, wherever it is), ``upload``
 kills land while a checkpoint upload is in flight (its files partly in the store, no manifest yet).
-Uploads are slowed a little (``UPLOAD_DELAY_S`` per file) so that such a window exists.
+Uploads are slowed a little (``UPLOAD_DELAY_S`` per file) so that such a window exists, and training
+steps too (``STEP_DELAY_S``, longer than the longest kill delay): the tiny model's steps take a few
+milliseconds, and unslowed, every worker ran several steps past its scheduled kill, so the schedule
+degenerated into "kill 4 steps after each restart" and the last kill raced the end of the run.
 
 Workers are forked from a forkserver that has torch, transformers and peft imported already: a
 restart costs a second or two instead of ~15 s of imports, and each worker is still its own process,
@@ -54,6 +57,7 @@ INTERRUPTIONS = 6
 SIGKILL_SEED, SIGTERM_SEED = 20261101, 20261102
 TOTAL_STEPS = 24  # the `reference` fixture's run
 UPLOAD_DELAY_S = 0.05  # per uploaded file: a checkpoint (5 files) takes >= 0.25 s to publish
+STEP_DELAY_S = 0.25  # per training step: a kill lands within a step or two of its scheduled one
 WORKER_TIMEOUT_S = 120
 SETTLE_S = 0.3  # after a SIGKILL, a request the worker had already sent may still land in the store
 
@@ -94,7 +98,15 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
         store.put_file = slowed
         return store
 
+    token_loss_sum = recipe.token_loss_sum
+
+    def slow_step(model, batch):
+        if model.training:  # not the evaluation passes
+            time.sleep(STEP_DELAY_S)
+        return token_loss_sum(model, batch)
+
     recipe.open_store = slow_store
+    recipe.token_loss_sum = slow_step
     sys.exit(recipe.main(argv))
 
 
@@ -200,6 +212,8 @@ def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model
                     wait_until(lambda: upload_in_flight(store, before or 0), worker, "an upload")
                 else:
                     time.sleep(delay)
+                # A kill after the last step would test nothing (and a SIGTERM there ends in success).
+                assert max(logged_steps(log_path)) < TOTAL_STEPS, f"attempt {number}: the run ended before its kill"
                 os.kill(worker.pid, sig)
             worker.join(WORKER_TIMEOUT_S)
             assert not worker.is_alive(), f"attempt {number} did not stop"
@@ -210,16 +224,20 @@ def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model
         resumed = re.search(r"resuming from \S+checkpoint-(\d+) \(step", log)
         # Every restart resumes from the newest complete checkpoint there was when it started.
         assert (int(resumed.group(1)) if resumed else None) == before, log[-2000:]
-        attempts.append({"kind": kind, "exitcode": worker.exitcode, "log": log, "partial": "has no manifest.json" in log})
+        preempted = re.search(r"preempted by SIGTERM at step (\d+)", log)
+        attempts.append({
+            "kind": kind, "target": step, "resumed": before, "exitcode": worker.exitcode, "log": log,
+            "preempted": int(preempted.group(1)) if preempted else None, "partial": "has no manifest.json" in log,
+        })  # fmt: skip
+        history = [{k: v for k, v in a.items() if k != "log"} for a in attempts]
         if kind == "finish":
-            assert worker.exitcode == 0, log[-3000:]
+            assert worker.exitcode == 0, (history, log[-3000:])
         elif sig == signal.SIGKILL:
-            assert worker.exitcode == -signal.SIGKILL, log[-3000:]
+            assert worker.exitcode == -signal.SIGKILL, (history, log[-3000:])
         else:
             # SIGTERM: checkpoint at the step boundary, wait for the upload, exit EX_TEMPFAIL.
-            assert worker.exitcode == EXIT_PREEMPTED, log[-3000:]
-            preempted = int(re.search(r"preempted by SIGTERM at step (\d+)", log).group(1))
-            assert max(complete_steps(store)) == preempted
+            assert worker.exitcode == EXIT_PREEMPTED, (history, log[-3000:])
+            assert max(complete_steps(store)) == attempts[-1]["preempted"], history
     return attempts
 
 
@@ -238,6 +256,7 @@ def check_final(tmp_path: Path, reference, reader: Reader, attempts: list[dict],
         partial_checkpoints_seen_by_the_reader=len(reader.problems),
         final_adapter_equals_uninterrupted=True,
         schedule=schedule(seed, INTERRUPTIONS),
+        attempts=[{k: v for k, v in a.items() if k in ("kind", "target", "resumed", "preempted", "exitcode")} for a in attempts],
     )
 
 
