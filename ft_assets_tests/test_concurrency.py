@@ -116,10 +116,13 @@ def test_racing_runs_get_the_lease_exactly_once(store):
 def test_the_heartbeat_keeps_a_long_run_alive(store, monkeypatch):
     monkeypatch.setattr(locks, "RENEW_SECONDS", 0.05)
     lease = locks.acquire(store, PARTITION, "run-a", statuses())
-    time.sleep(0.3)
+    first = locks.read_lease(store, PARTITION).heartbeats[0]["renewed_at"]
+    time.sleep(0.3)  # six renewal periods
+    renewed = locks.read_lease(store, PARTITION).heartbeats[0]
+    assert renewed["renewed_at"] > first and not renewed["released"]  # the thread renewed it, not release()
     lease.release()
     state = locks.read_lease(store, PARTITION)
-    assert time.time() - state.heartbeats[0]["renewed_at"] < 0.2 and state.heartbeats[0]["released"]
+    assert state.heartbeats[0]["released"] and state.heartbeats[0]["renewed_at"] >= renewed["renewed_at"]
 
 
 # --- the queue: the project's own dagster.yaml files, the queued-run daemon, launchers that record ----
