@@ -129,3 +129,25 @@ def test_split_keeps_clusters_together_and_is_independent_of_position(tmp_path):
     split_dataset(tmp_path / "rev", tmp_path / "out2", 0.25)
     sources = lambda d: sorted(r["source"] for r in iter_records(d / "eval.parquet"))  # noqa: E731
     assert sources(tmp_path / "out") == sources(tmp_path / "out2")
+
+
+def test_batched_signatures_are_datasketchs_for_every_turn_shape():
+    """Long, short (< n words) and empty turns, in batches: the index's values equal datasketch's MinHash
+    with the index's shingle hash, fed the shingle texts one by one."""
+    import random
+
+    from datasketch import MinHash
+
+    from ft_assets.data.dedup import _shingle_texts, shingle_hash, word_hashes, words_of
+
+    rules = DedupRules()
+    index = NearDuplicateIndex(rules)
+    rng = random.Random(3)
+    vocabulary = [f"w{i}".encode() for i in range(40)] + words_of("çà et là, l'été")
+    rows = [[[rng.choice(vocabulary) for _ in range(rng.choice([0, 1, 3, 5, 6, 30]))] for _ in range(rng.randint(1, 4))]
+            for _ in range(70)]  # fmt: skip
+    values = index.minhashes([[word_hashes(turn) for turn in row] for row in rows])
+    for row, got in zip(rows, values):
+        expected = MinHash(num_perm=rules.num_perm, seed=rules.seed, hashfunc=lambda b: shingle_hash(b, rules.ngram))
+        expected.update_batch([s for turn in row for s in _shingle_texts(turn, rules.ngram)])
+        assert list(got) == list(expected.hashvalues), row

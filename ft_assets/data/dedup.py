@@ -11,13 +11,15 @@ the threshold, so pairs above ≈ ``threshold`` Jaccard collide in at least one 
 one uint64 hash per row per band in numpy arrays (8·b bytes a row — 112 B at the defaults, vs ~2 kB
 a row for a dict-based index), and clusters are the connected components of band collisions.
 
-Throughput: every row is normalized once (exact key, shingles and numbers all come from it), the
-MinHash values of 64 rows at a time are one numpy pass (the same values as datasketch's, which the
-index checks when it starts), exact duplicates are found by sorting the 16-byte keys instead of a
-dict of every key (~130 bytes a row in all), LSH collisions are found with numpy sorts, and the
-rows are filtered as Arrow batches. On the 200k-row benchmark corpus this stage takes 56 s of CPU
-instead of 122 s, with the same output (``make bench``); a third of what is left is SHA-1 over
-each shingle, which is datasketch's definition of the signature.
+Throughput: every row is normalized once (exact key, shingles and numbers all come from it); each
+distinct word is hashed once and a shingle's hash is a vectorized combination of its words' hashes
+(no shingle strings, no per-shingle SHA-1); the MinHash values of 64 rows at a time are one numpy
+pass (datasketch's values for that shingle hash, which the index checks when it starts); exact
+duplicates are found by sorting the 16-byte keys instead of a dict of every key (~130 bytes a row in
+all), LSH collisions are found with numpy sorts, and the rows are filtered as Arrow batches. On the
+200k-row benchmark corpus this stage takes ~31 s of CPU (``stages.dedup`` in
+``benchmarks/results/data_plane.json``, from ``make bench``); the version before it, with a SHA-1
+and a joined string per shingle (datasketch's default hash), took 47 s in the same benchmark.
 
 What must not collapse: short rows that differ in what matters. "Convert 12 km to m." and
 "Convert 19 km to m." are 5 words — below ``min_words`` rows are only ever exact-deduplicated —
@@ -29,6 +31,7 @@ FineWeb: 5-grams, 112–256 permutations, threshold ≈ 0.8).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import unicodedata
@@ -38,15 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-try:  # CPython's own SHA-1: the same digests as hashlib's OpenSSL one, 25% less overhead on short inputs
-    from _sha1 import sha1 as _sha1
-except ImportError:  # pragma: no cover - interpreters built without it
-    from hashlib import sha1 as _sha1
-
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: datasketch's "affine32" pre-mix
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
+WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
 
 
 @dataclass(frozen=True)
@@ -83,11 +82,98 @@ def near_text(messages: list[dict]) -> str:
     return normalize(" ".join(m["content"] for m in messages if m["role"] != "system"))
 
 
-def _shingle_texts(words: list[str], n: int) -> Iterable[str]:
-    """Word n-grams joined by spaces (the whole text when shorter than n), by zipping shifted word lists."""
+# --- shingle hashes ------------------------------------------------------------------------------
+# A shingle's hash is built from the hashes of its words: h = sum(word_hash(w_i) * M_i) mod 2**64,
+# folded to 32 bits, with odd per-position multipliers M_i. Each distinct word is hashed once (BLAKE2b,
+# cached), and the shingles of a batch of rows are then a few vectorized multiply-adds instead of one
+# string join and one SHA-1 per shingle. ``shingle_hash`` is the same function on a shingle's text:
+# datasketch's ``MinHash(hashfunc=shingle_hash)`` computes exactly the index's signatures.
+
+_word_hashes: dict[bytes, int] = {}
+# \w on ASCII is [0-9A-Za-z_]: a byte table that turns every other byte into a space, then split().
+_ASCII_NON_WORD = bytes(c if chr(c).isalnum() or c == ord("_") else 32 for c in range(128)) + bytes([32] * 128)
+
+
+def words_of(text: str) -> list[bytes]:
+    """The ``\\w+`` words of ``text``, UTF-8 encoded (a byte-table pass for ASCII text, the regex otherwise)."""
+    if text.isascii():
+        return text.encode().translate(_ASCII_NON_WORD).split()
+    return [word.encode() for word in _WORD.findall(text)]
+
+
+def word_hash(word: bytes) -> int:
+    """A 64-bit hash of ``word``, never 0 (0 pads short turns)."""
+    found = _word_hashes.get(word)
+    if found is None:
+        if len(_word_hashes) >= WORD_CACHE_SIZE:
+            _word_hashes.clear()
+        found = _word_hashes[word] = int.from_bytes(hashlib.blake2b(word, digest_size=8).digest(), "little") | 1
+    return found
+
+
+def word_hashes(words: list[bytes]) -> list[int]:
+    """``word_hash`` of each word."""
+    hashed = list(map(_word_hashes.get, words))  # the common case: every word seen before
+    if None in hashed:
+        hashed = [found or word_hash(word) for found, word in zip(hashed, words)]
+    return hashed
+
+
+@functools.lru_cache(maxsize=8)
+def _position_multipliers(n: int) -> np.ndarray:
+    return np.random.default_rng(20261130).integers(1, 2**63, n, dtype=np.uint64) | np.uint64(1)
+
+
+def _fold32(h: np.ndarray) -> np.ndarray:
+    return ((h >> np.uint64(32)) ^ h).astype(np.uint32)
+
+
+def shingle_hash(shingle: bytes, n: int = 5) -> int:
+    """The 32-bit hash of one shingle's text (its words joined by spaces): the reference definition."""
+    words = shingle.split(b" ") if shingle else []
+    mix = _position_multipliers(n)
+    h = sum(word_hash(word) * int(m) for word, m in zip(words, mix)) % 2**64
+    return int(_fold32(np.array([h], dtype=np.uint64))[0])
+
+
+def _shingle_texts(words: list[bytes], n: int) -> Iterable[bytes]:
+    """Word n-grams joined by spaces (the whole text when shorter than n): what ``shingle_hash`` reads."""
     if len(words) <= n:
-        return (" ".join(words),)
-    return map(" ".join, zip(*(words[i:] for i in range(n))))
+        return (b" ".join(words),)
+    return map(b" ".join, zip(*(words[i:] for i in range(n))))
+
+
+def shingle_hashes(rows: list[list[list[int]]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``shingle_hash`` of every n-gram of every turn of ``rows`` (word hashes per turn, per row).
+
+    Returns the uint32 hashes, row after row, and each row's count. Each turn is followed by n zeros,
+    so a turn shorter than n (even an empty one) is one shingle of all its words and no n-gram spans
+    two turns. Repeated shingles stay: a minimum over them is the minimum over the set.
+    """
+    pad = [0] * n
+    flat: list[int] = []
+    turn_starts: list[int] = []
+    turn_shingles: list[int] = []
+    counts: list[int] = []
+    for turns in rows:
+        count = 0
+        for turn in turns:
+            turn_starts.append(len(flat))
+            turn_shingles.append(max(len(turn) - n + 1, 1))
+            count += turn_shingles[-1]
+            flat.extend(turn)
+            flat.extend(pad)
+        counts.append(count)
+    words = np.array(flat, dtype=np.uint64)
+    per_turn = np.array(turn_shingles, dtype=np.int64)
+    # start of every shingle: its turn's start plus its position in the turn
+    first = np.repeat(np.cumsum(per_turn) - per_turn, per_turn)
+    at = np.repeat(np.array(turn_starts, dtype=np.int64), per_turn) + (np.arange(len(first)) - first)
+    mix = _position_multipliers(n)
+    h = words[at] * mix[0]
+    for i in range(1, n):
+        h += words[at + i] * mix[i]  # wraps mod 2**64 by design
+    return _fold32(h), np.array(counts, dtype=np.int64)
 
 
 def numbers_key(text: str) -> int:
@@ -100,7 +186,7 @@ class RowFeatures:
     """What deduplication needs of one row, from one normalization of each message."""
 
     key: bytes  # exact_key(messages)
-    shingles: set[str] | None  # word n-grams of the user/assistant turns; None: too short to judge
+    turns: list[list[int]] | None  # word hashes of the user/assistant turns; None: too short to judge
     salt: int  # numbers_key(near_text(messages)): rows whose numbers differ never collide
 
 
@@ -110,11 +196,11 @@ def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
     # Space is a stable code point of NFKC and casefold maps characters one by one, so the near text of
     # the joined turns is the join of the normalized turns, unless one normalizes to nothing.
     near = " ".join(turns) if all(turns) else near_text(messages)
-    words = [_WORD.findall(text) for text in turns]
-    found = None
+    words = [words_of(text) for text in turns]
+    hashed = None
     if sum(map(len, words)) >= rules.min_words:
-        found = {s for turn in words for s in _shingle_texts(turn, rules.ngram)}
-    return RowFeatures(_key((m["role"] for m in messages), normalized), found, numbers_key(near))
+        hashed = [word_hashes(turn) for turn in words]
+    return RowFeatures(_key((m["role"] for m in messages), normalized), hashed, numbers_key(near))
 
 
 class _UnionFind:
@@ -151,10 +237,10 @@ class NearDuplicateIndex:
     signatures are never all held at once) and maps each row to the smallest row index of its cluster.
     Rows too short to judge map to themselves.
 
-    Signatures are datasketch's ``MinHash`` (scheme "affine32": SHA-1 of each shingle, MurmurHash3
-    pre-mix, ``a·h + b mod 2**32`` per permutation), computed for a batch of rows in one numpy pass
-    instead of one ``MinHash`` object per row: 4x faster, and the constructor checks that the values
-    are datasketch's own.
+    Signatures are datasketch's ``MinHash(hashfunc=shingle_hash)`` (scheme "affine32": the shingle
+    hash, MurmurHash3 pre-mix, ``a·h + b mod 2**32`` per permutation), computed for a batch of rows in
+    one numpy pass instead of one ``MinHash`` object per row, and the constructor checks that the
+    values are datasketch's own.
     """
 
     CHUNK = 65_536  # rows per numpy block: the index grows in blocks instead of per row
@@ -181,10 +267,11 @@ class NearDuplicateIndex:
         self._new_block()
         self.count = 0
         self.pairs_checked = 0
-        probe = {"probe shingle one", "probe shingle two", ""}
-        reference = MinHash(num_perm=rules.num_perm, seed=rules.seed)
-        reference.update_batch([s.encode() for s in probe])
-        if not np.array_equal(self.minhashes([probe])[0], reference.hashvalues):
+        # A probe row: a long turn, a short one and an empty one, against datasketch on the shingle texts.
+        probe = [words_of(text) for text in ("the probe turn has more words than one shingle", "two words", "")]
+        reference = MinHash(num_perm=rules.num_perm, seed=rules.seed, hashfunc=lambda b: shingle_hash(b, rules.ngram))
+        reference.update_batch([s for turn in probe for s in _shingle_texts(turn, rules.ngram)])
+        if not np.array_equal(self.minhashes([[word_hashes(turn) for turn in probe]])[0], reference.hashvalues):
             raise RuntimeError("batched MinHash values differ from datasketch's; update dedup.py")
 
     def _new_block(self) -> None:
@@ -192,16 +279,12 @@ class NearDuplicateIndex:
         self._eligible = np.zeros(self.CHUNK, dtype=bool)  # False: too short, never compared
         self._fill = 0
 
-    def minhashes(self, shingle_sets: list[set[str]]) -> np.ndarray:
-        """MinHash values (rows x num_perm, uint32) of shingle sets, in one numpy pass."""
-        if not all(shingle_sets):  # an empty set keeps the initial values, as in datasketch
-            values = np.full((len(shingle_sets), len(self._a)), np.iinfo(np.uint32).max, dtype=np.uint32)
-            filled = [i for i, found in enumerate(shingle_sets) if found]
-            if filled:
-                values[filled] = self.minhashes([shingle_sets[i] for i in filled])
+    def minhashes(self, rows: list[list[list[int]]]) -> np.ndarray:
+        """MinHash values (rows x num_perm, uint32) of rows given as word hashes per turn, in one numpy pass."""
+        h, counts = shingle_hashes(rows, self.rules.ngram)
+        values = np.full((len(rows), len(self._a)), np.iinfo(np.uint32).max, dtype=np.uint32)  # datasketch's empty
+        if not len(h):
             return values
-        digests = b"".join([_sha1(s.encode()).digest()[:4] for found in shingle_sets for s in found])
-        h = np.frombuffer(digests, dtype="<u4").astype(np.uint32)
         s1, m1, s2, m2, s3 = _FMIX32
         h ^= h >> np.uint32(s1)
         h *= np.uint32(m1)
@@ -211,13 +294,15 @@ class NearDuplicateIndex:
         # permutations x shingles, so that each row's minimum runs over contiguous memory
         permuted = self._a[:, None] * h  # uint32: wraps mod 2**32, like datasketch
         permuted += self._b[:, None]
-        starts = np.cumsum([0] + [len(found) for found in shingle_sets[:-1]])
-        return np.minimum.reduceat(permuted, starts, axis=1).T
+        filled = np.flatnonzero(counts)
+        starts = (np.cumsum(counts) - counts)[filled]
+        values[filled] = np.minimum.reduceat(permuted, starts, axis=1).T
+        return values
 
     def signature(self, messages: list[dict]) -> np.ndarray | None:
         """MinHash values of the row, or None when it is too short to judge."""
-        found = row_features(messages, self.rules).shingles
-        return None if found is None else self.minhashes([found])[0]
+        turns = row_features(messages, self.rules).turns
+        return None if turns is None else self.minhashes([turns])[0]
 
     def add(self, messages: list[dict]) -> None:
         self.add_rows([row_features(messages, self.rules)])
@@ -225,13 +310,13 @@ class NearDuplicateIndex:
     def add_rows(self, rows: list[RowFeatures]) -> None:
         for start in range(0, len(rows), MINHASH_BATCH):
             chunk = rows[start : start + MINHASH_BATCH]
-            eligible = np.array([row.shingles is not None for row in chunk], dtype=bool)
+            eligible = np.array([row.turns is not None for row in chunk], dtype=bool)
             hashes = np.zeros((len(chunk), self.bands), dtype=np.uint64)
             if eligible.any():
-                values = self.minhashes([row.shingles for row in chunk if row.shingles is not None])
+                values = self.minhashes([row.turns for row in chunk if row.turns is not None])
                 bands = values[:, : self.bands * self.rows_per_band].reshape(-1, self.bands, self.rows_per_band)
                 band_hashes = (bands.astype(np.uint64) * self._mix).sum(axis=2)  # wraps mod 2**64 by design
-                salts = np.array([row.salt for row in chunk if row.shingles is not None], dtype=np.uint64)
+                salts = np.array([row.salt for row in chunk if row.turns is not None], dtype=np.uint64)
                 hashes[eligible] = band_hashes ^ salts[:, None]  # numbers mixed in: rows with different numbers never collide
             self._append(hashes, eligible)
 
