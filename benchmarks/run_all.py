@@ -78,7 +78,7 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     around = stages["tokenize_pack"]["wall_s"] - encode
     why_ceiling = (
         f"the tokenizer's own work is {encode:,.0f} s of our {total:,.0f} s; MinHash dedup takes {stages['dedup']['wall_s']:,.0f} s "
-        f"(a third of it SHA-1 per shingle, datasketch's definition of the signature), reading and cleaning "
+        f"(normalizing and splitting every turn into words, then the signatures), reading and cleaning "
         f"{stages['read']['wall_s'] + stages['clean']['wall_s']:,.0f} s, templating, masks, packing and Parquet around the "
         f"tokenizer {around:,.0f} s"
     )
