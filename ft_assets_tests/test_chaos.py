@@ -187,11 +187,15 @@ def logged_steps(log_path: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^step (\d+)/\d+ ", text, flags=re.M)]
 
 
-def wait_until(predicate, process, what: str) -> None:
+def wait_until(predicate, process, what: str, log_path: Path) -> None:
+    """Poll ``predicate`` while ``process`` lives; fail with the end of its log if it dies or time runs out."""
+    def tail() -> str:  # only read when an assertion fails
+        return log_path.read_text()[-3000:] if log_path.exists() else ""
+
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     while not predicate():
-        assert process.is_alive(), f"the worker exited (code {process.exitcode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert process.is_alive(), f"the worker exited (code {process.exitcode}) before {what}\n{tail()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{tail()}"
         time.sleep(0.01)
 
 
@@ -207,9 +211,9 @@ def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model
         worker.start()
         try:
             if kind != "finish":
-                wait_until(lambda: max(logged_steps(log_path), default=-1) >= step, worker, f"step {step}")
+                wait_until(lambda: max(logged_steps(log_path), default=-1) >= step, worker, f"step {step}", log_path)
                 if kind == "upload":
-                    wait_until(lambda: upload_in_flight(store, before or 0), worker, "an upload")
+                    wait_until(lambda: upload_in_flight(store, before or 0), worker, "an upload", log_path)
                 else:
                     time.sleep(delay)
                 # A kill after the last step would test nothing (and a SIGTERM there ends in success).

@@ -28,7 +28,7 @@ from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import Queued
 from ft_assets import locks
 from ft_assets.resources import ref_key
 from ft_assets.storage import LocalStore, open_store, read_manifest
-from ft_assets_tests.test_chaos import forkserver  # noqa: F401 - fixture
+from ft_assets_tests.test_chaos import forkserver, wait_until  # noqa: F401 - forkserver is a fixture
 from ft_assets_tests.test_launcher import MOCK, _launched, _submit
 from ft_assets_tests.test_pipeline import run_config, write_dataset
 
@@ -255,10 +255,7 @@ def test_two_in_process_runs_of_one_partition_never_interleave(forkserver, proje
     store = LocalStore(tmp_path / "home" / "store")
     go = tmp_path / "go"
     first, first_log = start_cli(forkserver, env, tmp_path, "acks", "v1", "data", gate=("reading", None, [str(go)]))
-    deadline = time.monotonic() + 120
-    while locks.read_lease(store, PARTITION) is None:  # the first run holds the partition
-        assert first.is_alive() and time.monotonic() < deadline, first_log.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_until(lambda: locks.read_lease(store, PARTITION) is not None, first, "the first run's lease", first_log)
     holder = locks.read_lease(store, PARTITION).owner["run_id"]
 
     second, second_log = start_cli(forkserver, env, tmp_path, "acks", "v1", "data")
