@@ -71,7 +71,7 @@ def content_version(files: list[Path], root: Path) -> str:
 
 def register_dataset(store, path: Path, name: str | None, version: str | None) -> tuple[str, bool]:
     """Upload the files as a dataset version (``_SUCCESS`` last); returns (partition key, newly registered)."""
-    from ft_assets.control.sensors import SUCCESS_MARKER
+    from ft_assets.layout import PartitionLayout
     from ft_assets.partitions import DatasetVersion, InvalidDatasetId
     from ft_assets.storage import join_key
 
@@ -81,14 +81,15 @@ def register_dataset(store, path: Path, name: str | None, version: str | None) -
         target = DatasetVersion(name or default_name(path), version or content_version(files, root))
     except InvalidDatasetId as exc:
         raise CliError(str(exc)) from exc
-    uploads = {join_key(target.input_prefix, f.relative_to(root).as_posix()): f for f in files}
-    marker = join_key(target.input_prefix, SUCCESS_MARKER)
+    keys = PartitionLayout(target)
+    uploads = {join_key(keys.inputs, f.relative_to(root).as_posix()): f for f in files}
+    marker = keys.success_marker
     if store.exists(marker):
-        existing = {k for k in store.list(target.input_prefix) if k != marker}
+        existing = {k for k in store.list(keys.inputs) if k != marker}
         same = existing == set(uploads) and all(store.get_bytes(k) == f.read_bytes() for k, f in uploads.items())
         if not same:
             raise CliError(
-                f"dataset version {target.key} already exists in {store.uri(target.input_prefix)} with different "
+                f"dataset version {target.key} already exists in {store.uri(keys.inputs)} with different "
                 "content; pass a new --version"
             )
         return target.key, False
@@ -98,21 +99,17 @@ def register_dataset(store, path: Path, name: str | None, version: str | None) -
     return target.key, True
 
 
-PLAN_KNOBS = ("method", "per_device_batch_size", "gradient_checkpointing", "lora_r", "epochs")
-
-
 def plane_run_config(job, run_config: dict) -> dict:
     """The part of a whole-pipeline run config that one plane's job accepts.
 
-    The training plan is made for the run that will happen: training knobs given to lora_adapter
-    are copied to training_plan unless it sets them itself.
+    The training plan is made for the run that will happen: the training settings given to
+    lora_adapter are copied to training_plan (which has the same fields) unless it sets them itself.
     """
     ops = copy.deepcopy(run_config.get("ops", {}))
     training = ops.get("lora_adapter", {}).get("config", {})
     plan = ops.setdefault("training_plan", {}).setdefault("config", {})
-    for knob in PLAN_KNOBS:
-        if knob in training and knob not in plan and training[knob] is not None:
-            plan[knob] = training[knob]
+    for name, value in training.items():
+        plan.setdefault(name, value)
     names = {node.name for node in job.graph.nodes}
     config = {k: v for k, v in run_config.items() if k != "ops"}
     selected = {k: v for k, v in ops.items() if k in names}
@@ -193,13 +190,13 @@ def failure_reason(result) -> str:
 
 
 def data_summary(store, partition_key: str) -> dict:
-    from ft_assets.resources import ref_key
+    from ft_assets.refs import read_ref
 
-    shards = store.get_json(ref_key(partition_key, "tokenized_shards"))
+    shards = read_ref(store, partition_key, "tokenized_shards")
     acc = shards["stats"]["accounting"]
     uris = {}
     for asset in ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model"):
-        uris[asset] = store.get_json(ref_key(partition_key, asset))["uri"]
+        uris[asset] = read_ref(store, partition_key, asset)["uri"]
     return {
         "rows_in": acc["rows_in"],
         "rows_kept": acc["rows_kept"],
@@ -218,9 +215,9 @@ def data_summary(store, partition_key: str) -> dict:
 
 
 def plan_summary(store, partition_key: str) -> dict:
-    from ft_assets.resources import ref_key
+    from ft_assets.refs import read_ref
 
-    plan = store.get_json(ref_key(partition_key, "training_plan"))["stats"]
+    plan = read_ref(store, partition_key, "training_plan")["stats"]
     return {
         "gpu_tier": plan["gpu_tier"],
         "rental_mode": plan["rental_mode"],
@@ -231,9 +228,9 @@ def plan_summary(store, partition_key: str) -> dict:
 
 
 def training_summary(store, partition_key: str) -> dict:
-    from ft_assets.resources import ref_key
+    from ft_assets.refs import read_ref
 
-    adapter = store.get_json(ref_key(partition_key, "lora_adapter"))
+    adapter = read_ref(store, partition_key, "lora_adapter")
     stats = adapter["stats"]
     return {
         "train_loss": stats["train_loss"],
@@ -249,14 +246,14 @@ def training_summary(store, partition_key: str) -> dict:
 
 
 def delivery_summary(store, partition_key: str) -> dict:
-    from ft_assets.resources import ref_key
+    from ft_assets.refs import read_ref
     from ft_assets.storage import join_key
 
-    cost = store.get_json(ref_key(partition_key, "training_cost"))["stats"]
-    evaluation = store.get_json(ref_key(partition_key, "eval_report"))["stats"]
-    gguf = store.get_json(ref_key(partition_key, "gguf_model"))
-    published = store.get_json(ref_key(partition_key, "published_model"))
-    adapter = store.get_json(ref_key(partition_key, "lora_adapter"))
+    cost = read_ref(store, partition_key, "training_cost")["stats"]
+    evaluation = read_ref(store, partition_key, "eval_report")["stats"]
+    gguf = read_ref(store, partition_key, "gguf_model")
+    published = read_ref(store, partition_key, "published_model")
+    adapter = read_ref(store, partition_key, "lora_adapter")
     return {
         "metric_name": evaluation["metric_name"],
         "base_metric": evaluation["base_metric"],
@@ -334,25 +331,19 @@ def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
         raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
 
 
-def split_registry_uri(uri: str) -> tuple[str, str]:
-    """'<store URL>/registry/<name>/<version>/<run>' → (store URL, key)."""
-    marker = "/registry/"
-    if uri.startswith("registry/"):
-        return "", uri.rstrip("/")
-    if marker not in uri:
-        raise CliError(f"{uri} is not a published model: expected <store>/registry/<name>/<version>/<run>")
-    store_url, _, rest = uri.rstrip("/").partition(marker)
-    return store_url, "registry/" + rest
-
-
 def cmd_lineage(args: argparse.Namespace) -> dict:
     """The chain behind a published model, from its lineage manifest, each link checked against its manifest."""
     from datetime import UTC, datetime
 
     from ft_assets.delivery.publish import LINEAGE_FILE
-    from ft_assets.storage import ArtifactNotFound, StoreError, join_key, open_store, read_manifest
+    from ft_assets.layout import registry_key
+    from ft_assets.manifests import ArtifactNotFound, read_manifest
+    from ft_assets.storage import StoreError, join_key, open_store
 
-    store_url, key = split_registry_uri(args.uri)
+    try:
+        store_url, key = registry_key(args.uri)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     store = open_store(store_url or None)
     try:
         read_manifest(store, key)

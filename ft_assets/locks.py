@@ -6,8 +6,8 @@ in-process and never meet the queue, and two Dagster instances can share one buc
 holds the lock too, and a second writer fails at start with a message naming the run in its way,
 before it has written anything.
 
-Layout: ``leases/<name>/<version>/<generation>/owner.json`` names the run that holds the partition;
-each process of that run (one per step under the multiprocess executor) keeps a heartbeat object next
+Layout (``layout.PartitionLayout.lease``): ``leases/<name>/<version>/<generation>/owner.json`` names
+the run that holds the partition; each process of that run (one per step under the multiprocess executor) keeps a heartbeat object next
 to it, renewed every ``RENEW_SECONDS``. The owner object is created with an atomic create-if-absent
 (``O_EXCL``-like hard link locally, ``If-None-Match: *`` on S3), so of two runs racing for the same
 generation exactly one wins; a run taking over a free lease creates the next generation, so a
@@ -31,10 +31,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ft_assets.partitions import DatasetVersion
+from ft_assets import layout
 from ft_assets.storage import ObjectNotFound, ObjectStore, StoreError, join_key
 
-LEASES = "leases"
 OWNER = "owner.json"
 RENEW_SECONDS = 10.0  # heartbeat period of every process of the run holding a lease
 EXPIRY_SECONDS = 60.0  # six missed heartbeats: the process is gone (or cut off from the store)
@@ -49,11 +48,6 @@ class PartitionBusy(StoreError):
     """Another run holds the partition's lease."""
 
 
-def lease_prefix(partition: str) -> str:
-    version = DatasetVersion.from_key(partition)  # validated: no '..' or '/' can reach the key
-    return join_key(LEASES, version.name, version.version)
-
-
 @dataclass(frozen=True)
 class LeaseState:
     generation: int
@@ -63,7 +57,7 @@ class LeaseState:
 
 def read_lease(store: ObjectStore, partition: str, heartbeats: bool = True) -> LeaseState | None:
     """The newest generation that has an owner, with its heartbeats (unless not wanted); None if never leased."""
-    prefix = lease_prefix(partition)
+    prefix = layout.of(partition).lease
     generations: dict[int, list[str]] = {}
     for key in store.list(prefix):
         generation, _, name = key[len(prefix) + 1 :].partition("/")
@@ -123,7 +117,7 @@ class Lease:
 
     def __init__(self, store: ObjectStore, partition: str, generation: int, run_id: str):
         self.store, self.partition, self.generation, self.run_id = store, partition, generation, run_id
-        self.base = join_key(lease_prefix(partition), f"{generation:08d}")
+        self.base = join_key(layout.of(partition).lease, f"{generation:08d}")
         self.holder_key = join_key(self.base, "holders", f"{_holder_id()}.json")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,7 +156,7 @@ class Lease:
 
 def acquire(store: ObjectStore, partition: str, run_id: str, run_status: RunStatus, now=time.time) -> Lease:
     """Hold ``partition`` for ``run_id`` (re-entrant for the run's other processes) or raise ``PartitionBusy``."""
-    prefix = lease_prefix(partition)
+    prefix = layout.of(partition).lease
     for _ in range(5):  # each pass either returns, raises, or lost a creation race and looks again
         state = read_lease(store, partition)
         if state is not None and state.owner["run_id"] == run_id:

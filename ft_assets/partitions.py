@@ -50,15 +50,3 @@ class DatasetVersion:
         if not sep:
             raise InvalidDatasetId(f"invalid partition key {key!r}: expected '<name>@<version>'")
         return cls(name, version)
-
-    @property
-    def input_prefix(self) -> str:
-        return f"datasets/{self.name}/{self.version}"
-
-    @property
-    def run_prefix(self) -> str:
-        return f"runs/{self.name}/{self.version}"
-
-    @property
-    def registry_prefix(self) -> str:
-        return f"registry/{self.name}/{self.version}"

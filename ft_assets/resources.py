@@ -3,10 +3,9 @@
 Assets write their large outputs themselves, through ``ObjectStoreResource``, as manifest-published
 artifacts. What flows between assets is a small JSON reference (``ArtifactRef``: the artifact's
 prefix, URI, manifest digest, the stage's figures and the running row accounting), stored next to
-the artifacts at ``runs/<name>/<version>/refs/<asset>.json``. Nothing is pickled, and a downstream
-worker on another machine finds its inputs from the reference alone.
+the artifacts (``ft_assets.refs``). Nothing is pickled, and a downstream worker on another machine
+finds its inputs from the reference alone.
 """
-
 
 import json
 import os
@@ -17,9 +16,8 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from ft_assets import locks
-from ft_assets.partitions import DatasetVersion
-from ft_assets.storage import ObjectStore, join_key, open_store
+from ft_assets import locks, refs
+from ft_assets.storage import ObjectStore, open_store
 
 PARTITION_TAG = "dagster/partition"
 
@@ -45,10 +43,6 @@ class ObjectStoreResource(dg.ConfigurableResource):
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f"ft-{what}-", dir=root) as path:
             yield Path(path)
-
-
-def ref_key(partition_key: str, asset_name: str) -> str:
-    return join_key(DatasetVersion.from_key(partition_key).run_prefix, "refs", f"{asset_name}.json")
 
 
 class ArtifactRefIOManager(dg.ConfigurableIOManager):
@@ -99,24 +93,20 @@ class ArtifactRefIOManager(dg.ConfigurableIOManager):
         # partition was the only one at its start, which names two as soon as a second one is added.
         return context.partition_key if context.has_partition_key else context.asset_partition_key
 
-    def _key(self, context) -> str:
+    def _where(self, context) -> tuple[str, str]:
         if not context.has_asset_partitions:
             raise dg.Failure(f"{context.asset_key.to_user_string()} must be partitioned by dataset_version")
-        return ref_key(self._partition(context), context.asset_key.path[-1])
+        return self._partition(context), context.asset_key.path[-1]
 
     def handle_output(self, context: dg.OutputContext, obj: dict) -> None:
         if obj is None:
             return
         json.dumps(obj)  # fail loudly here, not in a reader, if a non-JSON value slipped in
         self._check_lease()
-        self.store.open().put_json(self._key(context), obj)
+        refs.write_ref(self.store.open(), *self._where(context), obj)
 
     def load_input(self, context: dg.InputContext) -> dict:
-        store = self.store.open()
-        key = self._key(context)
-        if not store.exists(key):
-            raise dg.Failure(
-                f"upstream {context.asset_key.to_user_string()} has no output for partition "
-                f"{self._partition(context)} ({store.uri(key)}): materialize it first"
-            )
-        return store.get_json(key)
+        try:
+            return refs.read_ref(self.store.open(), *self._where(context))
+        except refs.RefNotFound as exc:
+            raise dg.Failure(f"upstream {exc}") from exc

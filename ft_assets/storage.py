@@ -1,11 +1,10 @@
-"""Object storage: one interface, two backends (a local directory and S3), and atomic artifacts.
+"""Object storage: one byte-level interface, two backends (a local directory and S3).
 
 Every large artifact of the pipeline (cleaned rows, token shards, checkpoints, models) lives in an
-object store under a versioned prefix, never on a worker's disk and never pickled through Dagster.
-An *artifact* is a prefix holding files plus a ``manifest.json`` that lists every file with its
-size and sha256 and is written last. Readers trust nothing without a manifest, which gives atomic
-publish on both backends: S3 makes single PUTs atomic, the local backend writes to a temporary
-name and renames, and the manifest's arrival is the commit point of the whole artifact.
+object store under a versioned prefix (``ft_assets.layout``), never on a worker's disk and never
+pickled through Dagster. What makes a set of objects an atomic *artifact* (a manifest written last)
+is ``ft_assets.manifests``; this module only moves bytes, atomically per object: S3 makes single PUTs
+atomic, the local backend writes to a temporary name and renames.
 
 Credentials never appear here: boto3 reads them from the standard ``AWS_*`` environment variables
 (``AWS_ENDPOINT_URL`` included, so AWS S3, R2, MinIO and SeaweedFS all work alike).
@@ -25,15 +24,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-MANIFEST = "manifest.json"
 CHUNK = 8 * 1024 * 1024  # 8 MiB: read/hash granularity and S3 multipart part size
 S3_ATTEMPTS = 10  # waits 0.5+1+2+4+8+8+8+8+8 = 47.5 s in all before an unreachable store is an error
 BACKOFF_FIRST_S = 0.5
@@ -48,14 +44,6 @@ logger = logging.getLogger(__name__)
 
 class StoreError(RuntimeError):
     """An object-store operation failed in a way the user must act on (what, where, what to do)."""
-
-
-class ArtifactNotFound(StoreError):
-    """No complete artifact (no manifest) exists at a prefix."""
-
-
-class ArtifactCorrupt(StoreError):
-    """An artifact's files do not match its manifest (missing file, size or sha256 mismatch)."""
 
 
 class ObjectNotFound(StoreError):
@@ -441,110 +429,3 @@ def open_store(url: str | None = None) -> ObjectStore:
     if "://" in url:
         raise StoreError(f"unsupported store URL {url!r}: use a local path or s3://bucket/prefix")
     return LocalStore(url)
-
-
-# --- artifacts: a prefix of files plus a manifest written last -------------------------------------
-
-
-@dataclass(frozen=True)
-class Manifest:
-    prefix: str
-    files: dict[str, dict]  # relative path -> {"size": int, "sha256": str}
-    meta: dict
-    created_at: float
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f["size"] for f in self.files.values())
-
-    @property
-    def digest(self) -> str:
-        """One hash for the whole artifact: sha256 over the sorted (path, sha256) pairs."""
-        lines = "".join(f"{path}\t{info['sha256']}\n" for path, info in sorted(self.files.items()))
-        return hashlib.sha256(lines.encode()).hexdigest()
-
-    def to_json(self) -> dict:
-        return {
-            "prefix": self.prefix,
-            "files": self.files,
-            "meta": self.meta,
-            "created_at": self.created_at,
-            "digest": self.digest,
-        }
-
-
-def publish_dir(store: ObjectStore, prefix: str, local_dir: str | Path, meta: dict | None = None) -> Manifest:
-    """Upload every file under ``local_dir`` to ``prefix``, then write the manifest last.
-
-    Files already published at this prefix by an earlier attempt are overwritten; a reader never sees
-    them as an artifact until the new manifest lands (the old manifest is removed first).
-    """
-    local_dir = Path(local_dir)
-    store.delete(join_key(prefix, MANIFEST))
-    files = {}
-    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(local_dir).as_posix()
-        if rel == MANIFEST:
-            continue
-        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-        store.put_file(join_key(prefix, rel), path)
-    manifest = Manifest(prefix=prefix, files=files, meta=meta or {}, created_at=time.time())
-    store.put_json(join_key(prefix, MANIFEST), manifest.to_json())
-    return manifest
-
-
-def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
-    key = join_key(prefix, MANIFEST)
-    if not store.exists(key):
-        raise ArtifactNotFound(f"no complete artifact at {store.uri(prefix)} (no {MANIFEST})")
-    try:
-        raw = store.get_json(key)
-        return Manifest(prefix=raw["prefix"], files=raw["files"], meta=raw.get("meta", {}), created_at=raw["created_at"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ArtifactCorrupt(f"unreadable manifest {store.uri(key)}: {exc}") from exc
-
-
-def verify_artifact(store: ObjectStore, manifest: Manifest) -> None:
-    """Cheap check (presence and size of every file); ``fetch_artifact`` also checks sha256."""
-    for rel, info in manifest.files.items():
-        key = join_key(manifest.prefix, rel)
-        if not store.exists(key):
-            raise ArtifactCorrupt(f"artifact {store.uri(manifest.prefix)} lacks {rel} listed in its manifest")
-        if store.size(key) != info["size"]:
-            raise ArtifactCorrupt(f"artifact {store.uri(manifest.prefix)}: {rel} has the wrong size")
-
-
-def fetch_artifact(store: ObjectStore, prefix: str, dest: str | Path, include=None) -> Manifest:
-    """Download a complete artifact to ``dest``, verifying every file's sha256 against the manifest.
-
-    ``include`` (a predicate on the relative path) limits the download, e.g. to a model's tokenizer.
-    Files already present with the right sha256 are not downloaded again.
-    """
-    manifest = read_manifest(store, prefix)
-    dest = Path(dest)
-    for rel, info in manifest.files.items():
-        if include is not None and not include(rel):
-            continue
-        target = dest / check_key(rel)  # an absolute path in a manifest would escape dest
-        if target.is_file() and target.stat().st_size == info["size"] and sha256_file(target) == info["sha256"]:
-            continue
-        key = join_key(prefix, rel)
-        try:
-            store.get_file(key, target)
-        except ObjectNotFound as exc:
-            raise ArtifactCorrupt(
-                f"artifact {store.uri(prefix)} lacks {rel} listed in its manifest; the artifact is corrupt, rebuild it"
-            ) from exc
-        if sha256_file(target) != info["sha256"]:
-            raise ArtifactCorrupt(
-                f"artifact {store.uri(prefix)}: {rel} does not match the sha256 in its manifest; "
-                "the artifact is corrupt, rebuild it"
-            )
-    return manifest
-
-
-def local_copy_dir() -> Path:
-    """Scratch space for a worker's local copies; never the source of truth."""
-    path = Path(os.environ.get("FT_SCRATCH", tempfile.gettempdir())) / "ft_assets"
-    path.mkdir(parents=True, exist_ok=True)
-    return path

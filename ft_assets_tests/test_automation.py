@@ -10,7 +10,8 @@ import pytest
 from ft_assets.control.automation import WINDOW_ENV, deliver_after_training, train_after_data, training_window
 from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.definitions import defs
-from ft_assets.resources import ObjectStoreResource, ref_key
+from ft_assets.refs import read_ref
+from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import LocalStore
 from ft_assets_tests.test_pipeline import run_config, write_dataset
 
@@ -69,9 +70,9 @@ def test_new_version_is_published_without_clicks(env, tmp_path, tiny_model_dir):
         assert isinstance(delivery_request, dg.RunRequest) and delivery_request.partition_key == "acks@v1"
         execute(instance, delivery_request, "delivery_plane", config)
 
-        published = env.get_json(ref_key("acks@v1", "published_model"))
+        published = read_ref(env, "acks@v1", "published_model")
         assert published["prefix"].startswith("registry/acks/v1/")
-        cost = env.get_json(ref_key("acks@v1", "training_cost"))["stats"]
+        cost = read_ref(env, "acks@v1", "training_cost")["stats"]
         assert cost["total_usd"] > 0 and cost["eth_usd_per_hour"] > 0
         for asset in ("raw_dataset", "tokenized_shards", "training_plan", "lora_adapter", "eval_report", "published_model"):
             assert instance.get_latest_materialization_event(dg.AssetKey(asset)) is not None, asset

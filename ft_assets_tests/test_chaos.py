@@ -38,7 +38,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ft_assets.storage import MANIFEST, ArtifactCorrupt, ArtifactNotFound, LocalStore, ObjectStore, open_store
+from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound
+from ft_assets.storage import LocalStore, ObjectStore, open_store
 from ft_assets.training.checkpoints import checkpoint_steps, fetch_checkpoint
 from ft_assets.training.recipe import EXIT_PREEMPTED
 from ft_assets_tests.test_training import (  # noqa: F401 - fixtures are found by name

@@ -26,8 +26,9 @@ from dagster._core.workspace.load_target import ModuleTarget
 from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 
 from ft_assets import locks
-from ft_assets.resources import ref_key
-from ft_assets.storage import LocalStore, open_store, read_manifest
+from ft_assets.manifests import read_manifest
+from ft_assets.refs import read_ref
+from ft_assets.storage import LocalStore, open_store
 from ft_assets_tests.test_chaos import forkserver, wait_until  # noqa: F401 - forkserver is a fixture
 from ft_assets_tests.test_launcher import MOCK, _launched, _submit
 from ft_assets_tests.test_pipeline import run_config, write_dataset
@@ -267,7 +268,7 @@ def test_two_in_process_runs_of_one_partition_never_interleave(forkserver, proje
     # Everything the partition holds was written by the first run alone: each reference matches its
     # artifact's manifest, and each artifact's upstream is the reference actually stored.
     assets = ["base_model", "raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"]
-    refs = {asset: store.get_json(ref_key(PARTITION, asset)) for asset in assets}
+    refs = {asset: read_ref(store, PARTITION, asset) for asset in assets}
     for asset, ref in refs.items():
         assert read_manifest(store, ref["prefix"]).digest == ref["digest"], asset
         for name, upstream in ref["upstream"].items():

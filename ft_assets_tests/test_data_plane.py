@@ -10,7 +10,8 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.data.rows import iter_records
-from ft_assets.storage import LocalStore, read_manifest, verify_artifact
+from ft_assets.manifests import read_manifest, verify_artifact
+from ft_assets.storage import LocalStore
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "toolcalls"
 pytestmark = pytest.mark.integration

@@ -13,7 +13,8 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.delivery.publish import LINEAGE_CHAIN
-from ft_assets.storage import LocalStore, read_manifest
+from ft_assets.manifests import read_manifest
+from ft_assets.storage import LocalStore
 
 pytestmark = pytest.mark.integration
 ANSWER = '{"name": "ok"}'

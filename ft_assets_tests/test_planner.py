@@ -232,7 +232,8 @@ def test_tier_choice_skips_cards_too_small():
     fits = {c.name: c.fits for c in plan.candidates}
     assert fits == {"small": False, "fast24": False, "mid": True, "big": True}
     assert "needs 28.3 GiB" in next(c.reason for c in plan.candidates if c.name == "small")
-    assert "| mid | MID | us-east-1 | 43.2 | yes | 0.60 |" in plan.to_markdown()
+    mid = next(row for row in plan.candidate_rows() if row["tier"] == "mid")
+    assert (mid["gpu"], mid["region"], mid["usable_gib"], mid["fits"], mid["usd_per_hour"]) == ("MID", "us-east-1", 43.2, True, 0.60)
 
 
 def test_nothing_fits_raises_with_required_vram_and_what_would_fit():
@@ -301,5 +302,6 @@ def test_default_cost_model_plans_a_7b_qlora_experiment_on_a_24gb_card():
     speed = tokens_per_second(LLAMA7, "qlora", 2048, True, CostModel().offering(plan.tier), CostModel())
     hours = 10 / 60 + 40_000_000 / speed / 3600 * 1.1
     assert plan.est_hours == pytest.approx(hours) and plan.est_cost_usd == pytest.approx(plan.usd_per_hour * hours)
-    assert math.isfinite(plan.as_dict()["vram"]["total_gib"]) and "chosen" in plan.to_markdown()
+    assert math.isfinite(plan.as_dict()["vram"]["total_gib"])
+    assert [row["tier"] for row in plan.candidate_rows() if row["note"] == "chosen"] == [plan.tier]
 

@@ -29,12 +29,13 @@ import yaml
 from dagster._serdes import serialize_value
 
 from ft_assets.cli import main
-from ft_assets.locks import lease_prefix
+from ft_assets import layout
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId
-from ft_assets.resources import ref_key
-from ft_assets.storage import MANIFEST, LocalStore, StoreError, fetch_artifact, join_key, open_store, read_manifest, sha256_file
+from ft_assets.refs import read_ref
+from ft_assets.manifests import MANIFEST, fetch_artifact, read_manifest
+from ft_assets.storage import LocalStore, StoreError, join_key, open_store, sha256_file
 from ft_assets.training import base_model as bm
-from ft_assets.training.checkpoints import UntrustedCheckpoint, checkpoint_prefix
+from ft_assets.training.checkpoints import UntrustedCheckpoint
 from ft_assets.training.recipe import load_model, train
 from ft_assets_tests.test_chaos import record_figures
 from ft_assets_tests.test_pipeline import run_config, write_dataset
@@ -93,7 +94,7 @@ def test_pipeline_on_s3_end_to_end_leaks_no_secret(s3_env, seaweedfs, tmp_path, 
     assert {"lineage.json", "merged/model.safetensors"} <= set(read_manifest(store, registry).files)
     lineage = store.get_json(join_key(registry, "lineage.json"))
     assert all(artifact["uri"].startswith(s3_env) for artifact in lineage["artifacts"])
-    assert store.get_json(ref_key("acks@s3e2e", "lora_adapter"))["uri"].startswith(s3_env)
+    assert read_ref(store, "acks@s3e2e", "lora_adapter")["uri"].startswith(s3_env)
 
     leaks, searched = [], Counter()
     leaks += find_leaks("captured stdout", captured.out.encode(), secrets)
@@ -155,8 +156,8 @@ TRAVERSALS = [
     ("partition key", "../x@v1", lambda v, root: DatasetVersion.from_key(v), InvalidDatasetId),
     ("object key", "runs/../../outside.txt", lambda v, root: LocalStore(root).put_bytes(v, b"x"), StoreError),
     ("absolute object key", "/etc/passwd", lambda v, root: LocalStore(root).get_bytes(v), StoreError),
-    ("lease of a partition", "acks@../../x", lambda v, root: lease_prefix(v), InvalidDatasetId),
-    ("reference key", "..@v1", lambda v, root: ref_key(v, "raw_dataset"), InvalidDatasetId),
+    ("lease of a partition", "acks@../../x", lambda v, root: layout.of(v).lease, InvalidDatasetId),
+    ("reference key", "..@v1", lambda v, root: layout.of(v).ref("raw_dataset"), InvalidDatasetId),
 ]
 
 
@@ -277,7 +278,7 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_with_a_clear_message(tiny_
     # An attacker with write access replaces the optimizer state of the newest checkpoint and fixes up
     # its manifest, so the sha256 check passes: only the loader stands between the file and the code.
     marker = tmp_path / "pickle-ran"
-    prefix = checkpoint_prefix(RUN, 4)
+    prefix = layout.checkpoint(RUN, 4)
     payload = tmp_path / "optimizer.pt"
     torch.save({"state": Payload(marker), "param_groups": []}, payload)
     store.put_file(join_key(prefix, "optimizer.pt"), payload)

@@ -2,6 +2,7 @@ import dagster as dg
 import pytest
 
 from ft_assets.control.sensors import dataset_version_sensor, scan_datasets
+from ft_assets.layout import PartitionLayout
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import LocalStore
@@ -71,6 +72,6 @@ def test_partition_key_round_trip():
     version = DatasetVersion("toolcalls", "2026-11-30.1")
     assert version.key == "toolcalls@2026-11-30.1"
     assert DatasetVersion.from_key(version.key) == version
-    assert version.input_prefix == "datasets/toolcalls/2026-11-30.1"
+    assert PartitionLayout(version).inputs == "datasets/toolcalls/2026-11-30.1"
     with pytest.raises(InvalidDatasetId, match="expected '<name>@<version>'"):
         DatasetVersion.from_key("no-at-sign")

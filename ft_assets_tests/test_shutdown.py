@@ -19,15 +19,14 @@ from ft_assets.control.shutdown import (
     HEARTBEAT_TAG,
     ROLE_TAG_KEY,
     ROLE_TAG_VALUE,
-    WORKER_TAG,
     Ec2WorkersResource,
     IdleWorker,
     WorkerRun,
     find_idle_workers,
     idle_gpu_worker_sensor,
     stop_idle_workers,
-    worker_instance_tag,
 )
+from ft_assets.training.ec2_metadata import WORKER_TAG, worker_instance_tag
 
 S = dg.DagsterRunStatus
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)

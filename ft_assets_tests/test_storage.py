@@ -12,22 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ft_assets.storage import (
-    CHUNK,
-    MANIFEST,
-    ArtifactCorrupt,
-    ArtifactNotFound,
-    LocalStore,
-    S3Store,
-    StoreError,
-    fetch_artifact,
-    join_key,
-    open_store,
-    publish_dir,
-    read_manifest,
-    sha256_file,
-    verify_artifact,
-)
+from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound, fetch_artifact, publish_dir, read_manifest, verify_artifact
+from ft_assets.storage import CHUNK, LocalStore, S3Store, StoreError, join_key, open_store, sha256_file
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])

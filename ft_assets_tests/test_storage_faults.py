@@ -26,25 +26,12 @@ from boto3.exceptions import RetriesExceededError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, NoCredentialsError, ResponseStreamingError
 
-from ft_assets.storage import (
-    CHUNK,
-    MANIFEST,
-    ArtifactNotFound,
-    LocalStore,
-    ObjectExists,
-    S3Store,
-    StoreError,
-    fetch_artifact,
-    join_key,
-    open_store,
-    publish_dir,
-    read_manifest,
-    sha256_file,
-)
+from ft_assets import layout
+from ft_assets.manifests import MANIFEST, ArtifactNotFound, fetch_artifact, publish_dir, read_manifest
+from ft_assets.storage import CHUNK, LocalStore, ObjectExists, S3Store, StoreError, join_key, open_store, sha256_file
 from ft_assets.training.checkpoints import (
     CheckpointUploadFailed,
     TrainerState,
-    checkpoint_prefix,
     checkpoint_steps,
     complete_checkpoints,
     write_checkpoint,
@@ -129,7 +116,7 @@ def stop_during_upload(store: S3Store, seaweedfs, step: int, restart_after: floa
     """Stop the server once the first file of checkpoint ``step`` is in; restart it ``restart_after`` s later."""
     stopped = threading.Event()
     real_put_file = store.put_file
-    marker = checkpoint_prefix(RUN, step) + "/"
+    marker = layout.checkpoint(RUN, step) + "/"
 
     def put_file(key, path):
         if marker in key and not stopped.is_set() and any(k.startswith(marker) for k in store.list(RUN)):
@@ -169,14 +156,14 @@ def test_store_down_for_good_fails_the_upload_clearly_and_a_rerun_resumes(s3_env
     finally:
         seaweedfs.start()
     message = str(info.value)
-    assert f"checkpoint {store.uri(checkpoint_prefix(RUN, 8))} failed" in message
+    assert f"checkpoint {store.uri(layout.checkpoint(RUN, 8))} failed" in message
     assert f"cannot reach {seaweedfs.endpoint}" in message and f"gave up after {SHORT_ATTEMPTS} attempt(s)" in message
     assert failed_after < 60
     # Nothing partial was published: checkpoint 8 has a file or more, but no manifest.
     assert 8 in checkpoint_steps(store, RUN)
     with pytest.raises(ArtifactNotFound):
-        read_manifest(store, checkpoint_prefix(RUN, 8))
-    assert complete_checkpoints(store, RUN) == [store.uri(checkpoint_prefix(RUN, 4))]
+        read_manifest(store, layout.checkpoint(RUN, 8))
+    assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, 4))]
 
     lines = []
     result = train(config(max_steps=24, save_steps=4), tiny_model, shards, s3_store(s3_env), RUN, tmp_path / "w2", log=lines.append)

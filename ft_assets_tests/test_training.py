@@ -22,13 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ft_assets.storage import MANIFEST, LocalStore, join_key
+from ft_assets import layout
+from ft_assets.manifests import MANIFEST
+from ft_assets.storage import LocalStore, join_key
 from ft_assets.training.checkpoints import (
     WEIGHTS,
     BackgroundUploader,
     CheckpointUploadFailed,
     capture_rng_state,
-    checkpoint_prefix,
     checkpoint_steps,
     complete_checkpoints,
     find_latest_checkpoint,
@@ -334,7 +335,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_model, shards, tmp_path, reference):
     cfg = config(max_steps=24, logging_steps=1, save_steps=3)
     store = LocalStore(tmp_path / "store")
-    manifest = join_key(checkpoint_prefix(RUN, 9), MANIFEST)
+    manifest = join_key(layout.checkpoint(RUN, 9), MANIFEST)
     worker = multiprocessing.get_context("spawn").Process(
         target=slow_worker, args=(cfg.model_dump_json(), str(tiny_model), str(shards), str(store.root), str(tmp_path / "w1"))
     )
@@ -362,11 +363,11 @@ def test_corrupt_and_half_written_checkpoints_are_skipped_for_the_previous_one(t
     cfg = config(max_steps=24, save_steps=8)
     train(cfg, tiny_model, shards, store, RUN, tmp_path / "w1", log=lambda line: None)
     assert checkpoint_steps(store, RUN) == [24, 16, 8]
-    weights = store.root / checkpoint_prefix(RUN, 24) / WEIGHTS
+    weights = store.root / layout.checkpoint(RUN, 24) / WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-10:] = bytes(b ^ 0xFF for b in data[-10:])  # same size: only the sha256 check can tell
     weights.write_bytes(bytes(data))
-    store.delete(join_key(checkpoint_prefix(RUN, 16), MANIFEST))  # as if the upload died before the manifest
+    store.delete(join_key(layout.checkpoint(RUN, 16), MANIFEST))  # as if the upload died before the manifest
 
     lines = []
     result = train(cfg, tiny_model, shards, store, RUN, tmp_path / "w2", log=lines.append)
@@ -392,7 +393,7 @@ def test_save_total_limit_prunes_checkpoints_in_the_store(tiny_model, shards, tm
     result = train(config(max_steps=10, save_steps=2, save_total_limit=2), tiny_model, shards, store, RUN,
                    tmp_path / "work", log=lambda line: None)  # fmt: skip
     assert checkpoint_steps(store, RUN) == [10, 8]
-    assert result.checkpoints == [store.uri(checkpoint_prefix(RUN, 8)), store.uri(checkpoint_prefix(RUN, 10))]
+    assert result.checkpoints == [store.uri(layout.checkpoint(RUN, 8)), store.uri(layout.checkpoint(RUN, 10))]
 
 
 ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -426,7 +427,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_preempted(tiny_model
     steps = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")]
     preempted_at = steps[-1]  # no step ran after the one in progress when SIGTERM arrived
     assert f"preempted by SIGTERM at step {preempted_at}" in log
-    assert complete_checkpoints(store, RUN) == [store.uri(checkpoint_prefix(RUN, preempted_at))]
+    assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, preempted_at))]
     assert time.monotonic() - sent < 30
     latest, _ = find_latest_checkpoint(store, RUN, tmp_path / "check", log=lambda line: None)
     assert latest.step == preempted_at and latest.trainer_state().step == preempted_at

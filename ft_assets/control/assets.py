@@ -19,28 +19,24 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from ft_assets.artifacts import publish, ref_metadata
+from ft_assets import layout
 from ft_assets.control.cost import CostModelError, CostRecord, RunMeasurements, aggregate_cost_report, compute_eth, load_cost_model
 from ft_assets.control.planner import ModelShape, NoGpuFits, plan_training
-from ft_assets.partitions import DatasetVersion, dataset_version
+from ft_assets.manifests import read_manifest
+from ft_assets.materialize import Materialization, table
+from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.resources import ObjectStoreResource, ref_key
-from ft_assets.storage import join_key, read_manifest
-from ft_assets.training.config import TrainingConfig
+from ft_assets.refs import has_ref, read_ref
+from ft_assets.resources import ObjectStoreResource
+from ft_assets.training.settings import TrainingSettings, training_config
 
 CONTROL = dict(partitions_def=dataset_version, group_name="control", io_manager_key="refs")
-_TRAINING_DEFAULTS = TrainingConfig()
+class PlanConfig(TrainingSettings):
+    """The training settings the plan is for (the same fields as lora_adapter's), and where the run rents."""
 
-
-class PlanConfig(dg.Config):
     purpose: str = Field(default="experiment", description="experiment (spot, resumes from checkpoints), validation (on-demand) or delivery (no GPU).")
     data_region: str = Field(default="", description="Region of the object store holding the shards (empty: $AWS_DEFAULT_REGION, else unknown).")
     cost_model_path: str = Field(default="", description="YAML file overriding the cost model's offerings and prices (empty: $FT_COST_MODEL, else the defaults).")
-    method: str = Field(default="", description="Training method the plan is for (empty: as lora_adapter resolves it: qlora on CUDA, else lora).")
-    per_device_batch_size: int = Field(default=_TRAINING_DEFAULTS.per_device_batch_size, description="Micro-batch of the planned run (rows per forward).")
-    gradient_checkpointing: bool = Field(default=_TRAINING_DEFAULTS.gradient_checkpointing, description="Whether the run recomputes activations (less VRAM).")
-    lora_r: int = Field(default=_TRAINING_DEFAULTS.lora_r, description="LoRA rank of the planned run.")
-    epochs: float = Field(default=_TRAINING_DEFAULTS.epochs, description="Passes over the train shards.")
 
 
 def _cost_model(path: str):
@@ -57,15 +53,21 @@ def training_plan(
     """Peak VRAM, cheapest fitting GPU tier, rental mode, hours and dollars for this version's training run."""
     import torch
 
-    method = config.method or _TRAINING_DEFAULTS.resolved_method(torch.cuda.is_available())
+    training = training_config(config, "training_plan")
+    method = training.resolved_method(torch.cuda.is_available())
     shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
     shards = tokenized_shards["stats"]
+    try:
+        steps = training.total_steps(shards["train_packed_rows"])
+    except ValueError as exc:
+        raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
     try:
         plan = plan_training(
-            shape, method, shards["seq_len"], config.per_device_batch_size, config.gradient_checkpointing,
-            train_tokens=shards["train_packed_rows"] * shards["seq_len"], epochs=config.epochs,
-            cost_model=_cost_model(config.cost_model_path), purpose=config.purpose, data_region=region, lora_r=config.lora_r,
+            shape, method, shards["seq_len"], training.per_device_batch_size, training.gradient_checkpointing,
+            train_tokens=steps * training.rows_per_step() * shards["seq_len"],
+            cost_model=_cost_model(config.cost_model_path), purpose=config.purpose, data_region=region,
+            lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
         )  # fmt: skip
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
@@ -74,31 +76,28 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan: {plan.method} needs {plan.vram.total_gib:.1f} GiB → {plan.tier} ({plan.mode}), "
-        f"~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
+        f"plan: {plan.method}, {steps} steps x {training.rows_per_step()} rows x {shards['seq_len']} tokens, needs "
+        f"{plan.vram.total_gib:.1f} GiB → {plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
-    objects = store.open()
-    with store.scratch("plan") as work:
-        (work / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
+    with Materialization(context, store, "plan") as m:
+        (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
         stats = {
             "gpu_tier": plan.tier, "rental_mode": plan.mode, "method": plan.method, "vram_gib": plan.vram.total_gib,
             "est_hours": plan.est_hours, "estimated_cost_usd": plan.est_cost_usd, "usd_per_hour": plan.usd_per_hour,
             "total_tokens": plan.total_tokens, "warnings": list(plan.warnings), "data_region": region,
+            "steps": steps, "rows_per_step": training.rows_per_step(), "training_config": training.model_dump(),
         }  # fmt: skip
-        prefix = join_key(DatasetVersion.from_key(context.partition_key).run_prefix, "control", "plan")
-        ref = publish(objects, "training_plan", context.partition_key, prefix, work, stats, {"tokenized_shards": tokenized_shards, "base_model": base_model})
-    return dg.Output(
+        ref = m.publish(layout.of(m.partition).control("plan"), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model})
+    return m.output(
         ref,
-        metadata={
-            **ref_metadata(ref),
-            "gpu_tier": str(plan.tier),
-            "rental_mode": plan.mode,
-            "vram_gib": dg.MetadataValue.float(round(plan.vram.total_gib, 2)),
-            "estimated_hours": dg.MetadataValue.float(round(plan.est_hours, 3)),
-            "estimated_cost_usd": dg.MetadataValue.float(round(plan.est_cost_usd, 4)),
-            "candidates": dg.MetadataValue.md(plan.to_markdown()),
-            "warnings": dg.MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings) or "none"),
-        },
+        gpu_tier=str(plan.tier),
+        rental_mode=plan.mode,
+        vram_gib=dg.MetadataValue.float(round(plan.vram.total_gib, 2)),
+        estimated_hours=dg.MetadataValue.float(round(plan.est_hours, 3)),
+        estimated_cost_usd=dg.MetadataValue.float(round(plan.est_cost_usd, 4)),
+        vram_breakdown=dg.MetadataValue.md(f"needs {plan.vram.breakdown()}"),
+        candidates=table(plan.candidate_rows()),
+        warnings=dg.MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings) or "none"),
     )
 
 
@@ -119,8 +118,8 @@ def measurements(adapter: dict, plan: dict, store, retention_days: float) -> tup
     steps = stats["step_seconds"] + sum(a.get("step_seconds", 0.0) for a in attempts)
     checkpoint_bytes = 0
     for uri in stats["checkpoints"]:
-        prefix = join_key(adapter["run_prefix"], uri.rstrip("/").rsplit("/", 1)[-1])
-        checkpoint_bytes += read_manifest(store, prefix).total_bytes
+        step = int(layout.CHECKPOINT_RE.match(uri.rstrip("/").rsplit("/", 1)[-1]).group(1))
+        checkpoint_bytes += read_manifest(store, layout.checkpoint(adapter["run_prefix"], step)).total_bytes
     cross_region = any("region" in w for w in plan["stats"]["warnings"])
     egress = adapter["upstream_bytes"] if cross_region else 0
     measured = RunMeasurements(
@@ -136,46 +135,45 @@ def training_cost(
     context: dg.AssetExecutionContext, config: CostConfig, store: ObjectStoreResource, lora_adapter: dict, training_plan: dict
 ) -> dg.Output[dict]:
     """Actual cost of the training run and its price per effective training hour (ETH)."""
-    objects = store.open()
-    measured, notes = measurements(lora_adapter, training_plan, objects, config.checkpoint_retention_days)
-    for note in notes:
-        context.log.info(note)
-    try:
-        report = compute_eth(measured, cost_model=_cost_model(config.cost_model_path))
-    except (KeyError, ValueError) as exc:
-        raise dg.Failure(f"training_cost: {exc}") from exc
-    stats = {
-        **report.as_dict(),
-        "estimated_cost_usd": training_plan["stats"]["estimated_cost_usd"],
-        "estimated_hours": training_plan["stats"]["est_hours"],
-        "run_id": lora_adapter["stats"]["run_id"],
-        "notes": notes,
-    }
-    eth = "n/a" if report.eth_usd_per_hour is None else f"${report.eth_usd_per_hour:.2f}"
-    context.log.info(f"actual ${report.total_usd:.4f} (estimate ${stats['estimated_cost_usd']:.4f}); ETH {eth} per effective hour")
-    with store.scratch("cost") as work:
-        (work / "cost.json").write_text(json.dumps({"measured": measured.model_dump(), "report": stats}, indent=2))
-        prefix = join_key(DatasetVersion.from_key(context.partition_key).run_prefix, "control", "cost", stats["run_id"])
-        ref = publish(objects, "training_cost", context.partition_key, prefix, work, stats, {"lora_adapter": lora_adapter, "training_plan": training_plan})
-    breakdown = (
-        "| item | $ |\n| --- | --- |\n"
-        f"| compute ({report.wall_hours:.3f} h × ${report.usd_per_hour:.2f}/h, {report.gpu_tier} {report.rental_mode}) | {report.compute_usd:.4f} |\n"
-        f"| checkpoint storage | {report.storage_usd:.6f} |\n| egress | {report.egress_usd:.6f} |\n| **total** | **{report.total_usd:.4f}** |\n"
-        f"| effective hours ({report.utilization:.1%} {report.utilization_source}) | {report.effective_hours:.4f} |\n| **ETH $/h** | **{eth}** |"
-    )
+    with Materialization(context, store, "cost") as m:
+        measured, notes = measurements(lora_adapter, training_plan, m.store, config.checkpoint_retention_days)
+        for note in notes:
+            context.log.info(note)
+        try:
+            report = compute_eth(measured, cost_model=_cost_model(config.cost_model_path))
+        except (KeyError, ValueError) as exc:
+            raise dg.Failure(f"training_cost: {exc}") from exc
+        stats = {
+            **report.as_dict(),
+            "estimated_cost_usd": training_plan["stats"]["estimated_cost_usd"],
+            "estimated_hours": training_plan["stats"]["est_hours"],
+            "run_id": lora_adapter["stats"]["run_id"],
+            "notes": notes,
+        }
+        eth = "n/a" if report.eth_usd_per_hour is None else f"${report.eth_usd_per_hour:.2f}"
+        context.log.info(f"actual ${report.total_usd:.4f} (estimate ${stats['estimated_cost_usd']:.4f}); ETH {eth} per effective hour")
+        (m.out / "cost.json").write_text(json.dumps({"measured": measured.model_dump(), "report": stats}, indent=2))
+        ref = m.publish(
+            layout.of(m.partition).control("cost", stats["run_id"]), stats, {"lora_adapter": lora_adapter, "training_plan": training_plan}
+        )
+    breakdown = [
+        {"item": f"compute ({report.wall_hours:.3f} h × ${report.usd_per_hour:.2f}/h, {report.gpu_tier} {report.rental_mode})", "usd": round(report.compute_usd, 4)},
+        {"item": "checkpoint storage", "usd": round(report.storage_usd, 6)},
+        {"item": "egress", "usd": round(report.egress_usd, 6)},
+        {"item": "total", "usd": round(report.total_usd, 4)},
+    ]  # fmt: skip
     chart = bar_chart({"cost": {"compute": report.compute_usd, "storage": report.storage_usd, "egress": report.egress_usd}}, "training run cost", "USD")
-    return dg.Output(
+    return m.output(
         ref,
-        metadata={
-            **ref_metadata(ref),
-            "breakdown": dg.MetadataValue.md(breakdown),
-            "chart": dg.MetadataValue.md(chart),
-            "actual_cost_usd": dg.MetadataValue.float(report.total_usd),
-            "estimated_cost_usd": dg.MetadataValue.float(stats["estimated_cost_usd"]),
-            "eth_usd_per_hour": dg.MetadataValue.float(report.eth_usd_per_hour if report.eth_usd_per_hour is not None else float("nan")),
-            "idle_share": dg.MetadataValue.float(report.idle_share),
-            "restarts": report.restarts,
-        },
+        breakdown=table(breakdown),
+        effective_hours=dg.MetadataValue.float(report.effective_hours),
+        utilization=dg.MetadataValue.md(f"{report.utilization:.1%} ({report.utilization_source})"),
+        chart=dg.MetadataValue.md(chart),
+        actual_cost_usd=dg.MetadataValue.float(report.total_usd),
+        estimated_cost_usd=dg.MetadataValue.float(stats["estimated_cost_usd"]),
+        eth_usd_per_hour=dg.MetadataValue.float(report.eth_usd_per_hour if report.eth_usd_per_hour is not None else float("nan")),
+        idle_share=dg.MetadataValue.float(report.idle_share),
+        restarts=report.restarts,
     )
 
 
@@ -189,30 +187,21 @@ def _eth_report(stats: dict):
 @dg.asset(**CONTROL, kinds={"python"}, tags={"ft/pool": "cpu"}, deps=["training_cost"])
 def cost_report(context: dg.AssetExecutionContext, store: ObjectStoreResource) -> dg.Output[dict]:
     """Every priced training run in the store, by dataset version: estimate vs actual, ETH, idle share."""
-    objects = store.open()
-    records = []
-    for name in objects.list_dirs("runs"):
-        for version in objects.list_dirs(f"runs/{name}"):
-            key = ref_key(f"{name}@{version}", "training_cost")
-            if objects.exists(key):
-                stats = objects.get_json(key)["stats"]
-                records.append(
-                    CostRecord(f"{name}@{version}", stats["run_id"], _eth_report(stats), stats["estimated_cost_usd"], stats["estimated_hours"])
-                )
-    report = aggregate_cost_report(records)
-    totals = report.total.as_dict()
-    with store.scratch("cost-report") as work:
-        (work / "cost_report.json").write_text(json.dumps({"rows": [r.as_dict() for r in report.rows], "total": totals}, indent=2, default=str))
-        prefix = join_key(DatasetVersion.from_key(context.partition_key).run_prefix, "control", "cost_report")
-        ref = publish(objects, "cost_report", context.partition_key, prefix, work, {"runs": len(records), "total": totals, "generated_at": time.time()})
-    return dg.Output(
+    with Materialization(context, store, "cost-report") as m:
+        records = []
+        for partition in layout.partitions_with_runs(m.store):
+            if has_ref(m.store, partition, "training_cost"):
+                stats = read_ref(m.store, partition, "training_cost")["stats"]
+                records.append(CostRecord(partition, stats["run_id"], _eth_report(stats), stats["estimated_cost_usd"], stats["estimated_hours"]))
+        report = aggregate_cost_report(records)
+        totals = report.total.as_dict()
+        (m.out / "cost_report.json").write_text(json.dumps({"rows": [r.as_dict() for r in report.rows], "total": totals}, indent=2, default=str))
+        ref = m.publish(layout.of(m.partition).control("cost_report"), {"runs": len(records), "total": totals, "generated_at": time.time()})
+    return m.output(
         ref,
-        metadata={
-            **ref_metadata(ref),
-            "report": dg.MetadataValue.md(report.to_markdown()),
-            "runs": len(records),
-            "chart": dg.MetadataValue.md(
-                bar_chart({r.dataset_version: {"estimate": r.estimated_usd or 0.0, "actual": r.actual_usd} for r in report.rows}, "estimate vs actual", "USD")
-            ),
-        },
+        report=dg.MetadataValue.md(report.to_markdown()),
+        runs=len(records),
+        chart=dg.MetadataValue.md(
+            bar_chart({r.dataset_version: {"estimate": r.estimated_usd or 0.0, "actual": r.actual_usd} for r in report.rows}, "estimate vs actual", "USD")
+        ),
     )

@@ -17,7 +17,8 @@ import dagster as dg
 
 from ft_assets.control.jobs import data_plane, delivery_plane, training_plane
 from ft_assets.partitions import dataset_version
-from ft_assets.resources import ObjectStoreResource, ref_key
+from ft_assets.refs import has_ref, read_ref
+from ft_assets.resources import ObjectStoreResource
 
 WINDOW_ENV = "FT_TRAINING_WINDOW_CRON"
 DEFAULT_WINDOW = "0 1 * * *"  # 01:00 daily in the instance's timezone
@@ -67,11 +68,10 @@ def pending_training(store, partitions: list[str]) -> list[tuple[str, float]]:
     """Partitions whose shards are newer than their adapter (or that have none), with the shards' time."""
     pending = []
     for partition in partitions:
-        shards_key, adapter_key = ref_key(partition, "tokenized_shards"), ref_key(partition, "lora_adapter")
-        if not store.exists(shards_key):
+        if not has_ref(store, partition, "tokenized_shards"):
             continue
-        shards_at = store.get_json(shards_key)["created_at"]
-        if not store.exists(adapter_key) or store.get_json(adapter_key)["created_at"] < shards_at:
+        shards_at = read_ref(store, partition, "tokenized_shards")["created_at"]
+        if not has_ref(store, partition, "lora_adapter") or read_ref(store, partition, "lora_adapter")["created_at"] < shards_at:
             pending.append((partition, shards_at))
     return pending
 

@@ -58,15 +58,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
+from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, Method
 
-Method = Literal["full", "lora", "qlora"]
 Purpose = Literal["experiment", "validation", "delivery"]
-METHODS: tuple[Method, ...] = ("qlora", "lora", "full")
+METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # = training default
+LORA_TARGETS = tuple(ATTENTION_AND_MLP_PROJECTIONS)  # the training default: every projection
 
 BF16_BYTES = 2  # frozen LoRA base and every activation
 FP32_BYTES = 4  # full FT's master weights and grads; LoRA adapters (PEFT upcasts them to fp32) and their grads;
@@ -389,23 +389,23 @@ class TrainingPlan:
         data["vram"] = self.vram.as_dict()
         return data
 
-    def to_markdown(self) -> str:
-        """The candidates table, cheapest first, with the chosen tier marked."""
-        lines = [
-            f"needs {self.vram.breakdown()}",
-            "",
-            "| tier | GPU | region | usable GiB | fits | $/h | tokens/s | hours | cost $ | |",
-            "|" + "---|" * 10,
+    def candidate_rows(self) -> list[dict[str, Any]]:
+        """Every offering considered, cheapest first, with the chosen one marked (for the UI's table)."""
+        return [
+            {
+                "tier": c.name,
+                "gpu": c.gpu,
+                "region": c.region,
+                "usable_gib": round(c.usable_gib, 1),
+                "fits": c.fits,
+                "usd_per_hour": c.usd_per_hour,
+                "tokens_per_second": round(c.tokens_per_second),
+                "hours": round(c.hours, 2),
+                "cost_usd": None if c.cost_usd is None else round(c.cost_usd, 2),
+                "note": "chosen" if c.name == self.tier else c.reason,
+            }
+            for c in sorted(self.candidates, key=lambda c: (c.cost_usd is None, c.cost_usd or 0.0, c.name))
         ]
-        for c in sorted(self.candidates, key=lambda c: (c.cost_usd is None, c.cost_usd or 0.0, c.name)):
-            mark = "chosen" if c.name == self.tier else c.reason
-            price = "-" if c.usd_per_hour is None else f"{c.usd_per_hour:.2f}"
-            cost = "-" if c.cost_usd is None else f"{c.cost_usd:,.2f}"
-            lines.append(
-                f"| {c.name} | {c.gpu} | {c.region} | {c.usable_gib:.1f} | {'yes' if c.fits else 'no'} | {price} | "
-                f"{c.tokens_per_second:,.0f} | {c.hours:.2f} | {cost} | {mark} |"
-            )
-        return "\n".join(lines)
 
 
 class NoGpuFits(ValueError):

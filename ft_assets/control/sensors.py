@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
+from ft_assets import layout
 from ft_assets.control.jobs import DATA_PLANE
+from ft_assets.layout import SUCCESS_MARKER
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, dataset_version
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.storage import ObjectStore, join_key
+from ft_assets.storage import ObjectStore
 
-SUCCESS_MARKER = "_SUCCESS"
 SENSOR_INTERVAL_S = 30  # listing a bucket twice a minute costs cents a month and feels immediate
 
 
@@ -32,17 +33,16 @@ class Scan:
 
 def scan_datasets(store: ObjectStore) -> Scan:
     scan = Scan()
-    for name in store.list_dirs("datasets"):
-        for version in store.list_dirs(f"datasets/{name}"):
-            try:
-                found = DatasetVersion(name, version)
-            except InvalidDatasetId as exc:
-                scan.invalid.append(str(exc))
-                continue
-            if store.exists(join_key(found.input_prefix, SUCCESS_MARKER)):
-                scan.complete.append(found)
-            else:
-                scan.incomplete.append(found.key)
+    for name, version in layout.dataset_folders(store):
+        try:
+            found = DatasetVersion(name, version)
+        except InvalidDatasetId as exc:
+            scan.invalid.append(str(exc))
+            continue
+        if store.exists(layout.PartitionLayout(found).success_marker):
+            scan.complete.append(found)
+        else:
+            scan.incomplete.append(found.key)
     return scan
 
 

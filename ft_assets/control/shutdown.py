@@ -16,7 +16,8 @@ When a worker was last active: the latest of
 
       context.instance.add_run_tags(context.run_id, worker_instance_tag())  # {} when not on EC2
 
-  (``worker_instance_tag`` reads the instance id from the EC2 instance metadata service, IMDSv2);
+  (``ft_assets.training.ec2_metadata.worker_instance_tag`` reads the instance id from the EC2
+  instance metadata service, IMDSv2);
 - the instance tag ``ft-assets:last-active`` (``HEARTBEAT_TAG``), an ISO 8601 timestamp a worker may
   refresh while it does work Dagster does not see (needs ``ec2:CreateTags`` on itself).
 
@@ -33,9 +34,7 @@ refusal is logged; the sensor does not terminate instead on its own).
 
 from __future__ import annotations
 
-import http.client
 import os
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -51,16 +50,15 @@ from pydantic import Field
 
 from ft_assets.control.cost import CostModel
 from ft_assets.control.launcher import GPU, POOL_TAG
+from ft_assets.training.ec2_metadata import WORKER_TAG
 
 ROLE_TAG_KEY = "ft-assets:role"  # EC2 instance tag that marks a machine as ours to stop
 ROLE_TAG_VALUE = "gpu-worker"
 HEARTBEAT_TAG = "ft-assets:last-active"  # optional EC2 instance tag, ISO 8601, refreshed by the worker
-WORKER_TAG = "ft/worker-instance-id"  # Dagster run tag: the EC2 instance the run ran on
 
 DEFAULT_IDLE_MINUTES = 30.0  # covers a base-model download and the gap between two queued runs
 SENSOR_INTERVAL_S = 300  # one DescribeInstances every 5 min; adds at most 5 min to the idle time
 RECENT_RUNS_PER_WORKER = 25  # runs read per worker for its last end time (newest first)
-IMDS_TIMEOUT_S = 0.5  # IMDS answers in milliseconds on EC2; off EC2 the address just does not answer
 
 # A run in one of these statuses holds no worker; any other status (queued for the worker, starting,
 # running, canceling, or a status Dagster adds later) keeps its worker up.
@@ -280,30 +278,6 @@ def unplaced_gpu_runs(instance: dg.DagsterInstance) -> list[str]:
     """Ids of gpu-pool runs that are starting or running but have not said on which worker."""
     records = instance.get_run_records(dg.RunsFilter(tags={POOL_TAG: GPU}, statuses=list(PLACED_STATUSES)))
     return [record.dagster_run.run_id for record in records if WORKER_TAG not in record.dagster_run.tags]
-
-
-def worker_instance_tag(timeout_s: float = IMDS_TIMEOUT_S) -> dict[str, str]:
-    """``{"ft/worker-instance-id": <this EC2 instance id>}`` from IMDSv2, or ``{}`` when not on EC2.
-
-    Honors botocore's ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` and ``AWS_EC2_METADATA_DISABLED``.
-    """
-    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
-        return {}
-    endpoint = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254").rstrip("/")
-    try:
-        token_request = urllib.request.Request(
-            f"{endpoint}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
-        )
-        with urllib.request.urlopen(token_request, timeout=timeout_s) as response:
-            token = response.read().decode()
-        id_request = urllib.request.Request(
-            f"{endpoint}/latest/meta-data/instance-id", headers={"X-aws-ec2-metadata-token": token}
-        )
-        with urllib.request.urlopen(id_request, timeout=timeout_s) as response:
-            instance_id = response.read().decode().strip()
-    except (OSError, http.client.HTTPException):  # refused, timed out (URLError is an OSError), garbled
-        return {}
-    return {WORKER_TAG: instance_id} if instance_id.startswith("i-") else {}
 
 
 class Ec2WorkersResource(dg.ConfigurableResource):

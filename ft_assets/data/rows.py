@@ -90,17 +90,12 @@ def iter_records(path: Path, columns: list[str] | None = None) -> Iterator[dict]
         yield from batch.to_pylist()
 
 
-def count_rows(path: Path) -> int:
-    return pq.ParquetFile(path).metadata.num_rows
-
-
-def sample_table(path: Path, n: int = 5, width: int = 80) -> str:
-    """A markdown table of the first ``n`` rows, for the asset's UI metadata."""
-    lines = ["| source | messages |", "| --- | --- |"]
+def sample_rows(path: Path, n: int = 5, width: int = 200) -> list[dict]:
+    """The first ``n`` rows as (source, conversation text) for the asset's UI metadata."""
+    sample = []
     for record in iter_records(path):
-        if len(lines) - 2 >= n:
+        if len(sample) >= n:
             break
-        text = " / ".join(f"**{m['role']}**: {m['content']}" for m in record["messages"])
-        text = text.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {record['source']} | {text[:width] + ('…' if len(text) > width else '')} |")
-    return "\n".join(lines)
+        text = " / ".join(f"{m['role']}: {m['content']}" for m in record["messages"]).replace("\n", " ")
+        sample.append({"source": record["source"], "messages": text[:width] + ("…" if len(text) > width else "")})
+    return sample

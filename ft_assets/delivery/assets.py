@@ -9,28 +9,29 @@ registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import dagster as dg
 
-from ft_assets.artifacts import make_ref, publish, ref_metadata
+from ft_assets import layout
 from ft_assets.data.rows import iter_records
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig
 from ft_assets.delivery.gguf_export import SUPPORTED_QTYPES, export_gguf, verify_gguf, write_modelfile
 from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
 from ft_assets.delivery.publish import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, push_to_hub
+from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
+from ft_assets.materialize import Materialization, ref_metadata, table
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.resources import ObjectStoreResource, ref_key
-from ft_assets.storage import ArtifactNotFound, fetch_artifact, join_key, read_manifest
+from ft_assets.refs import make_ref, publish, read_ref
+from ft_assets.resources import ObjectStoreResource
 
 DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
 
 
 def _delivery_prefix(partition: str, adapter: dict, what: str) -> str:
-    return join_key(DatasetVersion.from_key(partition).run_prefix, "delivery", adapter["stats"]["run_id"], what)
+    return layout.of(partition).delivery(adapter["stats"]["run_id"], what)
 
 
 @dg.asset(**DELIVERY, kinds={"pytorch", "safetensors"})
@@ -38,25 +39,23 @@ def merged_model(
     context: dg.AssetExecutionContext, config: MergeConfig, store: ObjectStoreResource, lora_adapter: dict, base_model: dict
 ) -> dg.Output[dict]:
     """The adapter folded into a full-precision copy of the base (never a 4-bit one): safetensors + tokenizer."""
-    started = time.perf_counter()
-    objects = store.open()
-    with store.scratch("merge") as work:
-        fetch_artifact(objects, lora_adapter["prefix"], work / "adapter")
-        out = work / "merged"
+    with Materialization(context, store, "merge") as m:
+        adapter_dir = m.fetch(lora_adapter, "adapter")
+        out = m.work / "merged"
         if lora_adapter["stats"]["method"] == "full":
-            shutil.copytree(work / "adapter", out)
+            shutil.copytree(adapter_dir, out)
             stats = {"dtype": "as trained", "method": "full"}
         else:
-            fetch_artifact(objects, base_model["prefix"], work / "base")
+            base_dir = m.fetch(base_model, "base")
             context.log.info(f"merging the {lora_adapter['stats']['method']} adapter into a {config.dtype} base")
-            stats = merge_adapter(work / "base", work / "adapter", out, config.dtype)
+            stats = merge_adapter(base_dir, adapter_dir, out, config.dtype)
             stats["method"] = lora_adapter["stats"]["method"]
-        copy_tokenizer(work / "adapter", out)
-        ref = publish(
-            objects, "merged_model", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "merged"),
-            out, stats, {"lora_adapter": lora_adapter, "base_model": base_model},
-        )  # fmt: skip
-    return dg.Output(ref, metadata={**ref_metadata(ref), "dtype": stats["dtype"], "duration_s": round(time.perf_counter() - started, 3)})
+        copy_tokenizer(adapter_dir, out)
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "merged"), stats, {"lora_adapter": lora_adapter, "base_model": base_model},
+            folder=out,
+        )
+    return m.output(ref, dtype=stats["dtype"])
 
 
 @dg.asset(**DELIVERY, kinds={"gguf"})
@@ -64,23 +63,19 @@ def gguf_model(
     context: dg.AssetExecutionContext, config: GgufConfig, store: ObjectStoreResource, merged_model: dict, lora_adapter: dict
 ) -> dg.Output[dict]:
     """GGUF files (llama.cpp / Ollama) with tokenizer and chat template embedded, each verified against the merged logits."""
-    started = time.perf_counter()
     unknown = sorted(set(config.qtypes) - set(SUPPORTED_QTYPES))
     if unknown or not config.qtypes:
         raise dg.Failure(f"gguf_model config qtypes={config.qtypes}: choose from {', '.join(SUPPORTED_QTYPES)}")
-    objects = store.open()
     version = DatasetVersion.from_key(context.partition_key)
-    with store.scratch("gguf") as work:
-        fetch_artifact(objects, merged_model["prefix"], work / "merged")
-        out = work / "gguf"
-        out.mkdir()
+    with Materialization(context, store, "gguf") as m:
+        merged_dir = m.fetch(merged_model, "merged")
         files, rows = {}, []
         for qtype in config.qtypes:
             name = f"{version.name}-{version.version}-{qtype}.gguf"
-            written = export_gguf(work / "merged", out / name, qtype, name=f"{version.name}-{version.version}")
+            written = export_gguf(merged_dir, m.out / name, qtype, name=f"{version.name}-{version.version}")
             entry = {"qtype": qtype, "bytes": written["bytes"], "sha256": written["sha256"]}
             if config.verify:
-                report = verify_gguf(work / "merged", out / name, qtype)
+                report = verify_gguf(merged_dir, m.out / name, qtype)
                 entry.update({k: report[k] for k in ("rel_error", "top1_agreement", "tolerance", "tokens_match", "ok")})
                 if not report["ok"]:
                     raise dg.Failure(
@@ -91,27 +86,15 @@ def gguf_model(
             context.log.info(f"{name}: {written['bytes'] / 1e6:.1f} MB" + (f", rel. logit error {entry['rel_error']:.2e}" if config.verify else ""))
             files[name] = entry
             rows.append(
-                f"| {name} | {qtype} | {written['bytes'] / 1e6:.1f} | "
-                + (f"{entry['rel_error']:.2e} | {entry['top1_agreement']:.1%} |" if config.verify else "– | – |")
-            )
+                {"file": name, "type": qtype, "MB": round(written["bytes"] / 1e6, 1), "rel_logit_error": entry.get("rel_error"),
+                 "top1_agreement": entry.get("top1_agreement")}
+            )  # fmt: skip
         first = next(iter(files))
-        write_modelfile(first, out / "Modelfile", system=config.system_prompt or None)
-        smoke = llamacpp_smoke(out / first)
+        write_modelfile(first, m.out / "Modelfile", system=config.system_prompt or None)
+        smoke = llamacpp_smoke(m.out / first)
         stats = {"files": files, "modelfile": "Modelfile", "llamacpp_smoke": smoke}
-        ref = publish(
-            objects, "gguf_model", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "gguf"),
-            out, stats, {"merged_model": merged_model},
-        )  # fmt: skip
-    table = "| file | type | MB | rel. logit error | top-1 agreement |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows)
-    return dg.Output(
-        ref,
-        metadata={
-            **ref_metadata(ref),
-            "files": dg.MetadataValue.md(table),
-            "llamacpp_smoke": smoke,
-            "duration_s": round(time.perf_counter() - started, 3),
-        },
-    )
+        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "gguf"), stats, {"merged_model": merged_model})
+    return m.output(ref, files=table(rows), llamacpp_smoke=smoke)
 
 
 def llamacpp_smoke(path: Path) -> str:
@@ -138,25 +121,23 @@ def eval_report(
     lora_adapter: dict,
 ) -> dg.Output[dict]:
     """Base vs fine-tuned on the fixed eval split: eval loss, perplexity, the task metric, answers side by side."""
-    started = time.perf_counter()
     if config.metric not in ev.METRICS:
         raise dg.Failure(f"eval_report config metric={config.metric!r}: choose one of {', '.join(ev.METRICS)}")
     from transformers import AutoTokenizer
 
-    objects = store.open()
-    with store.scratch("eval") as work:
-        fetch_artifact(objects, train_eval_split["prefix"], work / "split", include=lambda rel: rel == "eval.parquet")
-        fetch_artifact(objects, tokenized_shards["prefix"], work / "shards", include=lambda rel: rel.startswith("eval-"))
-        examples = ev.eval_examples(list(iter_records(work / "split" / "eval.parquet")), config.max_examples)
+    with Materialization(context, store, "eval") as m:
+        split_dir = m.fetch(train_eval_split, "split", include=lambda rel: rel == "eval.parquet")
+        shards_dir = m.fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("eval-"))
+        examples = ev.eval_examples(list(iter_records(split_dir / "eval.parquet")), config.max_examples)
         if not examples:
-            raise dg.Failure(f"{context.partition_key}: the eval split is empty; raise train_eval_split.eval_fraction")
+            raise dg.Failure(f"{m.partition}: the eval split is empty; raise train_eval_split.eval_fraction")
         scores = {}
         for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
-            fetch_artifact(objects, ref["prefix"], work / label)
-            tokenizer = AutoTokenizer.from_pretrained(work / label, trust_remote_code=False)
-            model = load_full_precision(work / label)
+            model_dir = m.fetch(ref, label)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+            model = load_full_precision(model_dir)
             context.log.info(f"scoring the {label} model on {len(examples)} eval conversations ({config.metric})")
-            scores[label] = ev.score_model(model, tokenizer, examples, work / "shards", config.metric, config.max_new_tokens, context.log.info)
+            scores[label] = ev.score_model(model, tokenizer, examples, shards_dir, config.metric, config.max_new_tokens, context.log.info)
             del model
         base, tuned = scores["base"], scores["fine-tuned"]
         improvement = tuned.metric - base.metric
@@ -177,36 +158,29 @@ def eval_report(
             {"source": e.source, "reference": e.reference, "base": a, "fine-tuned": b}
             for e, a, b in zip(examples, base.answers, tuned.answers)
         ]
-        out = work / "report"
-        out.mkdir()
-        (out / "report.json").write_text(json.dumps({"stats": stats, "answers": samples}, indent=2))
-        ref = publish(
-            objects, "eval_report", context.partition_key, _delivery_prefix(context.partition_key, lora_adapter, "eval"),
-            out, stats, {"merged_model": merged_model, "base_model": base_model, "train_eval_split": train_eval_split},
+        (m.out / "report.json").write_text(json.dumps({"stats": stats, "answers": samples}, indent=2))
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
+            {"merged_model": merged_model, "base_model": base_model, "train_eval_split": train_eval_split},
         )  # fmt: skip
     context.log.info(
         f"{config.metric}: base {base.metric:.3f} → fine-tuned {tuned.metric:.3f}; eval loss {base.eval_loss:.4f} → {tuned.eval_loss:.4f}"
     )
-    summary = (
-        f"| | base | fine-tuned |\n| --- | --- | --- |\n"
-        f"| {config.metric} | {base.metric:.3f} | {tuned.metric:.3f} |\n"
-        f"| eval loss | {base.eval_loss:.4f} | {tuned.eval_loss:.4f} |\n"
-        f"| perplexity | {base.perplexity:.2f} | {tuned.perplexity:.2f} |"
-    )
+    comparison = [
+        {"": config.metric, "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3)},
+        {"": "eval loss", "base": round(base.eval_loss, 4), "fine-tuned": round(tuned.eval_loss, 4)},
+        {"": "perplexity", "base": round(base.perplexity, 2), "fine-tuned": round(tuned.perplexity, 2)},
+    ]
     chart = bar_chart({config.metric: {"base": base.metric, "fine-tuned": tuned.metric}}, f"{config.metric} on {len(examples)} eval prompts", config.metric)
-    return dg.Output(
+    return m.output(
         ref,
-        metadata={
-            **ref_metadata(ref),
-            "comparison": dg.MetadataValue.md(summary),
-            "chart": dg.MetadataValue.md(chart),
-            "answers": dg.MetadataValue.md(ev.comparison_table(examples, base, tuned)),
-            "base_metric": dg.MetadataValue.float(base.metric),
-            "finetuned_metric": dg.MetadataValue.float(tuned.metric),
-            "base_eval_loss": dg.MetadataValue.float(base.eval_loss),
-            "finetuned_eval_loss": dg.MetadataValue.float(tuned.eval_loss),
-            "duration_s": round(time.perf_counter() - started, 3),
-        },
+        comparison=table(comparison),
+        chart=dg.MetadataValue.md(chart),
+        answers=dg.MetadataValue.md(ev.comparison_table(examples, base, tuned)),
+        base_metric=dg.MetadataValue.float(base.metric),
+        finetuned_metric=dg.MetadataValue.float(tuned.metric),
+        base_eval_loss=dg.MetadataValue.float(base.eval_loss),
+        finetuned_eval_loss=dg.MetadataValue.float(tuned.eval_loss),
     )
 
 
@@ -222,9 +196,8 @@ def published_model(
             f"base {stats['base_metric']:.3f} by {stats['min_improvement']:.3f} (see eval_report)"
         )
     objects = store.open()
-    version = DatasetVersion.from_key(context.partition_key)
-    prefix = join_key(version.registry_prefix, lora_adapter["stats"]["run_id"])
-    refs = {name: objects.get_json(ref_key(context.partition_key, name)) for name in LINEAGE_CHAIN}
+    prefix = layout.of(context.partition_key).registry(lora_adapter["stats"]["run_id"])
+    refs = {name: read_ref(objects, context.partition_key, name) for name in LINEAGE_CHAIN}
     try:
         existing = read_manifest(objects, prefix)
     except ArtifactNotFound:
@@ -253,9 +226,7 @@ def published_model(
         metadata={
             **ref_metadata(ref),
             "code_version": lineage["code_version"],
-            "lineage": dg.MetadataValue.md(
-                "\n".join(f"- **{a['asset']}** `{a['digest'][:12]}` {a['uri']}" for a in lineage["artifacts"])
-            ),
+            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": a["uri"]} for a in lineage["artifacts"]]),
             "already_published": existing is not None,
         },
     )

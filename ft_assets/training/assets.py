@@ -12,21 +12,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import UnionType
-from typing import Literal, Optional, Union, get_args, get_origin
 
 import dagster as dg
-from pydantic import Field, ValidationError, create_model
+from pydantic import Field
 
-from ft_assets.artifacts import make_ref, publish, ref_metadata
-from ft_assets.partitions import DatasetVersion, dataset_version
+from ft_assets import layout
+from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
+from ft_assets.materialize import Materialization, ref_metadata
+from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart
+from ft_assets.refs import make_ref
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.storage import ArtifactCorrupt, ArtifactNotFound, fetch_artifact, join_key, publish_dir, read_manifest, verify_artifact
-from ft_assets.control.shutdown import worker_instance_tag
 from ft_assets.training import base_model as bm
-from ft_assets.training.checkpoints import run_id, run_prefix
+from ft_assets.training.checkpoints import run_id
 from ft_assets.training.config import TrainingConfig
+from ft_assets.training.settings import TrainingSettings, training_config
+from ft_assets.training.ec2_metadata import worker_instance_tag
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.recipe import EXIT_PREEMPTED, Preempted, train
 
@@ -62,7 +63,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     except bm.BaseModelError as exc:
         raise dg.Failure(str(exc)) from exc
     objects = store.open()
-    prefix = bm.store_prefix(source, fingerprint)
+    prefix = layout.base_model(bm.model_slug(source), fingerprint)
     try:
         manifest = read_manifest(objects, prefix)
         verify_artifact(objects, manifest)
@@ -107,37 +108,6 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     )
 
 
-def _launchpad_type(annotation):
-    """Dagster config has no Literal: show the choices as a str (TrainingConfig validates them)."""
-    if get_origin(annotation) is Literal:
-        return str
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) in (Union, UnionType) and len(args) == 1:
-        return Optional[_launchpad_type(args[0])]
-    return annotation
-
-
-# The launchpad form for lora_adapter, derived from TrainingConfig so the two can never drift apart.
-LoraAdapterConfig = create_model(
-    "LoraAdapterConfig",
-    __base__=dg.Config,
-    **{
-        name: (
-            _launchpad_type(field.annotation),
-            Field(default=field.get_default(call_default_factory=True), description=field.description),
-        )
-        for name, field in TrainingConfig.model_fields.items()
-    },
-)
-
-
-def _training_config(config) -> TrainingConfig:
-    try:
-        return TrainingConfig(**config.model_dump())
-    except ValidationError as exc:
-        raise dg.Failure(f"lora_adapter config: {exc}") from exc
-
-
 def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path) -> dict:
     """``accelerate launch`` of the recipe, driven with dagster-pipes; rank 0 alone reports and uploads."""
     result_path = work / "result.json"
@@ -178,7 +148,7 @@ def free_port() -> int:
 )
 def lora_adapter(
     context: dg.AssetExecutionContext,
-    config: LoraAdapterConfig,
+    config: TrainingSettings,
     store: ObjectStoreResource,
     tokenized_shards: dict,
     base_model: dict,
@@ -188,30 +158,27 @@ def lora_adapter(
     worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
     if worker:
         context.instance.add_run_tags(context.run.run_id, worker)
-    training = _training_config(config)
-    version = DatasetVersion.from_key(context.partition_key)
+    training = training_config(config, "lora_adapter")
     run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])
-    prefix = run_prefix(version.name, version.version, run)
-    objects = store.open()
-    with store.scratch("train") as work:
+    with Materialization(context, store, "train") as m:
+        prefix = layout.of(m.partition).train(run)
         context.log.info(f"fetching base model and shards for run {run}")
-        fetch_artifact(objects, base_model["prefix"], work / "base")
-        fetch_artifact(objects, tokenized_shards["prefix"], work / "shards")
+        base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
         try:
             with GpuUtilization() as utilization:
                 if training.num_processes > 1:
-                    result = _train_distributed(context, training, work / "base", work / "shards", objects, prefix, work)
+                    result = _train_distributed(context, training, base_dir, shards_dir, m.store, prefix, m.work)
                 else:
                     result = train(
-                        training, work / "base", work / "shards", objects, prefix, work / "run",
+                        training, base_dir, shards_dir, m.store, prefix, m.work / "run",
                         log=context.log.info, started_at=started,
                     ).to_json()  # fmt: skip
                     result["output_dir"] = Path(result["output_dir"])
         except Preempted as exc:
             context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
             raise dg.Failure(
-                description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {objects.uri(prefix)}.",
-                metadata={"preempted": True, "run_prefix": objects.uri(prefix)},
+                description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
+                metadata={"preempted": True, "run_prefix": m.store.uri(prefix)},
                 allow_retries=True,
             ) from exc
         except (ValueError, FileNotFoundError) as exc:
@@ -226,28 +193,25 @@ def lora_adapter(
         stats["run_id"] = run
         stats["seq_len"] = tokenized_shards["stats"]["seq_len"]
         stats["gpu_utilization"] = utilization.mean
-        ref = publish(
-            objects, "lora_adapter", context.partition_key, join_key(prefix, "final"), result["output_dir"], stats,
-            {"tokenized_shards": tokenized_shards, "base_model": base_model},
-            training_config=training.model_dump(), run_prefix=prefix, checkpoint=(result["checkpoints"] or [None])[-1],
+        ref = m.publish(
+            layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
+            folder=result["output_dir"], training_config=training.model_dump(), run_prefix=prefix,
+            checkpoint=(result["checkpoints"] or [None])[-1],
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
     history = [tuple(point) for point in result["loss_history"]]
-    return dg.Output(
+    return m.output(
         ref,
-        metadata={
-            **ref_metadata(ref),
-            "method": stats["method"],
-            "device": stats["device"],
-            "steps": stats["steps"],
-            "train_loss": dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
-            "eval_loss": dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
-            "tokens_seen": stats["tokens_seen"],
-            "wall_seconds": round(stats["wall_seconds"], 1),
-            "effective_training_fraction": dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
-            "resumed_from_step": stats["resumed_from_step"] or 0,
-            "checkpoints": dg.MetadataValue.json(stats["checkpoints"]),
-            "loss_curve": dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
-            "run_id": run,
-        },
+        method=stats["method"],
+        device=stats["device"],
+        steps=stats["steps"],
+        train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
+        eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
+        tokens_seen=stats["tokens_seen"],
+        wall_seconds=round(stats["wall_seconds"], 1),
+        effective_training_fraction=dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
+        resumed_from_step=stats["resumed_from_step"] or 0,
+        checkpoints=dg.MetadataValue.json(stats["checkpoints"]),
+        loss_curve=dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
+        run_id=run,
     )

@@ -91,9 +91,9 @@ def source_fingerprint(source: ModelSource) -> str:
     return digest.hexdigest()
 
 
-def store_prefix(source: ModelSource, fingerprint: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", source.model_id.split(" ")[0]).strip("-").lower()[:60]
-    return f"models/{slug}/{fingerprint[:16]}"
+def model_slug(source: ModelSource) -> str:
+    """The source's model id as one safe key segment (its store prefix is ``layout.base_model``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", source.model_id.split(" ")[0]).strip("-").lower()[:60]
 
 
 def check_weights_safe(model_dir: Path, allow_pickle_weights: bool) -> None:

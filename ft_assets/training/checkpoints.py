@@ -1,8 +1,8 @@
-"""Training checkpoints in the object store: layout, contents, latest-complete lookup, pruning, upload.
+"""Training checkpoints in the object store: contents, latest-complete lookup, pruning, upload.
 
-A training run lives under ``runs/<name>/<version>/train/<run_id>/`` and writes one artifact per
-checkpoint, ``checkpoint-<step:08d>/``, published with ``storage.publish_dir`` (manifest last), so a
-checkpoint either has a manifest and verified files or does not exist as far as a reader is concerned.
+A training run lives under ``runs/<name>/<version>/train/<run_id>/`` (``layout.PartitionLayout.train``)
+and writes one artifact per checkpoint, ``checkpoint-<step:08d>/`` (``layout.checkpoint``), published
+with ``manifests.publish_dir`` (manifest last), so a checkpoint either has a manifest and verified files or does not exist as far as a reader is concerned.
 The run id hashes everything that changes the trained weights (partition, result-changing config,
 base model digest, shards digest): rerunning the same work finds and resumes the same checkpoints,
 changing any of it starts fresh.
@@ -37,7 +37,6 @@ import io
 import json
 import pickle
 import random
-import re
 import shutil
 import threading
 import time
@@ -50,17 +49,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ft_assets.storage import (
-    MANIFEST,
-    ArtifactCorrupt,
-    ArtifactNotFound,
-    Manifest,
-    ObjectStore,
-    StoreError,
-    fetch_artifact,
-    join_key,
-    publish_dir,
-)
+from ft_assets import layout
+from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound, Manifest, fetch_artifact, publish_dir
+from ft_assets.storage import ObjectStore, StoreError, join_key
 from ft_assets.training.config import TrainingConfig
 
 WEIGHTS = "weights.safetensors"
@@ -68,8 +59,6 @@ OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG_STATE = "rng_state.pt"
 TRAINER_STATE = "trainer_state.json"
-
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d{8})$")  # 8 digits: sorts by name up to 99,999,999 steps
 
 Log = Callable[[str], None]
 
@@ -97,18 +86,6 @@ def run_id(
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_prefix(dataset_name: str, version: str, run: str) -> str:
-    return join_key("runs", dataset_name, version, "train", run)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"checkpoint-{step:08d}"
-
-
-def checkpoint_prefix(prefix: str, step: int) -> str:
-    return join_key(prefix, checkpoint_name(step))
-
-
 def _scan(store: ObjectStore, prefix: str) -> dict[int, bool]:
     """Step -> has a manifest, for every ``checkpoint-*`` under a run that holds at least one file.
 
@@ -118,7 +95,7 @@ def _scan(store: ObjectStore, prefix: str) -> dict[int, bool]:
     found: dict[int, bool] = {}
     for key in store.list(prefix):
         name, _, rest = key[len(prefix) :].strip("/").partition("/")
-        if (match := CHECKPOINT_RE.match(name)) and rest:
+        if (match := layout.CHECKPOINT_RE.match(name)) and rest:
             step = int(match.group(1))
             found[step] = found.get(step, False) or rest == MANIFEST
     return found
@@ -132,7 +109,7 @@ def checkpoint_steps(store: ObjectStore, prefix: str) -> list[int]:
 def complete_checkpoints(store: ObjectStore, prefix: str) -> list[str]:
     """URIs of the checkpoints that have a manifest, oldest first."""
     steps = sorted(step for step, complete in _scan(store, prefix).items() if complete)
-    return [store.uri(checkpoint_prefix(prefix, step)) for step in steps]
+    return [store.uri(layout.checkpoint(prefix, step)) for step in steps]
 
 
 # --- contents ------------------------------------------------------------------------------------
@@ -316,8 +293,8 @@ def fetch_checkpoint(store: ObjectStore, prefix: str, step: int, dest: Path) -> 
     Raises ``ArtifactNotFound`` (no manifest), ``ArtifactCorrupt`` (a file missing or failing its sha256)
     and, for anything else (the store unreachable after its retries, access refused), ``StoreError``.
     """
-    key = checkpoint_prefix(prefix, step)
-    local_dir = dest / checkpoint_name(step)
+    key = layout.checkpoint(prefix, step)
+    local_dir = dest / layout.checkpoint_name(step)
     manifest = fetch_artifact(store, key, local_dir)
     return Checkpoint(step=step, uri=store.uri(key), local_dir=local_dir, manifest=manifest)
 
@@ -337,7 +314,7 @@ def find_latest_checkpoint(
     except StoreError as exc:
         raise StoreError(f"cannot look for checkpoints under {store.uri(prefix)}: {exc}") from exc
     for step in steps:
-        uri = store.uri(checkpoint_prefix(prefix, step))
+        uri = store.uri(layout.checkpoint(prefix, step))
         try:
             checkpoint = fetch_checkpoint(store, prefix, step, dest)
         except ArtifactNotFound:
@@ -350,14 +327,14 @@ def find_latest_checkpoint(
             ) from exc
         else:
             return checkpoint, skipped
-        shutil.rmtree(dest / checkpoint_name(step), ignore_errors=True)
+        shutil.rmtree(dest / layout.checkpoint_name(step), ignore_errors=True)
         skipped.append(step)
     return None, skipped
 
 
 def delete_checkpoint(store: ObjectStore, prefix: str, step: int) -> None:
     """Delete one checkpoint, manifest first: a half-deleted checkpoint never looks complete."""
-    key = checkpoint_prefix(prefix, step)
+    key = layout.checkpoint(prefix, step)
     store.delete(join_key(key, MANIFEST))
     store.delete_prefix(key)
 
@@ -414,7 +391,7 @@ class BackgroundUploader:
     def submit(self, local_dir: Path, step: int, meta: dict | None = None) -> str:
         """Start publishing ``local_dir`` as the checkpoint of ``step``; returns its URI."""
         self.wait()
-        prefix = checkpoint_prefix(self.run, step)
+        prefix = layout.checkpoint(self.run, step)
         self._current = self.store.uri(prefix)
         self._thread = threading.Thread(
             target=self._upload, args=(Path(local_dir), prefix, meta), name="checkpoint-upload", daemon=True

@@ -134,6 +134,25 @@ class TrainingConfig(BaseModel):
             raise ValueError("invalid training config: " + "; ".join(problems))
         return self
 
+    def rows_per_step(self, world_size: int | None = None) -> int:
+        """Packed rows one optimizer step consumes over all processes."""
+        return self.per_device_batch_size * self.gradient_accumulation_steps * (world_size or self.num_processes)
+
+    def steps_per_epoch(self, train_rows: int, world_size: int | None = None) -> int:
+        """Optimizer steps in one pass over ``train_rows`` packed rows (the incomplete tail batch is dropped)."""
+        steps = train_rows // self.rows_per_step(world_size)
+        if steps == 0:
+            raise ValueError(
+                f"the shards hold {train_rows} train rows but one optimizer step needs {self.rows_per_step(world_size)} "
+                "(per_device_batch_size x gradient_accumulation_steps x num_processes); lower them"
+            )
+        return steps
+
+    def total_steps(self, train_rows: int, world_size: int | None = None) -> int:
+        """Optimizer steps of the whole run: ``max_steps`` if set, else epochs x steps per epoch."""
+        per_epoch = self.steps_per_epoch(train_rows, world_size)
+        return self.max_steps or self.epochs * per_epoch
+
     def resolved_method(self, cuda_available: bool) -> Method:
         """The method actually used: the configured one, else qlora on CUDA and lora elsewhere."""
         return self.method or ("qlora" if cuda_available else "lora")

@@ -55,13 +55,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 
+from ft_assets import layout
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
     Checkpoint,
     TrainerState,
     capture_rng_state,
-    checkpoint_prefix,
     complete_checkpoints,
     delete_checkpoint,
     fetch_checkpoint,
@@ -514,7 +514,7 @@ def train(
                         save_checkpoint()
                     uploader.wait()
                     accelerator.wait_for_everyone()
-                    uri = store.uri(checkpoint_prefix(run_prefix, last_saved)) if last_saved is not None else None
+                    uri = store.uri(layout.checkpoint(run_prefix, last_saved)) if last_saved is not None else None
                     raise Preempted(state.step, uri)
                 if state.step >= total_steps:
                     break

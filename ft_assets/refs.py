@@ -2,7 +2,10 @@
 
 A reference names a published artifact (prefix, URI, manifest digest, bytes), carries the figures
 of the stage that made it, and records the references it was built from, so the lineage of any
-output can be walked back to the dataset version from the store alone.
+output can be walked back to the dataset version from the store alone. References are small JSON
+objects stored at ``layout.of(partition).ref(asset)``: written by the IO manager after each
+materialization, read through ``read_ref`` by everything else (the IO manager's inputs, the CLI,
+the sensors, the control and delivery assets).
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import dagster as dg
+from ft_assets import layout
+from ft_assets.manifests import Manifest, publish_dir
+from ft_assets.storage import ObjectStore, StoreError
 
-from ft_assets.storage import Manifest, ObjectStore, publish_dir
+
+class RefNotFound(StoreError):
+    """An asset has no output (no reference) for a partition yet."""
 
 
 def make_ref(
@@ -51,15 +58,22 @@ def publish(
     upstream: dict[str, dict] | None = None,
     **extra,
 ) -> dict:
+    """Publish ``local_dir`` as an artifact at ``prefix`` (manifest last) and return its reference."""
     manifest = publish_dir(store, prefix, local_dir, meta={"asset": asset, "partition": partition})
     return make_ref(store, asset, partition, manifest, stats, upstream, **extra)
 
 
-def ref_metadata(ref: dict) -> dict:
-    """The metadata every artifact materialization shows in the UI."""
-    return {
-        "uri": dg.MetadataValue.path(ref["uri"]),
-        "manifest_digest": ref["digest"],
-        "bytes": dg.MetadataValue.int(ref["bytes"]),
-        "files": dg.MetadataValue.int(len(ref["files"])),
-    }
+def write_ref(store: ObjectStore, partition: str, asset: str, ref: dict) -> None:
+    store.put_json(layout.of(partition).ref(asset), ref)
+
+
+def has_ref(store: ObjectStore, partition: str, asset: str) -> bool:
+    return store.exists(layout.of(partition).ref(asset))
+
+
+def read_ref(store: ObjectStore, partition: str, asset: str) -> dict:
+    """The reference ``asset`` published for ``partition``; ``RefNotFound`` says what to materialize."""
+    key = layout.of(partition).ref(asset)
+    if not store.exists(key):
+        raise RefNotFound(f"{asset} has no output for partition {partition} ({store.uri(key)}): materialize it first")
+    return store.get_json(key)

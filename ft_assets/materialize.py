@@ -1,0 +1,100 @@
+"""The skeleton every artifact asset shares, and the metadata it shows in the UI.
+
+An artifact asset opens the store, works in a scratch folder, fetches its input artifacts (sha256
+verified), calls one plain function of its plane, publishes the output folder as an artifact
+(manifest last) and returns its reference with metadata. ``Materialization`` is that skeleton, so an
+asset body holds only what is its own::
+
+    with Materialization(context, store, "clean") as m:
+        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules())
+        ref = m.publish(layout.of(m.partition).data("cleaned"), stats, upstream={"raw_dataset": raw_dataset})
+    return m.output(ref, rows_kept=stats["rows_kept"])
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import dagster as dg
+
+from ft_assets import refs
+from ft_assets.manifests import fetch_artifact
+
+
+def ref_metadata(ref: dict) -> dict:
+    """The metadata every artifact materialization shows: where it is and what it holds."""
+    return {
+        "uri": dg.MetadataValue.path(ref["uri"]),
+        "manifest_digest": ref["digest"],
+        "bytes": dg.MetadataValue.int(ref["bytes"]),
+        "files": dg.MetadataValue.int(len(ref["files"])),
+    }
+
+
+def _column_type(values: list) -> str:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return "bool"
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "int"
+    if present and all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        return "float"
+    return "string"
+
+
+def table(rows: list[dict], columns: list[str] | None = None) -> dg.MetadataValue:
+    """Rows of plain values as Dagster table metadata (sortable in the UI), column types inferred."""
+    columns = columns or list(dict.fromkeys(key for row in rows for key in row))
+    types = {name: _column_type([row.get(name) for row in rows]) for name in columns}
+    schema = dg.TableSchema(columns=[dg.TableColumn(name, types[name]) for name in columns])
+    records = [
+        dg.TableRecord({name: row.get(name) if types[name] != "string" else str(row.get(name, "")) for name in columns})
+        for row in rows
+    ]
+    return dg.MetadataValue.table(records=records, schema=schema)
+
+
+class Materialization:
+    """One materialization of an artifact asset: store, scratch folder, fetched inputs, published output."""
+
+    def __init__(self, context: dg.AssetExecutionContext, store, what: str):
+        self.context = context
+        self.resource = store
+        self.what = what
+        self.partition: str = context.partition_key
+        self.asset: str = context.asset_key.path[-1]
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Materialization:
+        self.started = time.perf_counter()
+        self.store = self.resource.open()
+        self.work: Path = self._stack.enter_context(self.resource.scratch(self.what))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    @property
+    def out(self) -> Path:
+        """The folder that becomes the output artifact."""
+        path = self.work / "out"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def fetch(self, ref: dict, name: str | None = None, include=None) -> Path:
+        """Download (and sha256-verify) the artifact of an input reference into the scratch folder."""
+        target = self.work / (name or ref["asset"])
+        fetch_artifact(self.store, ref["prefix"], target, include=include)
+        return target
+
+    def publish(self, prefix: str, stats: dict, upstream: dict[str, dict] | None = None, folder: Path | None = None, **extra) -> dict:
+        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference."""
+        return refs.publish(self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream, **extra)
+
+    def output(self, ref: dict, **metadata) -> dg.Output:
+        """The asset's return value: its reference, with the artifact's metadata, the given figures and the duration."""
+        return dg.Output(
+            ref, metadata={**ref_metadata(ref), **metadata, "duration_s": round(time.perf_counter() - self.started, 3)}
+        )
