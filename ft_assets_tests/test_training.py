@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ft_assets.shards import load_packed_rows
 from ft_assets.storage import MANIFEST, LocalStore, join_key
 from ft_assets.training.checkpoints import (
     WEIGHTS,
@@ -36,7 +37,7 @@ from ft_assets.training.checkpoints import (
     run_id,
 )
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, load_packed_rows, train
+from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, train
 
 SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
 RUN = "runs/timers/v1/train/test"
