@@ -9,7 +9,7 @@ What it runs, for method in (lora, qlora) x layout in (packed, padded):
 
 - **packed**: the data plane's rows (``tokenize_and_pack`` on the shipped sample, 512 tokens,
   ``BATCH`` rows a step), loss from the packed labels, ``position_ids`` restarting per example and no
-  attention mask: exactly the recipe's step (``ft_assets.training.recipe.token_loss_sum``).
+  attention mask: exactly the recipe's step (``ft_assets.training.loss.token_loss_sum``).
 - **padded**: the baseline of the HF tutorials: the same examples, ``BATCH`` a step in a seeded random
   order, each batch padded to its longest example with an attention mask.
 
@@ -51,7 +51,7 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
     from ft_assets.data.readers import is_data_file, read_dataset
     from ft_assets.data.rows import iter_records
-    from ft_assets.training.recipe import load_packed_rows
+    from ft_assets.shards import load_packed_rows, shard_files
 
     shutil.rmtree(work, ignore_errors=True)
     sample = ROOT / "samples" / "toolcalls"
@@ -63,7 +63,7 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     tokenize_and_pack(iter(records), encoder, seq_len, work / "shards", "train")
     examples = [e for e in encoder.encode_batch([m for _, m in records]) if isinstance(e, Example) and len(e.input_ids) <= seq_len]
     pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
-    files = sorted((work / "shards").glob("train-*.parquet"))  # the order load_packed_rows reads them in
+    files = shard_files(work / "shards", "train")  # the order load_packed_rows reads them in
     row_tokens = np.array([sum(n) for f in files for n in pq.read_table(f, columns=["seq_lens"]).column("seq_lens").to_pylist()])
     return load_packed_rows(work / "shards", "train", seq_len), row_tokens, examples, pad_id
 
@@ -89,7 +89,8 @@ def measure(method: str, layout: str, model_dir: Path, data: tuple, device, batc
     import torch
 
     from ft_assets.training.config import TrainingConfig
-    from ft_assets.training.recipe import load_model, token_loss_sum, trainable_parameters
+    from ft_assets.training.loss import token_loss_sum
+    from ft_assets.training.recipe import load_model, trainable_parameters
 
     packed, row_tokens, examples, pad_id = data
     cuda = device.type == "cuda"

@@ -12,12 +12,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_qlora_is_the_default_on_cuda_and_trains_in_bf16(tiny_model_dir, tmp_path):
-    from ft_assets_tests.test_training import chat_examples, pack, tokenize, write_shards
-    from transformers import AutoTokenizer
+    from ft_assets_tests.test_training import chat_examples, write_shards
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    examples = [tokenize(tokenizer, u, a) for u, a in chat_examples(64)]
-    write_shards(tmp_path / "shards", "train", pack(examples, 128, tokenizer.pad_token_id), rows_per_file=64)
+    write_shards(tiny_model_dir, tmp_path / "shards", "train", chat_examples(64), rows_per_shard=64)
     config = TrainingConfig(max_steps=10, save_steps=5, per_device_batch_size=4, learning_rate=5e-3, warmup_steps=0)
     assert config.resolved_method(cuda_available=True) == "qlora"
     result = train(config, tiny_model_dir, tmp_path / "shards", LocalStore(tmp_path / "store"), "runs/t/v/train/r", tmp_path / "work", log=print)

@@ -16,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.shards import ShardWriter, load_packed_rows
 from ft_assets import layout
 from ft_assets.manifests import MANIFEST
 from ft_assets.storage import LocalStore, join_key
@@ -37,14 +38,14 @@ from ft_assets.training.checkpoints import (
     run_id,
 )
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, load_packed_rows, train
+from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, train
 
 SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
 RUN = "runs/timers/v1/train/test"
 SYSTEM = "Reply with one JSON tool call."
 
 
-# --- fixtures: a tiny model and packed shards in the data plane's format ---------------------------
+# --- fixtures: a tiny model and packed shards from the data plane's packer --------------------------
 
 
 def chat_examples(count: int) -> list[tuple[str, str]]:
@@ -55,56 +56,23 @@ def chat_examples(count: int) -> list[tuple[str, str]]:
     return examples
 
 
-def tokenize(tokenizer, user: str, assistant: str) -> tuple[list[int], list[int]]:
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(assistant + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
-
-
-def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> list[dict]:
-    """Greedy in-order packing into rows of exactly seq_len, padding tail as its own position run."""
-    rows, current = [], []
-    for example in examples + [None]:
-        used = sum(len(ids) for ids, _ in current)
-        if example is None or used + len(example[0]) > seq_len:
-            ids = [t for e, _ in current for t in e]
-            mask = [m for _, e in current for m in e]
-            positions = [p for e, _ in current for p in range(len(e))]
-            pad = seq_len - len(ids)
-            rows.append(
-                {
-                    "input_ids": ids + [pad_id] * pad,
-                    "loss_mask": mask + [0] * pad,
-                    "position_ids": positions + list(range(pad)),
-                    "seq_lens": [len(e) for e, _ in current],
-                }
-            )
-            current = []
-        if example is not None:
-            current.append(example)
-    return rows
-
-
-SCHEMA = pa.schema(
-    [
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("position_ids", pa.list_(pa.int32())),
-        ("seq_lens", pa.list_(pa.int32())),
+def conversations(examples: list[tuple[str, str]]) -> list[tuple[str, list[dict]]]:
+    """(row id, messages) pairs, as the data plane hands them to the packer."""
+    roles = ("system", "user", "assistant")
+    return [
+        (f"timer-{i}", [{"role": role, "content": content} for role, content in zip(roles, (SYSTEM, user, reply))])
+        for i, (user, reply) in enumerate(examples)
     ]
-)
 
 
-def write_shards(out_dir: Path, split: str, rows: list[dict], rows_per_file: int) -> None:
+def write_shards(model_dir: Path, out_dir: Path, split: str, examples: list[tuple[str, str]], rows_per_shard: int) -> None:
+    """Packed shards of ``examples`` at SEQ_LEN, made by the data plane's own tokenizer and packer."""
+    from transformers import AutoTokenizer
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    for index, start in enumerate(range(0, len(rows), rows_per_file)):
-        table = pa.Table.from_pylist(rows[start : start + rows_per_file], schema=SCHEMA)
-        pq.write_table(table, out_dir / f"{split}-{index:05d}.parquet")
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
+    stats = tokenize_and_pack(iter(conversations(examples)), encoder, SEQ_LEN, out_dir, split, rows_per_shard=rows_per_shard)
+    assert stats.examples == len(examples), stats.rejected
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,13 +94,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shards(tiny_model, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenized = [tokenize(tokenizer, u, a) for u, a in chat_examples(60)]
+    examples = chat_examples(60)
     out = tmp_path_factory.mktemp("shards")
-    write_shards(out, "train", pack(tokenized[:48], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
-    write_shards(out, "eval", pack(tokenized[48:], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
+    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
+    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
     return out
 
 
@@ -213,14 +178,16 @@ def test_packed_rows_load_with_labels_from_the_loss_mask(shards):
 
 
 def test_ragged_shard_is_refused_naming_the_file(tmp_path):
-    write_shards(tmp_path, "train", [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]},
-                                     {"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]}], 8)  # fmt: skip
+    writer = ShardWriter(tmp_path, "train")
+    writer.add({"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]})
+    writer.add({"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]})
+    writer.flush()
     with pytest.raises(ValueError, match=r"train-00000\.parquet: column 'input_ids' has rows of lengths \[2, 3\]"):
         load_packed_rows(tmp_path, "train", max_seq_len=16)
 
 
 def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
-    plan = DataPlan(num_rows=50, batch_size=2, accumulation=3, world_size=2, seed=1)
+    plan = DataPlan(num_rows=50, config=TrainingConfig(per_device_batch_size=2, gradient_accumulation_steps=3, seed=1), world_size=2)
     assert plan.steps_per_epoch == 4  # 50 // 12, the tail is dropped
     seen = [i for step in range(4) for rank in range(2) for batch in plan.micro_batches(step, rank) for i in batch]
     assert len(seen) == len(set(seen)) == 48
