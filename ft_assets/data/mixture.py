@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ft_assets import layout
 from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
 from ft_assets.data.sources import MIXTURE_SUFFIXES, Staged, dataset_name, stage
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
@@ -96,8 +97,7 @@ def parse_spec(text: str, where: str) -> dict:
             ColumnMapping.of(component.get("columns") or {})
             if "dataset" in component:
                 DatasetVersion.from_key(str(component["dataset"]))
-            origin = str(component.get("dataset") or component["source"])
-            name = validate_part("component name", component.get("name") or _default_name(origin))
+            name = validate_part("component name", component.get("name") or _default_name(component))
         except (ValueError, InvalidDatasetId) as exc:
             raise MixtureError(f"{here}: {exc}") from exc
         if name in names:
@@ -107,16 +107,15 @@ def parse_spec(text: str, where: str) -> dict:
     return {"seed": seed, "rows": rows, "components": checked}
 
 
-def _default_name(origin: str) -> str:
-    if "@" in origin and "/" not in origin:  # a registered dataset version
-        return origin.split("@", 1)[0]
-    return dataset_name(origin.rstrip("/").split("@", 1)[0].rsplit("/", 1)[-1])
+def _default_name(component: dict) -> str:
+    """The dataset's name, or the last part of the source's path, URI or repo id without its extension or revision."""
+    if "dataset" in component:
+        return str(component["dataset"]).split("@", 1)[0]
+    return dataset_name(str(component["source"]).rstrip("/").split("@", 1)[0].rsplit("/", 1)[-1])
 
 
 def stage_mixture(path: Path, work: Path, store) -> Staged:
     """Check a mixture spec and stage its components: ``source:`` files under ``<name>/``, ``dataset:`` as references."""
-    from ft_assets import layout
-
     try:
         spec = parse_spec(path.read_text(), str(path))
     except OSError as exc:
