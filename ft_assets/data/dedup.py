@@ -80,13 +80,12 @@ def _kept_symbol(char: str) -> bool:
     return unicodedata.category(char) in ("Sm", "Sc")
 
 
-_ASCII_NOT_WORD = bytes(c for c in range(128) if not (chr(c).isalnum() or c == ord("_")))  # deleted by translate
-_ASCII_NOT_KEPT = bytes(c for c in range(128) if not _kept_symbol(chr(c)))
+_ASCII_NOT_KEPT = bytes(c for c in range(128) if not _kept_symbol(chr(c)))  # deleted by bytes.translate
 _NON_WORD = re.compile(r"[^\w\s]")
 
 
-def message_key(text: str) -> tuple[bytes, list[bytes]]:
-    """One message's share of the exact key, and its numbers, from its ``normalize``d text.
+def message_key(text: str) -> tuple[bytes, list[bytes], list[bytes]]:
+    """One message's share of the exact key, its numbers and its words, from its ``normalize``d text.
 
     The share is the message's word characters run together (every space and punctuation mark gone:
     "Hello, world" and "Hello,world", "don't" and "dont" give the same run), then its numbers as
@@ -95,12 +94,12 @@ def message_key(text: str) -> tuple[bytes, list[bytes]]:
     """
     if text.isascii():
         raw = text.encode()
-        numbers = _ASCII_NUMBER.findall(raw)
+        words, numbers = raw.translate(_ASCII_NON_WORD).split(), _ASCII_NUMBER.findall(raw)
         symbols = raw.translate(None, _ASCII_NOT_KEPT)
-        return b"\x1f".join((raw.translate(None, _ASCII_NOT_WORD), b" ".join(numbers), symbols)), numbers
-    numbers = [number.encode() for number in _NUMBER.findall(text)]
-    symbols = "".join(c for c in _NON_WORD.findall(text) if _kept_symbol(c)).encode()
-    return b"\x1f".join(("".join(_WORD.findall(text)).encode(), b" ".join(numbers), symbols)), numbers
+    else:
+        words, numbers = [word.encode() for word in _WORD.findall(text)], [n.encode() for n in _NUMBER.findall(text)]
+        symbols = "".join(c for c in _NON_WORD.findall(text) if _kept_symbol(c)).encode()
+    return b"\x1f".join((b"".join(words), b" ".join(numbers), symbols)), numbers, words
 
 
 @functools.lru_cache(maxsize=1024)
@@ -233,10 +232,9 @@ def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
         if message["role"] == "system":  # left out of the shingles and the numbers guard
             shares.append(_system_key(message["content"]))
             continue
-        text = normalize(message["content"])
-        share, found = message_key(text)
+        share, found, words = message_key(normalize(message["content"]))
         shares.append(share)
-        turns.append(words_of(text))
+        turns.append(words)
         numbers += found
     hashed = [word_hashes(words) for words in turns] if sum(map(len, turns)) >= rules.min_words else None
     return RowFeatures(_key((m["role"] for m in messages), shares), hashed, numbers_salt(numbers))
