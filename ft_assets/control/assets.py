@@ -54,18 +54,18 @@ def training_plan(
     import torch
 
     training = training_config(config, "training_plan")
-    method = training.resolved_method(torch.cuda.is_available())
     shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
     shards = tokenized_shards["stats"]
     try:
-        steps = training.total_steps(shards["train_packed_rows"])
+        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available())
     except ValueError as exc:
         raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
+    method, steps = resolved.method, resolved.total_steps
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
     try:
         plan = plan_training(
             shape, method, shards["seq_len"], training.per_device_batch_size, training.gradient_checkpointing,
-            train_tokens=steps * training.rows_per_step() * shards["seq_len"],
+            train_tokens=steps * resolved.rows_per_step * shards["seq_len"],
             cost_model=_cost_model(config.cost_model_path), purpose=config.purpose, data_region=region,
             lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
         )  # fmt: skip
@@ -76,8 +76,8 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan: {plan.method}, {steps} steps x {training.rows_per_step()} rows x {shards['seq_len']} tokens, needs "
-        f"{plan.vram.total_gib:.1f} GiB → {plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
+        f"plan for {resolved.describe()} at {shards['seq_len']} tokens a row: needs {plan.vram.total_gib:.1f} GiB → "
+        f"{plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
     with Materialization(context, store, "plan") as m:
         (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
@@ -85,7 +85,7 @@ def training_plan(
             "gpu_tier": plan.tier, "rental_mode": plan.mode, "method": plan.method, "vram_gib": plan.vram.total_gib,
             "est_hours": plan.est_hours, "estimated_cost_usd": plan.est_cost_usd, "usd_per_hour": plan.usd_per_hour,
             "total_tokens": plan.total_tokens, "warnings": list(plan.warnings), "data_region": region,
-            "steps": steps, "rows_per_step": training.rows_per_step(), "training_config": training.model_dump(),
+            "resolved": resolved.as_dict(), "training_config": training.model_dump(),
         }  # fmt: skip
         ref = m.publish(layout.of(m.partition).control("plan"), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model})
     return m.output(
@@ -96,6 +96,7 @@ def training_plan(
         estimated_hours=dg.MetadataValue.float(round(plan.est_hours, 3)),
         estimated_cost_usd=dg.MetadataValue.float(round(plan.est_cost_usd, 4)),
         vram_breakdown=dg.MetadataValue.md(f"needs {plan.vram.breakdown()}"),
+        planned_run=dg.MetadataValue.json(resolved.as_dict()),
         candidates=table(plan.candidate_rows()),
         warnings=dg.MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings) or "none"),
     )

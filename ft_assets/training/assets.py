@@ -187,7 +187,7 @@ def lora_adapter(
             key: result[key]
             for key in (
                 "method", "device", "steps", "train_loss", "eval_loss", "tokens_seen", "wall_seconds", "step_seconds",
-                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
+                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts", "resolved",
             )
         }  # fmt: skip
         stats["run_id"] = run
@@ -203,6 +203,7 @@ def lora_adapter(
     return m.output(
         ref,
         method=stats["method"],
+        settings=dg.MetadataValue.json(stats["resolved"]),
         device=stats["device"],
         steps=stats["steps"],
         train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),

@@ -71,7 +71,7 @@ from ft_assets.training.checkpoints import (
     restore_rng_state,
     write_checkpoint,
 )
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
 from ft_assets.training.loss import eval_loss_sum, learned_tokens, token_loss_sum
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
@@ -107,6 +107,7 @@ class TrainingResult:
     loss_history: list[tuple[int, float]]
     restarts: list[dict]  # earlier attempts of this run (start step, last checkpoint, timings)
     bytes_uploaded: int
+    resolved: dict  # the settings the run used, defaults filled in (ResolvedTraining.as_dict)
 
     def to_json(self) -> dict:
         raw = asdict(self)
@@ -231,11 +232,11 @@ def load_trainable(model, weights: dict[str, torch.Tensor], source: str) -> None
             param.copy_(weights[name])
 
 
-def make_scheduler(config: TrainingConfig, optimizer, total_steps: int):
+def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining):
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)
 
 
 # --- preemption ------------------------------------------------------------------------------------
@@ -354,14 +355,14 @@ class FineTuneRecipe:
         self.eval_rows = load_packed_rows(self.shards_dir, "eval", config.max_seq_len)
         self.plan = DataPlan(len(self.train_rows), config, self.world)
         try:
-            self.total_steps = self.plan.total_steps
+            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world)
         except ValueError as exc:
             raise ValueError(f"{self.shards_dir}: {exc}") from exc
+        self.total_steps = self.resolved.total_steps
         self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
         self.say(
             f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens, "
-            f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; "
-            f"{self.plan.steps_per_epoch} steps/epoch, {self.total_steps} steps"
+            f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; {self.resolved.describe()}"
         )
 
     def _setup_model(self) -> None:
@@ -373,8 +374,8 @@ class FineTuneRecipe:
         self.unwrapped = self.accelerator.unwrap_model(self.model)
         self.params = trainable_parameters(self.unwrapped)
         self.say(f"{sum(p.numel() for p in self.params.values()):,} trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.scheduler = make_scheduler(config, self.optimizer, self.total_steps)
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=self.resolved.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = make_scheduler(config, self.optimizer, self.resolved)
 
     # --- resume ---
 
@@ -605,6 +606,7 @@ class FineTuneRecipe:
             loss_history=list(state.loss_history),
             restarts=state.attempts[:-1],
             bytes_uploaded=self.uploader.bytes_uploaded,
+            resolved=self.resolved.as_dict(),
         )
         named = (("train", result.train_loss), ("eval", self.eval_loss))
         losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
