@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ft_assets.control.cost import CostModel, GpuOffering
+from ft_assets.control.cost_model import CostModel, GpuOffering
 from ft_assets.control.planner import (
     REFERENCE_CONFIGS,
     ModelShape,

@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
+from ft_assets.control.cost_model import GIB, CostModel, GpuOffering, RentalMode
 from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, Method
 
 Purpose = Literal["experiment", "validation", "delivery"]
