@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ft_assets.control.cost_model import DEFAULT_OFFERINGS, CostModel, CostModelError, load_cost_model
+from ft_assets.control.cost_model import (
+    DEFAULT_OFFERINGS,
+    CostModel,
+    CostModelError,
+    load_cost_model,
+)
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
 
@@ -39,12 +44,11 @@ def test_price_list_ships_in_the_wheel():
 
 
 def test_readme_offerings_table_is_the_price_list():
-    readme = (ROOT / "README.md").read_text().split("| offering | VRAM GiB | on-demand $/h | spot $/h |\n|---|---|---|---|\n")
-    assert len(readme) == 2, "README has no offerings table"
-    table = readme[1].split("\n\n")[0].splitlines()
-    expected = [
-        f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} |" for o in DEFAULT_OFFERINGS
-    ]
+    header = "| offering | VRAM GiB | on-demand $/h | spot $/h |\n|---|---|---|---|\n"
+    parts = (ROOT / "README.md").read_text().split(header)
+    assert len(parts) == 2, "README has no offerings table"
+    table = parts[1].split("\n\n")[0].splitlines()
+    expected = [f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} |" for o in DEFAULT_OFFERINGS]
     assert table == expected
 
 
@@ -52,7 +56,8 @@ def test_override_example_in_the_price_list_header_loads(tmp_path):
     example = [line.removeprefix("#   ") for line in PRICE_LIST.read_text().splitlines() if line.startswith("#   ")]
     model = load_cost_model(write(tmp_path, "\n".join(example)))
     assert model.egress_usd_per_gb == 0.0 and model.offering("a10g-24gb").spot_usd_per_h == 0.45
-    assert [o.name for o in model.offerings] == [o.name for o in DEFAULT_OFFERINGS if o.name != "h100-80gb"] + ["l40s-48gb"]
+    kept = [o.name for o in DEFAULT_OFFERINGS if o.name != "h100-80gb"]
+    assert [o.name for o in model.offerings] == kept + ["l40s-48gb"]
 
 
 # --- ETH arithmetic ------------------------------------------------------------------------------

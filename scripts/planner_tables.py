@@ -6,7 +6,13 @@ and 2048, and Llama-2-7B LoRA tokens/s on each default GPU offering.
 """
 
 from ft_assets.control.cost_model import CostModel
-from ft_assets.control.planner import METHODS, ModelShape, estimate_vram, flops_per_token, tokens_per_second
+from ft_assets.control.planner import (
+    METHODS,
+    ModelShape,
+    estimate_vram,
+    flops_per_token,
+    tokens_per_second,
+)
 from ft_assets_tests.reference_models import REFERENCE_CONFIGS
 
 
