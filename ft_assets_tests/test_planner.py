@@ -4,12 +4,13 @@ Published figures are read in GiB (they come from nvidia-smi / torch.cuda, which
 """
 
 import math
+import re
 
 import pytest
 
-from ft_assets.control.cost import CostModel, GpuOffering
+from ft_assets.control import planner
+from ft_assets.control.cost_model import CostModel, GpuOffering
 from ft_assets.control.planner import (
-    REFERENCE_CONFIGS,
     ModelShape,
     NoGpuFits,
     estimate_vram,
@@ -18,6 +19,8 @@ from ft_assets.control.planner import (
     plan_training,
     tokens_per_second,
 )
+from ft_assets_tests.reference_models import REFERENCE_CONFIGS
+from scripts import planner_tables
 
 SHAPES = {name: ModelShape.from_config(config, name) for name, config in REFERENCE_CONFIGS.items()}
 QWEN05, LLAMA7, LLAMA13 = SHAPES["Qwen2.5-0.5B"], SHAPES["Llama-2-7B"], SHAPES["Llama-2-13B"]
@@ -189,6 +192,17 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(LLAMA7, "lora", 2048, True) == 2 * matmul * 3 + attention * 4 == 41_791_545_344
     assert flops_per_token(LLAMA7, "full", 2048, False) == 2 * matmul * 3 + attention * 3
 
+
+
+def test_docstring_vram_table_is_what_planner_tables_prints(capsys):
+    """The planner docstring quotes `python -m scripts.planner_tables`: same GiB for every model and method."""
+    planner_tables.main()
+    printed = capsys.readouterr().out.splitlines()
+    for name in REFERENCE_CONFIGS:
+        quoted = next(line for line in planner.__doc__.splitlines() if line.strip().startswith(name + " "))
+        row = next(line for line in printed if line.strip().startswith(name + " "))
+        gib = r"\d+\.\d / \d+\.\d"
+        assert re.findall(gib, quoted.split(name)[1]) == re.findall(gib, row.split("params")[1]), name
 
 # A cost model small enough to check tier choice by hand: 4 tiers, round numbers, no startup.
 def offering(name, vram, on_demand, spot, tflops, region="us-east-1"):

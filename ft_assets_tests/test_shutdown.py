@@ -14,7 +14,7 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from moto import mock_aws
 
 from ft_assets.control import shutdown
-from ft_assets.control.cost import CostModel
+from ft_assets.control.cost_model import CostModel
 from ft_assets.control.shutdown import (
     HEARTBEAT_TAG,
     ROLE_TAG_KEY,

@@ -20,7 +20,9 @@ import dagster as dg
 from pydantic import Field
 
 from ft_assets import layout
-from ft_assets.control.cost import CostModelError, CostRecord, RunMeasurements, aggregate_cost_report, compute_eth, load_cost_model
+from ft_assets.control.cost_model import CostModelError, load_cost_model
+from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
+from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.planner import ModelShape, NoGpuFits, plan_training
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import Materialization, table
@@ -179,7 +181,7 @@ def training_cost(
 
 
 def _eth_report(stats: dict):
-    from ft_assets.control.cost import EthReport
+    from ft_assets.control.eth import EthReport
 
     fields = {k: stats[k] for k in EthReport.__dataclass_fields__}
     return EthReport(**fields)

@@ -33,7 +33,7 @@ Checked in ``test_planner.py`` against measured runs, 1-14% under them: Qwen's R
 1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA context table; and against the
 ranges of the LLaMA-Factory and Unsloth hardware tables; the planner's 10% VRAM headroom absorbs
 the bias. What it gives (batch 1, gradient checkpointing, LoRA r=16 on all seven projections,
-dropout 0.05; ``python -m ft_assets.control.planner`` prints it):
+dropout 0.05; ``python -m scripts.planner_tables`` prints it):
 
     GiB at seq 512 / 2048   qlora          lora           full
     Qwen2.5-0.5B            2.8 / 6.4      3.0 / 6.7      9.3 / 12.9
@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
+from ft_assets.control.cost_model import GIB, CostModel, GpuOffering, RentalMode
 from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, Method
 
 Purpose = Literal["experiment", "validation", "delivery"]
@@ -77,42 +77,6 @@ LOGITS_BYTES_PER_TOKEN_PER_VOCAB = 16  # bf16 logits 2 + fp32 upcast 4 + log-sof
 DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per dropped element
 CUDA_OVERHEAD_GIB = 0.75  # context (~0.3-0.5 GiB with CUDA >= 11.7 lazy loading) + workspaces + slack
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-
-# config.json excerpts of the reference models the estimate is checked against (values from the
-# models' published config.json files on the Hugging Face hub).
-REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen2.5-0.5B": {
-        "model_type": "qwen2",
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "Llama-2-7B": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "intermediate_size": 11008,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "Llama-2-13B": {
-        "model_type": "llama",
-        "hidden_size": 5120,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 40,
-        "intermediate_size": 13824,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-}
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -579,26 +543,3 @@ def _no_fit_message(
         lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB, {verdict}")
     lines.append("  - add a larger (or multi-GPU sharded) offering to the cost model")
     return "\n".join(lines)
-
-
-def main() -> None:
-    """Print the VRAM and throughput tables quoted in the module docstring."""
-    cost_model = CostModel()
-    print("VRAM GiB, batch 1, gradient checkpointing, LoRA r=16 on all projections, seq 512 / 2048")
-    for name, config in REFERENCE_CONFIGS.items():
-        shape = ModelShape.from_config(config, name)
-        cells = []
-        for method in METHODS:
-            short, long = (estimate_vram(shape, method, s, 1, True).total_gib for s in (512, 2048))
-            cells.append(f"{method} {short:.1f} / {long:.1f}")
-        print(f"  {name:<14} {shape.params:>14,} params   " + "   ".join(cells))
-    llama7b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
-    gflops = flops_per_token(llama7b, "lora", 2048, True) / 1e9
-    print(f"Llama-2-7B LoRA at seq 2048 with checkpointing: {gflops:.1f} GFLOP/token; tokens/s by tier:")
-    for offering in cost_model.offerings:
-        speed = tokens_per_second(llama7b, "lora", 2048, True, offering, cost_model)
-        print(f"  {offering.name:<14} {speed:>7,.0f}")
-
-
-if __name__ == "__main__":
-    main()
