@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
@@ -184,9 +185,18 @@ def failure_reason(result) -> str:
     for event in result.all_events:
         if event.is_step_failure:
             error = event.step_failure_data.error
-            message = error.message.strip() if error else event.message
-            return f"{event.step_key}: {message}"
-    return "see the run in the Dagster UI"
+            return f"{event.step_key}: {error_line(error) if error else event.message}"
+    return f"see run {result.run_id} in the Dagster UI (make ui)"
+
+
+def error_line(error) -> str:
+    """One line for a Dagster error: the innermost cause, a ``Failure``'s own text without its class name."""
+    while error.cause is not None and error.cls_name not in ("Failure", "CliError"):
+        error = error.cause
+    message = error.message.strip()
+    if error.cls_name == "Failure":
+        message = message.split(": ", 1)[-1]
+    return message
 
 
 def data_summary(store, partition_key: str) -> dict:
@@ -269,7 +279,16 @@ def delivery_summary(store, partition_key: str) -> dict:
     }
 
 
-def cmd_run(args: argparse.Namespace) -> dict:
+class PlaneFailed(CliError):
+    """A plane's run failed; says which plane and run, for the one-line error and ``--json``."""
+
+    def __init__(self, message: str, plane: str, run_id: str):
+        super().__init__(message)
+        self.plane, self.run_id = plane, run_id
+
+
+def cmd_run(args: argparse.Namespace, summary: dict) -> dict:
+    """Register the dataset version and run each plane; ``summary`` fills as planes complete (for --json on failure)."""
     ensure_home()
     import dagster as dg
 
@@ -278,23 +297,27 @@ def cmd_run(args: argparse.Namespace) -> dict:
     from ft_assets.storage import open_store
 
     run_config = load_run_config(args.config)
-    run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
+    run_config.setdefault("loggers", {"ft_console": {"config": {"verbose": args.verbose}}})
     store = open_store()
     key, new = register_dataset(store, Path(args.dataset), args.name, args.version)
+    summary.update(partition=key, store=store.url, dagster_home=os.environ["DAGSTER_HOME"], runs={}, completed=[], skipped=[])
     log(f"dataset version {key} {'registered' if new else 'already registered'} in {store.url}")
     instance = dg.DagsterInstance.get()
     requested = run_sensor(instance, defs, key)
     log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
-    summary: dict = {"partition": key, "store": store.url, "dagster_home": os.environ["DAGSTER_HOME"], "runs": {}}
     jobs = {"data": DATA_PLANE, "training": TRAINING_PLANE, "delivery": DELIVERY_PLANE}
     summaries = {"data": data_summary, "training": training_summary, "delivery": delivery_summary}
     for plane in PLANES[: PLANES.index(args.until) + 1]:
-        if plane not in jobs:
-            log(f"the {plane} plane is not available in this version of ft-assets; stopping here")
-            break
         job = defs.resolve_job_def(jobs[plane])
-        summary["runs"][plane] = run_plane(instance, job, key, plane_run_config(job, run_config))
+        config = plane_run_config(job, run_config)
+        if not args.force and plane_is_current(store, job, key, config):
+            log(f"{plane} plane: already materialized for {key} from the same inputs and settings; skipped (--force reruns it)")
+            summary["skipped"].append(plane)
+        else:
+            wait_for_partition(store, instance, key)
+            summary["runs"][plane] = run_plane(instance, job, plane, key, config)
         summary.update(summaries[plane](store, key))
+        summary["completed"].append(plane)
         if plane == "data":
             log(
                 f"training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
@@ -303,7 +326,65 @@ def cmd_run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
+def plane_is_current(store, job, key: str, run_config: dict) -> bool:
+    """Whether every asset of the plane has an output for ``key`` made with these settings from today's inputs.
+
+    Each reference records the asset's resolved settings and the digests of the references it was
+    built from. The plane is current when the settings equal those this run would use (defaults
+    filled in by Dagster's own config resolution), the recorded upstream digests equal the outputs in
+    the store now, and no upstream asset of the graph was materialized after it.
+    """
+    from dagster._core.system_config.objects import ResolvedRunConfig
+
+    from ft_assets.refs import has_ref, read_ref
+
+    resolved = ResolvedRunConfig.build(job, run_config)
+    graph = job.asset_layer.asset_graph
+    for asset_key in job.asset_layer.selected_asset_keys:
+        asset = asset_key.to_user_string()
+        if not has_ref(store, key, asset):
+            return False
+        ref = read_ref(store, key, asset)
+        node = resolved.ops.get(asset)
+        if (ref.get("config") or {}) != ((node.config if node is not None else None) or {}):
+            return False
+        for name, upstream in ref.get("upstream", {}).items():
+            if not has_ref(store, key, name) or read_ref(store, key, name)["digest"] != upstream["digest"]:
+                return False
+        for parent in graph.get(asset_key).parent_keys:
+            name = parent.to_user_string()
+            if has_ref(store, key, name) and read_ref(store, key, name)["created_at"] > ref["created_at"]:
+                return False
+    return True
+
+
+def wait_for_partition(store, instance, key: str, poll_seconds: float = 2.0) -> None:
+    """Wait while another live run holds the partition's lease, saying why, up to the takeover time.
+
+    A lease whose holder is known dead (its run failed or was canceled, or its process is gone from
+    this host) is free at once; ``locks`` then lets this run take it over.
+    """
+    import time
+
+    from ft_assets import locks
+
+    def run_status(run_id: str) -> str | None:
+        record = instance.get_run_by_id(run_id)
+        return None if record is None else record.status.value
+
+    said = None
+    deadline = time.monotonic() + locks.EXPIRY_SECONDS + 2 * poll_seconds
+    while (state := locks.read_lease(store, key)) is not None and (busy := locks.busy_reason(state, run_status, time.time())):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CliError(f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first")
+        if busy.message != said:
+            log(f"{busy.message}; waiting up to {min(busy.frees_in, left):.0f} s for it to free")
+            said = busy.message
+        time.sleep(poll_seconds)
+
+
+def run_plane(instance, job, plane: str, key: str, run_config: dict) -> list[str]:
     """Execute one plane's job for a partition; like the daemon's run retries, a preempted run is rerun.
 
     Returns the run ids (more than one when a preempted run was retried and resumed).
@@ -328,10 +409,10 @@ def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
         if preempted and len(run_ids) <= retries:
             log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
             continue
-        raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
+        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}", plane, result.run_id)
 
 
-def cmd_lineage(args: argparse.Namespace) -> dict:
+def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
     """The chain behind a published model, from its lineage manifest, each link checked against its manifest."""
     from datetime import UTC, datetime
 
@@ -450,10 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--version", help="dataset version (default: v-<sha256 of the content, 12 hex>)")
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
-    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    run.add_argument("--force", action="store_true", help="rerun planes that are already materialized from the same inputs")
+    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure")
+    run.add_argument("--verbose", action="store_true", help="print every run event with its stack trace")
     lineage = sub.add_parser("lineage", help="print the chain behind a published model, from the store alone")
     lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
+    lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
     return parser
 
 
@@ -463,11 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     from ft_assets.storage import StoreError
 
     command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage)}[args.command]
+    partial: dict = {}
     try:
-        result = command(args)
+        result = command(args, partial)
     except (CliError, StoreError, DatasetFileError) as exc:
-        print(f"ft-assets: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(args, partial, str(exc), exc)
+    except Exception as exc:  # noqa: BLE001 - a bug, not a user error: still one line (and JSON), trace with --verbose
+        if args.verbose:
+            traceback.print_exc()
+        return fail(args, partial, f"internal error {type(exc).__name__}: {exc} (rerun with --verbose for the trace)", exc)
     if args.json and args.command == "lineage":
         print(json.dumps(result, sort_keys=True))
         return 0 if result["verified"] else 1
@@ -475,6 +563,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True))
     return 0 if args.command == "run" or result["verified"] else 1
+
+
+def fail(args: argparse.Namespace, partial: dict, message: str, exc: Exception) -> int:
+    """The one-line error on stderr; with --json also a JSON object on stdout: what failed, where, what completed."""
+    print(f"ft-assets: error: {message}", file=sys.stderr)
+    if args.json:
+        failure = {
+            **partial,
+            "error": message,
+            "failed_plane": getattr(exc, "plane", None),
+            "run_id": getattr(exc, "run_id", None),
+            "completed": partial.get("completed", []),
+        }
+        print(json.dumps(failure, sort_keys=True, default=str))
+    return 2
 
 
 if __name__ == "__main__":

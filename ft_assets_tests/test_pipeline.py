@@ -86,11 +86,18 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     assert code == 1 and chain["chain"][1]["status"] == "missing from the store" and not chain["verified"]
     monkeypatch.setenv("DAGSTER_HOME", str(home / "home" / "dagster_home"))
 
-    # Publishing the same run again does not overwrite it.
+    # Running the same version again with the same settings reruns nothing; forced, publishing is a no-op.
     before = store.get_bytes(f"{registry}/manifest.json")
     code, again, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
-    assert again["published_uri"] == summary["published_uri"]
+    assert again["skipped"] == ["data", "training", "delivery"] and again["runs"] == {}
+    assert again["published_uri"] == summary["published_uri"] and again["finetuned_metric"] == summary["finetuned_metric"]
+    code, forced, err = cli(
+        capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json",
+        "--until", "delivery", "--force",
+    )  # fmt: skip
+    assert code == 0, err
+    assert forced["skipped"] == [] and forced["published_uri"] == summary["published_uri"]
     assert store.get_bytes(f"{registry}/manifest.json") == before
     assert "already published" in err
 

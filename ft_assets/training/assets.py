@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ft_assets import layout
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
-from ft_assets.materialize import Materialization, ref_metadata
+from ft_assets.materialize import Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart
 from ft_assets.refs import make_ref
@@ -93,6 +93,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
         stats={"model_id": source.model_id, "source": config.source, "source_sha256": fingerprint, **summary},
         model_config=manifest.meta.get("config", {}),
         trust_remote_code=config.trust_remote_code,
+        config=op_config(context),
     )
     return dg.Output(
         ref,
