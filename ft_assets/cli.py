@@ -378,9 +378,9 @@ def wait_for_partition(store, instance, key: str, poll_seconds: float = 2.0) -> 
         left = deadline - time.monotonic()
         if left <= 0:
             raise CliError(f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first")
-        if busy.message != said:
+        if (state.generation, state.owner["run_id"]) != said:
             log(f"{busy.message}; waiting up to {min(busy.frees_in, left):.0f} s for it to free")
-            said = busy.message
+            said = (state.generation, state.owner["run_id"])
         time.sleep(poll_seconds)
 
 
