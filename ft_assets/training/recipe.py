@@ -72,6 +72,7 @@ from ft_assets.training.checkpoints import (
     write_checkpoint,
 )
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.loss import eval_loss_sum, learned_tokens, token_loss_sum
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
@@ -635,7 +636,8 @@ def train(
     """
     started = time.monotonic() if started_at is None else started_at
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
-    with SigtermFlag() as sigterm:
+    # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
+    with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
         recipe = FineTuneRecipe(
             config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started
         )
