@@ -413,12 +413,17 @@ def run_plane(instance, job, plane: str, key: str, run_config: dict) -> list[str
 
 
 def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
-    """The chain behind a published model, from its lineage manifest, each link checked against its manifest."""
+    """The chain behind a published model, from its lineage manifest, in the store at hand.
+
+    Every link (the published artifact, each upstream artifact, the checkpoint) must still have the
+    manifest digest the lineage recorded, and, unless ``--fast``, every file its manifest lists is
+    re-hashed in the store: one flipped byte anywhere is named.
+    """
     from datetime import UTC, datetime
 
     from ft_assets.delivery.publish import LINEAGE_FILE
     from ft_assets.layout import registry_key
-    from ft_assets.manifests import ArtifactNotFound, read_manifest
+    from ft_assets.manifests import ArtifactNotFound, changed_files, read_manifest
     from ft_assets.storage import StoreError, join_key, open_store
 
     try:
@@ -427,36 +432,38 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
         raise CliError(str(exc)) from exc
     store = open_store(store_url or None)
     try:
-        read_manifest(store, key)
+        published = read_manifest(store, key)
         lineage = store.get_json(join_key(key, LINEAGE_FILE))
     except ArtifactNotFound as exc:
         raise CliError(f"{args.uri}: {exc}") from exc
-    chain = []
-    for artifact in lineage["artifacts"]:
-        prefix = artifact["uri"][len(store.url) :].lstrip("/") if artifact["uri"].startswith(store.url) else artifact["uri"]
+
+    def check(asset: str, prefix: str, digest: str, created_at: float | None) -> dict:
         try:
-            status = "ok" if read_manifest(store, prefix).digest == artifact["digest"] else "DIGEST MISMATCH"
+            manifest = read_manifest(store, prefix)
+            status = "ok" if manifest.digest == digest else "DIGEST MISMATCH"
+            changed = [] if args.fast or status != "ok" else changed_files(store, manifest)
         except (ArtifactNotFound, StoreError):
-            status = "missing from the store"
-        chain.append(
-            {
-                "asset": artifact["asset"],
-                "digest": artifact["digest"],
-                "created_at": datetime.fromtimestamp(artifact["created_at"], UTC).isoformat(timespec="seconds"),
-                "uri": artifact["uri"],
-                "status": status,
-            }
-        )
+            status, changed = "missing from the store", []
+        if changed:
+            status = "CHANGED: " + ", ".join(join_key(prefix, rel) for rel in changed)
+        when = datetime.fromtimestamp(created_at, UTC).isoformat(timespec="seconds") if created_at else ""
+        return {"asset": asset, "digest": digest, "created_at": when, "key": prefix, "uri": store.uri(prefix), "status": status}
+
+    checkpoint = lineage["training"]["checkpoint"]
+    chain = [check("published_model", key, published.digest, published.created_at)]
+    chain += [check(a["asset"], a["key"], a["digest"], a["created_at"]) for a in lineage["artifacts"]]
+    chain.append(check("checkpoint", checkpoint["key"], checkpoint["digest"], None))
     return {
-        "published_uri": lineage["published_uri"],
+        "published_uri": store.uri(lineage["published_key"]),
         "dataset_version": lineage["partition"],
         "base_model": lineage["base_model"],
-        "checkpoint": lineage["training"]["checkpoint"],
+        "checkpoint": store.uri(checkpoint["key"]),
         "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
         "gguf": lineage["gguf"],
         "eval": lineage["eval"],
         "code_version": lineage["code_version"],
         "chain": chain,
+        "files_rehashed": not args.fast,
         "verified": all(link["status"] == "ok" for link in chain),
     }
 
@@ -465,14 +472,15 @@ def print_lineage(report: dict) -> None:
     print(f"{report['published_uri']}")
     print(f"  dataset version {report['dataset_version']}; base model {report['base_model']['model_id']} (sha256 {report['base_model']['source_sha256'][:16]}…)")
     for link in report["chain"]:
-        print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at']}  {link['status']}")
+        print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at'] or '':<25} {link['status']}")
         if link["asset"] == "lora_adapter":
-            print(f"      checkpoint {report['checkpoint']} ({report['training']['method']}, {report['training']['steps']} steps)")
+            print(f"      from {report['checkpoint']} ({report['training']['method']}, {report['training']['steps']} steps)")
     for name, info in report["gguf"].items():
         print(f"  GGUF {name}: sha256 {info['sha256'][:16]}…")
     ev = report["eval"]
     print(f"  eval {ev['metric_name']}: base {ev['base_metric']:.3f} → fine-tuned {ev['finetuned_metric']:.3f}; code {report['code_version']}")
-    print(f"  lineage {'verified against every manifest' if report['verified'] else 'NOT verified: see the statuses above'}")
+    how = "every file re-hashed" if report["files_rehashed"] else "manifests only (--fast)"
+    print(f"  lineage {'verified' if report['verified'] else 'NOT verified: see the statuses above'} ({how})")
 
 
 def log(message: str) -> None:
@@ -537,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     lineage = sub.add_parser("lineage", help="print the chain behind a published model, from the store alone")
     lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
+    lineage.add_argument("--fast", action="store_true", help="compare manifest digests only; do not re-hash every file")
     lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
     return parser
 

@@ -213,7 +213,7 @@ def published_model(
             fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
             fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
             fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
-            lineage = build_lineage(context.partition_key, refs, objects.uri(prefix))
+            lineage = build_lineage(context.partition_key, refs, prefix)
             (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
             ref = publish(
                 objects, "published_model", context.partition_key, prefix, out, {"already_published": False},
@@ -227,7 +227,7 @@ def published_model(
         metadata={
             **ref_metadata(ref),
             "code_version": lineage["code_version"],
-            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": a["uri"]} for a in lineage["artifacts"]]),
+            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": objects.uri(a["key"])} for a in lineage["artifacts"]]),
             "already_published": existing is not None,
         },
     )

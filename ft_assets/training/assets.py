@@ -132,6 +132,12 @@ def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards
     return result
 
 
+def final_checkpoint(store, prefix: str, step: int) -> dict:
+    """Key and manifest digest of the checkpoint the final weights were exported from (the recipe saves it last)."""
+    key = layout.checkpoint(prefix, step)
+    return {"key": key, "digest": read_manifest(store, key).digest}
+
+
 def free_port() -> int:
     import socket
 
@@ -197,7 +203,7 @@ def lora_adapter(
         ref = m.publish(
             layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
             folder=result["output_dir"], training_config=training.model_dump(), run_prefix=prefix,
-            checkpoint=(result["checkpoints"] or [None])[-1],
+            checkpoint=final_checkpoint(m.store, prefix, result["steps"]),
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
     history = [tuple(point) for point in result["loss_history"]]
