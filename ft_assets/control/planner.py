@@ -61,7 +61,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
-from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, Method
+from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, AttentionImplementation, Method
+from ft_assets.training.loss import chunk_tokens
 
 Purpose = Literal["experiment", "validation", "delivery"]
 METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
@@ -75,7 +76,11 @@ ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32; with fp32 weight and grad
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes + double-quantized absmax: 0.516 B
 LOGITS_BYTES_PER_TOKEN_PER_VOCAB = 16  # bf16 logits 2 + fp32 upcast 4 + log-softmax 4 + grads 4 (fp32) + 2 (bf16)
 DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per dropped element
-CUDA_OVERHEAD_GIB = 0.75  # context (~0.3-0.5 GiB with CUDA >= 11.7 lazy loading) + workspaces + slack
+SCORE_BYTES = 10  # per score element at the peak: bf16 scores 2 + fp32 softmax 4 + bf16 probabilities kept 2 + their grad 2
+CUDA_CONTEXT_GIB = 0.6  # measured on the H200 (CUDA 13 driver, lazy module loading): NVML use minus torch reserved
+ALLOCATOR_SLACK = 0.04  # reserved over allocated (block rounding, fragmentation), fitted on the H200 run
+DENSE_SCORE_ATTENTION = ("sdpa", "eager")  # packed rows get a dense block mask: per-head seq x seq scores
+LossPath = Literal["chunked", "full"]
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 # config.json excerpts of the reference models the estimate is checked against (values from the
@@ -226,33 +231,30 @@ class VramEstimate:
     seq_len: int
     micro_batch: int
     grad_checkpointing: bool
+    attention: str  # the attention backend planned for
+    loss: LossPath
     trainable_params: int
     weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest)
     adapter_gib: float  # LoRA adapter weights (0 for full)
     gradients_gib: float
     optimizer_gib: float  # AdamW exp_avg + exp_avg_sq
-    activations_gib: float  # saved for backward, logits excluded
-    logits_gib: float
-    overhead_gib: float
+    activations_gib: float  # saved for backward, logits and attention scores excluded
+    attention_gib: float  # per-head score matrices (sdpa/eager with packed rows); 0 for flash/flex
+    logits_gib: float  # every token's (full loss) or one chunk's (chunked loss)
+    slack_gib: float  # the caching allocator's reserved-but-unused memory
+    overhead_gib: float  # CUDA context
+
+    PARTS = ("weights", "adapter", "gradients", "optimizer", "activations", "attention", "logits", "slack", "overhead")
 
     @property
     def total_gib(self) -> float:
-        return (
-            self.weights_gib
-            + self.adapter_gib
-            + self.gradients_gib
-            + self.optimizer_gib
-            + self.activations_gib
-            + self.logits_gib
-            + self.overhead_gib
-        )
+        return sum(getattr(self, part + "_gib") for part in self.PARTS)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total_gib": self.total_gib}
 
     def breakdown(self) -> str:
-        parts = ("weights", "adapter", "gradients", "optimizer", "activations", "logits", "overhead")
-        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in parts if getattr(self, p + "_gib") >= 0.05)
+        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in self.PARTS if getattr(self, p + "_gib") >= 0.05)
         return f"{self.total_gib:.1f} GiB ({shown})"
 
 
@@ -274,10 +276,19 @@ def estimate_vram(
     lora_r: int = 16,
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.05,
+    attention: AttentionImplementation = "auto",
+    loss: LossPath = "chunked",
 ) -> VramEstimate:
-    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring)."""
+    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring).
+
+    ``attention`` and ``loss`` name the path: the recipe's default (``auto``: flash or flex attention
+    on a GPU, and the chunked loss of ``ft_assets.training.loss``), or e.g. sdpa and the full-logits
+    loss of a plain Hugging Face run.
+    """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
+        raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
     if seq_len < 1 or micro_batch < 1 or lora_r < 1:
         raise ValueError(f"seq_len, micro_batch and lora_r must be >= 1 (got {seq_len}, {micro_batch}, {lora_r})")
     tokens = seq_len * micro_batch
@@ -304,24 +315,34 @@ def estimate_vram(
         projections = shape.projections()
         per_layer_token += sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets)
 
+    layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
         activations = shape.layers * BF16_BYTES * h * tokens + per_layer_token * tokens
     else:
         activations = shape.layers * per_layer_token * tokens
-    logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * tokens
+    scores = 0
+    if attention in DENSE_SCORE_ATTENTION:  # dense per-row scores: the documents of a packed row do not shrink them
+        scores = layers_alive * SCORE_BYTES * shape.heads * seq_len**2 * micro_batch
+    logit_tokens = tokens if loss == "full" else min(tokens, chunk_tokens(shape.vocab))
+    logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * logit_tokens
+    tensors = weights + adapter + gradients + optimizer + activations + scores + logits
     return VramEstimate(
         method=method,
         seq_len=seq_len,
         micro_batch=micro_batch,
         grad_checkpointing=grad_checkpointing,
+        attention=attention,
+        loss=loss,
         trainable_params=trainable,
         weights_gib=weights / GIB,
         adapter_gib=adapter / GIB,
         gradients_gib=gradients / GIB,
         optimizer_gib=optimizer / GIB,
         activations_gib=activations / GIB,
+        attention_gib=scores / GIB,
         logits_gib=logits / GIB,
-        overhead_gib=CUDA_OVERHEAD_GIB,
+        slack_gib=ALLOCATOR_SLACK * tensors / GIB,
+        overhead_gib=CUDA_CONTEXT_GIB,
     )
 
 

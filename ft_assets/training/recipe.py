@@ -178,7 +178,8 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
     into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
     mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
-    support backward on CPU") and flash-attn does not exist, so ``auto`` is sdpa there.
+    support backward on CPU"; and its first call after a change of sequence length returns wrong values)
+    and flash-attn does not exist, so ``auto`` is sdpa there.
     """
     cuda = device.type == "cuda"
     torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
