@@ -369,6 +369,31 @@ def tokens_per_second(
 
 
 @dataclass(frozen=True)
+class Throughput:
+    """How fast a run trains and what a token costs, on one GPU tier (planned or measured)."""
+
+    tokens_per_second: float
+    mfu: float | None  # model FLOPs/s over the tier's bf16 peak; None where the device's peak is unknown (CPU)
+    usd_per_million_tokens: float | None  # None without a price or without throughput
+
+    def as_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def throughput(
+    tokens_per_second: float, flops: float, offering: GpuOffering | None, usd_per_hour: float | None
+) -> Throughput:
+    """MFU and $ per million tokens of ``tokens_per_second`` at ``flops`` per token (``flops_per_token``).
+
+    ``offering`` is the GPU the tokens ran on (None for a CPU or an unknown device: no MFU); the price
+    is that of the tier the run is billed as.
+    """
+    mfu = tokens_per_second * flops / (offering.bf16_tflops * 1e12) if offering is not None else None
+    price = usd_per_hour / (tokens_per_second * 3600) * 1e6 if usd_per_hour is not None and tokens_per_second > 0 else None
+    return Throughput(tokens_per_second=tokens_per_second, mfu=mfu, usd_per_million_tokens=price)
+
+
+@dataclass(frozen=True)
 class TierCandidate:
     """One offering considered by the planner, fitting or not, priced in the plan's rental mode."""
 
@@ -470,6 +495,8 @@ def plan_training(
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.05,
     resumable: bool = True,
+    attention: AttentionImplementation = "auto",
+    loss: LossPath = "chunked",
 ) -> TrainingPlan:
     """Cheapest fitting GPU, rental mode, hours and cost of one training run.
 
@@ -479,7 +506,9 @@ def plan_training(
     cost_model = cost_model or CostModel()
     if train_tokens < 1 or epochs <= 0:
         raise ValueError(f"train_tokens must be >= 1 and epochs > 0 (got {train_tokens}, {epochs})")
-    vram = estimate_vram(shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout)
+    vram = estimate_vram(
+        shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout, attention, loss
+    )
     total_tokens = round(train_tokens * epochs)
     mode, warnings = rental_mode_for(purpose, resumable)
     if mode == "none":
@@ -594,7 +623,9 @@ def _no_fit_message(
         method = "qlora"
         options.append(("method qlora", method, checkpointing, batch))
     for number, (label, method, checkpointing, batch) in enumerate(options):
-        estimate = estimate_vram(shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout)
+        estimate = estimate_vram(
+            shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout, vram.attention, vram.loss
+        )
         fitting = [c.name for c in candidates if estimate.total_gib <= c.usable_gib]
         verdict = f"fits {', '.join(fitting)}" if fitting else "still too big"
         lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB, {verdict}")
