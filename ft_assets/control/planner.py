@@ -17,30 +17,44 @@ tokens per micro-batch. It models the training plane's recipe (``ft_assets.train
                               bits/param (QLoRA paper, sec. 3); embeddings, lm_head and norms are upcast
                               to fp32 by peft.prepare_model_for_kbit_training
       A = r x sum(in + out) over the adapted projections x L
-    activations (bf16, SDPA/flash attention: no seq^2 term)
+    activations (bf16; the attention scores are a term of their own)
       per layer per token  8h + 6q + 4kv + 8i   (norm inputs, q/k/v, attention out, o_proj input, the
                                                 four SwiGLU tensors), plus for LoRA per adapted projection
                                                 (2 or 3) x in + 2r (adapter input copy, dropout mask)
       with gradient checkpointing  L x 2h x T (each layer's input) + one layer recomputed in backward
       without                      L x per-layer x T
-      logits  16 V T: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for backward,
-              its fp32 gradient and the bf16 one back into lm_head. Calibrated on Unsloth's table of
-              the longest Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k
-              tokens from 12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
-    overhead  0.75 GiB: CUDA context with lazy module loading, cuBLAS workspace, allocator slack.
+    attention scores  10 x heads x seq^2 x batch bytes, for one layer with checkpointing (all L without),
+              only on the sdpa/eager path: a packed row's block-diagonal mask is a dense mask, and they
+              keep per-head scores (bf16 2 + fp32 softmax 4 + bf16 probabilities 2 + their gradient 2).
+              flash_attention_2 (varlen from position_ids) and flex_attention (document mask) keep none.
+      logits  16 V x T_logits: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for
+              backward, its fp32 gradient and the bf16 one back into lm_head. T_logits = T with a
+              full-logit loss (Hugging Face's), one chunk (``training.loss.chunk_tokens``: 64 MiB of fp32
+              logits) with the recipe's chunked loss. Calibrated on Unsloth's table of the longest
+              Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k tokens from
+              12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
+    slack     4% of all the tensors above: what the caching allocator reserves beyond what is allocated
+              (block rounding, fragmentation), fitted on the H200 run below.
+    overhead  0.6 GiB: the CUDA context (CUDA 13 driver, lazy module loading), measured on an H200.
 
-Checked in ``test_planner.py`` against measured runs, 1-14% under them: Qwen's README (LoRA r=64,
-1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA context table; and against the
-ranges of the LLaMA-Factory and Unsloth hardware tables; the planner's 10% VRAM headroom absorbs
-the bias. What it gives (batch 1, gradient checkpointing, LoRA r=16 on all seven projections,
-dropout 0.05; ``python -m ft_assets.control.planner`` prints it):
+Checked in ``test_planner.py``, on the path each run used (HF's full-logit loss, FlashAttention-2):
+Qwen's README (LoRA r=64, 1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA
+context table, within 15%; the ranges of the LLaMA-Factory and Unsloth hardware tables; and the run
+measured once on an H200 (2026-11-30, sdpa with the packed block mask, full logits): Llama-2-7B
+shape, r=16, 1 x 2048 tokens, checkpointing, QLoRA 8.3 GiB measured vs 8.8 planned (+6%), LoRA 19.3
+vs 17.6 (-9%; that LoRA run followed the QLoRA one in the same process, whose graph likely still held
+its NF4 weights: pending a re-measure with ``benchmarks/gpu_step.py --shape llama2-7b``). The
+planner's 10% VRAM headroom absorbs the rest. What it gives for the recipe's own path (chunked loss,
+flash or flex attention; batch 1, gradient checkpointing, LoRA r=16 on all seven projections, dropout
+0.05; ``python -m ft_assets.control.planner`` prints it):
 
     GiB at seq 512 / 2048   qlora          lora           full
-    Qwen2.5-0.5B            2.8 / 6.4      3.0 / 6.7      9.3 / 12.9
-    Llama-2-7B              5.9 / 7.4     14.4 / 15.9    101.6 / 102.9
-    Llama-2-13B             9.6 / 11.4    26.5 / 28.3    195.2 / 196.8
+    Qwen2.5-0.5B            1.8 / 2.0      2.0 / 2.2      8.6 / 8.7
+    Llama-2-7B              6.0 / 6.8     14.8 / 15.6    105.5 / 106.1
+    Llama-2-13B             9.8 / 10.9    27.4 / 28.5    202.9 / 203.8
 
-The 0.5B column is mostly logits: Qwen's 151,936-token vocabulary costs 2.3 GiB per 1k tokens.
+With a full-logit loss the 0.5B column would be mostly logits: Qwen's 151,936-token vocabulary costs
+2.3 GiB per 1k tokens; chunked, one 64 MiB chunk's worth.
 
 Throughput: hardware FLOPs per token = 2 x matmul params x (1 forward + 2 backward for full, 1 for
 LoRA whose frozen weights need input gradients only + 1 recompute with checkpointing) + causal
