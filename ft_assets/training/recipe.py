@@ -23,12 +23,19 @@ Packed rows carry several chat examples each. Attention must not cross example b
 transformers (5.x) builds a block-diagonal causal mask from ``position_ids`` (they restart at 0 at
 every example) when ``attention_mask`` is None AND no KV cache exists. Llama's config says
 ``use_cache=True``, which silently creates a cache in training and turns the packing detection off,
-so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts).
+so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts). How the
+mask is applied is the attention backend's (``resolve_attention``): varlen FlashAttention or a
+FlexAttention document mask on a GPU, a dense block mask with sdpa on CPU.
+
+On a GPU the loop does not wait for it between steps: AdamW is fused, the learned-token count comes
+from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
+reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
 Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.recipe ...``
 (or ``torchrun --nproc_per_node N -m ...``). Without a GPU the same command forms a gloo group,
 because the recipe asks accelerate for ``cpu=True`` then; accelerate's own ``--cpu`` flag would
 start a single process. Only rank 0 writes checkpoints and logs; all ranks restore their own RNG.
+FSDP is refused: a checkpoint holds rank 0's trainable weights and optimizer state, one shard of them.
 
 On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
 optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
