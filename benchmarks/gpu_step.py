@@ -138,13 +138,13 @@ def free_memory(device) -> None:
 
 
 def timed_steps(model, optimizer, make_batch, device, steps: int, warmup: int) -> tuple[float, int, int, float]:
-    """(seconds, real tokens, token slots) over the timed steps, and the last loss per learned token."""
+    """(seconds, real tokens, token slots) over the timed steps, and the last step's loss per learned token."""
     import torch
 
     from ft_assets.training.loss import learned_tokens, token_loss_sum
 
     cuda = device.type == "cuda"
-    elapsed, real, slots, last = 0.0, 0, 0, float("nan")
+    elapsed, real, slots = 0.0, 0, 0
     for step in range(warmup + steps):
         inputs, step_real = make_batch(step)
         count = max(learned_tokens(inputs), 1)
@@ -162,8 +162,7 @@ def timed_steps(model, optimizer, make_batch, device, steps: int, warmup: int) -
             elapsed += time.perf_counter() - started
             real += step_real
             slots += inputs["input_ids"].numel()
-    last = float(loss.detach())
-    return elapsed, real, slots, last
+    return elapsed, real, slots, float(loss.detach())
 
 
 def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int, checkpointing: bool = False):
@@ -240,10 +239,11 @@ def smollm2_suite(args, device, peak_tflops, context) -> dict:
         batch, steps, warmup, model_dir = BATCH, args.steps or STEPS, WARMUP, args.model or smollm2_dir()
     data = prepare_examples(model_dir, cache_dir() / "work" / "gpu-step-data", SEQ_LEN, SMOKE_RECORDS if args.cpu_smoke else None)
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
-    run = lambda method, layout, attention: measure(  # noqa: E731
-        method, layout, model_dir, data, device, batch, steps, warmup, attention, flops_per_token(shape, method, SEQ_LEN, False),
-        peak_tflops, context,
-    )  # fmt: skip
+
+    def run(method: str, layout: str, attention: str) -> dict:
+        flops = flops_per_token(shape, method, SEQ_LEN, False)
+        return measure(method, layout, model_dir, data, device, batch, steps, warmup, attention, flops, peak_tflops, context)
+
     results = [run(method, layout, "auto") for method in args.methods.split(",") for layout in ("packed", "padded")]
     attention = [run("lora", "packed", backend) for backend in backends(device)]
     print(table(
