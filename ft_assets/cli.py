@@ -238,11 +238,15 @@ def plan_summary(store, partition_key: str) -> dict:
 
 
 def training_summary(store, partition_key: str) -> dict:
+    from ft_assets.control.assets import measured_throughput
+    from ft_assets.control.cost_model import load_cost_model
     from ft_assets.refs import read_ref
 
     adapter = read_ref(store, partition_key, "lora_adapter")
     stats = adapter["stats"]
+    speed = measured_throughput(adapter, read_ref(store, partition_key, "training_plan"), load_cost_model(os.environ.get("FT_COST_MODEL")))
     return {
+        **speed.as_dict(),  # tokens_per_second, mfu (None off CUDA), usd_per_million_tokens
         "train_loss": stats["train_loss"],
         "eval_loss": stats["eval_loss"],
         "steps": stats["steps"],
@@ -253,6 +257,69 @@ def training_summary(store, partition_key: str) -> dict:
         "training_method": stats["method"],
         "adapter_uri": adapter["uri"],
     }
+
+
+def read_model_config(path: Path) -> dict:
+    """A transformers config.json, given as the file or the model directory holding it."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CliError(f"cannot read the model config {file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CliError(f"{file} is not a config.json object")
+    return config
+
+
+def cmd_plan(args: argparse.Namespace, partial: dict) -> dict:
+    """Peak VRAM, the GPU tier and the estimate for a model, before any data or run exists."""
+    from ft_assets.control.cost_model import CostModelError, load_cost_model
+    from ft_assets.control.planner import ModelShape, NoGpuFits, flops_per_token, plan_training, throughput
+
+    path = Path(args.model_config)
+    try:
+        shape = ModelShape.from_config(read_model_config(path), name=(path if path.is_dir() else path.parent).name)
+        cost_model = load_cost_model(args.cost_model or os.environ.get("FT_COST_MODEL") or None)
+        plan = plan_training(
+            shape, args.method, args.seq_len, args.batch, args.gradient_checkpointing, train_tokens=args.tokens,
+            cost_model=cost_model, purpose="experiment", attention=args.attn_implementation,
+        )  # fmt: skip
+    except NoGpuFits as exc:
+        raise CliError(str(exc)) from exc
+    except (CostModelError, ValueError) as exc:
+        raise CliError(f"plan: {exc}") from exc
+    flops = flops_per_token(shape, args.method, args.seq_len, args.gradient_checkpointing)
+    speed = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour)
+    return {
+        "model": shape.name,
+        "params": shape.params,
+        **plan.vram.as_dict(),  # method, seq_len, micro_batch, attention, the *_gib parts and total_gib
+        "breakdown": plan.vram.breakdown(),
+        "tier": plan.tier,
+        "gpu": plan.gpu,
+        "rental_mode": plan.mode,
+        "usd_per_hour": plan.usd_per_hour,
+        "flops_per_token": flops,
+        **speed.as_dict(),
+        "train_tokens": plan.total_tokens,
+        "est_hours": plan.est_hours,
+        "est_cost_usd": plan.est_cost_usd,
+        "warnings": list(plan.warnings),
+    }
+
+
+def print_plan(plan: dict) -> None:
+    print(
+        f"{plan['model']} ({plan['params'] / 1e9:.2f}B params), {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
+        f"tokens, gradient checkpointing {'on' if plan['grad_checkpointing'] else 'off'}, attention {plan['attention']}\n"
+        f"  needs {plan['breakdown']}\n"
+        f"  tier {plan['tier']} ({plan['gpu']}, {plan['rental_mode']}, ${plan['usd_per_hour']:.2f}/h): "
+        f"~{plan['tokens_per_second']:,.0f} tokens/s at MFU {plan['mfu']:.0%}, ${plan['usd_per_million_tokens']:.2f} per million tokens\n"
+        f"  {plan['train_tokens']:,} tokens: ~{plan['est_hours']:.2f} h, ~${plan['est_cost_usd']:.2f}",
+        flush=True,
+    )
+    for warning in plan["warnings"]:
+        print(f"  warning: {warning}", flush=True)
 
 
 def delivery_summary(store, partition_key: str) -> dict:
@@ -547,6 +614,17 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
     lineage.add_argument("--fast", action="store_true", help="compare manifest digests only; do not re-hash every file")
     lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
+    plan = sub.add_parser("plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone")
+    plan.add_argument("--model-config", required=True, help="a transformers config.json, or the model directory holding it")
+    plan.add_argument("--method", choices=("lora", "qlora", "full"), required=True)
+    plan.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+    plan.add_argument("--batch", type=int, default=1, help="packed rows per forward pass (default 1)")
+    plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    plan.add_argument("--attn-implementation", default="auto", choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"))
+    plan.add_argument("--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)")
+    plan.add_argument("--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON, the last line of stdout")
+    plan.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
     return parser
 
 
@@ -555,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     from ft_assets.data.readers import DatasetFileError
     from ft_assets.storage import StoreError
 
-    command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage)}[args.command]
+    command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage), "plan": (cmd_plan, print_plan)}[args.command]
     partial: dict = {}
     try:
         result = command(args, partial)
@@ -571,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     show(result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
-    return 0 if args.command == "run" or result["verified"] else 1
+    return 0 if args.command != "lineage" or result["verified"] else 1
 
 
 def fail(args: argparse.Namespace, partial: dict, message: str, exc: Exception) -> int:

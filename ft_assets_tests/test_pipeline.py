@@ -58,6 +58,7 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     code, summary, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert summary["steps"] == 60 and summary["train_loss"] < 0.5  # the random base: ~7.5
+    assert summary["tokens_per_second"] > 0 and summary["mfu"] is None and summary["usd_per_million_tokens"] > 0  # CPU: no peak
     assert summary["base_metric"] == 0.0
     assert summary["finetuned_metric"] >= 0.5, summary
     assert summary["finetuned_eval_loss"] < summary["base_eval_loss"]

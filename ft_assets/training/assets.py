@@ -195,6 +195,7 @@ def lora_adapter(
             for key in (
                 "method", "device", "steps", "train_loss", "eval_loss", "tokens_seen", "wall_seconds", "step_seconds",
                 "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts", "resolved",
+                "attn_implementation", "tokens_per_second",
             )
         }  # fmt: skip
         stats["run_id"] = run
@@ -216,6 +217,8 @@ def lora_adapter(
         train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
         eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
         tokens_seen=stats["tokens_seen"],
+        tokens_per_second=dg.MetadataValue.float(round(stats["tokens_per_second"], 1)),
+        attn_implementation=stats["attn_implementation"],
         wall_seconds=round(stats["wall_seconds"], 1),
         effective_training_fraction=dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
         resumed_from_step=stats["resumed_from_step"] or 0,

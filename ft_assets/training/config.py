@@ -29,15 +29,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Method = Literal["qlora", "lora", "full"]
+AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
 ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
 # and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
-# memory for compute with the same math, so it may be flipped between attempts to fit a smaller GPU.
+# memory for compute with the same math, so it may be flipped between attempts to fit a smaller GPU;
+# the attention backend and torch.compile are the same math too (an attempt on another GPU may have
+# other kernels), different only in floating-point rounding.
 OPERATIONAL_FIELDS = frozenset(
-    {"save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing"}
-)
+    {
+        "save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing",
+        "attn_implementation", "compile",
+    }
+)  # fmt: skip
 
 DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
 
@@ -122,6 +128,17 @@ class TrainingConfig(BaseModel):
     )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward: ~30% slower, much less GPU memory."
+    )
+    attn_implementation: AttentionImplementation = Field(
+        default="auto",
+        description="Attention backend: 'auto' (flash_attention_2 if flash-attn is installed on a CUDA GPU, else "
+        "flex_attention on CUDA, else sdpa), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows "
+        "stay apart in all of them; flash and flex never build the per-head seq x seq score matrices of sdpa/eager.",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the model (fewer kernel launches for small models; the first steps compile). "
+        "Off until measured on your GPU.",
     )
     save_steps: int = Field(default=50, description="Checkpoint to the object store every this many optimizer steps.")
     save_total_limit: int | None = Field(
