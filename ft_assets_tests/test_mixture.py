@@ -149,29 +149,33 @@ def test_mixture_of_a_version_a_csv_file_and_a_hub_dataset(project, hub_cache, c
     lines = describe_source(source)
     assert lines[0] == "  mixture, seed 3:"
     assert lines[3].startswith(f"    hub: hf://acme/qa@main → commit {MAIN} (weight 0.1, 30 rows drawn, digest ")
+    checkpoint = home / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "weights.safetensors").write_bytes(b"weights")
     registry = home / "registry-entry"
     registry.mkdir()
-    (registry / "lineage.json").write_text(json.dumps(minimal_lineage(summary["partition"], source)))
+    digest = publish_dir(store, "runs/mix/v1/train/run/checkpoint-00000001", checkpoint).digest
+    lineage = minimal_lineage(summary["partition"], source, {"key": "runs/mix/v1/train/run/checkpoint-00000001", "digest": digest})
+    (registry / "lineage.json").write_text(json.dumps(lineage))
     publish_dir(store, "registry/mix/v1/run", registry)
     assert main(["lineage", str(store.root / "registry/mix/v1/run")]) == 0
     printed = capsys.readouterr().out
     assert "\n".join(lines) in printed
 
 
-def minimal_lineage(partition: str, source: dict) -> dict:
+def minimal_lineage(partition: str, source: dict, checkpoint: dict) -> dict:
     """A lineage.json with what ``ft-assets lineage`` prints and no artifact chain (the pipeline test checks that)."""
     return {
         "partition": partition,
         "dataset_source": source,
-        "published_uri": "registry/mix/v1/run",
+        "published_key": "registry/mix/v1/run",
         "base_model": {"model_id": "tiny", "source_sha256": "0" * 64},
-        "training": {"checkpoint": "c", "run_id": "run", "method": "lora", "steps": 1, "resumed_from_step": None},
+        "training": {"checkpoint": checkpoint, "run_id": "run", "method": "lora", "steps": 1, "resumed_from_step": None},
         "gguf": {},
         "eval": {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 1.0},
         "code_version": "test",
         "artifacts": [],
     }
-
 
 def test_the_lineage_manifest_carries_the_dataset_source():
     from ft_assets.delivery.publish import build_lineage

@@ -184,7 +184,7 @@ def test_unsupported_input_is_refused_before_anything_is_uploaded(home, capsys):
     for path, error in [
         (inputs / "notes.xlsx", r"notes\.xlsx: not an input ft-assets reads; use a data file \(\.jsonl, .*hf://owner/name@revision"),
         (inputs, r"inputs: no data files in this directory \(found: README\.md, notes\.xlsx\); use a data file"),
-        (home / "missing.jsonl", r"missing\.jsonl: no such file or directory; use a data file"),
+        (home / "missing.jsonl", r"dataset path .*missing\.jsonl does not exist"),
     ]:
         assert main(["run", "--dataset", str(path), "--until", "data"]) == 2
         assert __import__("re").search(error, capsys.readouterr().err)

@@ -38,7 +38,9 @@ from ft_assets.training.checkpoints import (
     run_id,
 )
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, train
+from ft_assets.training import recipe
+from ft_assets.training.loss import learned_tokens, token_loss_sum
+from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
 
 SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
 RUN = "runs/timers/v1/train/test"
@@ -195,26 +197,47 @@ def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
     assert plan.epoch_order(0).tolist() != plan.epoch_order(1).tolist()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])  # flash_attention_2: test_gpu.py
 def test_packed_examples_do_not_attend_to_each_other(tiny_model, shards, attn):
-    """transformers builds the block-diagonal mask from position_ids, but only without a KV cache."""
+    """transformers builds the block-diagonal mask from position_ids, but only without a KV cache.
+
+    Each example alone goes through sdpa, the reference: flex_attention on CPU runs forward only (its
+    training is checked on CUDA, test_gpu.py), and torch 2.13's CPU kernel returns wrong values on the
+    first call after a change of sequence length, which the examples' different lengths would hit.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    assert model.config._attn_implementation == attn
     row = pq.read_table(shards / "train-00000.parquet").slice(0, 1).to_pylist()[0]
     assert len(row["seq_lens"]) >= 2 and sum(row["seq_lens"]) < SEQ_LEN
-    input_ids = torch.tensor([row["input_ids"]])
-    position_ids = torch.tensor([row["position_ids"]])
+    rows = load_packed_rows(shards, "train", max_seq_len=SEQ_LEN)
+    batch = rows.batch([0], torch.device("cpu"))
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     with torch.no_grad():
         packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
         leaky = model(input_ids=input_ids, position_ids=position_ids).logits[0]  # config.use_cache=True
-        start = 0
+        packed_loss = token_loss_sum(model, batch)
+        alone_loss, start = 0.0, 0
         for length in row["seq_lens"]:
-            alone = model(input_ids=input_ids[:, start : start + length]).logits[0]
+            alone = reference(input_ids=input_ids[:, start : start + length]).logits[0]
             assert torch.allclose(packed[start : start + length], alone, atol=1e-5)
+            example = {name: value[:, start : start + length] for name, value in batch.items()}
+            alone_loss += float(token_loss_sum(reference, example))
             start += length
+    assert learned_tokens(batch) > 0 and float(packed_loss) == pytest.approx(alone_loss, rel=1e-5)
     second = slice(row["seq_lens"][0], row["seq_lens"][0] + row["seq_lens"][1])
     assert not torch.allclose(leaky[second], packed[second], atol=1e-3), "a KV cache should disable packing detection"
+
+
+def test_auto_attention_is_sdpa_on_cpu_and_gpu_only_backends_are_refused():
+    cpu = torch.device("cpu")
+    assert resolve_attention("auto", cpu) == "sdpa" and resolve_attention("eager", cpu) == "eager"
+    with pytest.raises(ValueError, match="flex_attention' trains on CUDA"):
+        resolve_attention("flex_attention", cpu)
+    with pytest.raises(ValueError, match="needs a CUDA GPU and the flash-attn package"):
+        resolve_attention("flash_attention_2", cpu)
 
 
 # --- checkpoint store pieces ---------------------------------------------------------------------
@@ -352,6 +375,52 @@ def test_gradient_checkpointing_changes_memory_not_weights(tiny_model, shards, t
     result = train(config(max_steps=24, gradient_checkpointing=True), tiny_model, shards, LocalStore(tmp_path / "store"),
                    RUN, tmp_path / "work", log=lambda line: None)  # fmt: skip
     assert_same_weights(final_weights(result), reference)
+
+
+@pytest.mark.integration
+def test_losses_read_only_at_logging_steps_are_the_losses_read_every_step(tiny_model, shards, tmp_path):
+    """The loop reads losses to the host at logging and checkpoint steps only (no sync per step on CUDA)."""
+    every = train(config(logging_steps=1), tiny_model, shards, LocalStore(tmp_path / "a"), RUN, tmp_path / "wa", log=lambda line: None)
+    once = train(config(logging_steps=12, save_steps=12), tiny_model, shards, LocalStore(tmp_path / "b"), RUN, tmp_path / "wb",
+                 log=lambda line: None)  # fmt: skip
+    assert [step for step, _ in once.loss_history] == list(range(1, 13))
+    assert once.loss_history == every.loss_history
+    assert_same_weights(final_weights(once), final_weights(every))
+    assert once.attn_implementation == "sdpa" and once.tokens_per_second > 0
+
+
+@pytest.mark.integration
+def test_compiled_model_trains_like_the_eager_one(tiny_model, shards, tmp_path):
+    """torch.compile on CPU (inductor, a C++ compiler): ~1 min of compiling, then the same losses."""
+    train_only = tmp_path / "shards"
+    train_only.mkdir()
+    for path in shards.glob("train-*.parquet"):
+        (train_only / path.name).write_bytes(path.read_bytes())
+    runs = {
+        compiled: train(config(max_steps=3, learning_rate=1e-3, compile=compiled), tiny_model, train_only, LocalStore(tmp_path / f"s{compiled}"),
+                        RUN, tmp_path / f"w{compiled}", log=lambda line: None)
+        for compiled in (False, True)
+    }  # fmt: skip
+    losses = {compiled: [loss for _, loss in run.loss_history] for compiled, run in runs.items()}
+    # The same forward, then updates that differ by rounding only (a small learning rate keeps AdamW's
+    # sign-like first steps on near-zero gradients from magnifying it).
+    assert len(losses[True]) == 3 and losses[True][0] == pytest.approx(losses[False][0], rel=1e-5)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+def test_fsdp_is_refused_with_what_to_do_instead(tiny_model, shards, tmp_path, monkeypatch):
+    """Checkpoints hold rank 0's trainable state: under FSDP that is a shard, so FSDP runs are refused."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    class FsdpAccelerator(Accelerator):
+        @property
+        def distributed_type(self):
+            return DistributedType.FSDP
+
+    monkeypatch.setattr(recipe, "Accelerator", FsdpAccelerator)
+    with pytest.raises(ValueError, match="FSDP is not supported: checkpoints would hold only rank 0's shard"):
+        train(config(), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
 
 
 @pytest.mark.integration

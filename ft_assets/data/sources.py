@@ -85,7 +85,7 @@ def stage(spec: str, work: Path, store=None, split: str | None = None) -> Staged
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return _stage_saved(path, split)
         return _stage_directory(path)
-    raise DatasetFileError(f"{spec}: no such file or directory; use {ACCEPTED}")
+    raise DatasetFileError(f"dataset path {spec} does not exist")
 
 
 def _stage_directory(path: Path) -> Staged:

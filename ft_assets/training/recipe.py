@@ -23,12 +23,19 @@ Packed rows carry several chat examples each. Attention must not cross example b
 transformers (5.x) builds a block-diagonal causal mask from ``position_ids`` (they restart at 0 at
 every example) when ``attention_mask`` is None AND no KV cache exists. Llama's config says
 ``use_cache=True``, which silently creates a cache in training and turns the packing detection off,
-so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts).
+so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts). How the
+mask is applied is the attention backend's (``resolve_attention``): varlen FlashAttention or a
+FlexAttention document mask on a GPU, a dense block mask with sdpa on CPU.
+
+On a GPU the loop does not wait for it between steps: AdamW is fused, the learned-token count comes
+from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
+reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
 Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.recipe ...``
 (or ``torchrun --nproc_per_node N -m ...``). Without a GPU the same command forms a gloo group,
 because the recipe asks accelerate for ``cpu=True`` then; accelerate's own ``--cpu`` flag would
 start a single process. Only rank 0 writes checkpoints and logs; all ranks restore their own RNG.
+FSDP is refused: a checkpoint holds rank 0's trainable weights and optimizer state, one shard of them.
 
 On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
 optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -54,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 
 from ft_assets import layout
 from ft_assets.shards import load_packed_rows
@@ -71,10 +79,12 @@ from ft_assets.training.checkpoints import (
     restore_rng_state,
     write_checkpoint,
 )
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.loss import eval_loss_sum, learned_tokens, token_loss_sum
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
+FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 Log = Callable[[str], None]
@@ -107,6 +117,9 @@ class TrainingResult:
     loss_history: list[tuple[int, float]]
     restarts: list[dict]  # earlier attempts of this run (start step, last checkpoint, timings)
     bytes_uploaded: int
+    resolved: dict  # the settings the run used, defaults filled in (ResolvedTraining.as_dict)
+    attn_implementation: str  # the attention backend the run used (``auto`` resolved)
+    tokens_per_second: float  # this attempt: packed tokens (padding included) per second of step time, all processes
 
     def to_json(self) -> dict:
         raw = asdict(self)
@@ -166,6 +179,34 @@ class DataPlan:
 # --- model -----------------------------------------------------------------------------------------
 
 
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """The attention backend a run uses; ``auto`` picks the fastest this device has.
+
+    Every backend keeps packed examples apart through the position_ids that restart at 0 (transformers
+    5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
+    into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
+    mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
+    support backward on CPU"; and its first call after a change of sequence length returns wrong values)
+    and flash-attn does not exist, so ``auto`` is sdpa there.
+    """
+    cuda = device.type == "cuda"
+    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if requested == "auto":
+        if cuda and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        if cuda and torch_version >= FLEX_ATTENTION_TORCH:
+            return "flex_attention"
+        return "sdpa"
+    if requested == "flash_attention_2" and not cuda:
+        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
+    if requested == "flex_attention" and not (cuda and torch_version >= FLEX_ATTENTION_TORCH):
+        raise ValueError(
+            f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
+            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
+        )
+    return requested
+
+
 def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
     """The base model from safetensors (no pickle, no remote code), wrapped for the chosen method."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -177,7 +218,11 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
             ".bin), convert the base model with save_pretrained(safe_serialization=True)"
         )
     compute_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    kwargs = {"use_safetensors": True, "trust_remote_code": False}
+    kwargs = {
+        "use_safetensors": True,
+        "trust_remote_code": False,
+        "attn_implementation": resolve_attention(config.attn_implementation, device),
+    }
     if method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -231,11 +276,11 @@ def load_trainable(model, weights: dict[str, torch.Tensor], source: str) -> None
             param.copy_(weights[name])
 
 
-def make_scheduler(config: TrainingConfig, optimizer, total_steps: int):
+def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining):
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)
 
 
 # --- preemption ------------------------------------------------------------------------------------
@@ -267,6 +312,13 @@ class SigtermFlag:
             # None means a handler installed outside Python; the default action is the closest match.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
             self._installed = False
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device without waiting for the GPU: pinned memory and a non-blocking copy on CUDA."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _duration(seconds: float) -> str:
@@ -330,6 +382,13 @@ class FineTuneRecipe:
             project_dir=self.work_dir / "trackers",
         )
         accelerator = self.accelerator
+        if accelerator.distributed_type == DistributedType.FSDP:
+            # Checkpoints hold rank 0's trainable weights and optimizer state: under FSDP that is one shard.
+            raise ValueError(
+                "FSDP is not supported: checkpoints would hold only rank 0's shard of the weights and optimizer "
+                "state, so a resumed run would not continue the same run. Launch data parallel "
+                "(`accelerate launch --multi_gpu`, DDP); for a model that does not fit one GPU use method qlora"
+            )
         self.rank, self.world, self.is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
         self.say: Log = self.log if self.is_main else (lambda line: None)
         if self.world != config.num_processes:
@@ -354,14 +413,14 @@ class FineTuneRecipe:
         self.eval_rows = load_packed_rows(self.shards_dir, "eval", config.max_seq_len)
         self.plan = DataPlan(len(self.train_rows), config, self.world)
         try:
-            self.total_steps = self.plan.total_steps
+            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world)
         except ValueError as exc:
             raise ValueError(f"{self.shards_dir}: {exc}") from exc
+        self.total_steps = self.resolved.total_steps
         self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
         self.say(
             f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens, "
-            f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; "
-            f"{self.plan.steps_per_epoch} steps/epoch, {self.total_steps} steps"
+            f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; {self.resolved.describe()}"
         )
 
     def _setup_model(self) -> None:
@@ -369,12 +428,23 @@ class FineTuneRecipe:
         config = self.config
         set_seed(config.seed)
         model = load_model(config, self.method, self.base_model_dir, self.device)
+        self.attention = model.config._attn_implementation
         self.model = self.accelerator.prepare_model(model)
         self.unwrapped = self.accelerator.unwrap_model(self.model)
+        if config.compile:
+            self.model.compile()  # in place: parameter names (and so checkpoints) stay the same
         self.params = trainable_parameters(self.unwrapped)
-        self.say(f"{sum(p.numel() for p in self.params.values()):,} trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.scheduler = make_scheduler(config, self.optimizer, self.total_steps)
+        self.say(
+            f"{sum(p.numel() for p in self.params.values()):,} trainable parameters, attention {self.attention}"
+            f"{', torch.compile' if config.compile else ''}"
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.params.values(),
+            lr=self.resolved.learning_rate,
+            weight_decay=config.weight_decay,
+            fused=True if self.device.type == "cuda" else None,  # one kernel for all parameters; CPU: foreach
+        )
+        self.scheduler = make_scheduler(config, self.optimizer, self.resolved)
 
     # --- resume ---
 
@@ -417,6 +487,7 @@ class FineTuneRecipe:
         self.last_saved = self.state.step if checkpoint else None
         self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
         self.attempt = self.state.attempts[-1]
+        self.pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device) not yet read
         if rng_state is not None:
             restore_rng_state(rng_state)
 
@@ -449,10 +520,10 @@ class FineTuneRecipe:
 
         A collective under DDP: every rank calls it at every step boundary, so all of them stop at the same step.
         """
-        stop = torch.tensor([float(self.sigterm.requested)], device=self.device)
-        if self.world > 1:
-            stop = self.accelerator.reduce(stop, "sum")
-        if stop.item() == 0:
+        stop = self.sigterm.requested
+        if self.world > 1:  # the processes agree on the step to stop at: a collective and a host sync per step
+            stop = self.accelerator.reduce(torch.tensor([float(stop)], device=self.device), "sum").item() > 0
+        if not stop:
             return
         self.say(f"SIGTERM received: checkpointing step {self.state.step} and stopping")
         if self.state.step > 0 and self.last_saved != self.state.step:
@@ -463,19 +534,28 @@ class FineTuneRecipe:
         raise Preempted(self.state.step, uri)
 
     def train_step(self) -> None:
-        """One optimizer step over this rank's micro-batches of step ``state.step``, then the step's bookkeeping."""
+        """One optimizer step over this rank's micro-batches of step ``state.step``, then the step's bookkeeping.
+
+        No host sync on CUDA except at logging and checkpoint steps: the learned-token count comes from the
+        rows on the host, and the step's loss stays on the device (``pending_losses``) until
+        ``read_losses`` copies the losses since the last read into the loss history in one transfer.
+        """
         accelerator, device, world = self.accelerator, self.device, self.world
         step_started = time.monotonic()
-        batches = [self.train_rows.batch(i, device) for i in self.plan.micro_batches(self.state.step, self.rank)]
+        rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
         # Normalise by the learned tokens of the whole step (all micro-batches, all processes):
         # the loss is then the true per-token mean, whatever the packing put in each row.
-        items = torch.tensor([sum(learned_tokens(b) for b in batches)], device=device)
-        items = max(int(accelerator.reduce(items, "sum").item()), 1)
+        items = sum(learned_tokens(b) for b in rows)
+        if world > 1:
+            items = accelerator.reduce(torch.tensor([items], device=device), "sum")[0].clamp(min=1)
+        else:
+            items = max(items, 1)
         step_loss = torch.zeros((), device=device)
-        for micro, batch in enumerate(batches):
-            last = micro == len(batches) - 1
+        for micro, host_batch in enumerate(rows):
+            batch = {name: _to_device(value, device) for name, value in host_batch.items()}
+            last = micro == len(rows) - 1
             with accelerator.no_sync(self.model) if not last else nullcontext():
-                loss_sum, _ = token_loss_sum(self.model, batch)
+                loss_sum = token_loss_sum(self.model, batch)
                 # DDP averages gradients over processes; scale back up to a sum over all tokens.
                 accelerator.backward(loss_sum * (world / items))
             step_loss += loss_sum.detach().float() / items
@@ -484,15 +564,25 @@ class FineTuneRecipe:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(accelerator.reduce(step_loss, "sum").item())
-        self.step_seconds += time.monotonic() - step_started
 
         state = self.state
         state.step += 1
         state.epoch = state.step // self.plan.steps_per_epoch
         state.samples_seen += self.plan.rows_per_step
         state.tokens_seen += self.tokens_per_step
-        state.loss_history.append((state.step, loss))
+        self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss))
+        step, config = state.step, self.config
+        if step % config.logging_steps == 0 or step % config.save_steps == 0 or step == self.total_steps:
+            self.read_losses()  # inside the timed step: on CUDA this is where the queued work finishes
+        self.step_seconds += time.monotonic() - step_started
+
+    def read_losses(self) -> None:
+        """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
+        if self.pending_losses:
+            steps = [step for step, _ in self.pending_losses]
+            values = torch.stack([loss for _, loss in self.pending_losses]).tolist()
+            self.state.loss_history.extend(zip(steps, values))
+            self.pending_losses = []
 
     def log_progress(self) -> None:
         """Log and report the mean loss, learning rate, throughput and ETA of the steps since the last log line."""
@@ -527,6 +617,7 @@ class FineTuneRecipe:
 
     def save_checkpoint(self) -> None:
         """All processes: gather RNG states; rank 0: write locally and hand to the uploader."""
+        self.read_losses()
         rng_states = gather_object([capture_rng_state()]) if self.world > 1 else [capture_rng_state()]
         state = self.state
         if self.is_main:
@@ -588,6 +679,8 @@ class FineTuneRecipe:
         """This attempt's figures, with wall time up to now; logs the closing line."""
         wall = time.monotonic() - self.started
         state = self.state
+        self.read_losses()
+        trained = (state.step - (self.resumed_from or 0)) * self.tokens_per_step  # this attempt
         recent = [value for _, value in state.loss_history[-self.config.logging_steps :]]
         result = TrainingResult(
             output_dir=self.output_dir,
@@ -605,6 +698,9 @@ class FineTuneRecipe:
             loss_history=list(state.loss_history),
             restarts=state.attempts[:-1],
             bytes_uploaded=self.uploader.bytes_uploaded,
+            resolved=self.resolved.as_dict(),
+            attn_implementation=self.attention,
+            tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
         )
         named = (("train", result.train_loss), ("eval", self.eval_loss))
         losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
@@ -633,7 +729,8 @@ def train(
     """
     started = time.monotonic() if started_at is None else started_at
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
-    with SigtermFlag() as sigterm:
+    # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
+    with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
         recipe = FineTuneRecipe(
             config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started
         )
