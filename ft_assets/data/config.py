@@ -1,9 +1,8 @@
 """Launchpad configuration of the data-plane assets; every field has a default and a help text."""
 
 
-from pydantic import Field
-
 import dagster as dg
+from pydantic import Field
 
 from ft_assets.data.cleaning import CleaningRules
 from ft_assets.data.dedup import DedupRules
