@@ -130,6 +130,21 @@ def load_run_config(path: str | None) -> dict:
     return loaded
 
 
+def set_data_executor(run_config: dict, workers: int | None, ray_address: str | None) -> None:
+    """``--data-workers`` and ``--ray-address`` into the run config's ``data_executor`` resource, over the config file's."""
+    settings = {name: value for name, value in (("workers", workers), ("ray_address", ray_address)) if value is not None}
+    if settings:
+        resource = run_config.setdefault("resources", {}).setdefault("data_executor", {})
+        resource.setdefault("config", {}).update(settings)
+
+
+def worker_count(text: str) -> int:
+    """``--data-workers``: 0 (every core) or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of workers (0: every core, 1: one process)")
+    return int(text)
+
+
 def add_partitions(instance, partitions_def_name: str, keys: list[str], attempts: int = 3) -> None:
     """Add dynamic partitions, tolerating another ``ft-assets run`` adding the same ones at the same moment.
 
@@ -360,6 +375,7 @@ def cmd_run(args: argparse.Namespace, summary: dict) -> dict:
     from ft_assets.storage import open_store
 
     run_config = load_run_config(args.config)
+    set_data_executor(run_config, args.data_workers, args.ray_address)
     run_config.setdefault("loggers", {"ft_console": {"config": {"verbose": args.verbose}}})
     store = open_store()
     key, new = register_dataset(store, args.dataset, args.name, args.version)
@@ -613,6 +629,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--version", help="dataset version (default: v-<sha256 of the content, 12 hex>)")
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
+    run.add_argument(
+        "--data-workers", type=worker_count, metavar="N",
+        help="data plane: shards run at once (default: every core, or every CPU of the Ray cluster; 1: one process)",
+    )
+    run.add_argument(
+        "--ray-address", metavar="ADDR|local",
+        help="data plane on Ray: 'local' starts Ray on this machine; ray://head:10001 or head:6379 uses a running cluster",
+    )  # fmt: skip
     run.add_argument("--force", action="store_true", help="rerun planes that are already materialized from the same inputs")
     run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure")
     run.add_argument("--verbose", action="store_true", help="print every run event with its stack trace")

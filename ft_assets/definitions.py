@@ -10,6 +10,7 @@ from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.control.shutdown import Ec2WorkersResource, idle_gpu_worker_sensor
 from ft_assets.data import assets as data_assets
 from ft_assets.data import checks as data_checks
+from ft_assets.data.resources import DataExecutorResource
 from ft_assets.delivery import assets as delivery_assets
 from ft_assets.delivery import checks as delivery_checks
 from ft_assets.resources import ArtifactRefIOManager, ObjectStoreResource
@@ -23,6 +24,11 @@ defs = dg.Definitions(
     jobs=PLANE_JOBS,
     sensors=[dataset_version_sensor, train_after_data, deliver_after_training, idle_gpu_worker_sensor],
     schedules=[training_window],
-    resources={"store": store, "refs": ArtifactRefIOManager(store=store), "ec2_workers": Ec2WorkersResource()},
+    resources={
+        "store": store,
+        "refs": ArtifactRefIOManager(store=store),
+        "data_executor": DataExecutorResource(),
+        "ec2_workers": Ec2WorkersResource(),
+    },
     loggers={"ft_console": ft_console},
 )

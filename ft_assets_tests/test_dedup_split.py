@@ -2,7 +2,19 @@ from collections import Counter
 
 import pytest
 
-from ft_assets.data.dedup import DedupRules, NearDuplicateIndex, deduplicate_dataset, exact_key
+import numpy as np
+
+from ft_assets.data.dedup import (
+    DedupRules,
+    MinHasher,
+    band_pairs,
+    band_records,
+    cluster_roots,
+    deduplicate_dataset,
+    exact_key,
+    row_features,
+    unique_pairs,
+)
 from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_records
 from ft_assets.data.split import EVAL, TRAIN, split_dataset, split_of
 
@@ -53,11 +65,15 @@ def test_near_duplicates(name, a, b, near):
 
 
 def clusters_of(conversations, rules=DedupRules()):
-    index = NearDuplicateIndex(rules)
-    for messages in conversations:
-        index.add(messages)
-    candidates = index.candidates()
-    return index.clusters({i: index.signature(conversations[i]) for i in candidates}).tolist()
+    """Each row's near-duplicate cluster root: band collisions, verified pairs, union-find (no exact dedup)."""
+    hasher = MinHasher(rules)
+    hashes, eligible = hasher.band_hashes([row_features(messages, rules) for messages in conversations])
+    pairs = unique_pairs(band_pairs(band_records(hashes, eligible, 0), np.empty(0, dtype=np.int64)), len(conversations))
+    candidates = np.unique(pairs)
+    signatures = np.array([hasher.signature(conversations[i]) for i in candidates]).reshape(len(candidates), rules.num_perm)
+    roots = np.arange(len(conversations))
+    roots[candidates] = cluster_roots(pairs, candidates, signatures, rules.threshold)
+    return roots.tolist()
 
 
 def test_lsh_candidates_are_verified_against_the_threshold():
@@ -187,7 +203,7 @@ def test_batched_signatures_are_datasketchs_for_every_turn_shape():
     from ft_assets.data.dedup import _shingle_texts, shingle_hash, word_hashes, words_of
 
     rules = DedupRules()
-    index = NearDuplicateIndex(rules)
+    index = MinHasher(rules)
     rng = random.Random(3)
     vocabulary = [f"w{i}".encode() for i in range(40)] + words_of("çà et là, l'été")
     rows = [[[rng.choice(vocabulary) for _ in range(rng.choice([0, 1, 3, 5, 6, 30]))] for _ in range(rng.randint(1, 4))]

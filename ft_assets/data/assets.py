@@ -16,8 +16,9 @@ from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
-from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
+from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
@@ -36,6 +37,12 @@ def _reasons(reasons: dict[str, int]) -> dg.MetadataValue:
 
 def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return dict(Counter(a) + Counter(b))
+
+
+def _executor_metadata(data_executor: DataExecutorResource, retried_before: int) -> dict:
+    """Where the asset's shards ran, and how many ran again after a worker died (never part of the output)."""
+    executor = data_executor.executor
+    return {"executor": executor.describe(), "shard_retries": executor.retried - retried_before}
 
 
 def _fetch_inputs(m: Materialization, prefix: str, shown_as: str = "") -> list[tuple[str, Path]]:
@@ -72,22 +79,25 @@ def _mixture_component(m: Materialization, record: dict, mapping: ColumnMapping 
 
 
 @dg.asset(**DATA, kinds={"python", "parquet"})
-def raw_dataset(context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource) -> dg.Output[dict]:
+def raw_dataset(
+    context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource, data_executor: DataExecutorResource
+) -> dg.Output[dict]:
     """Every input file of the dataset version (for a mixture, the rows drawn from its components),
     normalized to one chat schema; bad rows quarantined. Where the version came from is in its stats."""
     keys_of = layout.of(context.partition_key)
     mapping = config.mapping()
+    executor, retried = data_executor.executor, data_executor.executor.retried
     with Materialization(context, store, "raw") as m:
         source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
         try:
             if source is not None and source["kind"] == "mixture":
                 components = [_mixture_component(m, record, mapping) for record in source["components"]]
                 context.log.info(f"drawing {m.partition} from {len(components)} components (seed {source['seed']})")
-                stats = mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"])
+                stats = mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"], executor)
             else:
                 files = _fetch_inputs(m, keys_of.inputs)
                 context.log.info(f"reading {len(files)} file(s) of {m.partition}")
-                stats = read_dataset(files, m.out, mapping)
+                stats = read_dataset(files, m.out, mapping, executor)
                 stats["source"] = source
         except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
@@ -112,6 +122,7 @@ def raw_dataset(context: dg.AssetExecutionContext, config: RawConfig, store: Obj
         rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
         sample=table(sample),
         **origin,
+        **_executor_metadata(data_executor, retried),
     )
 
 
@@ -134,11 +145,16 @@ def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
 
 @dg.asset(**DATA, kinds={"python", "parquet"})
 def cleaned_dataset(
-    context: dg.AssetExecutionContext, config: CleanConfig, store: ObjectStoreResource, raw_dataset: dict
+    context: dg.AssetExecutionContext,
+    config: CleanConfig,
+    store: ObjectStoreResource,
+    data_executor: DataExecutorResource,
+    raw_dataset: dict,
 ) -> dg.Output[dict]:
     """Unicode/whitespace cleanup, length filters and role-order validation; failures quarantined with a reason."""
+    retried = data_executor.executor.retried
     with Materialization(context, store, "clean") as m:
-        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules())
+        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor)
         sample = sample_rows(m.out / "rows.parquet")
         before = raw_dataset["stats"]["accounting"]
         quarantined = before["rows_quarantined"] + stats["rows_quarantined"]
@@ -159,16 +175,22 @@ def cleaned_dataset(
         quarantine_fraction=dg.MetadataValue.float(round(stats["quarantine_fraction"], 4)),
         quarantine_reasons=_reasons(stats["accounting"]["quarantine_reasons"]),
         sample=table(sample),
+        **_executor_metadata(data_executor, retried),
     )
 
 
 @dg.asset(**DATA, kinds={"python", "parquet"})
 def deduplicated_dataset(
-    context: dg.AssetExecutionContext, config: DedupConfig, store: ObjectStoreResource, cleaned_dataset: dict
+    context: dg.AssetExecutionContext,
+    config: DedupConfig,
+    store: ObjectStoreResource,
+    data_executor: DataExecutorResource,
+    cleaned_dataset: dict,
 ) -> dg.Output[dict]:
     """Exact dedup on normalized content, then MinHash-LSH near-dedup; every removed row recorded."""
+    retried = data_executor.executor.retried
     with Materialization(context, store, "dedup") as m:
-        stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules())
+        stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules(), data_executor.executor)
         stats["accounting"] = {
             **cleaned_dataset["stats"]["accounting"],
             "exact_duplicates": stats["exact_duplicates"],
@@ -185,30 +207,37 @@ def deduplicated_dataset(
         near_duplicates=stats["near_duplicates"],
         near_clusters=stats["near_clusters"],
         lsh_bands_x_rows=f"{stats['lsh_bands']} x {stats['lsh_rows_per_band']}",
+        **_executor_metadata(data_executor, retried),
     )
 
 
 @dg.asset(**DATA, kinds={"python", "parquet"})
 def train_eval_split(
-    context: dg.AssetExecutionContext, config: SplitConfig, store: ObjectStoreResource, deduplicated_dataset: dict
+    context: dg.AssetExecutionContext,
+    config: SplitConfig,
+    store: ObjectStoreResource,
+    data_executor: DataExecutorResource,
+    deduplicated_dataset: dict,
 ) -> dg.Output[dict]:
     """Deterministic train/eval split by a stable hash of each near-duplicate cluster."""
+    retried = data_executor.executor.retried
     with Materialization(context, store, "split") as m:
-        stats = split_dataset(m.fetch(deduplicated_dataset), m.out, config.eval_fraction, config.salt)
+        stats = split_dataset(m.fetch(deduplicated_dataset), m.out, config.eval_fraction, config.salt, data_executor.executor)
         if stats["train_rows"] == 0:
             raise dg.Failure(f"{m.partition}: no training rows left after cleaning and deduplication")
         stats["eval_fraction"] = config.eval_fraction
         stats["accounting"] = deduplicated_dataset["stats"]["accounting"]
         sample = sample_rows(m.out / "eval.parquet")
         ref = m.publish(layout.of(m.partition).data("split"), stats, {"deduplicated_dataset": deduplicated_dataset})
-    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=table(sample))
+    return m.output(
+        ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=table(sample),
+        **_executor_metadata(data_executor, retried),
+    )  # fmt: skip
 
 
-def _load_tokenizer(m: Materialization, base_model: dict):
-    from transformers import AutoTokenizer
-
-    model_dir = m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors"))
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
+    """The base model's tokenizer as files: each worker loads it once (the driver does not load it at all)."""
+    return TokenizerFiles.from_dir(m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors")))
 
 
 def _accounting_line(acc: dict) -> str:
@@ -224,17 +253,18 @@ def tokenized_shards(
     context: dg.AssetExecutionContext,
     config: TokenizeConfig,
     store: ObjectStoreResource,
+    data_executor: DataExecutorResource,
     train_eval_split: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
     """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest)."""
+    retried = data_executor.executor.retried
     with Materialization(context, store, "tokenize") as m:
         split_dir = m.fetch(train_eval_split)
-        encoder = ChatEncoder(_load_tokenizer(m, base_model))
-        per_split = {}
+        per_split = tokenize_splits(
+            split_dir, ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window, data_executor.executor
+        )
         for split in ("train", "eval"):
-            rows = ((r["source"], r["messages"]) for r in iter_records(split_dir / f"{split}.parquet"))
-            per_split[split] = tokenize_and_pack(rows, encoder, config.seq_len, m.out, split, config.window)
             context.log.info(
                 f"{split}: {per_split[split].examples} examples, {per_split[split].tokens} tokens in "
                 f"{per_split[split].rows} rows (packing efficiency {per_split[split].packing_efficiency:.4f})"
@@ -257,10 +287,9 @@ def tokenized_shards(
         balance = accounting["rows_kept"] + accounting["rows_quarantined"] + accounting["exact_duplicates"] + accounting["near_duplicates"]
         accounting["invariant_holds"] = balance == accounting["rows_in"]
         slots = train.slots + evaluation.slots
-        tokenizer = encoder.tokenizer
         stats = {
             "seq_len": config.seq_len,
-            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            "pad_token_id": train.pad_id,
             "train_rows": train.examples,
             "eval_rows": evaluation.examples,
             "train_packed_rows": train.rows,
@@ -295,4 +324,5 @@ def tokenized_shards(
         near_duplicates=accounting["near_duplicates"],
         accounting=dg.MetadataValue.md(_accounting_line(accounting)),
         quarantine_reasons=_reasons(accounting["quarantine_reasons"]),
+        **_executor_metadata(data_executor, retried),
     )

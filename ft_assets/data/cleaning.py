@@ -20,8 +20,13 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ft_assets.data.parallel import Executor, InProcess
 from ft_assets.data.readers import RowError
+
+if TYPE_CHECKING:
+    from ft_assets.data.rows import RowRange
 
 ROLES = ("system", "user", "assistant")
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
@@ -103,28 +108,49 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     return cleaned
 
 
-def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules) -> dict:
-    """Stream ``raw_dir/rows.parquet`` through ``clean_messages``; failures go to the quarantine."""
-    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_records
+def clean_shard(rules: CleaningRules, shard: RowRange) -> tuple:
+    """One shard of raw rows through ``clean_messages``: (kept rows, quarantined rows, reasons, rows modified)."""
+    import pyarrow as pa
 
+    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA
+
+    kept, quarantined, reasons, changed = [], [], Counter(), 0
+    table = shard.read()
+    for source, original in zip(table.column("source").to_pylist(), table.column("messages").to_pylist()):
+        try:
+            messages = clean_messages(original, rules)
+        except RowError as exc:
+            reasons[exc.reason] += 1
+            raw = json.dumps(original, ensure_ascii=False)[:2000]
+            quarantined.append({"source": source, "stage": "clean", "reason": exc.reason, "detail": exc.detail, "raw": raw})
+            continue
+        changed += messages != original
+        kept.append({"source": source, "cluster": "", "messages": messages})
+    return (
+        pa.Table.from_pylist(kept, schema=ROW_SCHEMA),
+        pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA),
+        dict(reasons),
+        changed,
+    )
+
+
+def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules, executor: Executor | None = None) -> dict:
+    """``raw_dir/rows.parquet`` through ``clean_messages``, in shards on ``executor`` (default: this
+    process); failures go to the quarantine, rows keep their order."""
+    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, row_ranges
+
+    executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()
     changed = 0
     with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows, ParquetSink(
         out_dir / "quarantine.parquet", QUARANTINE_SCHEMA
     ) as quarantine:
-        for record in iter_records(raw_dir / "rows.parquet"):
-            try:
-                messages = clean_messages(record["messages"], rules)
-            except RowError as exc:
-                reasons[exc.reason] += 1
-                raw = json.dumps(record["messages"], ensure_ascii=False)[:2000]
-                quarantine.write(
-                    {"source": record["source"], "stage": "clean", "reason": exc.reason, "detail": exc.detail, "raw": raw}
-                )
-                continue
-            changed += messages != record["messages"]
-            rows.write({"source": record["source"], "cluster": "", "messages": messages})
+        for kept, quarantined, shard_reasons, shard_changed in executor.map(clean_shard, row_ranges(raw_dir / "rows.parquet", executor), rules):
+            rows.write_table(kept)
+            quarantine.write_table(quarantined)
+            reasons.update(shard_reasons)
+            changed += shard_changed
     return {
         "rows_kept": rows.count,
         "rows_quarantined": quarantine.count,

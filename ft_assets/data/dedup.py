@@ -39,12 +39,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import tempfile
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ft_assets.data.parallel import Executor, FileRef, InProcess, read_all
+
+if TYPE_CHECKING:
+    from ft_assets.data.rows import RowRange
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -52,6 +60,8 @@ _ASCII_NUMBER = re.compile(rb"\d+(?:[.,]\d+)*")
 _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: datasketch's "affine32" pre-mix
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
+MAX_PARTITIONS = 64  # shuffle partitions: one per shard up to this (a partition holds ~130 bytes x rows / partitions)
+VERIFY_BATCH = 65_536  # candidate pairs compared in one numpy pass (x num_perm bytes of temporaries)
 
 
 @dataclass(frozen=True)
@@ -265,25 +275,19 @@ class _UnionFind:
         return roots
 
 
-class NearDuplicateIndex:
-    """Collects MinHash band hashes row by row, then resolves clusters in one vectorized pass.
-
-    Rows are numbered in insertion order. ``candidates()`` lists the rows that collide with another
-    row in some band; ``clusters(signatures)`` verifies each colliding pair on the MinHash estimate of
-    its Jaccard similarity (the caller recomputes ``signature()`` for the candidates only, so full
-    signatures are never all held at once) and maps each row to the smallest row index of its cluster.
-    Rows too short to judge map to themselves.
+class MinHasher:
+    """MinHash signatures and LSH band hashes of rows given as ``RowFeatures``.
 
     Signatures are datasketch's ``MinHash(hashfunc=shingle_hash)`` (scheme "affine32": the shingle
     hash, MurmurHash3 pre-mix, ``a·h + b mod 2**32`` per permutation), computed for a batch of rows in
     one numpy pass instead of one ``MinHash`` object per row, and the constructor checks that the
-    values are datasketch's own.
+    values are datasketch's own. A band's ``r`` values fold into one uint64 (8 bytes a row a band),
+    mixed with the row's numbers salt so that rows whose numbers differ never collide.
     """
 
-    CHUNK = 65_536  # rows per numpy block: the index grows in blocks instead of per row
     # Banding tuned to miss few true pairs (weights 0.1 false positive / 0.9 false negative: at the
     # default 0.8 threshold, 14 bands x 9 rows catch 87% of pairs at J=0.8 and 97.5% at J=0.85);
-    # the false positives this lets in are removed by the verification in ``clusters``.
+    # the false positives this lets in are removed by the verification in ``cluster_roots``.
     FALSE_POSITIVE_WEIGHT, FALSE_NEGATIVE_WEIGHT = 0.1, 0.9
 
     def __init__(self, rules: DedupRules):
@@ -300,21 +304,12 @@ class NearDuplicateIndex:
         self._a, self._b = (np.asarray(p, dtype=np.uint32) for p in template.permutations)
         # Odd 64-bit multipliers fold a band's r values into one uint64 (a polynomial hash).
         self._mix = np.random.default_rng(rules.seed).integers(1, 2**63, self.rows_per_band, dtype=np.uint64) | 1
-        self._blocks: list[tuple[np.ndarray, np.ndarray]] = []  # (band hashes, eligible) per full block
-        self._new_block()
-        self.count = 0
-        self.pairs_checked = 0
         # A probe row: a long turn, a short one and an empty one, against datasketch on the shingle texts.
         probe = [words_of(text) for text in ("the probe turn has more words than one shingle", "two words", "")]
         reference = MinHash(num_perm=rules.num_perm, seed=rules.seed, hashfunc=lambda b: shingle_hash(b, rules.ngram))
         reference.update_batch([s for turn in probe for s in _shingle_texts(turn, rules.ngram)])
         if not np.array_equal(self.minhashes([[word_hashes(turn) for turn in probe]])[0], reference.hashvalues):
             raise RuntimeError("batched MinHash values differ from datasketch's; update dedup.py")
-
-    def _new_block(self) -> None:
-        self._block = np.zeros((self.CHUNK, self.bands), dtype=np.uint64)
-        self._eligible = np.zeros(self.CHUNK, dtype=bool)  # False: too short, never compared
-        self._fill = 0
 
     def minhashes(self, rows: list[list[list[int]]]) -> np.ndarray:
         """MinHash values (rows x num_perm, uint32) of rows given as word hashes per turn, in one numpy pass."""
@@ -341,178 +336,275 @@ class NearDuplicateIndex:
         turns = row_features(messages, self.rules).turns
         return None if turns is None else self.minhashes([turns])[0]
 
-    def add(self, messages: list[dict]) -> None:
-        self.add_rows([row_features(messages, self.rules)])
-
-    def add_rows(self, rows: list[RowFeatures]) -> None:
+    def band_hashes(self, rows: list[RowFeatures]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows x bands uint64 band hashes, whether each row is long enough to be compared at all)."""
+        hashes = np.zeros((len(rows), self.bands), dtype=np.uint64)
+        eligible = np.array([row.turns is not None for row in rows], dtype=bool)
         for start in range(0, len(rows), MINHASH_BATCH):
             chunk = rows[start : start + MINHASH_BATCH]
-            eligible = np.array([row.turns is not None for row in chunk], dtype=bool)
-            hashes = np.zeros((len(chunk), self.bands), dtype=np.uint64)
-            if eligible.any():
-                values = self.minhashes([row.turns for row in chunk if row.turns is not None])
-                bands = values[:, : self.bands * self.rows_per_band].reshape(-1, self.bands, self.rows_per_band)
-                band_hashes = (bands.astype(np.uint64) * self._mix).sum(axis=2)  # wraps mod 2**64 by design
-                salts = np.array([row.salt for row in chunk if row.turns is not None], dtype=np.uint64)
-                hashes[eligible] = band_hashes ^ salts[:, None]  # numbers mixed in: rows with different numbers never collide
-            self._append(hashes, eligible)
-
-    def _append(self, hashes: np.ndarray, eligible: np.ndarray) -> None:
-        done = 0
-        while done < len(hashes):
-            take = min(len(hashes) - done, self.CHUNK - self._fill)
-            self._block[self._fill : self._fill + take] = hashes[done : done + take]
-            self._eligible[self._fill : self._fill + take] = eligible[done : done + take]
-            self._fill += take
-            self.count += take
-            done += take
-            if self._fill == self.CHUNK:
-                self._blocks.append((self._block, self._eligible))
-                self._new_block()
-
-    def _table(self) -> tuple[np.ndarray, np.ndarray]:
-        blocks = self._blocks + [(self._block[: self._fill], self._eligible[: self._fill])]
-        return np.concatenate([b for b, _ in blocks]), np.concatenate([e for _, e in blocks])
-
-    def keep_only(self, rows: np.ndarray) -> None:
-        """Drop every row not in ``rows`` (sorted indices) and renumber the rest 0, 1, 2, …"""
-        table, eligible = self._table()
-        self._blocks = [(table[rows], eligible[rows])]
-        self._new_block()
-        self.count = len(rows)
-
-    def _collisions(self) -> list[tuple[int, int]]:
-        """Sorted (first, other) pairs: rows sharing a band hash, each against the run's first row."""
-        if not self.count:
-            return []
-        table, eligible = self._table()
-        rows = np.flatnonzero(eligible)
-        found = []
-        for band in range(self.bands):
-            hashes = table[rows, band]
-            order = np.argsort(hashes, kind="stable")  # stable: a run of equal hashes starts at its smallest row
-            sorted_hashes = hashes[order]
-            starts_run = np.empty(len(order), dtype=bool)
-            starts_run[:1] = True
-            np.not_equal(sorted_hashes[1:], sorted_hashes[:-1], out=starts_run[1:])
-            run_first = order[np.flatnonzero(starts_run)][np.cumsum(starts_run) - 1]
-            members = ~starts_run
-            found.append(rows[run_first[members]] * self.count + rows[order[members]])
-        codes = np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
-        return list(zip((codes // self.count).tolist(), (codes % self.count).tolist()))
-
-    def candidates(self) -> set[int]:
-        self._pairs = self._collisions()
-        return {i for pair in self._pairs for i in pair}
-
-    def clusters(self, signatures: dict[int, np.ndarray]) -> np.ndarray:
-        union = _UnionFind(self.count)
-        for a, b in getattr(self, "_pairs", None) or self._collisions():
-            self.pairs_checked += 1
-            if float(np.mean(signatures[a] == signatures[b])) >= self.rules.threshold:
-                union.union(a, b)
-        return union.roots()
+            judged = [row for row in chunk if row.turns is not None]
+            if not judged:
+                continue
+            values = self.minhashes([row.turns for row in judged])
+            bands = values[:, : self.bands * self.rows_per_band].reshape(-1, self.bands, self.rows_per_band)
+            band_hashes = (bands.astype(np.uint64) * self._mix).sum(axis=2)  # wraps mod 2**64 by design
+            salts = np.array([row.salt for row in judged], dtype=np.uint64)
+            at = start + np.flatnonzero(eligible[start : start + len(chunk)])
+            hashes[at] = band_hashes ^ salts[:, None]  # numbers mixed in: rows with different numbers never collide
+        return hashes, eligible
 
 
-def _first_occurrences(keys: np.ndarray) -> np.ndarray:
-    """For each row, the index of the first row with the same 16-byte key (itself if none earlier)."""
-    if not len(keys):
-        return np.empty(0, dtype=np.int64)
+@functools.lru_cache(maxsize=4)
+def minhasher(rules: DedupRules) -> MinHasher:
+    """One ``MinHasher`` per process and rules (its constructor checks itself against datasketch)."""
+    return MinHasher(rules)
+
+
+# --- the shuffle --------------------------------------------------------------------------------------
+# Records are uint64 triples: exact (key's first half, key's second half, row), band (band, band hash,
+# row). A map task sends each record to partition ``bucket % partitions``; all records that can match
+# meet in one partition, where a sort finds them.
+
+
+def exact_records(keys: np.ndarray, first_row: int) -> np.ndarray:
+    """(n, 3) uint64 exact-key records of ``keys`` (n x 16 uint8), rows numbered from ``first_row``."""
     halves = keys.view(np.uint64).reshape(-1, 2)
-    order = np.lexsort((halves[:, 1], halves[:, 0]))  # stable: equal keys stay in row order
-    ordered = halves[order]
-    new_key = np.ones(len(order), dtype=bool)
-    new_key[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
-    first = np.empty(len(order), dtype=np.int64)
-    first[order] = order[np.flatnonzero(new_key)][np.cumsum(new_key) - 1]
-    return first
+    rows = np.arange(first_row, first_row + len(keys), dtype=np.uint64)
+    return np.column_stack([halves[:, 0], halves[:, 1], rows])
 
 
-def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules) -> dict:
-    """Three streaming passes over ``cleaned_dir/rows.parquet``, holding ~130 bytes a row.
+def band_records(hashes: np.ndarray, eligible: np.ndarray, first_row: int) -> np.ndarray:
+    """(m, 3) uint64 band records (band, hash, row) of the rows long enough to compare, rows in order."""
+    rows = np.flatnonzero(eligible)
+    bands = hashes.shape[1]
+    return np.column_stack([
+        np.tile(np.arange(bands, dtype=np.uint64), len(rows)),
+        hashes[rows].ravel(),
+        np.repeat(rows.astype(np.uint64) + np.uint64(first_row), bands),
+    ]).reshape(-1, 3)  # fmt: skip
 
-    Pass 1 computes every row's exact key and MinHash band hashes; the keys (16 bytes a row) then give
-    each row's first occurrence, and the band hashes of the first occurrences give the LSH candidates.
-    Pass 2 records every exact duplicate (with the row it repeats) and recomputes the signatures of
-    the candidates only, to verify them. Pass 3 filters the Arrow batches: it writes every surviving
-    row with its cluster key and records every near duplicate with the row it was merged into.
+
+def partition(records: np.ndarray, bucket: np.ndarray, partitions: int) -> list[np.ndarray]:
+    """``records`` split by ``bucket % partitions``, each piece in the records' order."""
+    target = (bucket % np.uint64(partitions)).astype(np.int64)
+    order = np.argsort(target, kind="stable")
+    bounds = np.searchsorted(target[order], np.arange(partitions + 1))
+    return [records[order[bounds[p] : bounds[p + 1]]] for p in range(partitions)]
+
+
+def exact_duplicates(records: np.ndarray) -> np.ndarray:
+    """(row, first row with the same key) of every row that repeats an earlier one, from exact records."""
+    order = np.lexsort((records[:, 2], records[:, 1], records[:, 0]))  # by key, then row
+    ordered = records[order]
+    new_key = np.ones(len(ordered), dtype=bool)
+    new_key[1:] = np.any(ordered[1:, :2] != ordered[:-1, :2], axis=1)
+    first = ordered[np.flatnonzero(new_key), 2][np.cumsum(new_key) - 1]
+    return np.column_stack([ordered[~new_key, 2], first[~new_key]]).astype(np.int64).reshape(-1, 2)
+
+
+def band_pairs(records: np.ndarray, excluded: np.ndarray) -> np.ndarray:
+    """(first row, other row) for rows sharing a band hash: each against its run's first row.
+
+    ``excluded`` (sorted rows, the exact duplicates) take no part: near-duplicates are looked for among
+    the rows exact deduplication keeps.
+    """
+    records = records[~np.isin(records[:, 2].astype(np.int64), excluded)]
+    order = np.lexsort((records[:, 2], records[:, 1], records[:, 0]))  # by band, hash, then row
+    ordered = records[order]
+    starts_run = np.ones(len(ordered), dtype=bool)
+    starts_run[1:] = np.any(ordered[1:, :2] != ordered[:-1, :2], axis=1)
+    run_first = ordered[np.flatnonzero(starts_run), 2][np.cumsum(starts_run) - 1]
+    return np.column_stack([run_first[~starts_run], ordered[~starts_run, 2]]).astype(np.int64).reshape(-1, 2)
+
+
+def unique_pairs(pairs: np.ndarray, rows: int) -> np.ndarray:
+    """The distinct pairs (a pair collides in several bands), sorted."""
+    codes = np.unique(pairs[:, 0] * rows + pairs[:, 1])
+    return np.column_stack([codes // rows, codes % rows]).reshape(-1, 2)
+
+
+def cluster_roots(pairs: np.ndarray, candidates: np.ndarray, signatures: np.ndarray, threshold: float) -> np.ndarray:
+    """The cluster root (its smallest row) of every candidate row (sorted), from the colliding pairs.
+
+    Each pair is verified on its MinHash estimate of the Jaccard similarity (``signatures``: one row of
+    values per candidate); the clusters are the connected components of the verified pairs.
+    """
+    at_a, at_b = np.searchsorted(candidates, pairs[:, 0]), np.searchsorted(candidates, pairs[:, 1])
+    similar = np.zeros(len(pairs), dtype=bool)
+    for start in range(0, len(pairs), VERIFY_BATCH):
+        a, b = at_a[start : start + VERIFY_BATCH], at_b[start : start + VERIFY_BATCH]
+        similar[start : start + VERIFY_BATCH] = (signatures[a] == signatures[b]).mean(axis=1) >= threshold
+    union = _UnionFind(len(candidates))
+    for a, b in zip(at_a[similar].tolist(), at_b[similar].tolist()):
+        union.union(a, b)
+    return candidates[union.roots()]
+
+
+# --- the stage's tasks (``fn(common, shard)``, see ``ft_assets.data.parallel``) --------------------------
+
+
+@dataclass(frozen=True)
+class DedupMap:
+    """A shard's part of the shuffle: its exact keys in row order, its records split by partition."""
+
+    keys: bytes  # 16 bytes a row
+    exact: list[np.ndarray]
+    bands: list[np.ndarray]
+
+
+def map_shard(settings: tuple[DedupRules, int], shard: RowRange) -> DedupMap:
+    """Exact keys and band hashes of one shard's rows (the costly part: one normalization of each message)."""
+    rules, partitions = settings
+    features = [row_features(messages, rules) for messages in shard.read(["messages"]).column("messages").to_pylist()]
+    keys = np.frombuffer(b"".join(f.key for f in features), dtype=np.uint8).reshape(-1, 16)
+    hashes, eligible = minhasher(rules).band_hashes(features)
+    exact = exact_records(keys, shard.start)
+    bands = band_records(hashes, eligible, shard.start)
+    return DedupMap(keys.tobytes(), partition(exact, exact[:, 0], partitions), partition(bands, bands[:, 1], partitions))
+
+
+def reduce_exact(_, records: FileRef) -> np.ndarray:
+    return exact_duplicates(np.frombuffer(read_all(records), dtype=np.uint64).reshape(-1, 3))
+
+
+def reduce_bands(excluded: FileRef, records: FileRef) -> np.ndarray:
+    return band_pairs(np.frombuffer(read_all(records), dtype=np.uint64).reshape(-1, 3), np.frombuffer(read_all(excluded), dtype=np.int64))
+
+
+def shard_signatures(rules: DedupRules, item: tuple[RowRange, np.ndarray]) -> np.ndarray:
+    """MinHash signatures of the candidate rows (global numbers, sorted) of one shard."""
+    shard, rows = item
+    conversations = shard.read(["messages"]).column("messages").take(rows - shard.start).to_pylist()
+    return np.stack([minhasher(rules).signature(messages) for messages in conversations])
+
+
+@dataclass(frozen=True)
+class FilterItem:
+    """What the last pass needs to know of one shard's rows: their keys and which of them go."""
+
+    shard: RowRange
+    keys: bytes  # 16 bytes a row, the shard's own
+    exact: np.ndarray  # shard rows (from 0) that repeat an earlier row
+    merged: list[tuple[int, str, bytes]]  # (shard row, its cluster root's source, the root's key)
+
+
+def filter_shard(near_duplicates: str, item: FilterItem) -> tuple:
+    """(kept rows with their cluster key, near-duplicate records) of one shard; rows filtered as Arrow."""
+    import pyarrow as pa
+
+    from ft_assets.data.rows import ROW_SCHEMA
+
+    table = item.shard.read()
+    clusters = [item.keys[at : at + 16].hex() for at in range(0, len(item.keys), 16)]
+    kept = np.ones(table.num_rows, dtype=bool)
+    kept[item.exact] = False
+    near = []
+    if item.merged:
+        sources = table.column("source").take([row for row, _, _ in item.merged]).to_pylist()
+        for source, (row, root_source, root_key) in zip(sources, item.merged):
+            if near_duplicates == "drop":
+                kept[row] = False
+                near.append({"source": source, "kind": "near", "duplicate_of": root_source})
+            else:
+                clusters[row] = root_key.hex()
+    mask = pa.array(kept)
+    cluster = pa.array([c for c, keep in zip(clusters, kept.tolist()) if keep], type=pa.string())
+    rows = pa.Table.from_arrays([table.column("source").filter(mask), cluster, table.column("messages").filter(mask)], schema=ROW_SCHEMA)
+    return rows, near
+
+
+def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, executor: Executor | None = None) -> dict:
+    """Exact then near deduplication of ``cleaned_dir/rows.parquet``, as a map, two shuffles and a filter.
+
+    1. map (per shard): every row's exact key and band hashes; records go to ``partitions`` files by
+       key and by band hash (the driver spills them to its scratch folder: ~130 bytes a row).
+    2. reduce by key (per partition): each row that repeats an earlier one, with that row.
+    3. reduce by band hash (per partition): pairs of rows, exact duplicates left out, that share a band.
+    4. signatures (per shard) of the rows in some pair, then ``cluster_roots`` in the driver: verified
+       pairs, union-find, each row's cluster root. Memory here grows with the pairs, not the rows.
+    5. filter (per shard): rows written with their cluster key, near duplicates recorded.
+
+    The driver writes every exact duplicate (in row order, with the row it repeats), then the near
+    ones (in row order, with the row kept for their cluster), as one process reading the rows in
+    order would. Steps run on ``executor`` (default: this process); the result does not depend on it.
     """
     import pyarrow as pa
 
-    from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches
+    from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches, row_ranges
 
     if rules.near_duplicates not in ("drop", "keep"):
         raise ValueError(f"near_duplicates must be 'drop' or 'keep', got {rules.near_duplicates!r}")
+    executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     source_path = cleaned_dir / "rows.parquet"
-    index = NearDuplicateIndex(rules)
-    keys = []
-    for batch in iter_batches(source_path, columns=["messages"]):
-        features = [row_features(messages, rules) for messages in batch.column("messages").to_pylist()]
-        keys.append(b"".join(f.key for f in features))
-        index.add_rows(features)
-    keys = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 16)
-    first = _first_occurrences(keys)
-    survivors = np.flatnonzero(first == np.arange(len(first)))
-    rank = np.full(len(first), -1, dtype=np.int64)  # position among the survivors (= near-duplicate index row)
-    rank[survivors] = np.arange(len(survivors))
-    index.keep_only(survivors)
-    candidates = np.zeros(len(survivors), dtype=bool)
-    candidates[sorted(index.candidates())] = True
-    exact = int(len(first) - len(survivors))
+    shards = row_ranges(source_path, executor)
+    total = shards[-1].stop if shards else 0
+    partitions = max(1, min(len(shards), MAX_PARTITIONS))
+    hasher = minhasher(rules)
+    with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=out_dir.parent) as spill:
+        spill = Path(spill)
+        with ExitStack() as files:
+            keys_file = files.enter_context(open(spill / "keys", "wb"))
+            exact_files = [files.enter_context(open(spill / f"exact-{p}", "wb")) for p in range(partitions)]
+            band_files = [files.enter_context(open(spill / f"bands-{p}", "wb")) for p in range(partitions)]
+            for part in executor.map(map_shard, shards, (rules, partitions)):
+                keys_file.write(part.keys)
+                for p in range(partitions):
+                    exact_files[p].write(part.exact[p].tobytes())
+                    band_files[p].write(part.bands[p].tobytes())
+        exact_parts = list(executor.map(reduce_exact, (executor.share(spill / f"exact-{p}") for p in range(partitions))))
+        duplicates = np.concatenate(exact_parts) if exact_parts else np.empty((0, 2), dtype=np.int64)
+        duplicates = duplicates[np.argsort(duplicates[:, 0], kind="stable")]
+        (spill / "excluded").write_bytes(duplicates[:, 0].tobytes())
+        excluded = executor.share(spill / "excluded")
+        band_parts = list(executor.map(reduce_bands, (executor.share(spill / f"bands-{p}") for p in range(partitions)), excluded))
+        pairs = unique_pairs(np.concatenate(band_parts) if band_parts else np.empty((0, 2), dtype=np.int64), max(total, 1))
 
-    with ParquetSink(out_dir / "duplicates.parquet", DUPLICATE_SCHEMA) as duplicates:
-        quoted = np.zeros(len(first), dtype=bool)  # rows some duplicate refers to: their source is kept
-        quoted[first[first != np.arange(len(first))]] = True
+        candidates = np.unique(pairs)
+        bounds = np.searchsorted(candidates, [s.start for s in shards] + [total])
+        wanted = [(shard, candidates[bounds[i] : bounds[i + 1]]) for i, shard in enumerate(shards) if bounds[i + 1] > bounds[i]]
+        signatures = list(executor.map(shard_signatures, wanted, rules))
+        roots = cluster_roots(pairs, candidates, np.concatenate(signatures) if signatures else np.empty((0, rules.num_perm), np.uint32), rules.threshold)
+        merged = candidates[roots != candidates]
+        merged_roots = roots[roots != candidates]
+
+        needed = np.unique(np.concatenate([duplicates.ravel(), merged_roots]))
         sources: dict[int, str] = {}
-        signatures: dict[int, np.ndarray] = {}
         position = 0
-        for batch in iter_batches(source_path, columns=["source", "messages"]):
-            span = np.arange(position, position + batch.num_rows)
-            names = batch.column("source").to_pylist()
-            for i in np.flatnonzero(quoted[span] | (first[span] != span)).tolist():
-                row = position + i
-                if quoted[row]:
-                    sources[row] = names[i]
-                if first[row] != row:
-                    duplicates.write({"source": names[i], "kind": "exact", "duplicate_of": sources[int(first[row])]})
-            picked = np.flatnonzero((rank[span] >= 0) & candidates[np.maximum(rank[span], 0)])
-            conversations = batch.column("messages").take(picked).to_pylist()
-            for i, messages in zip(picked.tolist(), conversations):
-                signatures[int(rank[position + i])] = index.signature(messages)
+        for batch in iter_batches(source_path, columns=["source"]):
+            at = needed[(needed >= position) & (needed < position + batch.num_rows)]
+            sources.update(zip(at.tolist(), batch.column("source").take(at - position).to_pylist()))
             position += batch.num_rows
-        roots = index.clusters(signatures)
+        keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
 
-        merged = roots != np.arange(len(roots))
-        quoted = np.zeros(len(roots), dtype=bool)
-        quoted[roots[merged]] = True
-        survivor_sources: dict[int, str] = {}
-        near = 0
-        position = 0
-        with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows:
-            for batch in iter_batches(source_path):
-                ranks = rank[position : position + batch.num_rows]
-                position += batch.num_rows
-                kept = ranks >= 0
-                names = batch.column("source").to_pylist()
-                for i in np.flatnonzero(kept).tolist():
-                    r = int(ranks[i])
-                    if quoted[r]:
-                        survivor_sources[r] = names[i]
-                    if merged[r] and rules.near_duplicates == "drop":
-                        near += 1
-                        kept[i] = False
-                        duplicates.write({"source": names[i], "kind": "near", "duplicate_of": survivor_sources[int(roots[r])]})
-                kept_rows = batch.filter(pa.array(kept))
-                clusters = [bytes(key).hex() for key in keys[survivors[roots[ranks[kept]]]]]
-                columns = [kept_rows.column("source"), pa.array(clusters, type=pa.string()), kept_rows.column("messages")]
-                rows.write_table(pa.RecordBatch.from_arrays(columns, schema=ROW_SCHEMA))
+        def items() -> Iterator[FilterItem]:
+            exact_at = np.searchsorted(duplicates[:, 0], [s.start for s in shards] + [total])
+            merged_at = np.searchsorted(merged, [s.start for s in shards] + [total])
+            for i, shard in enumerate(shards):
+                rows, into = merged[merged_at[i] : merged_at[i + 1]], merged_roots[merged_at[i] : merged_at[i + 1]]
+                yield FilterItem(
+                    shard,
+                    keys[shard.start : shard.stop].tobytes(),
+                    duplicates[exact_at[i] : exact_at[i + 1], 0] - shard.start,
+                    [(int(row) - shard.start, sources[int(root)], bytes(keys[root])) for row, root in zip(rows.tolist(), into.tolist())],
+                )
+
+        with ParquetSink(out_dir / "duplicates.parquet", DUPLICATE_SCHEMA) as records, ParquetSink(
+            out_dir / "rows.parquet", ROW_SCHEMA
+        ) as kept:
+            for row, first in duplicates.tolist():
+                records.write({"source": sources[row], "kind": "exact", "duplicate_of": sources[first]})
+            for rows, near in executor.map(filter_shard, items(), rules.near_duplicates):
+                kept.write_table(rows)
+                if near:
+                    records.write_table(pa.Table.from_pylist(near, schema=DUPLICATE_SCHEMA))
+        del keys
     return {
-        "rows_kept": rows.count,
-        "exact_duplicates": exact,
-        "near_duplicates": near,
-        "near_clusters": int(len(np.unique(roots))),
-        "lsh_bands": index.bands,
-        "lsh_rows_per_band": index.rows_per_band,
-        "lsh_pairs_verified": index.pairs_checked,
+        "rows_kept": kept.count,
+        "exact_duplicates": len(duplicates),
+        "near_duplicates": len(merged) if rules.near_duplicates == "drop" else 0,
+        "near_clusters": total - len(duplicates) - len(merged),
+        "lsh_bands": hasher.bands,
+        "lsh_rows_per_band": hasher.rows_per_band,
+        "lsh_pairs_verified": len(pairs),
     }

@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 from ft_assets import layout
+from ft_assets.data.parallel import Executor
 from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
 from ft_assets.data.sources import MIXTURE_SUFFIXES, Staged, dataset_name, stage
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
@@ -198,9 +199,11 @@ class Component:
     mapping: ColumnMapping | None
 
 
-def mix_dataset(components: list[Component], work: Path, out_dir: Path, seed: int, rows: int | None) -> dict:
-    """Read every component, draw the mixture's rows into ``rows.parquet``; returns ``read_dataset``'s
-    counts for the drawn rows, plus ``source``: the records with each component's figures and digest."""
+def mix_dataset(
+    components: list[Component], work: Path, out_dir: Path, seed: int, rows: int | None, executor: Executor | None = None
+) -> dict:
+    """Read every component (in shards on ``executor``), draw the mixture's rows into ``rows.parquet``; returns
+    ``read_dataset``'s counts for the drawn rows, plus ``source``: the records with each component's figures and digest."""
     import pyarrow as pa
 
     from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches
@@ -208,7 +211,7 @@ def mix_dataset(components: list[Component], work: Path, out_dir: Path, seed: in
     read = []
     for component in components:
         name = component.record["name"]
-        read.append(read_dataset(component.files, work / name, component.mapping))
+        read.append(read_dataset(component.files, work / name, component.mapping, executor))
     names = [c.record["name"] for c in components]
     weighted = "weight" in components[0].record
     drawn = draw_counts(

@@ -26,16 +26,22 @@ packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer it
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
 from ft_assets.data.readers import RowError
 from ft_assets.shards import ROWS_PER_SHARD, ShardWriter
+
+if TYPE_CHECKING:
+    from ft_assets.data.rows import RowRange
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
@@ -393,12 +399,172 @@ class PackStats:
     loss_tokens: int = 0
     rows: int = 0
     slots: int = 0
+    pad_id: int | None = None  # the token the rows are padded with (the tokenizer's pad, else its end of sequence)
     files: list[str] = field(default_factory=list)
     rejected: list[tuple[str, RowError]] = field(default_factory=list)  # (row id, error)
 
     @property
     def packing_efficiency(self) -> float:
         return self.tokens / self.slots if self.slots else 0.0
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer as its files (no weights): what workers get instead of the tokenizer itself, so the
+    driver never loads one and each worker builds its ``ChatEncoder`` once (``encoder``)."""
+
+    files: tuple[tuple[str, bytes], ...]
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> TokenizerFiles:
+        return cls(tuple((path.name, path.read_bytes()) for path in sorted(Path(directory).iterdir()) if path.is_file()))
+
+    def encoder(self) -> ChatEncoder:
+        import hashlib
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        key = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in self.files)).hexdigest()
+        if key not in _ENCODERS:
+            _ENCODERS.clear()
+            with tempfile.TemporaryDirectory(prefix="ft-tokenizer-") as folder:
+                for name, data in self.files:
+                    (Path(folder) / name).write_bytes(data)
+                _ENCODERS[key] = ChatEncoder(AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
+        return _ENCODERS[key]
+
+
+_ENCODERS: dict[str, ChatEncoder] = {}  # per process: the encoder of the last TokenizerFiles asked for
+
+
+@dataclass(frozen=True)
+class EncodedShard:
+    """One shard's examples, back to back (``lengths`` tokens each), and the rows it rejected."""
+
+    split: str
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    lengths: np.ndarray  # int64
+    rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
+    pad_id: int
+
+
+def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
+    """Tokenize one shard of a split (a row range of its file, or (row id, messages) pairs): a data-plane task."""
+    source, seq_len = settings
+    encoder = source if isinstance(source, ChatEncoder) else source.encoder()
+    split, rows = item
+    if not isinstance(rows, list):
+        table = rows.read(["source", "messages"])
+        rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
+    pad_id = encoder.tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = encoder.tokenizer.eos_token_id
+    kept: list[Example] = []
+    rejected: list[tuple[str, str, str]] = []
+    for start in range(0, len(rows), TOKENIZE_BATCH):
+        batch = rows[start : start + TOKENIZE_BATCH]
+        for (row_id, _), result in zip(batch, encoder.encode_batch([messages for _, messages in batch])):
+            if isinstance(result, RowError):
+                rejected.append((row_id, result.reason, result.detail))
+            elif len(result.input_ids) > seq_len:
+                rejected.append((row_id, "too_long_tokens", f"{len(result.input_ids)} tokens > seq_len {seq_len}"))
+            elif not result.loss_mask.any():
+                rejected.append((row_id, "no_loss_tokens", "no assistant token survived templating"))
+            else:
+                kept.append(result)
+    lengths = np.array([len(e.input_ids) for e in kept], dtype=np.int64)
+    ids = np.concatenate([e.input_ids for e in kept]) if kept else np.empty(0, dtype=np.int32)
+    mask = np.concatenate([e.loss_mask for e in kept]) if kept else np.empty(0, dtype=np.int8)
+    return EncodedShard(split, ids, mask, lengths, rejected, pad_id)
+
+
+@dataclass(frozen=True)
+class Window:
+    """``PACK_WINDOW`` examples of a split (fewer at its end), packed together by one task."""
+
+    split: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    lengths: np.ndarray
+    pad_id: int
+
+
+def pack_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
+    """The packed rows of one window: a data-plane task."""
+    offsets = np.concatenate([[0], np.cumsum(window.lengths)])
+    examples = [Example(window.input_ids[a:b], window.loss_mask[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    return window.split, list(pack_rows(examples, seq_len, window.pad_id))
+
+
+def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackStats]) -> Iterator[Window]:
+    """The examples of the encoded shards, in order, cut into windows of ``window`` examples per split."""
+    pending: dict[str, list[EncodedShard]] = {}
+
+    def cut(split: str, final: bool) -> Iterator[Window]:
+        shards = pending.get(split, [])
+        ids = np.concatenate([p.input_ids for p in shards]) if shards else np.empty(0, np.int32)
+        mask = np.concatenate([p.loss_mask for p in shards]) if shards else np.empty(0, np.int8)
+        lengths = np.concatenate([p.lengths for p in shards]) if shards else np.empty(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        done = 0
+        while len(lengths) - done >= window or (final and done < len(lengths)):
+            take = min(window, len(lengths) - done)
+            a, b = offsets[done], offsets[done + take]
+            yield Window(split, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id)
+            done += take
+        a = offsets[done]
+        pending[split] = [EncodedShard(split, ids[a:], mask[a:], lengths[done:], [], stats[split].pad_id)] if done < len(lengths) else []
+
+    current = None
+    for part in parts:
+        if part.split != current and current is not None:
+            yield from cut(current, final=True)
+        current = part.split
+        counted = stats[part.split]
+        counted.pad_id = part.pad_id
+        counted.examples += len(part.lengths)
+        counted.tokens += int(part.lengths.sum())
+        counted.loss_tokens += int(part.loss_mask.sum())
+        counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
+        pending.setdefault(part.split, []).append(part)
+        if sum(len(p.lengths) for p in pending[part.split]) >= window:
+            yield from cut(part.split, final=False)
+    if current is not None:
+        yield from cut(current, final=True)
+
+
+def pack_splits(
+    shards: dict[str, Iterable[RowRange | list]],
+    encoder: ChatEncoder | TokenizerFiles,
+    seq_len: int,
+    out_dir: Path,
+    window: int = PACK_WINDOW,
+    rows_per_shard: int = ROWS_PER_SHARD,
+    executor: Executor | None = None,
+) -> dict[str, PackStats]:
+    """Encode the shards of each split and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``.
+
+    Two kinds of task on ``executor`` (default: this process), pipelined: ``encode_shard`` per shard of
+    rows, and ``pack_window`` per ``window`` examples of a split, cut from the examples in row order as
+    one process would cut them. So the packed rows and shard files are the same whatever the executor
+    and the shards: only how many windows are packed at once changes.
+    """
+    executor = executor or InProcess()
+    stats = {split: PackStats() for split in shards}
+    writers = {split: ShardWriter(out_dir, split, rows_per_shard) for split in shards}
+    items = ((split, shard) for split, split_shards in shards.items() for shard in split_shards)
+    encoded = executor.map(encode_shard, items, (encoder, seq_len))
+    for split, rows in executor.map(pack_window, _windows(encoded, window, stats), seq_len):
+        for row in rows:
+            writers[split].add(row)
+        stats[split].rows += len(rows)
+        stats[split].slots += len(rows) * seq_len
+    for split, writer in writers.items():
+        writer.flush()
+        stats[split].files = writer.files
+    return stats
 
 
 def tokenize_and_pack(
@@ -410,48 +576,26 @@ def tokenize_and_pack(
     window: int = PACK_WINDOW,
     rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
-    """Encode (row id, messages) pairs and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``."""
-    pad_id = encoder.tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = encoder.tokenizer.eos_token_id
-    writer = ShardWriter(out_dir, split, rows_per_shard)
-    stats = PackStats()
-    pending: list[Example] = []
+    """Encode (row id, messages) pairs and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``, in this process."""
+    rows = iter(rows)
+    batches = iter(lambda: list(itertools.islice(rows, DEFAULT_SHARD_ROWS)), [])
+    return pack_splits({split: batches}, encoder, seq_len, out_dir, window, rows_per_shard)[split]
 
-    def drain() -> None:
-        for row in pack_rows(pending, seq_len, pad_id):
-            writer.add(row)
-            stats.rows += 1
-            stats.slots += seq_len
-        pending.clear()
 
-    batch: list[tuple[str, list[dict]]] = []
+def tokenize_splits(
+    split_dir: Path,
+    splits: tuple[str, ...],
+    encoder: TokenizerFiles,
+    seq_len: int,
+    out_dir: Path,
+    window: int = PACK_WINDOW,
+    executor: Executor | None = None,
+) -> dict[str, PackStats]:
+    """``pack_splits`` of ``split_dir/<split>.parquet`` for each split, in row ranges of ``executor.shard_rows``."""
+    from ft_assets.data.rows import row_ranges
 
-    def encode(batch: list[tuple[str, list[dict]]]) -> None:
-        for (row_id, _), result in zip(batch, encoder.encode_batch([m for _, m in batch])):
-            if isinstance(result, RowError):
-                stats.rejected.append((row_id, result))
-            elif len(result.input_ids) > seq_len:
-                stats.rejected.append(
-                    (row_id, RowError("too_long_tokens", f"{len(result.input_ids)} tokens > seq_len {seq_len}"))
-                )
-            elif not result.loss_mask.any():
-                stats.rejected.append((row_id, RowError("no_loss_tokens", "no assistant token survived templating")))
-            else:
-                pending.append(result)
-                stats.examples += 1
-                stats.tokens += len(result.input_ids)
-                stats.loss_tokens += int(result.loss_mask.sum())
-                if len(pending) >= window:
-                    drain()
-
-    for item in rows:
-        batch.append(item)
-        if len(batch) >= TOKENIZE_BATCH:
-            encode(batch)
-            batch = []
-    encode(batch)
-    drain()
-    writer.flush()
-    stats.files = writer.files
-    return stats
+    executor = executor or InProcess()
+    return pack_splits(
+        {split: row_ranges(split_dir / f"{split}.parquet", executor) for split in splits}, encoder, seq_len, out_dir, window,
+        executor=executor,
+    )  # fmt: skip

@@ -50,10 +50,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ft_assets.data.parallel import Executor, FileRef, InProcess, arrow_file, open_file, read_range
+
 MAX_LINE_BYTES = 4 * 1024 * 1024  # 4 MiB: far above any chat row; keeps a runaway line off the heap
 RAW_PREVIEW_CHARS = 2000  # how much of a rejected line the quarantine keeps for a human to read
 TABLE_BATCH_ROWS = 4096
 JSON_CHUNK_BYTES = 1 << 20  # JSON arrays are decoded 1 MiB at a time (more while one element is longer)
+LINE_SCAN_BYTES = 1 << 24  # JSONL files are scanned for line ranges 16 MiB at a time
 MAX_INT_DIGITS = 4300  # Python's int() limit (sys.get_int_max_str_digits): longer literals are quarantined
 
 SUPPORTED_SUFFIXES = (
@@ -326,11 +329,10 @@ def _preview(raw: bytes) -> str:
 
 
 @contextmanager
-def _opened(path: Path, name: str):
+def _opened(path: FileRef, name: str):
     """The file's bytes, gunzipped for a ``.gz`` name; gzip damage becomes a DatasetFileError naming it."""
-    opener = gzip.open if name.endswith(".gz") else open
     try:
-        with opener(path, "rb") as handle:
+        with open_file(path) as raw, (gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw) as handle:
             yield handle
     except EOFError as exc:
         raise DatasetFileError(
@@ -341,9 +343,9 @@ def _opened(path: Path, name: str):
         raise DatasetFileError(f"{name}: not a valid gzip file ({exc}); re-upload it or drop the .gz suffix") from exc
 
 
-def _lines(handle) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, bytes without EOL) — bytes is None for a line over MAX_LINE_BYTES."""
-    number = 0
+def _lines(handle, first: int = 1) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes without EOL) — bytes is None for a line over MAX_LINE_BYTES; ``first``: the first line's number."""
+    number = first - 1
     while True:
         line = handle.readline(MAX_LINE_BYTES + 1)
         if not line:
@@ -359,8 +361,8 @@ def _lines(handle) -> Iterator[tuple[int, bytes | None]]:
         yield number, line.rstrip(b"\r\n")
 
 
-def _json_lines(handle, name: str, mapping: ColumnMapping | None) -> Iterator[Row | Rejected | None]:
-    for number, raw in _lines(handle):
+def _json_lines(handle, name: str, mapping: ColumnMapping | None, first: int = 1) -> Iterator[Row | Rejected | None]:
+    for number, raw in _lines(handle, first):
         source = f"{name}:{number}"
         if raw is None:
             yield Rejected(source, "line_too_long", f"longer than {MAX_LINE_BYTES} bytes", "")
@@ -374,7 +376,7 @@ def _json_lines(handle, name: str, mapping: ColumnMapping | None) -> Iterator[Ro
             yield Rejected(source, exc.reason, exc.detail, _preview(raw))
 
 
-def iter_jsonl(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
+def iter_jsonl(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
     """Rows of a .jsonl / .jsonl.gz file; yields None for each blank line (counted, not a row)."""
     with _opened(path, name) as handle:
         yield from _json_lines(handle, name, mapping)
@@ -491,7 +493,7 @@ def _json_array(handle, name: str, mapping: ColumnMapping | None) -> Iterator[Ro
             yield Rejected(source, exc.reason, exc.detail, preview)
 
 
-def iter_json(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
+def iter_json(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
     """Rows of a .json file: a JSON array (``file#<element>`` sources) or JSON Lines (``file:<line>``)."""
     with _opened(path, name) as handle:
         head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
@@ -511,7 +513,7 @@ def _cell_json(value: str, column: str) -> object:
         raise RowError("invalid_json", f"column '{column}' holds no JSON list of turns ({exc.msg} at column {exc.colno})") from exc
 
 
-def iter_csv(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
+def iter_csv(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
     """Rows of a .csv / .tsv file (header first); an empty record is a blank line."""
     csv.field_size_limit(MAX_LINE_BYTES)  # process-wide; the default (128 KiB) is below our line limit
     delimiter = "\t" if name.removesuffix(".gz").endswith(".tsv") else ","
@@ -557,10 +559,10 @@ def iter_csv(path: Path, name: str, mapping: ColumnMapping | None = None) -> Ite
                 yield Rejected(source, exc.reason, exc.detail, raw)
 
 
-def _table_rows(name: str, kind: str, batches, mapping: ColumnMapping | None) -> Iterator[Row | Rejected]:
+def _table_rows(name: str, kind: str, batches, mapping: ColumnMapping | None, index: int = 0) -> Iterator[Row | Rejected]:
+    """Rows of record batches; ``index``: the rows of the table before the first batch."""
     import pyarrow as pa
 
-    index = 0
     try:
         for batch in batches:
             for record in batch.to_pylist():
@@ -575,24 +577,33 @@ def _table_rows(name: str, kind: str, batches, mapping: ColumnMapping | None) ->
         raise DatasetFileError(f"{name}: {kind} data unreadable after row {index} ({exc})") from exc
 
 
-def iter_parquet(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected]:
+def _parquet_file(path: FileRef, name: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(arrow_file(path))
     except (pa.ArrowException, OSError) as exc:
         raise DatasetFileError(f"{name}: not a readable Parquet file ({exc})") from exc
+
+
+def iter_parquet(
+    path: FileRef, name: str, mapping: ColumnMapping | None = None, row_groups: range | None = None, first_row: int = 0
+) -> Iterator[Row | Rejected]:
+    """Rows of a Parquet file, or of ``row_groups`` of it (whose first row is row ``first_row`` of the file)."""
+    parquet = _parquet_file(path, name)
     check_columns(name, parquet.schema_arrow.names, mapping, "Parquet schema")
-    yield from _table_rows(name, "Parquet", parquet.iter_batches(batch_size=TABLE_BATCH_ROWS), mapping)
+    groups = None if row_groups is None else list(row_groups)
+    batches = parquet.iter_batches(batch_size=TABLE_BATCH_ROWS, row_groups=groups)
+    yield from _table_rows(name, "Parquet", batches, mapping, first_row)
 
 
-def iter_arrow(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected]:
+def iter_arrow(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected]:
     """Rows of an Arrow IPC file, memory-mapped: the file format (magic ``ARROW1``) or the stream format."""
     import pyarrow as pa
 
     try:
-        source = pa.memory_map(str(path))
+        source = arrow_file(path)
         if source.read(6) == b"ARROW1":
             source.seek(0)
             reader = pa.ipc.open_file(source)
@@ -616,7 +627,7 @@ def suffix_of(name: str) -> str | None:
     return next((s for s in sorted(SUPPORTED_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
 
-def iter_dataset_file(path: Path, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
+def iter_dataset_file(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
     suffix = suffix_of(name)
     if suffix is None:
         raise DatasetFileError(f"{name}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
@@ -628,43 +639,165 @@ def is_data_file(name: str) -> bool:
     return not base.startswith(("_", ".")) and suffix_of(base) is not None
 
 
-def read_dataset(files: list[tuple[str, Path]], out_dir: Path, mapping: ColumnMapping | None = None) -> dict:
+@dataclass(frozen=True)
+class FileShard:
+    """The part of an input file one task reads: a line range of a JSONL file, a run of row groups of a
+    Parquet file, or (``stop`` None) the whole file."""
+
+    name: str  # the file's display name
+    file: FileRef
+    start: int = 0  # JSONL: the range's first byte; Parquet: its first row group
+    stop: int | None = None  # JSONL: the byte after its last line; Parquet: the row group after its last
+    first: int = 1  # JSONL: the number of its first line; Parquet: the rows of the file before it
+
+
+def _line_ranges(path: Path, lines: int) -> list[tuple[int, int, int]]:
+    """(first byte, byte after the last line, number of the first line) of every ``lines`` lines of a file.
+
+    One pass over the file counting newlines, as ``readline`` does (a line over ``MAX_LINE_BYTES`` is
+    still one line), 16 MiB at a time: ~0.1 s for the 113 MB benchmark corpus.
+    """
+    import numpy as np
+
+    cuts, seen, offset = [0], 0, 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(LINE_SCAN_BYTES):
+            ends = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n"))
+            for number in range(seen + lines - seen % lines, seen + len(ends) + 1, lines):
+                cuts.append(offset + int(ends[number - seen - 1]) + 1)
+            seen += len(ends)
+            offset += len(chunk)
+    if cuts[-1] < offset or offset == 0:
+        cuts.append(offset)
+    return [(start, stop, 1 + i * lines) for i, (start, stop) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def file_shards(name: str, path: Path, file: FileRef, shard_rows: int) -> list[FileShard]:
+    """How ``read_dataset`` reads one input file: JSONL in ranges of ``shard_rows`` lines, Parquet in runs of
+    row groups of at least ``shard_rows`` rows (a bigger row group is one shard), any other file whole
+    (a gzip stream, a CSV file with quoted line breaks or a JSON array cannot be cut without reading it)."""
+    suffix = suffix_of(name)
+    if suffix == ".jsonl":
+        return [FileShard(name, file, start, stop, first) for start, stop, first in _line_ranges(path, shard_rows)]
+    if suffix == ".parquet":
+        try:
+            metadata = _parquet_file(path, name).metadata
+        except DatasetFileError:
+            return [FileShard(name, file)]  # the task reports it, after the files before this one
+        shards, start, first, rows = [], 0, 0, 0
+        for group in range(metadata.num_row_groups):
+            rows += metadata.row_group(group).num_rows
+            if rows - first >= shard_rows or group == metadata.num_row_groups - 1:
+                shards.append(FileShard(name, file, start, group + 1, first))
+                start, first = group + 1, rows
+        return shards or [FileShard(name, file)]
+    return [FileShard(name, file)]
+
+
+def _shard_items(shard: FileShard, mapping: ColumnMapping | None) -> Iterator[Row | Rejected | None]:
+    if shard.stop is None:
+        return iter_dataset_file(shard.file, shard.name, mapping)
+    if suffix_of(shard.name) == ".parquet":
+        return iter_parquet(shard.file, shard.name, mapping, range(shard.start, shard.stop), shard.first)
+    return _json_lines(io.BytesIO(read_range(shard.file, shard.start, shard.stop)), shard.name, mapping, shard.first)
+
+
+@dataclass(frozen=True)
+class ReadPart:
+    """What one ``FileShard`` holds: its rows and rejected rows as Arrow tables, and its counts."""
+
+    name: str
+    rows: object  # pa.Table, ROW_SCHEMA
+    quarantine: object  # pa.Table, QUARANTINE_SCHEMA
+    blank_lines: int
+    reasons: dict[str, int]
+    unknown: int  # rows rejected as unknown_format
+    first_unknown: tuple[str, str] | None  # (source, detail) of the first of them
+    error: str | None  # the DatasetFileError that stops the whole file, raised by the driver in file order
+
+
+def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> ReadPart:
+    """Parse one shard of an input file (a data-plane task: runs in a worker, see ``ft_assets.data.parallel``)."""
+    import pyarrow as pa
+
+    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, FLUSH_ROWS
+
+    rows, quarantine, tables = [], [], {"rows": [], "quarantine": []}
+    blank_lines, unknown, first_unknown, error = 0, 0, None, None
+    reasons: Counter[str] = Counter()
+
+    def convert(final: bool = False) -> None:
+        for name, buffer, schema in (("rows", rows, ROW_SCHEMA), ("quarantine", quarantine, QUARANTINE_SCHEMA)):
+            if buffer and (final or len(buffer) >= FLUSH_ROWS):
+                tables[name].append(pa.Table.from_pylist(buffer, schema=schema))
+                buffer.clear()
+
+    try:
+        for item in _shard_items(shard, mapping):
+            if item is None:
+                blank_lines += 1
+            elif isinstance(item, Row):
+                rows.append({"source": item.source, "cluster": "", "messages": item.messages})
+            else:
+                reasons[item.reason] += 1
+                if item.reason == "unknown_format":
+                    unknown += 1
+                    first_unknown = first_unknown or (item.source, item.detail)
+                quarantine.append({"source": item.source, "stage": "raw", "reason": item.reason, "detail": item.detail, "raw": item.raw})
+            convert()
+    except DatasetFileError as exc:
+        error = str(exc)
+    convert(final=True)
+    joined = {name: pa.concat_tables(parts) if parts else schema.empty_table()
+              for (name, parts), schema in zip(tables.items(), (ROW_SCHEMA, QUARANTINE_SCHEMA))}  # fmt: skip
+    return ReadPart(shard.name, joined["rows"], joined["quarantine"], blank_lines, dict(reasons), unknown, first_unknown, error)
+
+
+def read_dataset(
+    files: list[tuple[str, Path]], out_dir: Path, mapping: ColumnMapping | None = None, executor: Executor | None = None
+) -> dict:
     """Normalize every input file into ``rows.parquet`` + ``quarantine.parquet``; returns counts.
 
     ``files`` are (display name, local path) pairs; the display name (the object key) is what row
     sources and error messages show. A file in which no row has an accepted layout fails the version
-    (its rows are not bad, the layout is unknown: ``columns`` config maps it).
+    (its rows are not bad, the layout is unknown: ``columns`` config maps it). The files are read in
+    shards (``file_shards``) on ``executor`` (default: this process); rows keep their file order.
     """
     from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink
 
+    executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()
     per_file: dict[str, int] = {}
     blank_lines = 0
+    shards = (shard for name, path in files for shard in file_shards(name, path, executor.share(path), executor.shard_rows))
     with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows, ParquetSink(
         out_dir / "quarantine.parquet", QUARANTINE_SCHEMA
     ) as quarantine:
-        for name, path in files:
-            parsed, unknown, first_unknown = rows.count, 0, None
-            before = rows.count + quarantine.count
-            for item in iter_dataset_file(path, name, mapping):
-                if item is None:
-                    blank_lines += 1
-                elif isinstance(item, Row):
-                    rows.write({"source": item.source, "cluster": "", "messages": item.messages})
-                else:
-                    reasons[item.reason] += 1
-                    if item.reason == "unknown_format":
-                        unknown += 1
-                        first_unknown = first_unknown or item
-                    quarantine.write(
-                        {"source": item.source, "stage": "raw", "reason": item.reason, "detail": item.detail, "raw": item.raw}
-                    )
-            per_file[name] = rows.count + quarantine.count - before
-            if rows.count == parsed and unknown and unknown == per_file[name]:
-                raise DatasetFileError(
-                    f"{name}: no row has an accepted layout ({first_unknown.source}: {first_unknown.detail}); {MAPPING_HINT}"
-                )
+        current: dict = {}  # the file being read: name, rows before it, its unknown-format rows, the first one
+
+        def finish() -> None:
+            if not current:
+                return
+            name = current["name"]
+            per_file[name] = rows.count + quarantine.count - current["before"]
+            if rows.count == current["parsed"] and current["unknown"] and current["unknown"] == per_file[name]:
+                source, detail = current["first_unknown"]
+                raise DatasetFileError(f"{name}: no row has an accepted layout ({source}: {detail}); {MAPPING_HINT}")
+
+        for part in executor.map(read_shard, shards, mapping):
+            if current.get("name") != part.name:
+                finish()
+                current = {"name": part.name, "before": rows.count + quarantine.count, "parsed": rows.count, "unknown": 0, "first_unknown": None}
+            rows.write_table(part.rows)
+            quarantine.write_table(part.quarantine)
+            blank_lines += part.blank_lines
+            reasons.update(part.reasons)
+            current["unknown"] += part.unknown
+            current["first_unknown"] = current["first_unknown"] or part.first_unknown
+            if part.error is not None:
+                raise DatasetFileError(part.error)
+        finish()
     return {
         "rows_in": rows.count + quarantine.count,
         "rows_parsed": rows.count,

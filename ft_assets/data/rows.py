@@ -11,10 +11,13 @@ filter Arrow batches and append them with ``ParquetSink.write_table``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from ft_assets.data.parallel import Executor, FileRef, arrow_file
 
 FLUSH_ROWS = 8192  # rows buffered per Parquet row group
 
@@ -45,9 +48,16 @@ DUPLICATE_SCHEMA = pa.schema(
 
 
 class ParquetSink:
+    """Writes rows (dicts, or Arrow tables already in the schema) to a Parquet file in row groups of
+    exactly ``FLUSH_ROWS`` rows (the last one shorter). The row groups depend on the rows alone, not on
+    how they arrived, so rows written one by one and the same rows written as the parts of a sharded
+    stage give the same file, byte for byte."""
+
     def __init__(self, path: Path, schema: pa.Schema):
         self.path, self.schema = path, schema
         self.buffer: list[dict] = []
+        self.tables: list[pa.Table] = []  # Arrow rows not yet written: less than a row group, then one table
+        self.pending = 0
         self.count = 0
         self.writer = pq.ParquetWriter(path, schema)
 
@@ -55,23 +65,40 @@ class ParquetSink:
         self.buffer.append(record)
         self.count += 1
         if len(self.buffer) >= FLUSH_ROWS:
-            self._flush()
+            self._convert()
 
-    def _flush(self) -> None:
+    def _convert(self) -> None:
         if self.buffer:
-            self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=self.schema))
+            self._append(pa.Table.from_pylist(self.buffer, schema=self.schema))
             self.buffer = []
 
     def write_table(self, table: pa.Table | pa.RecordBatch) -> None:
         """Append rows that are already Arrow, after the buffered ones (same schema)."""
-        self._flush()
+        self._convert()
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
-        self.writer.write_table(table)
         self.count += table.num_rows
+        self._append(table)
+
+    def _append(self, table: pa.Table) -> None:
+        self.tables.append(table)
+        self.pending += table.num_rows
+        if self.pending < FLUSH_ROWS:
+            return
+        joined = pa.concat_tables(self.tables)
+        full = self.pending - self.pending % FLUSH_ROWS
+        for start in range(0, full, FLUSH_ROWS):
+            self._write_group(joined.slice(start, FLUSH_ROWS))
+        self.tables, self.pending = [joined.slice(full)], self.pending - full
+
+    def _write_group(self, table: pa.Table) -> None:
+        # one contiguous chunk per column: the bytes written do not depend on how the rows were chunked
+        self.writer.write_table(table.combine_chunks(), row_group_size=FLUSH_ROWS)
 
     def close(self) -> None:
-        self._flush()
+        self._convert()
+        if self.pending:
+            self._write_group(pa.concat_tables(self.tables))
         self.writer.close()
 
     def __enter__(self) -> ParquetSink:
@@ -79,6 +106,36 @@ class ParquetSink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows ``[start, stop)`` of a row file: the shard a stage after ``raw_dataset`` works on."""
+
+    file: FileRef
+    start: int
+    stop: int
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """The rows, reading only the row groups they lie in."""
+        parquet = pq.ParquetFile(arrow_file(self.file))
+        groups, first, at = [], None, 0
+        for group in range(parquet.metadata.num_row_groups):
+            end = at + parquet.metadata.row_group(group).num_rows
+            if end > self.start and at < self.stop:
+                groups.append(group)
+                first = at if first is None else first
+            at = end
+        if not groups:
+            return parquet.schema_arrow.empty_table() if columns is None else parquet.schema_arrow.empty_table().select(columns)
+        return parquet.read_row_groups(groups, columns=columns).slice(self.start - first, self.stop - self.start)
+
+
+def row_ranges(path: Path, executor: Executor) -> list[RowRange]:
+    """The row file at ``path`` cut into shards of ``executor.shard_rows`` rows, reachable by its workers."""
+    total = pq.ParquetFile(path).metadata.num_rows
+    file = executor.share(path)
+    return [RowRange(file, start, min(start + executor.shard_rows, total)) for start in range(0, total, executor.shard_rows)]
 
 
 def iter_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:

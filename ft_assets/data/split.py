@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ft_assets.data.parallel import Executor, InProcess
+
+if TYPE_CHECKING:
+    from ft_assets.data.rows import RowRange
 
 TRAIN, EVAL = "train", "eval"
 
@@ -21,21 +27,30 @@ def split_of(cluster_key: str, eval_fraction: float, salt: str = "ft-assets") ->
     return EVAL if int.from_bytes(digest, "little") / 2**64 < eval_fraction else TRAIN
 
 
-def split_dataset(dedup_dir: Path, out_dir: Path, eval_fraction: float, salt: str = "ft-assets") -> dict:
-    """Stream ``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``.
-
-    Only the cluster column is read into Python; the rows themselves are filtered as Arrow batches.
-    """
+def split_shard(settings: tuple[float, str], shard: RowRange) -> tuple:
+    """(train rows, eval rows) of one shard; only the cluster column is read into Python."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_batches
+    eval_fraction, salt = settings
+    table = shard.read()
+    to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_())
+    return table.filter(pc.invert(to_eval)), table.filter(to_eval)
 
+
+def split_dataset(
+    dedup_dir: Path, out_dir: Path, eval_fraction: float, salt: str = "ft-assets", executor: Executor | None = None
+) -> dict:
+    """``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``, in shards on ``executor``
+    (default: this process); the rows are filtered as Arrow tables, never converted."""
+    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, row_ranges
+
+    executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     with ParquetSink(out_dir / "train.parquet", ROW_SCHEMA) as train, ParquetSink(
         out_dir / "eval.parquet", ROW_SCHEMA
     ) as evaluation:
-        for batch in iter_batches(dedup_dir / "rows.parquet"):
-            to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in batch.column("cluster").to_pylist()])
-            train.write_table(batch.filter(pa.compute.invert(to_eval)))
-            evaluation.write_table(batch.filter(to_eval))
+        for train_rows, eval_rows in executor.map(split_shard, row_ranges(dedup_dir / "rows.parquet", executor), (eval_fraction, salt)):
+            train.write_table(train_rows)
+            evaluation.write_table(eval_rows)
     return {"train_rows": train.count, "eval_rows": evaluation.count}

@@ -1,0 +1,396 @@
+"""Where the data plane's shards run: in this process, in a pool of worker processes, or as Ray tasks.
+
+Every data-plane stage is a pure function over one shard of rows, ``fn(common, shard)``: ``common``
+holds what all shards of the stage share (the cleaning rules, the tokenizer), the shard says which
+rows it covers (a row range of a Parquet file, a line range of a JSONL file, a whole input file),
+and the function returns its part of the output as values (Arrow tables, numpy arrays, counts).
+The stage's driver, the asset's own process, cuts the shards, hands them to an ``Executor`` and
+writes the parts in shard order as they come back. So:
+
+- Shards are cut from the data and ``shard_rows`` alone, never from the number of workers, and
+  parts are written in shard order whatever order they finish in: one process, N processes and a
+  Ray cluster write the same files, byte for byte (``test_parallel.py`` compares their digests).
+- ``InProcess`` (``workers=1``) runs every shard in turn in this process: the data plane as it
+  always ran. Any executor runs a stage of a single shard here too, so a small version never
+  starts a pool.
+- ``ProcessPool`` runs ``workers`` spawned processes on this machine. A worker that dies (SIGKILL,
+  the OOM killer) breaks the pool: it is restarted and the shards that were in flight run again,
+  up to ``MAX_ATTEMPTS`` times in all. A part is written only once it is back whole, and the
+  stage publishes nothing until every part is, so a kill never leaves a partial output.
+- ``RayTasks`` runs one Ray task a shard on the Ray cluster this process is connected to (the
+  assets connect through dagster-ray, ``ft_assets.data.resources``); Ray reruns the task of a dead
+  worker (``max_retries``). Input files reach the workers through Ray's object store (``share``),
+  so the cluster needs no filesystem shared with the driver.
+
+At most ``2 × workers`` shards are in flight, so the driver holds a bounded number of parts however
+large the dataset version is, and a worker holds one shard (``shard_rows`` rows; an input file that
+cannot be split by lines or row groups, gzip, CSV or a JSON array, is one shard).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import multiprocessing
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MAX_ATTEMPTS = 3  # runs of a shard whose worker died before the stage gives up on it
+DEFAULT_SHARD_ROWS = 16_384  # rows a task works on: ~10 MB of chat rows, ~8 s of tokenizing on one core
+IN_FLIGHT_PER_WORKER = 2  # shards queued per worker: one running, one ready while the driver writes a part
+RAY_CONNECT_TIMEOUT_S = 15.0  # a Ray address that does not answer in this time is reported as such
+
+
+class ShardFailed(RuntimeError):
+    """A shard could not be run: its worker kept dying, or the Ray cluster lost it."""
+
+
+class RayUnreachable(ConnectionError):
+    """A Ray address that does not answer; the message says which and what to check."""
+
+
+@dataclass(frozen=True)
+class RayFile:
+    """A local file put into Ray's object store, for workers on other machines (``RayTasks.share``)."""
+
+    ref: Any  # ray.ObjectRef of the file's bytes as a uint8 numpy array
+    name: str
+
+
+FileRef = Path | RayFile  # how a worker reaches an input file: a path on this machine, or the object store
+
+
+def open_file(file: FileRef) -> BinaryIO:
+    """The file's bytes as a binary file object, wherever the worker runs."""
+    if isinstance(file, RayFile):
+        import ray
+
+        return io.BytesIO(ray.get(file.ref))
+    return open(file, "rb")
+
+
+def read_all(file: FileRef):
+    """The whole file as a bytes-like object (a read-only view of the object store's copy for Ray)."""
+    if isinstance(file, RayFile):
+        import ray
+
+        return ray.get(file.ref)
+    return Path(file).read_bytes()
+
+
+def read_range(file: FileRef, start: int, stop: int) -> bytes:
+    """Bytes ``[start, stop)`` of the file (only those are copied, wherever the file is)."""
+    if isinstance(file, RayFile):
+        import ray
+
+        return bytes(ray.get(file.ref)[start:stop])
+    with open(file, "rb") as handle:
+        handle.seek(start)
+        return handle.read(stop - start)
+
+
+def arrow_file(file: FileRef):
+    """The file as a pyarrow readable (memory-mapped on this machine), for Parquet and Arrow readers."""
+    import pyarrow as pa
+
+    if isinstance(file, RayFile):
+        import ray
+
+        return pa.BufferReader(pa.py_buffer(ray.get(file.ref)))
+    return pa.memory_map(str(file))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (VmHWM), in MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class WorkerUsage:
+    """What one worker process did: shards, CPU seconds in stage functions, peak resident memory."""
+
+    shards: int = 0
+    cpu_s: float = 0.0
+    peak_rss_mib: float = 0.0
+
+
+# --- the worker side ---------------------------------------------------------------------------------
+
+_COMMON: dict[str, Any] = {}  # per worker: the ``common`` of the stage it works for, loaded once
+
+
+def _common(key: str, source: Any) -> Any:
+    if key not in _COMMON:
+        _COMMON.clear()
+        if isinstance(source, Path):
+            _COMMON[key] = pickle.loads(source.read_bytes())
+        else:  # [ray.ObjectRef]: wrapped in a list so that Ray does not fetch it for every task
+            import ray
+
+            _COMMON[key] = ray.get(source[0])
+    return _COMMON[key]
+
+
+def _run_shard(fn: Callable, key: str, source: Any, shard: Any) -> tuple[Any, str, float, float]:
+    """One shard in a worker: (part, worker id, CPU seconds, worker's peak RSS so far)."""
+    started = time.process_time()
+    part = fn(_common(key, source) if key else None, shard)
+    return part, f"{socket.gethostname()}:{os.getpid()}", time.process_time() - started, peak_rss_mib()
+
+
+# --- executors -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Executor:
+    """Runs the shards of a stage and gives their parts back in shard order (see the module docstring)."""
+
+    workers: int = 1
+    shard_rows: int = DEFAULT_SHARD_ROWS
+    retried: int = 0  # shard runs repeated because a worker died (ProcessPool; Ray retries on its own)
+    usage: dict[str, WorkerUsage] = field(default_factory=dict)  # per worker process (host:pid)
+
+    kind = "in-process"
+
+    def map(self, fn: Callable[[Any, Any], Any], shards: Iterable, common: Any = None) -> Iterator:
+        """``fn(common, shard)`` for every shard, lazily, in shard order; a stage of one shard runs here."""
+        shards = iter(shards)
+        head = list(itertools.islice(shards, 2))
+        if len(head) < 2:
+            yield from (self._here(fn, common, shard) for shard in head)
+            return
+        yield from self._map(fn, itertools.chain(head, shards), common)
+
+    def _here(self, fn: Callable, common: Any, shard: Any) -> Any:
+        started = time.process_time()
+        part = fn(common, shard)
+        self._record(f"{socket.gethostname()}:{os.getpid()}", time.process_time() - started, peak_rss_mib())
+        return part
+
+    def _record(self, worker: str, cpu_s: float, rss_mib: float) -> None:
+        usage = self.usage.setdefault(worker, WorkerUsage())
+        usage.shards += 1
+        usage.cpu_s += cpu_s
+        usage.peak_rss_mib = max(usage.peak_rss_mib, rss_mib)
+
+    def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
+        for shard in shards:
+            yield self._here(fn, common, shard)
+
+    def share(self, path: Path) -> FileRef:
+        """How this executor's workers reach a file of the driver's scratch folder."""
+        return path
+
+    def describe(self) -> str:
+        return "1 process (in-process)"
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class InProcess(Executor):
+    """Every shard in turn, in this process."""
+
+
+@dataclass
+class ProcessPool(Executor):
+    """``workers`` spawned processes on this machine; a dead worker's shards run again."""
+
+    kind = "processes"
+
+    def __post_init__(self):
+        self._pool: ProcessPoolExecutor | None = None
+        self._generation = 0  # bumped at every (re)start, so that two maps restart a broken pool once
+        self._common_dir = Path(tempfile.mkdtemp(prefix="ft-shard-common-"))
+
+    def describe(self) -> str:
+        return f"{self.workers} worker processes"
+
+    def _current_pool(self) -> tuple[ProcessPoolExecutor, int]:
+        if self._pool is None:
+            # spawn, not fork: the driver runs Dagster's threads (logging, the lease heartbeat)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._generation += 1
+        return self._pool, self._generation
+
+    def _restart(self, generation: int) -> None:
+        if generation == self._generation and self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _publish(self, common: Any) -> tuple[str, Path | None]:
+        """``common`` pickled once into a file every worker reads (once per worker and stage)."""
+        if common is None:
+            return "", None
+        data = pickle.dumps(common, protocol=pickle.HIGHEST_PROTOCOL)
+        key = hashlib.sha256(data).hexdigest()[:24]
+        path = self._common_dir / key
+        if not path.exists():
+            path.write_bytes(data)
+        return key, path
+
+    def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
+        key, source = self._publish(common)
+        queue: deque[list] = deque()  # [shard, future, pool generation, attempts], in shard order
+
+        def submit(entry: list) -> None:
+            pool, entry[2] = self._current_pool()
+            entry[1] = pool.submit(_run_shard, fn, key, source, entry[0])
+
+        def fill() -> None:
+            while len(queue) < IN_FLIGHT_PER_WORKER * self.workers and (shard := next(shards, None)) is not None:
+                entry = [shard, None, 0, 1]
+                submit(entry)
+                queue.append(entry)
+
+        try:
+            fill()
+            while queue:
+                entry = queue[0]
+                try:
+                    part, worker, cpu_s, rss = entry[1].result()
+                except BrokenProcessPool:
+                    self._restart(entry[2])
+                    self._resubmit_broken(queue, submit)
+                    continue
+                queue.popleft()
+                self._record(worker, cpu_s, rss)
+                fill()
+                yield part
+        finally:
+            for entry in queue:
+                entry[1].cancel()
+
+    def _resubmit_broken(self, queue: deque, submit: Callable) -> None:
+        """Run again every shard in flight when the pool broke (which worker died is not known)."""
+        for entry in queue:
+            future = entry[1]
+            if not future.done() or future.cancelled() or not isinstance(future.exception(), BrokenProcessPool):
+                continue
+            if entry[3] >= MAX_ATTEMPTS:
+                raise ShardFailed(
+                    f"a worker process died {MAX_ATTEMPTS} times while this shard was in flight (killed by a signal or "
+                    "by the OS for lack of memory?); lower the data executor's shard_rows or workers, or give it more memory"
+                )
+            entry[3] += 1
+            self.retried += 1
+            submit(entry)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        shutil.rmtree(self._common_dir, ignore_errors=True)
+
+
+@dataclass
+class RayTasks(Executor):
+    """One Ray task a shard on the cluster this process is connected to (``ray.init`` done by the caller)."""
+
+    kind = "ray"
+
+    def __post_init__(self):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayTasks needs a connected Ray (ray.init, or a dagster-ray resource)")
+        if self.workers <= 0:
+            self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self._task = ray.remote(num_cpus=1, max_retries=MAX_ATTEMPTS - 1)(_run_shard)
+
+    def describe(self) -> str:
+        return f"Ray, {self.workers} tasks at a time"
+
+    def share(self, path: Path) -> FileRef:
+        import numpy as np
+        import ray
+
+        return RayFile(ray.put(np.fromfile(path, dtype=np.uint8)), Path(path).name)
+
+    def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
+        import ray
+        from ray.exceptions import RayTaskError
+
+        key, source = ("", None) if common is None else (uuid.uuid4().hex, [ray.put(common)])
+        queue: deque = deque()
+
+        def fill() -> None:
+            while len(queue) < IN_FLIGHT_PER_WORKER * self.workers and (shard := next(shards, None)) is not None:
+                queue.append(self._task.remote(fn, key, source, shard))
+
+        try:
+            fill()
+            while queue:
+                try:
+                    part, worker, cpu_s, rss = ray.get(queue[0])
+                except RayTaskError as exc:  # the stage function's own error: raise it as itself
+                    raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from None
+                except ray.exceptions.RayError as exc:
+                    raise ShardFailed(f"Ray could not run a shard after {MAX_ATTEMPTS} attempts: {exc}") from exc
+                queue.popleft()
+                self._record(worker, cpu_s, rss)
+                fill()
+                yield part
+        finally:
+            for ref in queue:
+                ray.cancel(ref)
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Fail within ``timeout_s`` with ``RayUnreachable`` when nothing Ray-like answers at ``address``.
+
+    ``ray.init`` itself waits minutes for a head node that does not answer. Here: a TCP connection,
+    then a gRPC handshake (the protocol of Ray's GCS and of the Ray Client server), each bounded.
+    ``auto`` (the cluster this machine belongs to) is left to Ray, which answers at once.
+    """
+    if address in ("", "auto", "local"):
+        return
+    hostport = address.removeprefix("ray://").rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayUnreachable(f"Ray address {address!r}: expected ray://host:port (Ray Client) or host:port (the head's GCS)")
+    hint = "check the address and that the cluster's head node is up and reachable from here"
+    started = time.monotonic()
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RayUnreachable(f"the Ray cluster at {address} does not answer ({exc}); {hint}") from exc
+    import grpc
+
+    channel = grpc.insecure_channel(hostport)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+    except grpc.FutureTimeoutError as exc:
+        raise RayUnreachable(
+            f"the Ray cluster at {address} does not answer: a connection opens but no Ray service speaks on it within "
+            f"{timeout_s:.0f} s; {hint} (Ray Client listens on 10001, the GCS on 6379)"
+        ) from exc
+    finally:
+        channel.close()
