@@ -144,15 +144,43 @@ def test_rows_off_the_block_size_fall_back_to_f16(tmp_path):
 
 @pytest.mark.parametrize("system", [None, "You answer with one JSON tool call."])
 def test_modelfile(tmp_path, system):
-    write_modelfile("tiny-q8_0.gguf", tmp_path / "Modelfile", system=system)
+    write_modelfile("tiny-q8_0.gguf", tmp_path / "Modelfile", CHATML_TEMPLATE, system=system)
     text = (tmp_path / "Modelfile").read_text()
 
     assert text.startswith("FROM ./tiny-q8_0.gguf\n")
     assert 'TEMPLATE """' in text
     assert "<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n" in text
-    assert "<|im_start|>system\n{{ .System }}<|im_end|>\n" in text
+    assert "<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}" in text  # no system prompt of its own
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert ('SYSTEM """You answer with one JSON tool call."""' in text) == (system is not None)
+
+
+# SmolLM2-135M-Instruct's chat template: ChatML that adds its own system prompt when there is none.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + "
+    "message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] "
+    "+ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def test_ollama_template_keeps_the_default_system_prompt_of_the_chat_template():
+    template = gguf_export.ollama_template(SMOLLM2_TEMPLATE)
+    assert (
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ else }}<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{{ end }}"
+    ) in template
+    assert "{{ else }}" not in gguf_export.ollama_template(CHATML_TEMPLATE).split("{{ range")[0]
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, None], ids=["llama3", "none"])
+def test_ollama_template_refuses_what_it_cannot_translate(template):
+    with pytest.raises(GgufExportError, match="chat template"):
+        gguf_export.ollama_template(template)
 
 
 def _with_config(tiny_model_dir, tmp_path, **changes):

@@ -14,6 +14,7 @@ import yaml
 from ft_assets.cli import main
 from ft_assets.delivery.publish import LINEAGE_CHAIN
 from ft_assets.manifests import read_manifest
+from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 
 pytestmark = pytest.mark.integration
@@ -62,6 +63,7 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     assert summary["finetuned_eval_loss"] < summary["base_eval_loss"]
     assert summary["published_uri"].endswith(f"registry/acks/v1/{summary['run_id']}")
     assert summary["gguf_uri"].endswith(".gguf") and Path(summary["gguf_uri"]).is_file()
+    assert summary["gguf_qtype"] == "f16" and summary["gguf_drop"] == summary["finetuned_metric"] - summary["gguf_metric"] <= 0.05
 
     store = LocalStore(home / "home" / "store")
     registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
@@ -73,6 +75,8 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
         prefix = Path(artifact["uri"]).relative_to(store.root).as_posix()
         assert read_manifest(store, prefix).digest == artifact["digest"], artifact["asset"]
     assert lineage["partition"] == "acks@v1"
+    smoke = read_ref(store, "acks@v1", "serving_smoke")["stats"]  # the published file, served over HTTP
+    assert smoke["file"] == Path(summary["gguf_uri"]).name and len(smoke["answers"]) == 2
 
     # ft-assets lineage: the chain from the store alone (no Dagster instance), every link verified.
     monkeypatch.delenv("DAGSTER_HOME")

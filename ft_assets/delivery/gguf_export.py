@@ -74,6 +74,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -267,30 +268,88 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-# ChatML as Ollama's Go template: the same text the HF template renders, generation prompt included.
-OLLAMA_CHATML_TEMPLATE = (
-    "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
-    "{{ range .Messages }}"
-    '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n'
-    '{{ else if eq .Role "assistant" }}{{ .Content }}<|im_end|>\n{{ end }}'
-    "{{ end }}"
-)
+def _ollama_chatml(default_system: str) -> str:
+    """ChatML as Ollama's Go template: the text the HF template renders, generation prompt included, and the
+    template's own system prompt when the conversation brings none."""
+    fallback = f"{{{{ else }}}}<|im_start|>system\n{default_system}<|im_end|>\n" if default_system else ""
+    return (
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n" + fallback + "{{ end }}"
+        "{{ range .Messages }}"
+        '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n'
+        '{{ else if eq .Role "assistant" }}{{ .Content }}<|im_end|>\n{{ end }}'
+        "{{ end }}"
+    )
 
 
-def write_modelfile(gguf_filename: str, out_path: str | Path, system: str | None = None) -> None:
-    """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory."""
+def ollama_template(chat_template: str | None) -> str:
+    """The Modelfile TEMPLATE (Ollama's Go template) that renders what ``chat_template`` renders.
+
+    ``chat_template`` is the Jinja template embedded in the GGUF, which llama.cpp (and llama_cpp.server)
+    apply. Probe conversations are rendered with it: a ChatML template, with or without a default system
+    prompt when the conversation has none, becomes the ChatML Go template; any other is refused, since a
+    Modelfile whose TEMPLATE differs from the file's would prompt the model differently under Ollama.
+    """
+    if not chat_template:
+        raise GgufExportError("the model has no chat template; add one to tokenizer_config.json or chat_template.jinja")
+    turn = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    alone = _render(chat_template, [{"role": "user", "content": "Q"}])
+    prefix = alone[: -len(turn)] if alone.endswith(turn) else None
+    default = re.fullmatch(r"<\|im_start\|>system\n(.*)<\|im_end\|>\n", prefix or "", re.DOTALL)
+    conversation = [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "Q"},
+    ]  # fmt: skip
+    chatml = "<|im_start|>system\nS<|im_end|>\n" + turn + "A<|im_end|>\n" + turn
+    if prefix is None or (prefix and not default) or _render(chat_template, conversation) != chatml:
+        raise GgufExportError(
+            "the chat template does not render ChatML (<|im_start|>role ... <|im_end|>), the only one translated to an "
+            f"Ollama TEMPLATE here; it renders {alone!r} for one user turn. Write the Modelfile's TEMPLATE by hand"
+        )
+    system = default.group(1) if default else ""
+    if "{{" in system or '"""' in system:
+        raise GgufExportError(f"the chat template's default system prompt {system!r} cannot be written into a Modelfile TEMPLATE")
+    return _ollama_chatml(system)
+
+
+def _render(chat_template: str, messages: list[dict]) -> str:
+    """Render a chat template as transformers and llama-cpp-python do (sandboxed Jinja, generation prompt on)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise GgufExportError(f"the chat template refused a probe conversation: {message}")
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(chat_template).render(
+        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token="", eos_token=""
+    )
+
+
+def write_modelfile(gguf_filename: str, out_path: str | Path, chat_template: str | None, system: str | None = None) -> None:
+    """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory.
+
+    ``FROM`` is the GGUF file (the one that ships), ``TEMPLATE`` renders what its embedded chat template
+    renders (``ollama_template``).
+    """
     if "/" in gguf_filename or "\\" in gguf_filename:
         raise ValueError(f"gguf_filename must be a bare file name next to the Modelfile, got {gguf_filename!r}")
     if system is not None and '"""' in system:
         raise ValueError('the system prompt cannot contain """ (it ends the Modelfile block); rephrase it')
     lines = [
         f"FROM ./{gguf_filename}",
-        f'TEMPLATE """{OLLAMA_CHATML_TEMPLATE}"""',
+        f'TEMPLATE """{ollama_template(chat_template)}"""',
         'PARAMETER stop "<|im_end|>"',
     ]
     if system:
         lines.append(f'SYSTEM """{system}"""')
     Path(out_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def modelfile_gguf(modelfile: str | Path) -> str:
+    """The GGUF file name a Modelfile written by ``write_modelfile`` names in ``FROM ./<file>``."""
+    for line in Path(modelfile).read_text(encoding="utf-8").splitlines():
+        if line.startswith("FROM ./"):
+            return line.removeprefix("FROM ./").strip()
+    raise GgufExportError(f"{modelfile} has no 'FROM ./<file>.gguf' line")
 
 
 def _quant_types(qtype: str) -> tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]:

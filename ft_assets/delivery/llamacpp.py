@@ -142,6 +142,7 @@ class Reference:
     logits: list[np.ndarray]  # transformers' logits over each prompt
     continuations: list[list[int]]  # transformers' greedy continuation of each prompt (generate, stops at EOS)
     eos_token_id: int | None
+    chat_template: str | None  # the template export_gguf embeds (tokenizer.chat_template)
 
 
 def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, max_new_tokens: int = GREEDY_TOKENS) -> Reference:
@@ -176,6 +177,7 @@ def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, 
         logits=all_logits,
         continuations=continuations,
         eos_token_id=tokenizer.eos_token_id,
+        chat_template=tokenizer.chat_template,
     )
 
 
@@ -205,6 +207,26 @@ def check_file(path: str | Path, ref: Reference) -> dict:
         "greedy_match": greedy_match,
         "greedy_prompts": len(ref.prompt_ids),
     }
+
+
+def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> str:
+    """The name of the file that ships, of ``files`` (name -> ``{"qtype", "bytes", "llamacpp": check_file(...)}``).
+
+    ``ship`` names a qtype, or is ``"auto"``: the smallest file whose relative logit error through llama.cpp
+    is within ``max_rel_error``, else the most accurate one. Smallest-within-tolerance, not a fixed type,
+    because which quantization a model tolerates depends on the model: a model whose rows are not multiples
+    of 256 gets K-quant files that are mostly Q5_0/Q5_1/Q8_0 fallbacks, and SmolLM2-135M, rebuilt from a
+    4-bit GGUF, loses more to its K-quants (rel. error 0.14-0.27) than to Q8_0 (0.05).
+    """
+    if ship != "auto":
+        named = [name for name, entry in files.items() if entry["qtype"] == ship]
+        if not named:
+            raise ValueError(f"ship={ship!r} is not among the exported types {sorted(e['qtype'] for e in files.values())}")
+        return named[0]
+    within = [name for name, entry in files.items() if entry["llamacpp"]["rel_error"] <= max_rel_error]
+    if within:
+        return min(within, key=lambda name: files[name]["bytes"])
+    return min(files, key=lambda name: files[name]["llamacpp"]["rel_error"])
 
 
 def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
