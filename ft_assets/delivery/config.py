@@ -23,8 +23,11 @@ class GgufConfig(dg.Config):
         ),
     )
     ship_max_rel_error: float = Field(
-        default=0.05,
-        description="For ship='auto': the largest relative logit error against the merged model (through llama.cpp) a shipped file may have.",
+        default=0.08,
+        description=(
+            "For ship='auto': the largest relative logit error against the merged model (through llama.cpp) a shipped file may have; "
+            "0.08 is the bound a Q8_0 file is held to (gguf_export.TOLERANCES)."
+        ),
     )
     system_prompt: str = Field(default="", description="SYSTEM line of the Ollama Modelfile (empty: none).")
 
