@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps demo test ui ui-prod docs-screenshots bench clean
+.PHONY: install system-deps demo test test-fast ui ui-prod docs-screenshots bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
+
+# The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration"
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml

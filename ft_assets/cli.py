@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
@@ -184,9 +185,18 @@ def failure_reason(result) -> str:
     for event in result.all_events:
         if event.is_step_failure:
             error = event.step_failure_data.error
-            message = error.message.strip() if error else event.message
-            return f"{event.step_key}: {message}"
-    return "see the run in the Dagster UI"
+            return f"{event.step_key}: {error_line(error) if error else event.message}"
+    return f"see run {result.run_id} in the Dagster UI (make ui)"
+
+
+def error_line(error) -> str:
+    """One line for a Dagster error: the innermost cause, a ``Failure``'s own text without its class name."""
+    while error.cause is not None and error.cls_name not in ("Failure", "CliError"):
+        error = error.cause
+    message = error.message.strip()
+    if error.cls_name == "Failure":
+        message = message.split(": ", 1)[-1]
+    return message
 
 
 def data_summary(store, partition_key: str) -> dict:
@@ -228,11 +238,15 @@ def plan_summary(store, partition_key: str) -> dict:
 
 
 def training_summary(store, partition_key: str) -> dict:
+    from ft_assets.control.assets import measured_throughput
+    from ft_assets.control.cost_model import load_cost_model
     from ft_assets.refs import read_ref
 
     adapter = read_ref(store, partition_key, "lora_adapter")
     stats = adapter["stats"]
+    speed = measured_throughput(adapter, read_ref(store, partition_key, "training_plan"), load_cost_model(os.environ.get("FT_COST_MODEL")))
     return {
+        **speed.as_dict(),  # tokens_per_second, mfu (None off CUDA), usd_per_million_tokens
         "train_loss": stats["train_loss"],
         "eval_loss": stats["eval_loss"],
         "steps": stats["steps"],
@@ -243,6 +257,69 @@ def training_summary(store, partition_key: str) -> dict:
         "training_method": stats["method"],
         "adapter_uri": adapter["uri"],
     }
+
+
+def read_model_config(path: Path) -> dict:
+    """A transformers config.json, given as the file or the model directory holding it."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CliError(f"cannot read the model config {file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CliError(f"{file} is not a config.json object")
+    return config
+
+
+def cmd_plan(args: argparse.Namespace, partial: dict) -> dict:
+    """Peak VRAM, the GPU tier and the estimate for a model, before any data or run exists."""
+    from ft_assets.control.cost_model import CostModelError, load_cost_model
+    from ft_assets.control.planner import ModelShape, NoGpuFits, flops_per_token, plan_training, throughput
+
+    path = Path(args.model_config)
+    try:
+        shape = ModelShape.from_config(read_model_config(path), name=(path if path.is_dir() else path.parent).name)
+        cost_model = load_cost_model(args.cost_model or os.environ.get("FT_COST_MODEL") or None)
+        plan = plan_training(
+            shape, args.method, args.seq_len, args.batch, args.gradient_checkpointing, train_tokens=args.tokens,
+            cost_model=cost_model, purpose="experiment", attention=args.attn_implementation,
+        )  # fmt: skip
+    except NoGpuFits as exc:
+        raise CliError(str(exc)) from exc
+    except (CostModelError, ValueError) as exc:
+        raise CliError(f"plan: {exc}") from exc
+    flops = flops_per_token(shape, args.method, args.seq_len, args.gradient_checkpointing)
+    speed = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour)
+    return {
+        "model": shape.name,
+        "params": shape.params,
+        **plan.vram.as_dict(),  # method, seq_len, micro_batch, attention, the *_gib parts and total_gib
+        "breakdown": plan.vram.breakdown(),
+        "tier": plan.tier,
+        "gpu": plan.gpu,
+        "rental_mode": plan.mode,
+        "usd_per_hour": plan.usd_per_hour,
+        "flops_per_token": flops,
+        **speed.as_dict(),
+        "train_tokens": plan.total_tokens,
+        "est_hours": plan.est_hours,
+        "est_cost_usd": plan.est_cost_usd,
+        "warnings": list(plan.warnings),
+    }
+
+
+def print_plan(plan: dict) -> None:
+    print(
+        f"{plan['model']} ({plan['params'] / 1e9:.2f}B params), {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
+        f"tokens, gradient checkpointing {'on' if plan['grad_checkpointing'] else 'off'}, attention {plan['attention']}\n"
+        f"  needs {plan['breakdown']}\n"
+        f"  tier {plan['tier']} ({plan['gpu']}, {plan['rental_mode']}, ${plan['usd_per_hour']:.2f}/h): "
+        f"~{plan['tokens_per_second']:,.0f} tokens/s at MFU {plan['mfu']:.0%}, ${plan['usd_per_million_tokens']:.2f} per million tokens\n"
+        f"  {plan['train_tokens']:,} tokens: ~{plan['est_hours']:.2f} h, ~${plan['est_cost_usd']:.2f}",
+        flush=True,
+    )
+    for warning in plan["warnings"]:
+        print(f"  warning: {warning}", flush=True)
 
 
 def delivery_summary(store, partition_key: str) -> dict:
@@ -273,7 +350,16 @@ def delivery_summary(store, partition_key: str) -> dict:
     }
 
 
-def cmd_run(args: argparse.Namespace) -> dict:
+class PlaneFailed(CliError):
+    """A plane's run failed; says which plane and run, for the one-line error and ``--json``."""
+
+    def __init__(self, message: str, plane: str, run_id: str):
+        super().__init__(message)
+        self.plane, self.run_id = plane, run_id
+
+
+def cmd_run(args: argparse.Namespace, summary: dict) -> dict:
+    """Register the dataset version and run each plane; ``summary`` fills as planes complete (for --json on failure)."""
     ensure_home()
     import dagster as dg
 
@@ -282,23 +368,27 @@ def cmd_run(args: argparse.Namespace) -> dict:
     from ft_assets.storage import open_store
 
     run_config = load_run_config(args.config)
-    run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
+    run_config.setdefault("loggers", {"ft_console": {"config": {"verbose": args.verbose}}})
     store = open_store()
     key, new = register_dataset(store, Path(args.dataset), args.name, args.version)
+    summary.update(partition=key, store=store.url, dagster_home=os.environ["DAGSTER_HOME"], runs={}, completed=[], skipped=[])
     log(f"dataset version {key} {'registered' if new else 'already registered'} in {store.url}")
     instance = dg.DagsterInstance.get()
     requested = run_sensor(instance, defs, key)
     log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
-    summary: dict = {"partition": key, "store": store.url, "dagster_home": os.environ["DAGSTER_HOME"], "runs": {}}
     jobs = {"data": DATA_PLANE, "training": TRAINING_PLANE, "delivery": DELIVERY_PLANE}
     summaries = {"data": data_summary, "training": training_summary, "delivery": delivery_summary}
     for plane in PLANES[: PLANES.index(args.until) + 1]:
-        if plane not in jobs:
-            log(f"the {plane} plane is not available in this version of ft-assets; stopping here")
-            break
         job = defs.resolve_job_def(jobs[plane])
-        summary["runs"][plane] = run_plane(instance, job, key, plane_run_config(job, run_config))
+        config = plane_run_config(job, run_config)
+        if not args.force and plane_is_current(store, job, key, config):
+            log(f"{plane} plane: already materialized for {key} from the same inputs and settings; skipped (--force reruns it)")
+            summary["skipped"].append(plane)
+        else:
+            wait_for_partition(store, instance, key)
+            summary["runs"][plane] = run_plane(instance, job, plane, key, config)
         summary.update(summaries[plane](store, key))
+        summary["completed"].append(plane)
         if plane == "data":
             log(
                 f"training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
@@ -307,7 +397,65 @@ def cmd_run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
+def plane_is_current(store, job, key: str, run_config: dict) -> bool:
+    """Whether every asset of the plane has an output for ``key`` made with these settings from today's inputs.
+
+    Each reference records the asset's resolved settings and the digests of the references it was
+    built from. The plane is current when the settings equal those this run would use (defaults
+    filled in by Dagster's own config resolution), the recorded upstream digests equal the outputs in
+    the store now, and no upstream asset of the graph was materialized after it.
+    """
+    from dagster._core.system_config.objects import ResolvedRunConfig
+
+    from ft_assets.refs import has_ref, read_ref
+
+    resolved = ResolvedRunConfig.build(job, run_config)
+    graph = job.asset_layer.asset_graph
+    for asset_key in job.asset_layer.selected_asset_keys:
+        asset = asset_key.to_user_string()
+        if not has_ref(store, key, asset):
+            return False
+        ref = read_ref(store, key, asset)
+        node = resolved.ops.get(asset)
+        if (ref.get("config") or {}) != ((node.config if node is not None else None) or {}):
+            return False
+        for name, upstream in ref.get("upstream", {}).items():
+            if not has_ref(store, key, name) or read_ref(store, key, name)["digest"] != upstream["digest"]:
+                return False
+        for parent in graph.get(asset_key).parent_keys:
+            name = parent.to_user_string()
+            if has_ref(store, key, name) and read_ref(store, key, name)["created_at"] > ref["created_at"]:
+                return False
+    return True
+
+
+def wait_for_partition(store, instance, key: str, poll_seconds: float = 2.0) -> None:
+    """Wait while another live run holds the partition's lease, saying why, up to the takeover time.
+
+    A lease whose holder is known dead (its run failed or was canceled, or its process is gone from
+    this host) is free at once; ``locks`` then lets this run take it over.
+    """
+    import time
+
+    from ft_assets import locks
+
+    def run_status(run_id: str) -> str | None:
+        record = instance.get_run_by_id(run_id)
+        return None if record is None else record.status.value
+
+    said = None
+    deadline = time.monotonic() + locks.EXPIRY_SECONDS + 2 * poll_seconds
+    while (state := locks.read_lease(store, key)) is not None and (busy := locks.busy_reason(state, run_status, time.time())):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CliError(f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first")
+        if (state.generation, state.owner["run_id"]) != said:
+            log(f"{busy.message}; waiting up to {min(busy.frees_in, left):.0f} s for it to free")
+            said = (state.generation, state.owner["run_id"])
+        time.sleep(poll_seconds)
+
+
+def run_plane(instance, job, plane: str, key: str, run_config: dict) -> list[str]:
     """Execute one plane's job for a partition; like the daemon's run retries, a preempted run is rerun.
 
     Returns the run ids (more than one when a preempted run was retried and resumed).
@@ -332,16 +480,21 @@ def run_plane(instance, job, key: str, run_config: dict) -> list[str]:
         if preempted and len(run_ids) <= retries:
             log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
             continue
-        raise CliError(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}")
+        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}", plane, result.run_id)
 
 
-def cmd_lineage(args: argparse.Namespace) -> dict:
-    """The chain behind a published model, from its lineage manifest, each link checked against its manifest."""
+def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
+    """The chain behind a published model, from its lineage manifest, in the store at hand.
+
+    Every link (the published artifact, each upstream artifact, the checkpoint) must still have the
+    manifest digest the lineage recorded, and, unless ``--fast``, every file its manifest lists is
+    re-hashed in the store: one flipped byte anywhere is named.
+    """
     from datetime import UTC, datetime
 
     from ft_assets.delivery.publish import LINEAGE_FILE
     from ft_assets.layout import registry_key
-    from ft_assets.manifests import ArtifactNotFound, read_manifest
+    from ft_assets.manifests import ArtifactNotFound, changed_files, read_manifest
     from ft_assets.storage import StoreError, join_key, open_store
 
     try:
@@ -350,36 +503,38 @@ def cmd_lineage(args: argparse.Namespace) -> dict:
         raise CliError(str(exc)) from exc
     store = open_store(store_url or None)
     try:
-        read_manifest(store, key)
+        published = read_manifest(store, key)
         lineage = store.get_json(join_key(key, LINEAGE_FILE))
     except ArtifactNotFound as exc:
         raise CliError(f"{args.uri}: {exc}") from exc
-    chain = []
-    for artifact in lineage["artifacts"]:
-        prefix = artifact["uri"][len(store.url) :].lstrip("/") if artifact["uri"].startswith(store.url) else artifact["uri"]
+
+    def check(asset: str, prefix: str, digest: str, created_at: float | None) -> dict:
         try:
-            status = "ok" if read_manifest(store, prefix).digest == artifact["digest"] else "DIGEST MISMATCH"
+            manifest = read_manifest(store, prefix)
+            status = "ok" if manifest.digest == digest else "DIGEST MISMATCH"
+            changed = [] if args.fast or status != "ok" else changed_files(store, manifest)
         except (ArtifactNotFound, StoreError):
-            status = "missing from the store"
-        chain.append(
-            {
-                "asset": artifact["asset"],
-                "digest": artifact["digest"],
-                "created_at": datetime.fromtimestamp(artifact["created_at"], UTC).isoformat(timespec="seconds"),
-                "uri": artifact["uri"],
-                "status": status,
-            }
-        )
+            status, changed = "missing from the store", []
+        if changed:
+            status = "CHANGED: " + ", ".join(join_key(prefix, rel) for rel in changed)
+        when = datetime.fromtimestamp(created_at, UTC).isoformat(timespec="seconds") if created_at else ""
+        return {"asset": asset, "digest": digest, "created_at": when, "key": prefix, "uri": store.uri(prefix), "status": status}
+
+    checkpoint = lineage["training"]["checkpoint"]
+    chain = [check("published_model", key, published.digest, published.created_at)]
+    chain += [check(a["asset"], a["key"], a["digest"], a["created_at"]) for a in lineage["artifacts"]]
+    chain.append(check("checkpoint", checkpoint["key"], checkpoint["digest"], None))
     return {
-        "published_uri": lineage["published_uri"],
+        "published_uri": store.uri(lineage["published_key"]),
         "dataset_version": lineage["partition"],
         "base_model": lineage["base_model"],
-        "checkpoint": lineage["training"]["checkpoint"],
+        "checkpoint": store.uri(checkpoint["key"]),
         "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
         "gguf": lineage["gguf"],
         "eval": lineage["eval"],
         "code_version": lineage["code_version"],
         "chain": chain,
+        "files_rehashed": not args.fast,
         "verified": all(link["status"] == "ok" for link in chain),
     }
 
@@ -388,14 +543,15 @@ def print_lineage(report: dict) -> None:
     print(f"{report['published_uri']}")
     print(f"  dataset version {report['dataset_version']}; base model {report['base_model']['model_id']} (sha256 {report['base_model']['source_sha256'][:16]}…)")
     for link in report["chain"]:
-        print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at']}  {link['status']}")
+        print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at'] or '':<25} {link['status']}")
         if link["asset"] == "lora_adapter":
-            print(f"      checkpoint {report['checkpoint']} ({report['training']['method']}, {report['training']['steps']} steps)")
+            print(f"      from {report['checkpoint']} ({report['training']['method']}, {report['training']['steps']} steps)")
     for name, info in report["gguf"].items():
         print(f"  GGUF {name}: sha256 {info['sha256'][:16]}…")
     ev = report["eval"]
     print(f"  eval {ev['metric_name']}: base {ev['base_metric']:.3f} → fine-tuned {ev['finetuned_metric']:.3f}; code {report['code_version']}")
-    print(f"  lineage {'verified against every manifest' if report['verified'] else 'NOT verified: see the statuses above'}")
+    how = "every file re-hashed" if report["files_rehashed"] else "manifests only (--fast)"
+    print(f"  lineage {'verified' if report['verified'] else 'NOT verified: see the statuses above'} ({how})")
 
 
 def log(message: str) -> None:
@@ -454,10 +610,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--version", help="dataset version (default: v-<sha256 of the content, 12 hex>)")
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
-    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    run.add_argument("--force", action="store_true", help="rerun planes that are already materialized from the same inputs")
+    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure")
+    run.add_argument("--verbose", action="store_true", help="print every run event with its stack trace")
     lineage = sub.add_parser("lineage", help="print the chain behind a published model, from the store alone")
     lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
+    lineage.add_argument("--fast", action="store_true", help="compare manifest digests only; do not re-hash every file")
+    lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
+    plan = sub.add_parser("plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone")
+    plan.add_argument("--model-config", required=True, help="a transformers config.json, or the model directory holding it")
+    plan.add_argument("--method", choices=("lora", "qlora", "full"), required=True)
+    plan.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+    plan.add_argument("--batch", type=int, default=1, help="packed rows per forward pass (default 1)")
+    plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    plan.add_argument("--attn-implementation", default="auto", choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"))
+    plan.add_argument("--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)")
+    plan.add_argument("--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON, the last line of stdout")
+    plan.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
     return parser
 
 
@@ -466,19 +637,38 @@ def main(argv: list[str] | None = None) -> int:
     from ft_assets.data.readers import DatasetFileError
     from ft_assets.storage import StoreError
 
-    command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage)}[args.command]
+    command, show = {"run": (cmd_run, print_summary), "lineage": (cmd_lineage, print_lineage), "plan": (cmd_plan, print_plan)}[args.command]
+    partial: dict = {}
     try:
-        result = command(args)
+        result = command(args, partial)
     except (CliError, StoreError, DatasetFileError) as exc:
-        print(f"ft-assets: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(args, partial, str(exc), exc)
+    except Exception as exc:  # noqa: BLE001 - a bug, not a user error: still one line (and JSON), trace with --verbose
+        if args.verbose:
+            traceback.print_exc()
+        return fail(args, partial, f"internal error {type(exc).__name__}: {exc} (rerun with --verbose for the trace)", exc)
     if args.json and args.command == "lineage":
         print(json.dumps(result, sort_keys=True))
         return 0 if result["verified"] else 1
     show(result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
-    return 0 if args.command == "run" or result["verified"] else 1
+    return 0 if args.command != "lineage" or result["verified"] else 1
+
+
+def fail(args: argparse.Namespace, partial: dict, message: str, exc: Exception) -> int:
+    """The one-line error on stderr; with --json also a JSON object on stdout: what failed, where, what completed."""
+    print(f"ft-assets: error: {message}", file=sys.stderr)
+    if args.json:
+        failure = {
+            **partial,
+            "error": message,
+            "failed_plane": getattr(exc, "plane", None),
+            "run_id": getattr(exc, "run_id", None),
+            "completed": partial.get("completed", []),
+        }
+        print(json.dumps(failure, sort_keys=True, default=str))
+    return 2
 
 
 if __name__ == "__main__":

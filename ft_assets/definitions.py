@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from ft_assets.console import ft_console
 from ft_assets.control import assets as control_assets
 from ft_assets.control.automation import deliver_after_training, train_after_data, training_window
 from ft_assets.control.jobs import PLANE_JOBS
@@ -23,4 +24,5 @@ defs = dg.Definitions(
     sensors=[dataset_version_sensor, train_after_data, deliver_after_training, idle_gpu_worker_sensor],
     schedules=[training_window],
     resources={"store": store, "refs": ArtifactRefIOManager(store=store), "ec2_workers": Ec2WorkersResource()},
+    loggers={"ft_console": ft_console},
 )

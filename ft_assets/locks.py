@@ -7,15 +7,18 @@ holds the lock too, and a second writer fails at start with a message naming the
 before it has written anything.
 
 Layout (``layout.PartitionLayout.lease``): ``leases/<name>/<version>/<generation>/owner.json`` names
-the run that holds the partition; each process of that run (one per step under the multiprocess executor) keeps a heartbeat object next
-to it, renewed every ``RENEW_SECONDS``. The owner object is created with an atomic create-if-absent
+the run that holds the partition; each process of that run (one per step under the multiprocess
+executor) keeps a heartbeat object next to it, renewed every ``RENEW_SECONDS``, that names its host,
+pid and the pid's start time. The owner object is created with an atomic create-if-absent
 (``O_EXCL``-like hard link locally, ``If-None-Match: *`` on S3), so of two runs racing for the same
 generation exactly one wins; a run taking over a free lease creates the next generation, so a
 takeover is a race for a fresh key as well, and generations never go back.
 
 A lease is free when its run is finished (asked of the Dagster instance), when a run this instance
-does not know has released every heartbeat, or when no heartbeat came for ``EXPIRY_SECONDS`` (a
-worker killed with SIGKILL, whose run the instance still thinks is running).
+does not know has released every heartbeat, when every process still holding it is known to be dead
+(it ran on this host and no longer exists: an ``ft-assets run`` killed with SIGKILL is taken over at
+once by the rerun), or when no heartbeat came for ``EXPIRY_SECONDS`` (a worker on another machine
+killed with SIGKILL, whose run the instance still thinks is running).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ft_assets import layout
 from ft_assets.storage import ObjectNotFound, ObjectStore, StoreError, join_key
@@ -83,11 +87,54 @@ def read_lease(store: ObjectStore, partition: str, heartbeats: bool = True) -> L
     return None
 
 
-def busy_reason(state: LeaseState, run_status: RunStatus, now: float) -> str | None:
-    """Why the lease is held (for the error message), or None when it is free to take over."""
+@dataclass(frozen=True)
+class Busy:
+    """Why a lease is held, and in how many seconds it frees itself if its holder has died silently."""
+
+    message: str
+    frees_in: float
+
+
+def process_identity() -> dict:
+    """Who holds a heartbeat: host, pid and the process's start time (so a reused pid is not mistaken for it)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux /proc), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
+
+
+def gone_from_this_host(entry: dict) -> bool:
+    """Whether the process named in a lease entry ran on this host and no longer exists."""
+    if entry.get("host") != socket.gethostname() or not isinstance(entry.get("pid"), int):
+        return False
+    try:
+        os.kill(entry["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        pass
+    return entry.get("pid_started") is not None and _start_time(entry["pid"]) != entry["pid_started"]
+
+
+def busy_reason(state: LeaseState, run_status: RunStatus, now: float) -> Busy | None:
+    """Why the lease is held, or None when it is free to take over.
+
+    Free: the run finished (its Dagster status), every process still holding a heartbeat is known
+    to be gone (it ran on this host and exited, e.g. a SIGKILLed ``ft-assets run``), or no heartbeat
+    came for ``EXPIRY_SECONDS`` (a holder on another host that died silently).
+    """
     run_id = state.owner["run_id"]
     status = run_status(run_id)
     if status in FINISHED:
+        return None
+    holding = [b for b in state.heartbeats if not b["released"]] or ([] if state.heartbeats else [state.owner])
+    if holding and all(gone_from_this_host(entry) for entry in holding):
         return None
     beats = [state.owner["created_at"]] + [b["renewed_at"] for b in state.heartbeats]
     if status is None:
@@ -101,11 +148,11 @@ def busy_reason(state: LeaseState, run_status: RunStatus, now: float) -> str | N
     if not fresh:
         return None
     age = now - max(fresh)
-    return (
+    message = (
         f"partition {state.owner['partition']} is being materialized by run {run_id} "
-        f"({status.lower() if status else 'unknown to this Dagster instance'}, last heartbeat {age:.0f} s ago); retry when it "
-        f"finishes. A run that died without finishing frees it {EXPIRY_SECONDS:.0f} s after its last heartbeat."
+        f"({status.lower() if status else 'unknown to this Dagster instance'}, last heartbeat {age:.0f} s ago)"
     )
+    return Busy(message, EXPIRY_SECONDS - age)
 
 
 def _holder_id() -> str:
@@ -123,7 +170,8 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _beat(self, released: bool = False) -> None:
-        self.store.put_json(self.holder_key, {"holder": self.holder_key, "renewed_at": time.time(), "released": released})
+        beat = {"holder": self.holder_key, "renewed_at": time.time(), "released": released, **process_identity()}
+        self.store.put_json(self.holder_key, beat)
 
     def start(self) -> Lease:
         self._beat()
@@ -161,10 +209,13 @@ def acquire(store: ObjectStore, partition: str, run_id: str, run_status: RunStat
         state = read_lease(store, partition)
         if state is not None and state.owner["run_id"] == run_id:
             return Lease(store, partition, state.generation, run_id).start()
-        if state is not None and (reason := busy_reason(state, run_status, now())):
-            raise PartitionBusy(reason)
+        if state is not None and (busy := busy_reason(state, run_status, now())):
+            raise PartitionBusy(
+                f"{busy.message}; retry when it finishes. A run that died without finishing frees it "
+                f"{EXPIRY_SECONDS:.0f} s after its last heartbeat."
+            )
         generation = state.generation + 1 if state else 1
-        owner = {"run_id": run_id, "lease_id": uuid.uuid4().hex, "partition": partition, "created_at": now()}
+        owner = {"run_id": run_id, "lease_id": uuid.uuid4().hex, "partition": partition, "created_at": now(), **process_identity()}
         key = join_key(prefix, f"{generation:08d}", OWNER)
         created = store.put_bytes_if_absent(key, json.dumps(owner, indent=2).encode())
         if not created:

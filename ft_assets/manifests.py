@@ -88,6 +88,18 @@ def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
         raise ArtifactCorrupt(f"unreadable manifest {store.uri(key)}: {exc}") from exc
 
 
+def changed_files(store: ObjectStore, manifest: Manifest) -> list[str]:
+    """Files of the artifact whose bytes no longer match the manifest (re-hashed in the store), or are gone."""
+    changed = []
+    for rel, info in sorted(manifest.files.items()):
+        try:
+            if store.sha256(join_key(manifest.prefix, rel)) != info["sha256"]:
+                changed.append(rel)
+        except ObjectNotFound:
+            changed.append(rel)
+    return changed
+
+
 def verify_artifact(store: ObjectStore, manifest: Manifest) -> None:
     """Cheap check (presence and size of every file); ``fetch_artifact`` also checks sha256."""
     for rel, info in manifest.files.items():

@@ -33,6 +33,11 @@ def ref_metadata(ref: dict) -> dict:
     }
 
 
+def op_config(context: dg.AssetExecutionContext) -> dict:
+    """The asset's settings as this run resolved them (defaults filled in); {} for an asset without settings."""
+    return context.op_execution_context.op_config or {}
+
+
 def _column_type(values: list) -> str:
     present = [v for v in values if v is not None]
     if present and all(isinstance(v, bool) for v in present):
@@ -90,8 +95,14 @@ class Materialization:
         return target
 
     def publish(self, prefix: str, stats: dict, upstream: dict[str, dict] | None = None, folder: Path | None = None, **extra) -> dict:
-        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference."""
-        return refs.publish(self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream, **extra)
+        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference.
+
+        The reference records the asset's resolved settings, so a rerun can tell whether it is current.
+        """
+        return refs.publish(
+            self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream,
+            config=op_config(self.context), **extra,
+        )  # fmt: skip
 
     def output(self, ref: dict, **metadata) -> dg.Output:
         """The asset's return value: its reference, with the artifact's metadata, the given figures and the duration."""

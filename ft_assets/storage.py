@@ -127,6 +127,10 @@ class ObjectStore(ABC):
     @abstractmethod
     def size(self, key: str) -> int: ...
 
+    @abstractmethod
+    def sha256(self, key: str) -> str:
+        """The sha256 of an object's bytes, read in ``CHUNK``-sized pieces (never the whole object in memory)."""
+
     def uri(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
 
@@ -234,6 +238,12 @@ class LocalStore(ObjectStore):
         if not source.is_file():
             raise ObjectNotFound(f"missing object {self.uri(key)}")
         return source.stat().st_size
+
+    def sha256(self, key: str) -> str:
+        source = self._path(key)
+        if not source.is_file():
+            raise ObjectNotFound(f"missing object {self.uri(key)}")
+        return sha256_file(source)
 
     def uri(self, key: str) -> str:
         return str(self.root / key)
@@ -414,6 +424,15 @@ class S3Store(ObjectStore):
     def size(self, key: str) -> int:
         head = self._call("lookup of", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
         return int(head["ContentLength"])
+
+    def sha256(self, key: str) -> str:
+        def stream() -> str:  # retried as a whole: a connection that drops mid-body starts the hash over
+            digest = hashlib.sha256()
+            for chunk in self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].iter_chunks(CHUNK):
+                digest.update(chunk)
+            return digest.hexdigest()
+
+        return self._call("read of", key, stream)
 
 
 def default_store_path() -> Path:

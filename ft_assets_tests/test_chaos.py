@@ -101,9 +101,8 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
 
     token_loss_sum = recipe.token_loss_sum
 
-    def slow_step(model, batch):
-        if model.training:  # not the evaluation passes
-            time.sleep(STEP_DELAY_S)
+    def slow_step(model, batch):  # the recipe's training steps only: evaluation calls training.loss directly
+        time.sleep(STEP_DELAY_S)
         return token_loss_sum(model, batch)
 
     recipe.open_store = slow_store

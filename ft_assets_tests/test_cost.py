@@ -1,20 +1,24 @@
 """Cost model: defaults, YAML overrides and their errors, ETH arithmetic, cost_report aggregation."""
 
+import tomllib
+from importlib import resources
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from ft_assets.control.cost import (
+from ft_assets.control.cost_model import (
     DEFAULT_OFFERINGS,
     CostModel,
     CostModelError,
-    CostRecord,
-    RunMeasurements,
-    aggregate_cost_report,
-    compute_eth,
     load_cost_model,
 )
+from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
+from ft_assets.control.eth import RunMeasurements, compute_eth
 
 GB = 10**9
+ROOT = Path(__file__).resolve().parents[1]
+PRICE_LIST = resources.files("ft_assets.control") / "gpu_offerings.yaml"
 
 
 def test_defaults_cover_24_40_80_gb_tiers_with_sources():
@@ -34,9 +38,31 @@ def test_defaults_cover_24_40_80_gb_tiers_with_sources():
         model.mfu("dora")
 
 
+def test_price_list_ships_in_the_wheel():
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert PRICE_LIST.name in package_data["ft_assets.control"]
+
+
+def test_readme_offerings_table_is_the_price_list():
+    header = "| offering | VRAM GiB | on-demand $/h | spot $/h |\n|---|---|---|---|\n"
+    parts = (ROOT / "README.md").read_text().split(header)
+    assert len(parts) == 2, "README has no offerings table"
+    table = parts[1].split("\n\n")[0].splitlines()
+    expected = [f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} |" for o in DEFAULT_OFFERINGS]
+    assert table == expected
+
+
+def test_override_example_in_the_price_list_header_loads(tmp_path):
+    example = [line.removeprefix("#   ") for line in PRICE_LIST.read_text().splitlines() if line.startswith("#   ")]
+    model = load_cost_model(write(tmp_path, "\n".join(example)))
+    assert model.egress_usd_per_gb == 0.0 and model.offering("a10g-24gb").spot_usd_per_h == 0.45
+    kept = [o.name for o in DEFAULT_OFFERINGS if o.name != "h100-80gb"]
+    assert [o.name for o in model.offerings] == kept + ["l40s-48gb"]
+
+
 # --- ETH arithmetic ------------------------------------------------------------------------------
 
-# The module docstring's example: A10G spot, 2.5 h wall over one restart, 2.0 h in optimizer steps,
+# eth.py's docstring example: A10G spot, 2.5 h wall over one restart, 2.0 h in optimizer steps,
 # 10 GB of checkpoints kept 73 h (a tenth of a 730-hour month), 5 GB egress, 30M tokens.
 EXAMPLE = RunMeasurements(
     gpu_tier="a10g-24gb",

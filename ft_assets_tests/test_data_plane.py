@@ -35,7 +35,7 @@ def test_sample_data_plane_accounts_for_every_row(project, capsys):
     summary = run_json(capsys, "run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
                        "--until", "data", "--config", str(config), "--json")
     assert summary["partition"] == "toolcalls@t1"
-    # The generator's injected dirt (ft_assets/data/sample.py): 3,333 lines = 3,000 examples + 150 exact
+    # The generator's injected dirt (scripts/make_sample.py): 3,333 lines = 3,000 examples + 150 exact
     # duplicates + 90 near-duplicates + 90 bad rows + 3 blank lines.
     assert summary["rows_in"] == 3330
     assert summary["exact_duplicates"] == 150

@@ -1,4 +1,4 @@
-import dagster as dg
+import pytest
 
 from ft_assets.definitions import defs
 
@@ -33,12 +33,24 @@ def test_blocking_checks_guard_the_data_plane():
     assert checks["rows_accounted_for"].blocking
 
 
-def test_launchpad_config_has_help_texts():
-    job = defs.resolve_job_def("data_plane")
-    for node in job.graph.nodes:
+@pytest.mark.parametrize("job", ["data_plane", "training_plane", "delivery_plane"])
+def test_launchpad_config_has_help_texts(job):
+    described = 0
+    for node in defs.resolve_job_def(job).graph.nodes:
         schema = node.definition.config_schema
         if schema is None or not hasattr(schema.config_type, "fields"):
             continue
         for name, field in schema.config_type.fields.items():
             assert field.description, f"{node.name}.{name} has no help text"
-    assert isinstance(defs, dg.Definitions)
+            described += 1
+    assert described >= 5, f"{job}: only {described} settings found: the walk over the launchpad config found nothing to check"
+
+
+def test_training_plan_and_lora_adapter_share_one_set_of_training_settings():
+    fields = {}
+    for job, node in (("data_plane", "training_plan"), ("training_plane", "lora_adapter")):
+        config_type = defs.resolve_job_def(job).graph.node_named(node).definition.config_schema.config_type
+        fields[node] = {name: field.description for name, field in config_type.fields.items()}
+    training = {name: text for name, text in fields["training_plan"].items() if name in fields["lora_adapter"]}
+    assert training == fields["lora_adapter"]  # every training setting, with the same help text, in both
+    assert set(fields["training_plan"]) - set(fields["lora_adapter"]) == {"purpose", "data_region", "cost_model_path"}

@@ -64,10 +64,10 @@ def test_merged_model_reproduces_base_plus_adapter(tiny_model_dir, tmp_path):
 def _refs():
     refs = {}
     for i, name in enumerate(LINEAGE_CHAIN):
-        refs[name] = {"asset": name, "uri": f"/store/{name}", "digest": f"{i:064x}", "created_at": 1000.0 + i,
+        refs[name] = {"asset": name, "prefix": f"runs/t/v1/{name}", "uri": f"/store/runs/t/v1/{name}", "digest": f"{i:064x}", "created_at": 1000.0 + i,
                       "upstream": {LINEAGE_CHAIN[i - 1]: {"digest": f"{i - 1:064x}"}} if i else {}, "stats": {}}  # fmt: skip
     refs["base_model"]["stats"] = {"model_id": "tiny", "source": "/m", "source_sha256": "ab" * 32}
-    refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": "/store/ckpt-8"})
+    refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}})
     refs["lora_adapter"]["stats"] = {"run_id": "r1", "method": "lora", "steps": 8, "resumed_from_step": None}
     refs["eval_report"]["stats"] = {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 0.9,
                                     "base_eval_loss": 3.0, "finetuned_eval_loss": 1.0, "improvement": 0.9}  # fmt: skip
@@ -76,12 +76,14 @@ def _refs():
 
 
 def test_lineage_names_every_upstream_artifact_and_hash():
-    lineage = build_lineage("toolcalls@v1", _refs(), "/store/registry/toolcalls/v1/r1")
+    lineage = build_lineage("toolcalls@v1", _refs(), "registry/toolcalls/v1/r1")
     assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)
+    assert "/store" not in json.dumps(lineage)  # store-relative keys only: a moved store still verifies
+    assert lineage["published_key"] == "registry/toolcalls/v1/r1" and lineage["artifacts"][0]["key"] == "runs/t/v1/raw_dataset"
     assert all(len(a["digest"]) == 64 for a in lineage["artifacts"])
     assert lineage["artifacts"][1]["upstream"] == {"raw_dataset": f"{0:064x}"}
     assert lineage["base_model"]["source_sha256"] == "ab" * 32
-    assert lineage["training"]["checkpoint"] == "/store/ckpt-8"
+    assert lineage["training"]["checkpoint"] == {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}
     assert lineage["gguf"]["m-f16.gguf"]["sha256"] == "cd" * 32
     assert lineage["code_version"]
     refs = _refs()

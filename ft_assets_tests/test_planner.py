@@ -4,12 +4,14 @@ Published figures are read in GiB (they come from nvidia-smi / torch.cuda, which
 """
 
 import math
+import re
 
 import pytest
 
-from ft_assets.control.cost import CostModel, GpuOffering
+from ft_assets.control import planner
+from ft_assets.control.cost_model import CostModel, GpuOffering
+from ft_assets.training.loss import chunk_tokens
 from ft_assets.control.planner import (
-    REFERENCE_CONFIGS,
     ModelShape,
     NoGpuFits,
     estimate_vram,
@@ -18,9 +20,14 @@ from ft_assets.control.planner import (
     plan_training,
     tokens_per_second,
 )
+from ft_assets_tests.reference_models import REFERENCE_CONFIGS
+from scripts import planner_tables
 
 SHAPES = {name: ModelShape.from_config(config, name) for name, config in REFERENCE_CONFIGS.items()}
 QWEN05, LLAMA7, LLAMA13 = SHAPES["Qwen2.5-0.5B"], SHAPES["Llama-2-7B"], SHAPES["Llama-2-13B"]
+# The path of the published runs: Hugging Face's loss over every token's logits, FlashAttention-2 on
+# unpacked rows (no score matrices). The recipe's own default (chunked loss, flash/flex) needs less.
+HF_PATH = dict(attention="flash_attention_2", loss="full")
 
 
 @pytest.mark.parametrize(
@@ -99,7 +106,7 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("name, method, seq_len, low, high, source", PUBLISHED)
 def test_vram_estimate_within_published_range(name, method, seq_len, low, high, source):
-    estimate = estimate_vram(SHAPES[name], method, seq_len, micro_batch=1, grad_checkpointing=True)
+    estimate = estimate_vram(SHAPES[name], method, seq_len, micro_batch=1, grad_checkpointing=True, **HF_PATH)
     assert low <= estimate.total_gib <= high, f"{name} {method} seq {seq_len}: {estimate.breakdown()} ({source})"
 
 
@@ -144,7 +151,7 @@ LLAMA31_8B = ModelShape.from_config(
 def test_lora_estimate_within_15_percent_of_qwen_measurements(name, seq_len, measured):
     vocab = 152064 if name == "Qwen-14B" else 151936
     shape = ModelShape.from_config({**QWEN_V1[name], "vocab_size": vocab, "attention_bias": True}, name)
-    estimate = estimate_vram(shape, "lora", seq_len, 1, True, lora_r=64)
+    estimate = estimate_vram(shape, "lora", seq_len, 1, True, lora_r=64, **HF_PATH)
     assert abs(estimate.total_gib / measured - 1) <= 0.15, estimate.breakdown()
 
 
@@ -154,8 +161,28 @@ def test_lora_estimate_within_15_percent_of_qwen_measurements(name, seq_len, mea
     [(12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502), (80, 28454)],
 )
 def test_qlora_estimate_within_15_percent_of_unsloth_context_benchmark(vram_gb, context):
-    estimate = estimate_vram(LLAMA31_8B, "qlora", context, 1, True, lora_r=32, lora_dropout=0)
+    estimate = estimate_vram(LLAMA31_8B, "qlora", context, 1, True, lora_r=32, lora_dropout=0, **HF_PATH)
     assert abs(estimate.total_gib / vram_gb - 1) <= 0.15, estimate.breakdown()
+
+
+@pytest.mark.parametrize("method, measured", [("qlora", 8.3), ("lora", 19.3)])
+def test_estimate_within_10_percent_of_the_h200_run(method, measured):
+    """Measured once on an H200 (2026-11-30, issue #15): Llama-2-7B shape, r=16 on all 7 projections, gradient
+    checkpointing, 1 x 2048 packed tokens (4 documents), sdpa with the packed block mask, HF's full-logit loss;
+    peak torch reserved + 0.6 GiB CUDA context."""
+    estimate = estimate_vram(LLAMA7, method, 2048, 1, True, attention="sdpa", loss="full")
+    assert abs(estimate.total_gib / measured - 1) <= 0.10, estimate.breakdown()
+
+
+def test_score_matrices_are_planned_for_sdpa_and_eager_only():
+    flash, flex, sdpa = (estimate_vram(LLAMA7, "lora", 4096, 2, True, attention=a) for a in ("flash_attention_2", "flex_attention", "sdpa"))
+    assert flash.attention_gib == flex.attention_gib == 0
+    assert sdpa.attention_gib == pytest.approx(10 * 32 * 4096**2 * 2 / 2**30)  # one layer alive with checkpointing
+    unchecked = estimate_vram(LLAMA7, "lora", 4096, 2, False, attention="eager")
+    assert unchecked.attention_gib == pytest.approx(32 * sdpa.attention_gib)  # every layer keeps its scores
+    assert estimate_vram(LLAMA7, "lora", 4096, 2, True).attention == "auto"
+    with pytest.raises(ValueError, match="unknown loss"):
+        estimate_vram(LLAMA7, "lora", 4096, 2, True, loss="fused")
 
 
 def test_breakdown_components_follow_the_documented_formula():
@@ -168,16 +195,22 @@ def test_breakdown_components_follow_the_documented_formula():
     qlora = estimate_vram(LLAMA7, "qlora", 1024, 1, True)
     nf4 = LLAMA7.layer_linear_params * 4.127 / 8 + 4 * (LLAMA7.params - LLAMA7.layer_linear_params)
     assert qlora.weights_gib == pytest.approx(nf4 / 2**30, rel=1e-4)
-    assert lora.logits_gib == pytest.approx(16 * 32000 * 1024 / 2**30)
+    assert lora.logits_gib == pytest.approx(16 * 32000 * chunk_tokens(32000) / 2**30)  # one chunk (524 tokens)
+    assert estimate_vram(LLAMA7, "lora", 1024, 1, True, loss="full").logits_gib == pytest.approx(16 * 32000 * 1024 / 2**30)
+    assert lora.attention_gib == 0 and lora.overhead_gib == 0.6
+    tensors = lora.total_gib - lora.slack_gib - lora.overhead_gib
+    assert lora.slack_gib == pytest.approx(0.04 * tensors)
     parts = [v for k, v in lora.as_dict().items() if k.endswith("_gib") and k != "total_gib"]
-    assert len(parts) == 7 and lora.total_gib == pytest.approx(sum(parts))
+    assert len(parts) == 9 and lora.total_gib == pytest.approx(sum(parts))
 
 
 def test_activations_scale_with_tokens_and_checkpointing_saves_most_of_them():
     one = estimate_vram(LLAMA7, "lora", 1024, 1, True)
     four = estimate_vram(LLAMA7, "lora", 1024, 4, True)
     assert four.activations_gib == pytest.approx(4 * one.activations_gib)
-    assert four.logits_gib == pytest.approx(4 * one.logits_gib)
+    assert four.logits_gib == one.logits_gib  # the chunked loss: one chunk, however many tokens
+    one_full, four_full = (estimate_vram(LLAMA7, "lora", 1024, b, True, loss="full") for b in (1, 4))
+    assert four_full.logits_gib == pytest.approx(4 * one_full.logits_gib)
     unchecked = estimate_vram(LLAMA7, "lora", 1024, 1, False)
     assert unchecked.activations_gib > 10 * one.activations_gib
 
@@ -189,6 +222,17 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(LLAMA7, "lora", 2048, True) == 2 * matmul * 3 + attention * 4 == 41_791_545_344
     assert flops_per_token(LLAMA7, "full", 2048, False) == 2 * matmul * 3 + attention * 3
 
+
+
+def test_docstring_vram_table_is_what_planner_tables_prints(capsys):
+    """The planner docstring quotes `python -m scripts.planner_tables`: same GiB for every model and method."""
+    planner_tables.main()
+    printed = capsys.readouterr().out.splitlines()
+    for name in REFERENCE_CONFIGS:
+        quoted = next(line for line in planner.__doc__.splitlines() if line.strip().startswith(name + " "))
+        row = next(line for line in printed if line.strip().startswith(name + " "))
+        gib = r"\d+\.\d / \d+\.\d"
+        assert re.findall(gib, quoted.split(name)[1]) == re.findall(gib, row.split("params")[1]), name
 
 # A cost model small enough to check tier choice by hand: 4 tiers, round numbers, no startup.
 def offering(name, vram, on_demand, spot, tflops, region="us-east-1"):
@@ -231,7 +275,7 @@ def test_tier_choice_skips_cards_too_small():
     assert plan.tier == "mid"
     fits = {c.name: c.fits for c in plan.candidates}
     assert fits == {"small": False, "fast24": False, "mid": True, "big": True}
-    assert "needs 28.3 GiB" in next(c.reason for c in plan.candidates if c.name == "small")
+    assert "needs 28.5 GiB" in next(c.reason for c in plan.candidates if c.name == "small")
     mid = next(row for row in plan.candidate_rows() if row["tier"] == "mid")
     assert (mid["gpu"], mid["region"], mid["usable_gib"], mid["fits"], mid["usd_per_hour"]) == ("MID", "us-east-1", 43.2, True, 0.60)
 
@@ -240,8 +284,8 @@ def test_nothing_fits_raises_with_required_vram_and_what_would_fit():
     with pytest.raises(NoGpuFits) as caught:
         plan_training(LLAMA13, "full", 2048, 1, True, train_tokens=1_000_000, cost_model=TIERS)
     message = str(caught.value)
-    assert "needs ~196.8 GiB" in message and "big, has 72.0 GiB usable" in message
-    assert "method qlora: ~11.4 GiB, fits small, fast24, mid, big" in message
+    assert "needs ~203.8 GiB" in message and "big, has 72.0 GiB usable" in message
+    assert "method qlora: ~10.9 GiB, fits small, fast24, mid, big" in message
     assert caught.value.vram.total_gib > 72 and len(caught.value.candidates) == 4
 
 
@@ -250,8 +294,8 @@ def test_nothing_fits_suggests_changes_that_add_up():
         plan_training(LLAMA13, "full", 2048, 4, False, train_tokens=1_000_000, cost_model=TIERS)
     options = str(caught.value).splitlines()[1:]
     assert options[0].startswith("  - gradient checkpointing: ~") and options[0].endswith("still too big")
-    assert options[1].startswith("  - + micro batch 1 (same global batch via gradient accumulation): ~196.8 GiB")
-    assert options[2] == "  - + method qlora: ~11.4 GiB, fits small, fast24, mid, big"
+    assert options[1].startswith("  - + micro batch 1 (same global batch via gradient accumulation): ~203.8 GiB")
+    assert options[2] == "  - + method qlora: ~10.9 GiB, fits small, fast24, mid, big"
 
 
 @pytest.mark.parametrize(

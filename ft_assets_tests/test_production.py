@@ -247,10 +247,10 @@ def ecs_account(block: dict) -> None:
     for instance_type in ("g5.xlarge", "g5.12xlarge"):  # 1 and 4 GPUs: the spot pool's instance types
         host = ec2.run_instances(ImageId="ami-0123456789abcdef0", MinCount=1, MaxCount=1, InstanceType=instance_type)["Instances"][0]
         ecs.register_container_instance(cluster="ft-assets", instanceIdentityDocument=json.dumps({"instanceId": host["InstanceId"]}))
-    ecs.register_task_definition(
-        family=pools["gpu"]["config"]["task_definition"], requiresCompatibilities=["EC2"], networkMode="bridge",
-        containerDefinitions=[{"name": "run", "image": IMAGE, "memory": 4096, "resourceRequirements": [{"type": "GPU", "value": "1"}]}],
-    )
+    gpu_definition = json.loads((REPO / "deploy/launchers/ecs-gpu-task-definition.json").read_text())
+    assert gpu_definition["family"] == pools["gpu"]["config"]["task_definition"]
+    gpu_definition["containerDefinitions"][0]["memory"] = 4096  # moto's fake hosts register 7,482 MB, a g5.xlarge 16 GiB
+    ecs.register_task_definition(**gpu_definition)
     ecs.register_task_definition(
         family=pools["cpu"]["config"]["task_definition"], requiresCompatibilities=["FARGATE"], networkMode="awsvpc",
         cpu="2048", memory="8192", containerDefinitions=[{"name": "run", "image": IMAGE, "memory": 8192}],
@@ -295,6 +295,8 @@ def test_ecs_example_sends_training_to_spot_gpu_and_the_rest_to_fargate(aws):
             assert {"key": "dagster/partition", "value": "toolcalls@v1"} in gpu_task["tags"]
         gpu_def = ecs.describe_task_definition(taskDefinition=task(training)["taskDefinitionArn"])["taskDefinition"]
         assert gpu_def["containerDefinitions"][0]["resourceRequirements"] == [{"type": "GPU", "value": "1"}]
+        # SIGTERM, then ECS's longest wait before SIGKILL: time for the step-boundary checkpoint to upload
+        assert gpu_def["containerDefinitions"][0]["stopTimeout"] == 120
         assert "resourceRequirements" not in task(training)["overrides"]["containerOverrides"][0]
         override = task(bigger)["overrides"]["containerOverrides"][0]
         assert override["name"] == "run" and override["resourceRequirements"] == [{"type": "GPU", "value": "4"}]

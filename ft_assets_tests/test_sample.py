@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_assets.data.sample import (
+from scripts.make_sample import (
     FILES,
     SEED,
     SYSTEM_PROMPT,
@@ -188,7 +188,7 @@ def test_write_sample_is_deterministic(written, tmp_path):
 
 @pytest.mark.parametrize("file", FILES)
 def test_shipped_files_equal_a_fresh_generation(written, file):
-    """Nobody edits samples/ by hand: regenerate with `python -m ft_assets.data.sample samples/toolcalls`.
+    """Nobody edits samples/ by hand: regenerate with `python -m scripts.make_sample samples/toolcalls`.
 
     The .gz is compared decompressed: another zlib build may compress the same bytes differently.
     """

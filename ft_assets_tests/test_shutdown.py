@@ -1,7 +1,4 @@
-import http.server
 import logging
-import socket
-import threading
 from datetime import datetime, timedelta, timezone
 
 import boto3
@@ -14,7 +11,7 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from moto import mock_aws
 
 from ft_assets.control import shutdown
-from ft_assets.control.cost import CostModel
+from ft_assets.control.cost_model import CostModel
 from ft_assets.control.shutdown import (
     HEARTBEAT_TAG,
     ROLE_TAG_KEY,
@@ -26,7 +23,7 @@ from ft_assets.control.shutdown import (
     idle_gpu_worker_sensor,
     stop_idle_workers,
 )
-from ft_assets.training.ec2_metadata import WORKER_TAG, worker_instance_tag
+from ft_assets.training.ec2_metadata import WORKER_TAG
 
 S = dg.DagsterRunStatus
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -313,47 +310,3 @@ def test_one_refusal_does_not_block_the_others(aws):
     assert "UnsupportedOperation: You can't stop the Spot Instance" in actions[0].describe()
     with pytest.raises(ValueError, match="'stop' or 'terminate'"):
         stop_idle_workers(client, workers, "hibernate", dry_run=False)
-
-
-# --- worker_instance_tag: IMDSv2 -----------------------------------------------------------------
-
-
-class FakeImds(http.server.BaseHTTPRequestHandler):
-    def do_PUT(self):
-        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-        self._reply(200 if ok else 400, b"token-123")
-
-    def do_GET(self):
-        token = self.headers.get("X-aws-ec2-metadata-token")
-        ok = self.path == "/latest/meta-data/instance-id" and token == "token-123"
-        self._reply(200 if ok else 401, b"i-0123456789abcdef0")
-
-    def _reply(self, code, body):
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_worker_instance_tag_reads_imdsv2(monkeypatch):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    try:
-        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_port}/")
-        assert worker_instance_tag() == {WORKER_TAG: "i-0123456789abcdef0"}
-        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        assert worker_instance_tag() == {}
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_worker_instance_tag_off_ec2(monkeypatch):
-    with socket.socket() as probe:  # a port nobody listens on: refused at once, like a machine off EC2
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{port}")
-    assert worker_instance_tag() == {}

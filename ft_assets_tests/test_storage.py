@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound, fetch_artifact, publish_dir, read_manifest, verify_artifact
+from ft_assets.manifests import (
+    MANIFEST,
+    ArtifactCorrupt,
+    ArtifactNotFound,
+    changed_files,
+    fetch_artifact,
+    publish_dir,
+    read_manifest,
+    verify_artifact,
+)
 from ft_assets.storage import CHUNK, LocalStore, S3Store, StoreError, join_key, open_store, sha256_file
 
 
@@ -362,6 +371,17 @@ def test_publish_read_fetch_round_trip(store, tmp_path):
     fetched = fetch_artifact(store, PREFIX, tmp_path / "dest")
     assert fetched.digest == manifest.digest
     assert read_tree(tmp_path / "dest") == FILES
+
+
+def test_changed_files_rehashes_every_object_in_the_store(store, tmp_path):
+    manifest = publish_dir(store, PREFIX, write_tree(tmp_path / "source", FILES))
+    assert changed_files(store, manifest) == []
+    first, second = sorted(FILES)[:2]
+    data = FILES[first]
+    store.put_bytes(join_key(PREFIX, first), bytes([data[0] ^ 1]) + data[1:])  # same size, one bit flipped
+    store.delete(join_key(PREFIX, second))
+    assert changed_files(store, manifest) == [first, second]
+    assert store.sha256(join_key(PREFIX, sorted(FILES)[2])) == hashlib.sha256(FILES[sorted(FILES)[2]]).hexdigest()
 
 
 def test_fetch_artifact_include_and_local_copies(store, tmp_path):

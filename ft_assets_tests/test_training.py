@@ -16,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.shards import ShardWriter, load_packed_rows
 from ft_assets import layout
 from ft_assets.manifests import MANIFEST
 from ft_assets.storage import LocalStore, join_key
@@ -37,14 +38,16 @@ from ft_assets.training.checkpoints import (
     run_id,
 )
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, load_packed_rows, train
+from ft_assets.training import recipe
+from ft_assets.training.loss import learned_tokens, token_loss_sum
+from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
 
 SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
 RUN = "runs/timers/v1/train/test"
 SYSTEM = "Reply with one JSON tool call."
 
 
-# --- fixtures: a tiny model and packed shards in the data plane's format ---------------------------
+# --- fixtures: a tiny model and packed shards from the data plane's packer --------------------------
 
 
 def chat_examples(count: int) -> list[tuple[str, str]]:
@@ -55,56 +58,23 @@ def chat_examples(count: int) -> list[tuple[str, str]]:
     return examples
 
 
-def tokenize(tokenizer, user: str, assistant: str) -> tuple[list[int], list[int]]:
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(assistant + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    return prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids)
-
-
-def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> list[dict]:
-    """Greedy in-order packing into rows of exactly seq_len, padding tail as its own position run."""
-    rows, current = [], []
-    for example in examples + [None]:
-        used = sum(len(ids) for ids, _ in current)
-        if example is None or used + len(example[0]) > seq_len:
-            ids = [t for e, _ in current for t in e]
-            mask = [m for _, e in current for m in e]
-            positions = [p for e, _ in current for p in range(len(e))]
-            pad = seq_len - len(ids)
-            rows.append(
-                {
-                    "input_ids": ids + [pad_id] * pad,
-                    "loss_mask": mask + [0] * pad,
-                    "position_ids": positions + list(range(pad)),
-                    "seq_lens": [len(e) for e, _ in current],
-                }
-            )
-            current = []
-        if example is not None:
-            current.append(example)
-    return rows
-
-
-SCHEMA = pa.schema(
-    [
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("position_ids", pa.list_(pa.int32())),
-        ("seq_lens", pa.list_(pa.int32())),
+def conversations(examples: list[tuple[str, str]]) -> list[tuple[str, list[dict]]]:
+    """(row id, messages) pairs, as the data plane hands them to the packer."""
+    roles = ("system", "user", "assistant")
+    return [
+        (f"timer-{i}", [{"role": role, "content": content} for role, content in zip(roles, (SYSTEM, user, reply))])
+        for i, (user, reply) in enumerate(examples)
     ]
-)
 
 
-def write_shards(out_dir: Path, split: str, rows: list[dict], rows_per_file: int) -> None:
+def write_shards(model_dir: Path, out_dir: Path, split: str, examples: list[tuple[str, str]], rows_per_shard: int) -> None:
+    """Packed shards of ``examples`` at SEQ_LEN, made by the data plane's own tokenizer and packer."""
+    from transformers import AutoTokenizer
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    for index, start in enumerate(range(0, len(rows), rows_per_file)):
-        table = pa.Table.from_pylist(rows[start : start + rows_per_file], schema=SCHEMA)
-        pq.write_table(table, out_dir / f"{split}-{index:05d}.parquet")
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
+    stats = tokenize_and_pack(iter(conversations(examples)), encoder, SEQ_LEN, out_dir, split, rows_per_shard=rows_per_shard)
+    assert stats.examples == len(examples), stats.rejected
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,13 +96,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shards(tiny_model, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenized = [tokenize(tokenizer, u, a) for u, a in chat_examples(60)]
+    examples = chat_examples(60)
     out = tmp_path_factory.mktemp("shards")
-    write_shards(out, "train", pack(tokenized[:48], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
-    write_shards(out, "eval", pack(tokenized[48:], SEQ_LEN, tokenizer.pad_token_id), rows_per_file=8)
+    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
+    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
     return out
 
 
@@ -213,14 +180,16 @@ def test_packed_rows_load_with_labels_from_the_loss_mask(shards):
 
 
 def test_ragged_shard_is_refused_naming_the_file(tmp_path):
-    write_shards(tmp_path, "train", [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]},
-                                     {"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]}], 8)  # fmt: skip
+    writer = ShardWriter(tmp_path, "train")
+    writer.add({"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]})
+    writer.add({"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]})
+    writer.flush()
     with pytest.raises(ValueError, match=r"train-00000\.parquet: column 'input_ids' has rows of lengths \[2, 3\]"):
         load_packed_rows(tmp_path, "train", max_seq_len=16)
 
 
 def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
-    plan = DataPlan(num_rows=50, batch_size=2, accumulation=3, world_size=2, seed=1)
+    plan = DataPlan(num_rows=50, config=TrainingConfig(per_device_batch_size=2, gradient_accumulation_steps=3, seed=1), world_size=2)
     assert plan.steps_per_epoch == 4  # 50 // 12, the tail is dropped
     seen = [i for step in range(4) for rank in range(2) for batch in plan.micro_batches(step, rank) for i in batch]
     assert len(seen) == len(set(seen)) == 48
@@ -228,26 +197,47 @@ def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
     assert plan.epoch_order(0).tolist() != plan.epoch_order(1).tolist()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])  # flash_attention_2: test_gpu.py
 def test_packed_examples_do_not_attend_to_each_other(tiny_model, shards, attn):
-    """transformers builds the block-diagonal mask from position_ids, but only without a KV cache."""
+    """transformers builds the block-diagonal mask from position_ids, but only without a KV cache.
+
+    Each example alone goes through sdpa, the reference: flex_attention on CPU runs forward only (its
+    training is checked on CUDA, test_gpu.py), and torch 2.13's CPU kernel returns wrong values on the
+    first call after a change of sequence length, which the examples' different lengths would hit.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation=attn).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    assert model.config._attn_implementation == attn
     row = pq.read_table(shards / "train-00000.parquet").slice(0, 1).to_pylist()[0]
     assert len(row["seq_lens"]) >= 2 and sum(row["seq_lens"]) < SEQ_LEN
-    input_ids = torch.tensor([row["input_ids"]])
-    position_ids = torch.tensor([row["position_ids"]])
+    rows = load_packed_rows(shards, "train", max_seq_len=SEQ_LEN)
+    batch = rows.batch([0], torch.device("cpu"))
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     with torch.no_grad():
         packed = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
         leaky = model(input_ids=input_ids, position_ids=position_ids).logits[0]  # config.use_cache=True
-        start = 0
+        packed_loss = token_loss_sum(model, batch)
+        alone_loss, start = 0.0, 0
         for length in row["seq_lens"]:
-            alone = model(input_ids=input_ids[:, start : start + length]).logits[0]
+            alone = reference(input_ids=input_ids[:, start : start + length]).logits[0]
             assert torch.allclose(packed[start : start + length], alone, atol=1e-5)
+            example = {name: value[:, start : start + length] for name, value in batch.items()}
+            alone_loss += float(token_loss_sum(reference, example))
             start += length
+    assert learned_tokens(batch) > 0 and float(packed_loss) == pytest.approx(alone_loss, rel=1e-5)
     second = slice(row["seq_lens"][0], row["seq_lens"][0] + row["seq_lens"][1])
     assert not torch.allclose(leaky[second], packed[second], atol=1e-3), "a KV cache should disable packing detection"
+
+
+def test_auto_attention_is_sdpa_on_cpu_and_gpu_only_backends_are_refused():
+    cpu = torch.device("cpu")
+    assert resolve_attention("auto", cpu) == "sdpa" and resolve_attention("eager", cpu) == "eager"
+    with pytest.raises(ValueError, match="flex_attention' trains on CUDA"):
+        resolve_attention("flex_attention", cpu)
+    with pytest.raises(ValueError, match="needs a CUDA GPU and the flash-attn package"):
+        resolve_attention("flash_attention_2", cpu)
 
 
 # --- checkpoint store pieces ---------------------------------------------------------------------
@@ -385,6 +375,52 @@ def test_gradient_checkpointing_changes_memory_not_weights(tiny_model, shards, t
     result = train(config(max_steps=24, gradient_checkpointing=True), tiny_model, shards, LocalStore(tmp_path / "store"),
                    RUN, tmp_path / "work", log=lambda line: None)  # fmt: skip
     assert_same_weights(final_weights(result), reference)
+
+
+@pytest.mark.integration
+def test_losses_read_only_at_logging_steps_are_the_losses_read_every_step(tiny_model, shards, tmp_path):
+    """The loop reads losses to the host at logging and checkpoint steps only (no sync per step on CUDA)."""
+    every = train(config(logging_steps=1), tiny_model, shards, LocalStore(tmp_path / "a"), RUN, tmp_path / "wa", log=lambda line: None)
+    once = train(config(logging_steps=12, save_steps=12), tiny_model, shards, LocalStore(tmp_path / "b"), RUN, tmp_path / "wb",
+                 log=lambda line: None)  # fmt: skip
+    assert [step for step, _ in once.loss_history] == list(range(1, 13))
+    assert once.loss_history == every.loss_history
+    assert_same_weights(final_weights(once), final_weights(every))
+    assert once.attn_implementation == "sdpa" and once.tokens_per_second > 0
+
+
+@pytest.mark.integration
+def test_compiled_model_trains_like_the_eager_one(tiny_model, shards, tmp_path):
+    """torch.compile on CPU (inductor, a C++ compiler): ~1 min of compiling, then the same losses."""
+    train_only = tmp_path / "shards"
+    train_only.mkdir()
+    for path in shards.glob("train-*.parquet"):
+        (train_only / path.name).write_bytes(path.read_bytes())
+    runs = {
+        compiled: train(config(max_steps=3, learning_rate=1e-3, compile=compiled), tiny_model, train_only, LocalStore(tmp_path / f"s{compiled}"),
+                        RUN, tmp_path / f"w{compiled}", log=lambda line: None)
+        for compiled in (False, True)
+    }  # fmt: skip
+    losses = {compiled: [loss for _, loss in run.loss_history] for compiled, run in runs.items()}
+    # The same forward, then updates that differ by rounding only (a small learning rate keeps AdamW's
+    # sign-like first steps on near-zero gradients from magnifying it).
+    assert len(losses[True]) == 3 and losses[True][0] == pytest.approx(losses[False][0], rel=1e-5)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+def test_fsdp_is_refused_with_what_to_do_instead(tiny_model, shards, tmp_path, monkeypatch):
+    """Checkpoints hold rank 0's trainable state: under FSDP that is a shard, so FSDP runs are refused."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    class FsdpAccelerator(Accelerator):
+        @property
+        def distributed_type(self):
+            return DistributedType.FSDP
+
+    monkeypatch.setattr(recipe, "Accelerator", FsdpAccelerator)
+    with pytest.raises(ValueError, match="FSDP is not supported: checkpoints would hold only rank 0's shard"):
+        train(config(), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
 
 
 @pytest.mark.integration

@@ -20,8 +20,10 @@ import dagster as dg
 from pydantic import Field
 
 from ft_assets import layout
-from ft_assets.control.cost import CostModelError, CostRecord, RunMeasurements, aggregate_cost_report, compute_eth, load_cost_model
-from ft_assets.control.planner import ModelShape, NoGpuFits, plan_training
+from ft_assets.control.cost_model import CostModelError, load_cost_model
+from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
+from ft_assets.control.eth import RunMeasurements, compute_eth
+from ft_assets.control.planner import ModelShape, NoGpuFits, Throughput, flops_per_token, plan_training, throughput
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import Materialization, table
 from ft_assets.partitions import dataset_version
@@ -54,20 +56,22 @@ def training_plan(
     import torch
 
     training = training_config(config, "training_plan")
-    method = training.resolved_method(torch.cuda.is_available())
     shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
     shards = tokenized_shards["stats"]
     try:
-        steps = training.total_steps(shards["train_packed_rows"])
+        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available())
     except ValueError as exc:
         raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
+    method, steps = resolved.method, resolved.total_steps
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
+    cost_model = _cost_model(config.cost_model_path)
     try:
         plan = plan_training(
             shape, method, shards["seq_len"], training.per_device_batch_size, training.gradient_checkpointing,
-            train_tokens=steps * training.rows_per_step() * shards["seq_len"],
-            cost_model=_cost_model(config.cost_model_path), purpose=config.purpose, data_region=region,
+            train_tokens=steps * resolved.rows_per_step * shards["seq_len"],
+            cost_model=cost_model, purpose=config.purpose, data_region=region,
             lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
+            attention=training.attn_implementation,
         )  # fmt: skip
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
@@ -76,16 +80,21 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan: {plan.method}, {steps} steps x {training.rows_per_step()} rows x {shards['seq_len']} tokens, needs "
-        f"{plan.vram.total_gib:.1f} GiB → {plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
+        f"plan for {resolved.describe()} at {shards['seq_len']} tokens a row: needs {plan.vram.total_gib:.1f} GiB → "
+        f"{plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
+    flops = flops_per_token(shape, method, shards["seq_len"], training.gradient_checkpointing)
+    planned = None  # delivery rents no GPU
+    if plan.tier is not None:
+        planned = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour)
     with Materialization(context, store, "plan") as m:
         (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
         stats = {
             "gpu_tier": plan.tier, "rental_mode": plan.mode, "method": plan.method, "vram_gib": plan.vram.total_gib,
             "est_hours": plan.est_hours, "estimated_cost_usd": plan.est_cost_usd, "usd_per_hour": plan.usd_per_hour,
             "total_tokens": plan.total_tokens, "warnings": list(plan.warnings), "data_region": region,
-            "steps": steps, "rows_per_step": training.rows_per_step(), "training_config": training.model_dump(),
+            "resolved": resolved.as_dict(), "training_config": training.model_dump(), "flops_per_token": flops,
+            "throughput": planned.as_dict() if planned else None,
         }  # fmt: skip
         ref = m.publish(layout.of(m.partition).control("plan"), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model})
     return m.output(
@@ -96,9 +105,17 @@ def training_plan(
         estimated_hours=dg.MetadataValue.float(round(plan.est_hours, 3)),
         estimated_cost_usd=dg.MetadataValue.float(round(plan.est_cost_usd, 4)),
         vram_breakdown=dg.MetadataValue.md(f"needs {plan.vram.breakdown()}"),
+        planned_run=dg.MetadataValue.json(resolved.as_dict()),
         candidates=table(plan.candidate_rows()),
         warnings=dg.MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings) or "none"),
+        **throughput_metadata(planned),
     )
+
+
+def throughput_metadata(figures: Throughput | None) -> dict:
+    """tokens_per_second, mfu and usd_per_million_tokens as Dagster metadata (NaN where unknown)."""
+    values = figures.as_dict() if figures else dict.fromkeys(("tokens_per_second", "mfu", "usd_per_million_tokens"))
+    return {name: dg.MetadataValue.float(float("nan") if value is None else round(value, 4)) for name, value in values.items()}
 
 
 class CostConfig(dg.Config):
@@ -106,11 +123,26 @@ class CostConfig(dg.Config):
     cost_model_path: str = Field(default="", description="YAML file overriding the cost model (empty: $FT_COST_MODEL, else the defaults).")
 
 
+def billed_tier(plan: dict) -> tuple[str, str]:
+    """The (tier, rental mode) the training worker is billed as: what it declares, else the plan's."""
+    tier = os.environ.get("FT_GPU_TIER") or plan["stats"]["gpu_tier"]
+    return tier, os.environ.get("FT_RENTAL_MODE") or plan["stats"]["rental_mode"]
+
+
+def measured_throughput(adapter: dict, plan: dict, cost_model) -> Throughput:
+    """The training run's tokens/s (its last attempt's step time), MFU on the tier's bf16 peak (None off
+    CUDA) and the tier's price per million tokens at that speed."""
+    tier, mode = billed_tier(plan)
+    offering = cost_model.offering(tier) if tier else None
+    on_gpu = adapter["stats"]["device"].startswith("cuda")
+    price = offering.usd_per_hour(mode) if offering else None
+    return throughput(adapter["stats"]["tokens_per_second"], plan["stats"]["flops_per_token"], offering if on_gpu else None, price)
+
+
 def measurements(adapter: dict, plan: dict, store, retention_days: float) -> tuple[RunMeasurements, list[str]]:
     """What the training plane measured, as the cost model's input; plus notes on how it was priced."""
     stats, notes = adapter["stats"], []
-    tier = os.environ.get("FT_GPU_TIER") or plan["stats"]["gpu_tier"]
-    mode = os.environ.get("FT_RENTAL_MODE") or plan["stats"]["rental_mode"]
+    tier, mode = billed_tier(plan)
     if not os.environ.get("FT_GPU_TIER"):
         notes.append(f"the worker declared no FT_GPU_TIER; its measured time is priced as the planned tier {tier} ({mode})")
     attempts = stats.get("restarts") or []
@@ -139,12 +171,15 @@ def training_cost(
         measured, notes = measurements(lora_adapter, training_plan, m.store, config.checkpoint_retention_days)
         for note in notes:
             context.log.info(note)
+        cost_model = _cost_model(config.cost_model_path)
         try:
-            report = compute_eth(measured, cost_model=_cost_model(config.cost_model_path))
+            report = compute_eth(measured, cost_model=cost_model)
+            speed = measured_throughput(lora_adapter, training_plan, cost_model)
         except (KeyError, ValueError) as exc:
             raise dg.Failure(f"training_cost: {exc}") from exc
         stats = {
             **report.as_dict(),
+            "throughput": speed.as_dict(),
             "estimated_cost_usd": training_plan["stats"]["estimated_cost_usd"],
             "estimated_hours": training_plan["stats"]["est_hours"],
             "run_id": lora_adapter["stats"]["run_id"],
@@ -174,11 +209,12 @@ def training_cost(
         eth_usd_per_hour=dg.MetadataValue.float(report.eth_usd_per_hour if report.eth_usd_per_hour is not None else float("nan")),
         idle_share=dg.MetadataValue.float(report.idle_share),
         restarts=report.restarts,
+        **throughput_metadata(speed),
     )
 
 
 def _eth_report(stats: dict):
-    from ft_assets.control.cost import EthReport
+    from ft_assets.control.eth import EthReport
 
     fields = {k: stats[k] for k in EthReport.__dataclass_fields__}
     return EthReport(**fields)

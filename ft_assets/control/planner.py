@@ -17,30 +17,44 @@ tokens per micro-batch. It models the training plane's recipe (``ft_assets.train
                               bits/param (QLoRA paper, sec. 3); embeddings, lm_head and norms are upcast
                               to fp32 by peft.prepare_model_for_kbit_training
       A = r x sum(in + out) over the adapted projections x L
-    activations (bf16, SDPA/flash attention: no seq^2 term)
+    activations (bf16; the attention scores are a term of their own)
       per layer per token  8h + 6q + 4kv + 8i   (norm inputs, q/k/v, attention out, o_proj input, the
                                                 four SwiGLU tensors), plus for LoRA per adapted projection
                                                 (2 or 3) x in + 2r (adapter input copy, dropout mask)
       with gradient checkpointing  L x 2h x T (each layer's input) + one layer recomputed in backward
       without                      L x per-layer x T
-      logits  16 V T: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for backward,
-              its fp32 gradient and the bf16 one back into lm_head. Calibrated on Unsloth's table of
-              the longest Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k
-              tokens from 12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
-    overhead  0.75 GiB: CUDA context with lazy module loading, cuBLAS workspace, allocator slack.
+    attention scores  10 x heads x seq^2 x batch bytes, for one layer with checkpointing (all L without),
+              only on the sdpa/eager path: a packed row's block-diagonal mask is a dense mask, and they
+              keep per-head scores (bf16 2 + fp32 softmax 4 + bf16 probabilities 2 + their gradient 2).
+              flash_attention_2 (varlen from position_ids) and flex_attention (document mask) keep none.
+      logits  16 V x T_logits: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for
+              backward, its fp32 gradient and the bf16 one back into lm_head. T_logits = T with a
+              full-logit loss (Hugging Face's), one chunk (``training.loss.chunk_tokens``: 64 MiB of fp32
+              logits) with the recipe's chunked loss. Calibrated on Unsloth's table of the longest
+              Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k tokens from
+              12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
+    slack     4% of all the tensors above: what the caching allocator reserves beyond what is allocated
+              (block rounding, fragmentation), fitted on the H200 run below.
+    overhead  0.6 GiB: the CUDA context (CUDA 13 driver, lazy module loading), measured on an H200.
 
-Checked in ``test_planner.py`` against measured runs, 1-14% under them: Qwen's README (LoRA r=64,
-1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA context table; and against the
-ranges of the LLaMA-Factory and Unsloth hardware tables; the planner's 10% VRAM headroom absorbs
-the bias. What it gives (batch 1, gradient checkpointing, LoRA r=16 on all seven projections,
-dropout 0.05; ``python -m ft_assets.control.planner`` prints it):
+Checked in ``test_planner.py``, on the path each run used (HF's full-logit loss, FlashAttention-2):
+Qwen's README (LoRA r=64, 1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA
+context table, within 15%; the ranges of the LLaMA-Factory and Unsloth hardware tables; and the run
+measured once on an H200 (2026-11-30, sdpa with the packed block mask, full logits): Llama-2-7B
+shape, r=16, 1 x 2048 tokens, checkpointing, QLoRA 8.3 GiB measured vs 8.8 planned (+6%), LoRA 19.3
+vs 17.6 (-9%; that LoRA run followed the QLoRA one in the same process, whose graph likely still held
+its NF4 weights: pending a re-measure with ``benchmarks/gpu_step.py --shape llama2-7b``). The
+planner's 10% VRAM headroom absorbs the rest. What it gives for the recipe's own path (chunked loss,
+flash or flex attention; batch 1, gradient checkpointing, LoRA r=16 on all seven projections, dropout
+0.05; ``python -m scripts.planner_tables`` prints it):
 
     GiB at seq 512 / 2048   qlora          lora           full
-    Qwen2.5-0.5B            2.8 / 6.4      3.0 / 6.7      9.3 / 12.9
-    Llama-2-7B              5.9 / 7.4     14.4 / 15.9    101.6 / 102.9
-    Llama-2-13B             9.6 / 11.4    26.5 / 28.3    195.2 / 196.8
+    Qwen2.5-0.5B            1.8 / 2.0      2.0 / 2.2      8.6 / 8.7
+    Llama-2-7B              6.0 / 6.8     14.8 / 15.6    105.5 / 106.1
+    Llama-2-13B             9.8 / 10.9    27.4 / 28.5    202.9 / 203.8
 
-The 0.5B column is mostly logits: Qwen's 151,936-token vocabulary costs 2.3 GiB per 1k tokens.
+With a full-logit loss the 0.5B column would be mostly logits: Qwen's 151,936-token vocabulary costs
+2.3 GiB per 1k tokens; chunked, one 64 MiB chunk's worth.
 
 Throughput: hardware FLOPs per token = 2 x matmul params x (1 forward + 2 backward for full, 1 for
 LoRA whose frozen weights need input gradients only + 1 recompute with checkpointing) + causal
@@ -60,8 +74,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from ft_assets.control.cost import GIB, CostModel, GpuOffering, RentalMode
-from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, Method
+from ft_assets.control.cost_model import GIB, CostModel, GpuOffering, RentalMode
+from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, AttentionImplementation, Method
+from ft_assets.training.loss import chunk_tokens
 
 Purpose = Literal["experiment", "validation", "delivery"]
 METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
@@ -75,44 +90,12 @@ ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32; with fp32 weight and grad
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes + double-quantized absmax: 0.516 B
 LOGITS_BYTES_PER_TOKEN_PER_VOCAB = 16  # bf16 logits 2 + fp32 upcast 4 + log-softmax 4 + grads 4 (fp32) + 2 (bf16)
 DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per dropped element
-CUDA_OVERHEAD_GIB = 0.75  # context (~0.3-0.5 GiB with CUDA >= 11.7 lazy loading) + workspaces + slack
+SCORE_BYTES = 10  # per score element at the peak: bf16 scores 2 + fp32 softmax 4 + bf16 probabilities kept 2 + their grad 2
+CUDA_CONTEXT_GIB = 0.6  # measured on the H200 (CUDA 13 driver, lazy module loading): NVML use minus torch reserved
+ALLOCATOR_SLACK = 0.04  # reserved over allocated (block rounding, fragmentation), fitted on the H200 run
+DENSE_SCORE_ATTENTION = ("sdpa", "eager")  # packed rows get a dense block mask: per-head seq x seq scores
+LossPath = Literal["chunked", "full"]
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-
-# config.json excerpts of the reference models the estimate is checked against (values from the
-# models' published config.json files on the Hugging Face hub).
-REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen2.5-0.5B": {
-        "model_type": "qwen2",
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "Llama-2-7B": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "intermediate_size": 11008,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "Llama-2-13B": {
-        "model_type": "llama",
-        "hidden_size": 5120,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 40,
-        "intermediate_size": 13824,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-}
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -226,33 +209,30 @@ class VramEstimate:
     seq_len: int
     micro_batch: int
     grad_checkpointing: bool
+    attention: str  # the attention backend planned for
+    loss: LossPath
     trainable_params: int
     weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest)
     adapter_gib: float  # LoRA adapter weights (0 for full)
     gradients_gib: float
     optimizer_gib: float  # AdamW exp_avg + exp_avg_sq
-    activations_gib: float  # saved for backward, logits excluded
-    logits_gib: float
-    overhead_gib: float
+    activations_gib: float  # saved for backward, logits and attention scores excluded
+    attention_gib: float  # per-head score matrices (sdpa/eager with packed rows); 0 for flash/flex
+    logits_gib: float  # every token's (full loss) or one chunk's (chunked loss)
+    slack_gib: float  # the caching allocator's reserved-but-unused memory
+    overhead_gib: float  # CUDA context
+
+    PARTS = ("weights", "adapter", "gradients", "optimizer", "activations", "attention", "logits", "slack", "overhead")
 
     @property
     def total_gib(self) -> float:
-        return (
-            self.weights_gib
-            + self.adapter_gib
-            + self.gradients_gib
-            + self.optimizer_gib
-            + self.activations_gib
-            + self.logits_gib
-            + self.overhead_gib
-        )
+        return sum(getattr(self, part + "_gib") for part in self.PARTS)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total_gib": self.total_gib}
 
     def breakdown(self) -> str:
-        parts = ("weights", "adapter", "gradients", "optimizer", "activations", "logits", "overhead")
-        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in parts if getattr(self, p + "_gib") >= 0.05)
+        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in self.PARTS if getattr(self, p + "_gib") >= 0.05)
         return f"{self.total_gib:.1f} GiB ({shown})"
 
 
@@ -274,10 +254,19 @@ def estimate_vram(
     lora_r: int = 16,
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.05,
+    attention: AttentionImplementation = "auto",
+    loss: LossPath = "chunked",
 ) -> VramEstimate:
-    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring)."""
+    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring).
+
+    ``attention`` and ``loss`` name the path: the recipe's default (``auto``: flash or flex attention
+    on a GPU, and the chunked loss of ``ft_assets.training.loss``), or e.g. sdpa and the full-logits
+    loss of a plain Hugging Face run.
+    """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
+        raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
     if seq_len < 1 or micro_batch < 1 or lora_r < 1:
         raise ValueError(f"seq_len, micro_batch and lora_r must be >= 1 (got {seq_len}, {micro_batch}, {lora_r})")
     tokens = seq_len * micro_batch
@@ -304,24 +293,34 @@ def estimate_vram(
         projections = shape.projections()
         per_layer_token += sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets)
 
+    layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
         activations = shape.layers * BF16_BYTES * h * tokens + per_layer_token * tokens
     else:
         activations = shape.layers * per_layer_token * tokens
-    logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * tokens
+    scores = 0
+    if attention in DENSE_SCORE_ATTENTION:  # dense per-row scores: the documents of a packed row do not shrink them
+        scores = layers_alive * SCORE_BYTES * shape.heads * seq_len**2 * micro_batch
+    logit_tokens = tokens if loss == "full" else min(tokens, chunk_tokens(shape.vocab))
+    logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * logit_tokens
+    tensors = weights + adapter + gradients + optimizer + activations + scores + logits
     return VramEstimate(
         method=method,
         seq_len=seq_len,
         micro_batch=micro_batch,
         grad_checkpointing=grad_checkpointing,
+        attention=attention,
+        loss=loss,
         trainable_params=trainable,
         weights_gib=weights / GIB,
         adapter_gib=adapter / GIB,
         gradients_gib=gradients / GIB,
         optimizer_gib=optimizer / GIB,
         activations_gib=activations / GIB,
+        attention_gib=scores / GIB,
         logits_gib=logits / GIB,
-        overhead_gib=CUDA_OVERHEAD_GIB,
+        slack_gib=ALLOCATOR_SLACK * tensors / GIB,
+        overhead_gib=CUDA_CONTEXT_GIB,
     )
 
 
@@ -345,6 +344,31 @@ def tokens_per_second(
     """Assumed training throughput of ``offering``: its bf16 peak x MFU over FLOPs per token."""
     sustained = offering.bf16_tflops * 1e12 * cost_model.mfu(method) * offering.mfu_scale
     return sustained / flops_per_token(shape, method, seq_len, grad_checkpointing)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """How fast a run trains and what a token costs, on one GPU tier (planned or measured)."""
+
+    tokens_per_second: float
+    mfu: float | None  # model FLOPs/s over the tier's bf16 peak; None where the device's peak is unknown (CPU)
+    usd_per_million_tokens: float | None  # None without a price or without throughput
+
+    def as_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def throughput(
+    tokens_per_second: float, flops: float, offering: GpuOffering | None, usd_per_hour: float | None
+) -> Throughput:
+    """MFU and $ per million tokens of ``tokens_per_second`` at ``flops`` per token (``flops_per_token``).
+
+    ``offering`` is the GPU the tokens ran on (None for a CPU or an unknown device: no MFU); the price
+    is that of the tier the run is billed as.
+    """
+    mfu = tokens_per_second * flops / (offering.bf16_tflops * 1e12) if offering is not None else None
+    price = usd_per_hour / (tokens_per_second * 3600) * 1e6 if usd_per_hour is not None and tokens_per_second > 0 else None
+    return Throughput(tokens_per_second=tokens_per_second, mfu=mfu, usd_per_million_tokens=price)
 
 
 @dataclass(frozen=True)
@@ -449,6 +473,8 @@ def plan_training(
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.05,
     resumable: bool = True,
+    attention: AttentionImplementation = "auto",
+    loss: LossPath = "chunked",
 ) -> TrainingPlan:
     """Cheapest fitting GPU, rental mode, hours and cost of one training run.
 
@@ -458,7 +484,9 @@ def plan_training(
     cost_model = cost_model or CostModel()
     if train_tokens < 1 or epochs <= 0:
         raise ValueError(f"train_tokens must be >= 1 and epochs > 0 (got {train_tokens}, {epochs})")
-    vram = estimate_vram(shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout)
+    vram = estimate_vram(
+        shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout, attention, loss
+    )
     total_tokens = round(train_tokens * epochs)
     mode, warnings = rental_mode_for(purpose, resumable)
     if mode == "none":
@@ -573,32 +601,11 @@ def _no_fit_message(
         method = "qlora"
         options.append(("method qlora", method, checkpointing, batch))
     for number, (label, method, checkpointing, batch) in enumerate(options):
-        estimate = estimate_vram(shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout)
+        estimate = estimate_vram(
+            shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout, vram.attention, vram.loss
+        )
         fitting = [c.name for c in candidates if estimate.total_gib <= c.usable_gib]
         verdict = f"fits {', '.join(fitting)}" if fitting else "still too big"
         lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB, {verdict}")
     lines.append("  - add a larger (or multi-GPU sharded) offering to the cost model")
     return "\n".join(lines)
-
-
-def main() -> None:
-    """Print the VRAM and throughput tables quoted in the module docstring."""
-    cost_model = CostModel()
-    print("VRAM GiB, batch 1, gradient checkpointing, LoRA r=16 on all projections, seq 512 / 2048")
-    for name, config in REFERENCE_CONFIGS.items():
-        shape = ModelShape.from_config(config, name)
-        cells = []
-        for method in METHODS:
-            short, long = (estimate_vram(shape, method, s, 1, True).total_gib for s in (512, 2048))
-            cells.append(f"{method} {short:.1f} / {long:.1f}")
-        print(f"  {name:<14} {shape.params:>14,} params   " + "   ".join(cells))
-    llama7b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
-    gflops = flops_per_token(llama7b, "lora", 2048, True) / 1e9
-    print(f"Llama-2-7B LoRA at seq 2048 with checkpointing: {gflops:.1f} GFLOP/token; tokens/s by tier:")
-    for offering in cost_model.offerings:
-        speed = tokens_per_second(llama7b, "lora", 2048, True, offering, cost_model)
-        print(f"  {offering.name:<14} {speed:>7,.0f}")
-
-
-if __name__ == "__main__":
-    main()

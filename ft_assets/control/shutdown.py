@@ -48,7 +48,7 @@ from dagster import DagsterRunStatus
 from dagster._core.storage.dagster_run import RunRecord
 from pydantic import Field
 
-from ft_assets.control.cost import CostModel
+from ft_assets.control.cost_model import CostModel
 from ft_assets.control.launcher import GPU, POOL_TAG
 from ft_assets.training.ec2_metadata import WORKER_TAG
 

@@ -7,6 +7,7 @@ accounting travels along in the references, so ``tokenized_shards`` can prove th
 """
 
 from collections import Counter
+from pathlib import Path
 
 import dagster as dg
 
@@ -56,6 +57,8 @@ def raw_dataset(context: dg.AssetExecutionContext, store: ObjectStoreResource) -
             stats = read_dataset(files, m.out)
         except DatasetFileError as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
+        if stats["rows_parsed"] == 0:
+            raise dg.Failure(no_usable_rows(m.partition, stats, m.out / "quarantine.parquet"))
         sample = sample_rows(m.out / "rows.parquet")
         stats["accounting"] = {
             "rows_in": stats["rows_in"],
@@ -73,6 +76,22 @@ def raw_dataset(context: dg.AssetExecutionContext, store: ObjectStoreResource) -
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
         rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
         sample=table(sample),
+    )
+
+
+def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
+    """The error for an input with no row to train on: each file, what was wrong, where, what to do."""
+    examples: dict[str, str] = {}
+    for record in iter_records(quarantine, columns=["source", "reason"]):
+        examples.setdefault(record["reason"], record["source"])
+    files = "; ".join(
+        f"{name}: {count} row(s), all quarantined" if count else f"{name} holds no rows"
+        for name, count in stats["rows_per_file"].items()
+    )
+    reasons = ", ".join(f"{reason} x{count} (first at {examples[reason]})" for reason, count in stats["quarantine_reasons"].items())
+    return (
+        f"dataset version {partition} has no usable row ({files}{'; ' + reasons if reasons else ''}). Rows must be JSON "
+        "objects in chat ({messages: [{role, content}]}), ShareGPT ({conversations}) or alpaca ({instruction, output}) form"
     )
 
 

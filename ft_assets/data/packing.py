@@ -13,7 +13,8 @@ longest remaining example, then the subset of the others that fills the row best
 slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 ``position_ids`` that restart at every example and the example lengths (``seq_lens``), so training
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
-example instead of packing wastes most slots on short chat data (see ``make bench``).
+example instead of packing wastes most slots on short chat data (see ``make bench``). The rows go to
+Parquet shards through ``ft_assets.shards``, which owns their schema and file names.
 
 Throughput: the Rust tokenizer is the floor, so everything around it is kept small. Chat templates
 that insert contents verbatim (ChatML and most others) are rendered once per conversation shape and
@@ -34,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from ft_assets.data.readers import RowError
+from ft_assets.shards import ROWS_PER_SHARD, ShardWriter
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
-ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
 
 
@@ -400,48 +401,6 @@ class PackStats:
         return self.tokens / self.slots if self.slots else 0.0
 
 
-class ShardWriter:
-    """Writes packed rows to ``<prefix>-00000.parquet``, ``-00001``… rotating every ``rows_per_shard``."""
-
-    def __init__(self, out_dir: Path, prefix: str, rows_per_shard: int = ROWS_PER_SHARD):
-        import pyarrow as pa
-
-        self.out_dir, self.prefix, self.rows_per_shard = out_dir, prefix, rows_per_shard
-        self.schema = pa.schema(
-            [
-                ("input_ids", pa.list_(pa.int32())),
-                ("loss_mask", pa.list_(pa.int8())),
-                ("position_ids", pa.list_(pa.int32())),
-                ("seq_lens", pa.list_(pa.int32())),
-            ]
-        )
-        self.buffer: list[dict] = []
-        self.files: list[str] = []
-
-    def add(self, row: dict) -> None:
-        self.buffer.append(row)
-        if len(self.buffer) >= self.rows_per_shard:
-            self.flush()
-
-    def flush(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        if not self.buffer:
-            return
-        name = f"{self.prefix}-{len(self.files):05d}.parquet"
-        columns = []
-        for column in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
-            values = [row[column.name] for row in self.buffer]
-            offsets = np.zeros(len(values) + 1, dtype=np.int32)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = pa.array(np.concatenate(values), type=column.type.value_type)
-            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
-        pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
-        self.files.append(name)
-        self.buffer = []
-
-
 def tokenize_and_pack(
     rows: Iterable[tuple[str, list[dict]]],
     encoder: ChatEncoder,
@@ -449,12 +408,13 @@ def tokenize_and_pack(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
+    rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
     """Encode (row id, messages) pairs and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``."""
     pad_id = encoder.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = encoder.tokenizer.eos_token_id
-    writer = ShardWriter(out_dir, split)
+    writer = ShardWriter(out_dir, split, rows_per_shard)
     stats = PackStats()
     pending: list[Example] = []
 

@@ -33,7 +33,7 @@ from ft_assets.delivery.gguf_export import (
 from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
 from ft_assets.delivery.publish import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, push_to_hub
 from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
-from ft_assets.materialize import Materialization, ref_metadata, table
+from ft_assets.materialize import Materialization, op_config, ref_metadata, table
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import make_ref, publish, read_ref
@@ -262,16 +262,17 @@ def published_model(
             context.log.warning(f"{objects.uri(prefix)} is already published; not overwriting it")
             fetch_artifact(objects, prefix, out, include=lambda rel: rel == LINEAGE_FILE)
             lineage = json.loads((out / LINEAGE_FILE).read_text())
-            ref = make_ref(objects, "published_model", context.partition_key, existing, {"already_published": True}, {})
+            ref = make_ref(objects, "published_model", context.partition_key, existing, {"already_published": True}, {}, config=op_config(context))
         else:
             fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
             fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
             fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
-            lineage = build_lineage(context.partition_key, refs, objects.uri(prefix))
+            lineage = build_lineage(context.partition_key, refs, prefix)
             (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
             ref = publish(
                 objects, "published_model", context.partition_key, prefix, out, {"already_published": False},
                 {name: refs[name] for name in ("eval_report", "gguf_model", "merged_model", "lora_adapter")},
+                config=op_config(context),
             )  # fmt: skip
         if config.hub_repo_id:
             push_to_hub(out, config.hub_repo_id, os.environ.get("HF_TOKEN"), config.hub_dry_run, log=context.log.info)
@@ -280,7 +281,7 @@ def published_model(
         metadata={
             **ref_metadata(ref),
             "code_version": lineage["code_version"],
-            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": a["uri"]} for a in lineage["artifacts"]]),
+            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": objects.uri(a["key"])} for a in lineage["artifacts"]]),
             "already_published": existing is not None,
         },
     )

@@ -108,22 +108,14 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, l
 
 def eval_loss(model, shards_dir: Path, batch_size: int = 4) -> float:
     """Mean loss per assistant token over the packed eval shards, computed exactly as in training."""
-    import numpy as np
-    import torch
-
-    from ft_assets.training.recipe import load_packed_rows, token_loss_sum
+    from ft_assets.shards import load_packed_rows
+    from ft_assets.training.loss import eval_loss_sum
 
     rows = load_packed_rows(shards_dir, "eval", max_seq_len=1 << 30)
     if rows is None:
         raise FileNotFoundError(f"no eval-*.parquet shards in {shards_dir}")
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(rows), batch_size):
-            loss_sum, n = token_loss_sum(model, rows.batch(np.arange(start, min(start + batch_size, len(rows))), model.device))
-            total += float(loss_sum)
-            count += n
-    return total / max(count, 1)
+    loss_sum, count = eval_loss_sum(model, rows, batch_size, model.device)
+    return loss_sum / max(count, 1)
 
 
 @dataclass

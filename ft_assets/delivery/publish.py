@@ -45,15 +45,19 @@ def code_version() -> str:
         return f"ft-assets {version('ft-assets')}"
 
 
-def build_lineage(partition: str, refs: dict[str, dict], published_uri: str) -> dict:
-    """The lineage manifest from the references of every asset of the partition."""
+def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> dict:
+    """The lineage manifest from the references of every asset of the partition.
+
+    Every artifact is named by its store-relative key, never by a URI: a store copied to another
+    path or bucket verifies the same (``ft-assets lineage`` renders the keys as URIs of the store in use).
+    """
     missing = [name for name in LINEAGE_CHAIN if name not in refs]
     if missing:
         raise ValueError(f"cannot build lineage for {partition}: no reference for {', '.join(missing)}")
     adapter, base, evaluation, gguf = refs["lora_adapter"], refs["base_model"], refs["eval_report"], refs["gguf_model"]
     return {
         "partition": partition,
-        "published_uri": published_uri,
+        "published_key": published_key,
         "code_version": code_version(),
         "base_model": {
             "model_id": base["stats"]["model_id"],
@@ -65,7 +69,7 @@ def build_lineage(partition: str, refs: dict[str, dict], published_uri: str) -> 
             "run_id": adapter["stats"]["run_id"],
             "method": adapter["stats"]["method"],
             "config": adapter["training_config"],
-            "checkpoint": adapter["checkpoint"],
+            "checkpoint": adapter["checkpoint"],  # {"key", "digest"} of the checkpoint the adapter was exported from
             "steps": adapter["stats"]["steps"],
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
         },
@@ -74,7 +78,7 @@ def build_lineage(partition: str, refs: dict[str, dict], published_uri: str) -> 
         "artifacts": [
             {
                 "asset": name,
-                "uri": refs[name]["uri"],
+                "key": refs[name]["prefix"],
                 "digest": refs[name]["digest"],
                 "created_at": refs[name]["created_at"],
                 "upstream": {k: v["digest"] for k, v in refs[name].get("upstream", {}).items()},

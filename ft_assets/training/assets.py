@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ft_assets import layout
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
-from ft_assets.materialize import Materialization, ref_metadata
+from ft_assets.materialize import Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart
 from ft_assets.refs import make_ref
@@ -93,6 +93,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
         stats={"model_id": source.model_id, "source": config.source, "source_sha256": fingerprint, **summary},
         model_config=manifest.meta.get("config", {}),
         trust_remote_code=config.trust_remote_code,
+        config=op_config(context),
     )
     return dg.Output(
         ref,
@@ -129,6 +130,12 @@ def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards
     result = json.loads(result_path.read_text())
     result["output_dir"] = Path(result["output_dir"])
     return result
+
+
+def final_checkpoint(store, prefix: str, step: int) -> dict:
+    """Key and manifest digest of the checkpoint the final weights were exported from (the recipe saves it last)."""
+    key = layout.checkpoint(prefix, step)
+    return {"key": key, "digest": read_manifest(store, key).digest}
 
 
 def free_port() -> int:
@@ -187,7 +194,8 @@ def lora_adapter(
             key: result[key]
             for key in (
                 "method", "device", "steps", "train_loss", "eval_loss", "tokens_seen", "wall_seconds", "step_seconds",
-                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
+                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts", "resolved",
+                "attn_implementation", "tokens_per_second",
             )
         }  # fmt: skip
         stats["run_id"] = run
@@ -196,18 +204,21 @@ def lora_adapter(
         ref = m.publish(
             layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
             folder=result["output_dir"], training_config=training.model_dump(), run_prefix=prefix,
-            checkpoint=(result["checkpoints"] or [None])[-1],
+            checkpoint=final_checkpoint(m.store, prefix, result["steps"]),
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
     history = [tuple(point) for point in result["loss_history"]]
     return m.output(
         ref,
         method=stats["method"],
+        settings=dg.MetadataValue.json(stats["resolved"]),
         device=stats["device"],
         steps=stats["steps"],
         train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
         eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
         tokens_seen=stats["tokens_seen"],
+        tokens_per_second=dg.MetadataValue.float(round(stats["tokens_per_second"], 1)),
+        attn_implementation=stats["attn_implementation"],
         wall_seconds=round(stats["wall_seconds"], 1),
         effective_training_fraction=dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
         resumed_from_step=stats["resumed_from_step"] or 0,

@@ -2,8 +2,19 @@
 
 A plain pydantic model so that the Dagster asset can mirror it as a ``dagster.Config`` (which is
 pydantic too): every field's ``description`` becomes the launchpad help text. Defaults follow the
-common LoRA recipe for 0.1-8B chat models (r=16, alpha=32, lr 2e-4 cosine, all attention and MLP
-projections) and need no tuning for a first run.
+common LoRA recipe for 0.1-8B chat models (r=16, alpha=32, all attention and MLP projections, lr 2e-4
+for LoRA and QLoRA and 2e-5 for full fine-tuning, cosine decay after a 3% warmup, 3 epochs as the HF
+Trainer does) and need no tuning for a first run.
+
+Small datasets are where first runs fail: a 683-line alpaca set packs into ~48 rows, 12 optimizer
+steps an epoch at batch 4, and a fixed 10-step warmup then leaves the model nowhere near learning.
+So a run is never shorter than ``min_steps`` optimizer steps (200: more epochs over a small set), and
+warmup is a fraction of the run. On the test suite's tiny model (240 tool-call rows, 30 packed rows),
+today's defaults reach exact match 0.92 on held-out prompts; the old ones (1 epoch, 10 warmup steps,
+8 steps in all) 0.00, and 150 steps at lr 2e-4 still 0.00.
+
+``resolve`` turns the empty fields into the values a run uses (method, learning rate, warmup, steps),
+which the plan, the run log and the training result all show.
 
 Fields split in two: those that change the trained weights (``RESULT_FIELDS``, hashed into the run
 id, so changing one starts a new run) and those that only change how the run is operated (how often
@@ -12,22 +23,56 @@ to checkpoint, log or evaluate, where to report), which may differ between the a
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Method = Literal["qlora", "lora", "full"]
+AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
 ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
 # and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
-# memory for compute with the same math, so it may be flipped between attempts to fit a smaller GPU.
+# memory for compute with the same math, so it may be flipped between attempts to fit a smaller GPU;
+# the attention backend and torch.compile are the same math too (an attempt on another GPU may have
+# other kernels), different only in floating-point rounding.
 OPERATIONAL_FIELDS = frozenset(
-    {"save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing"}
-)
+    {
+        "save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing",
+        "attn_implementation", "compile",
+    }
+)  # fmt: skip
+
+DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
 
 REPORTERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")  # accelerate trackers
+
+
+@dataclass(frozen=True)
+class ResolvedTraining:
+    """What a run does, with every default filled in (shown by the plan, the run log and the result)."""
+
+    method: Method
+    learning_rate: float
+    warmup_steps: int
+    total_steps: int
+    steps_per_epoch: int
+    rows_per_step: int
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+    def describe(self) -> str:
+        return (
+            f"{self.method}, {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
+            f"{self.rows_per_step} rows a step), learning rate {self.learning_rate:g}, warmup {self.warmup_steps} steps"
+        )
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "epochs": self.epochs}
 
 
 class TrainingConfig(BaseModel):
@@ -47,16 +92,30 @@ class TrainingConfig(BaseModel):
         default_factory=lambda: list(ATTENTION_AND_MLP_PROJECTIONS),
         description="Module names that get LoRA adapters; default all attention and MLP projections.",
     )
-    learning_rate: float = Field(default=2e-4, description="Peak learning rate of AdamW.")
+    learning_rate: float | None = Field(
+        default=None,
+        description=f"Peak learning rate of AdamW. Empty: {DEFAULT_LEARNING_RATES['lora']:g} for lora and qlora, "
+        f"{DEFAULT_LEARNING_RATES['full']:g} for full fine-tuning.",
+    )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="Learning-rate decay after warmup: 'cosine', 'linear' or 'constant'."
     )
-    warmup_steps: int = Field(default=10, description="Optimizer steps of linear warmup from 0 to learning_rate.")
-    epochs: int = Field(default=1, description="Passes over the training shards (ignored when max_steps is set).")
+    warmup_ratio: float = Field(
+        default=0.03, description="Linear warmup from 0 to learning_rate over this fraction of the run's steps."
+    )
+    warmup_steps: int | None = Field(
+        default=None, description="Warmup in optimizer steps; overrides warmup_ratio. Empty: warmup_ratio x steps."
+    )
+    epochs: int = Field(default=3, description="Passes over the training shards (ignored when max_steps is set).")
+    min_steps: int = Field(
+        default=200,
+        description="A run is never shorter than this many optimizer steps: a small dataset is trained for more "
+        "epochs (ignored when max_steps is set; 0: exactly epochs).",
+    )
     max_steps: int | None = Field(
         default=None,
         description="Stop after this many optimizer steps (cycling over epochs if needed). Empty or -1: "
-        "epochs x steps per epoch.",
+        "epochs x steps per epoch, at least min_steps.",
     )
     per_device_batch_size: int = Field(default=4, description="Packed rows per forward pass on each process.")
     gradient_accumulation_steps: int = Field(
@@ -69,6 +128,17 @@ class TrainingConfig(BaseModel):
     )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward: ~30% slower, much less GPU memory."
+    )
+    attn_implementation: AttentionImplementation = Field(
+        default="auto",
+        description="Attention backend: 'auto' (flash_attention_2 if flash-attn is installed on a CUDA GPU, else "
+        "flex_attention on CUDA, else sdpa), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows "
+        "stay apart in all of them; flash and flex never build the per-head seq x seq score matrices of sdpa/eager.",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the model (fewer kernel launches for small models; the first steps compile). "
+        "Off until measured on your GPU.",
     )
     save_steps: int = Field(default=50, description="Checkpoint to the object store every this many optimizer steps.")
     save_total_limit: int | None = Field(
@@ -122,10 +192,14 @@ class TrainingConfig(BaseModel):
                 problems.append(f"{name} must be >= 1 or empty (got {getattr(self, name)})")
         if not 0 <= self.lora_dropout < 1:
             problems.append(f"lora_dropout must be in [0, 1) (got {self.lora_dropout})")
-        if not self.learning_rate > 0:
+        if self.learning_rate is not None and not self.learning_rate > 0:
             problems.append(f"learning_rate must be > 0 (got {self.learning_rate})")
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             problems.append(f"warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if not 0 <= self.warmup_ratio < 1:
+            problems.append(f"warmup_ratio must be in [0, 1) (got {self.warmup_ratio})")
+        if self.min_steps < 0:
+            problems.append(f"min_steps must be >= 0 (got {self.min_steps})")
         if self.max_seq_len < 2:
             problems.append(f"max_seq_len must be >= 2 (got {self.max_seq_len})")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
@@ -149,9 +223,23 @@ class TrainingConfig(BaseModel):
         return steps
 
     def total_steps(self, train_rows: int, world_size: int | None = None) -> int:
-        """Optimizer steps of the whole run: ``max_steps`` if set, else epochs x steps per epoch."""
+        """Optimizer steps of the whole run: ``max_steps`` if set, else epochs x steps per epoch, at least ``min_steps``."""
         per_epoch = self.steps_per_epoch(train_rows, world_size)
-        return self.max_steps or self.epochs * per_epoch
+        return self.max_steps or max(self.epochs * per_epoch, self.min_steps)
+
+    def resolve(self, train_rows: int, cuda_available: bool, world_size: int | None = None) -> ResolvedTraining:
+        """The values a run on ``train_rows`` packed rows uses for every field left empty."""
+        method = self.resolved_method(cuda_available)
+        steps = self.total_steps(train_rows, world_size)
+        warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * steps)
+        return ResolvedTraining(
+            method=method,
+            learning_rate=self.learning_rate or DEFAULT_LEARNING_RATES[method],
+            warmup_steps=min(warmup, steps),
+            total_steps=steps,
+            steps_per_epoch=self.steps_per_epoch(train_rows, world_size),
+            rows_per_step=self.rows_per_step(world_size),
+        )
 
     def resolved_method(self, cuda_available: bool) -> Method:
         """The method actually used: the configured one, else qlora on CUDA and lora elsewhere."""

@@ -1,8 +1,11 @@
 """The training recipe: fine-tune a base model on packed shards, checkpointing to the object store.
 
-One function, ``train``, that reads top to bottom: setup (device, data, model, optimizer, resume)
--> train loop (checkpoint, evaluate, log, honour SIGTERM) -> final eval and save -> cleanup. No
-Dagster here: the ``lora_adapter`` asset calls ``train`` and turns ``Preempted`` into a retry.
+``FineTuneRecipe`` holds one attempt's state and reads top to bottom in phases: setup (device,
+data, model, optimizer) -> resume (newest complete checkpoint) -> train loop (step, checkpoint,
+evaluate, log, honour SIGTERM) -> finish (final checkpoint, eval and save) -> cleanup; ``train``
+runs them. Packed rows come from ``ft_assets.shards`` and the loss from ``ft_assets.training.loss``,
+which the data and delivery planes share. No Dagster here: the ``lora_adapter`` asset calls
+``train`` and turns ``Preempted`` into a retry.
 
 Workers are stateless and often spot instances, so the recipe assumes it can die at any step:
 
@@ -20,12 +23,19 @@ Packed rows carry several chat examples each. Attention must not cross example b
 transformers (5.x) builds a block-diagonal causal mask from ``position_ids`` (they restart at 0 at
 every example) when ``attention_mask`` is None AND no KV cache exists. Llama's config says
 ``use_cache=True``, which silently creates a cache in training and turns the packing detection off,
-so every forward here passes ``use_cache=False`` (the tests pin both facts).
+so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts). How the
+mask is applied is the attention backend's (``resolve_attention``): varlen FlashAttention or a
+FlexAttention document mask on a GPU, a dense block mask with sdpa on CPU.
+
+On a GPU the loop does not wait for it between steps: AdamW is fused, the learned-token count comes
+from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
+reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
 Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.recipe ...``
 (or ``torchrun --nproc_per_node N -m ...``). Without a GPU the same command forms a gloo group,
 because the recipe asks accelerate for ``cpu=True`` then; accelerate's own ``--cpu`` flag would
 start a single process. Only rank 0 writes checkpoints and logs; all ranks restore their own RNG.
+FSDP is refused: a checkpoint holds rank 0's trainable weights and optimizer state, one shard of them.
 
 On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
 optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -49,13 +60,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 
 from ft_assets import layout
+from ft_assets.shards import load_packed_rows
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
@@ -69,11 +79,12 @@ from ft_assets.training.checkpoints import (
     restore_rng_state,
     write_checkpoint,
 )
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.ec2_metadata import SpotNoticeWatcher
+from ft_assets.training.loss import eval_loss_sum, learned_tokens, token_loss_sum
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
-IGNORE_INDEX = -100  # label value the HF loss skips
-PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids")
+FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 Log = Callable[[str], None]
@@ -106,6 +117,9 @@ class TrainingResult:
     loss_history: list[tuple[int, float]]
     restarts: list[dict]  # earlier attempts of this run (start step, last checkpoint, timings)
     bytes_uploaded: int
+    resolved: dict  # the settings the run used, defaults filled in (ResolvedTraining.as_dict)
+    attn_implementation: str  # the attention backend the run used (``auto`` resolved)
+    tokens_per_second: float  # this attempt: packed tokens (padding included) per second of step time, all processes
 
     def to_json(self) -> dict:
         raw = asdict(self)
@@ -113,66 +127,7 @@ class TrainingResult:
         return raw
 
 
-# --- data: packed Parquet rows ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    input_ids: torch.Tensor  # (rows, seq_len) int32; batches are widened to int64
-    labels: torch.Tensor  # input_ids where loss_mask is 1 (never an example's first token), else IGNORE_INDEX
-    position_ids: torch.Tensor  # restart at 0 at every packed example (and the padding tail)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
-
-    def batch(self, indices: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
-        index = torch.tensor(indices)
-        return {
-            "input_ids": self.input_ids[index].to(device, torch.long),
-            "labels": self.labels[index].to(device, torch.long),
-            "position_ids": self.position_ids[index].to(device, torch.long),
-        }
-
-
-def _fixed_width(path: Path, table, column: str) -> np.ndarray:
-    values = table.column(column).combine_chunks()
-    lengths = pc.unique(pc.list_value_length(values)).to_pylist()
-    if len(lengths) != 1 or lengths[0] is None:
-        raise ValueError(
-            f"{path}: column {column!r} has rows of lengths {sorted(x for x in lengths if x is not None)}; every "
-            "packed row must hold exactly seq_len tokens (rebuild the shards with the data plane's packer)"
-        )
-    return values.flatten().to_numpy(zero_copy_only=False).reshape(len(values), lengths[0])
-
-
-def load_packed_rows(shards_dir: Path, split: str, max_seq_len: int) -> PackedRows | None:
-    """All rows of ``<split>-*.parquet`` in memory: 3 int32 tensors, 12 bytes/token (0.6 GB per 50M tokens)."""
-    files = sorted(shards_dir.glob(f"{split}-*.parquet"))
-    if not files:
-        return None
-    parts = {column: [] for column in PACKED_COLUMNS}
-    for path in files:
-        table = pq.read_table(path, columns=list(PACKED_COLUMNS))
-        widths = set()
-        for column in PACKED_COLUMNS:
-            parts[column].append(_fixed_width(path, table, column))
-            widths.add(parts[column][-1].shape[1])
-        if len(widths) != 1 or widths != {parts["input_ids"][0].shape[1]}:
-            raise ValueError(f"{path}: columns or files disagree on seq_len ({sorted(widths)}); repack the shards")
-    input_ids, loss_mask, position_ids = (torch.from_numpy(np.concatenate(parts[c]).astype(np.int32)) for c in PACKED_COLUMNS)
-    if input_ids.shape[1] > max_seq_len:
-        raise ValueError(
-            f"{shards_dir}: shards are packed at {input_ids.shape[1]} tokens, above max_seq_len={max_seq_len}; "
-            "repack them shorter or raise max_seq_len if the GPU has the memory"
-        )
-    # A label at the first token of an example would be predicted from the previous example's last
-    # token; the mask should never ask for that, and this makes sure it cannot.
-    labels = torch.where(loss_mask.bool() & (position_ids != 0), input_ids, torch.tensor(IGNORE_INDEX, dtype=torch.int32))
-    return PackedRows(input_ids=input_ids, labels=labels, position_ids=position_ids)
+# --- data order ----------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=2)  # the current epoch's order, computed once rather than every step
@@ -184,37 +139,72 @@ def _permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DataPlan:
-    """Which rows every process reads at every step: a pure function of (seed, epoch, step, rank)."""
+    """Which rows every process reads at every step: a pure function of (seed, epoch, step, rank).
+
+    The step arithmetic (rows per step, steps per epoch, total steps) is the training settings' own
+    (``TrainingConfig``), so the plan and the recipe count the same steps.
+    """
 
     num_rows: int
-    batch_size: int
-    accumulation: int
+    config: TrainingConfig
     world_size: int
-    seed: int
 
     @property
     def rows_per_step(self) -> int:
-        return self.batch_size * self.accumulation * self.world_size
+        return self.config.rows_per_step(self.world_size)
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.num_rows // self.rows_per_step  # the incomplete tail batch of an epoch is dropped
+        return self.config.steps_per_epoch(self.num_rows, self.world_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.total_steps(self.num_rows, self.world_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return _permutation(self.num_rows, self.seed, epoch)
+        return _permutation(self.num_rows, self.config.seed, epoch)
 
     def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
         """Row indices of each micro-batch this rank runs for optimizer step ``step`` (0-based)."""
         epoch, position = divmod(step, self.steps_per_epoch)
         order = self.epoch_order(epoch)
         batches = []
-        for micro in range(self.accumulation):
-            start = ((position * self.accumulation + micro) * self.world_size + rank) * self.batch_size
-            batches.append(order[start : start + self.batch_size])
+        batch, accumulation = self.config.per_device_batch_size, self.config.gradient_accumulation_steps
+        for micro in range(accumulation):
+            start = ((position * accumulation + micro) * self.world_size + rank) * batch
+            batches.append(order[start : start + batch])
         return batches
 
 
 # --- model -----------------------------------------------------------------------------------------
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """The attention backend a run uses; ``auto`` picks the fastest this device has.
+
+    Every backend keeps packed examples apart through the position_ids that restart at 0 (transformers
+    5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
+    into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
+    mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
+    support backward on CPU"; and its first call after a change of sequence length returns wrong values)
+    and flash-attn does not exist, so ``auto`` is sdpa there.
+    """
+    cuda = device.type == "cuda"
+    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if requested == "auto":
+        if cuda and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        if cuda and torch_version >= FLEX_ATTENTION_TORCH:
+            return "flex_attention"
+        return "sdpa"
+    if requested == "flash_attention_2" and not cuda:
+        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
+    if requested == "flex_attention" and not (cuda and torch_version >= FLEX_ATTENTION_TORCH):
+        raise ValueError(
+            f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
+            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
+        )
+    return requested
 
 
 def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
@@ -228,7 +218,11 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
             ".bin), convert the base model with save_pretrained(safe_serialization=True)"
         )
     compute_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    kwargs = {"use_safetensors": True, "trust_remote_code": False}
+    kwargs = {
+        "use_safetensors": True,
+        "trust_remote_code": False,
+        "attn_implementation": resolve_attention(config.attn_implementation, device),
+    }
     if method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -282,39 +276,11 @@ def load_trainable(model, weights: dict[str, torch.Tensor], source: str) -> None
             param.copy_(weights[name])
 
 
-def make_scheduler(config: TrainingConfig, optimizer, total_steps: int):
+def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining):
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
-
-
-def learned_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """How many labels the shifted loss counts (label i is predicted from token i-1)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Cross-entropy summed over the learned tokens of a batch, and their count.
-
-    No attention mask and no KV cache: the packed rows' position_ids give the block-diagonal mask.
-    """
-    # num_items_in_batch=1 turns the HF loss into a plain sum (it divides the summed loss by it).
-    return model(**batch, use_cache=False, num_items_in_batch=1).loss, learned_tokens(batch)
-
-
-def evaluate(model, rows: PackedRows, batch_size: int, accelerator: Accelerator) -> float:
-    """Mean token loss over every eval row, each process taking every world_size-th row."""
-    model.eval()
-    indices = np.arange(accelerator.process_index, len(rows), accelerator.num_processes)
-    total = torch.zeros(2, device=accelerator.device)
-    with torch.no_grad():
-        for start in range(0, len(indices), batch_size):
-            loss_sum, count = token_loss_sum(model, rows.batch(indices[start : start + batch_size], accelerator.device))
-            total += torch.tensor([loss_sum.item(), count], device=accelerator.device)
-    model.train()
-    total = accelerator.reduce(total, "sum")
-    return float(total[0] / max(total[1], 1))
+    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)
 
 
 # --- preemption ------------------------------------------------------------------------------------
@@ -348,12 +314,401 @@ class SigtermFlag:
             self._installed = False
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device without waiting for the GPU: pinned memory and a non-blocking copy on CUDA."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 # --- the recipe ------------------------------------------------------------------------------------
+
+
+class FineTuneRecipe:
+    """One attempt at a run, on this process: its state on one object, its phases in the order they run.
+
+    ``train`` drives it: ``setup`` (processes, data, model, optimizer) -> ``resume`` (the newest
+    complete checkpoint) -> ``train_loop`` (``train_step`` up to ``total_steps``, with logs,
+    ``save_checkpoint`` and ``evaluate`` at step boundaries, ``stop_if_preempted`` before every step)
+    -> ``finish`` (final checkpoint, eval and save) -> ``cleanup`` -> ``result``.
+    """
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        base_model_dir: Path,
+        shards_dir: Path,
+        store: ObjectStore,
+        run_prefix: str,
+        work_dir: Path,
+        log: Log,
+        on_metrics: OnMetrics | None,
+        sigterm: SigtermFlag,
+        started: float,
+    ):
+        self.config = config
+        self.base_model_dir, self.shards_dir, self.work_dir = Path(base_model_dir), Path(shards_dir), Path(work_dir)
+        self.store, self.run_prefix = store, run_prefix
+        self.log, self.on_metrics = log, on_metrics
+        self.sigterm = sigterm
+        self.started = started  # time.monotonic() at the start of this attempt (or of the caller's downloads)
+        self.step_seconds = 0.0  # this attempt, inside forward + backward + optimizer step
+        self.last_saved: int | None = None  # step of the newest checkpoint resumed from or handed to the uploader
+        self.eval_loss: float | None = None  # the final one; None without eval shards
+        self.output_dir = self.work_dir / "final"
+
+    # --- setup ---
+
+    def setup(self) -> None:
+        """Processes and device, packed data, model, optimizer and scheduler, the checkpoint uploader."""
+        self._setup_processes()
+        self._setup_data()
+        self._setup_model()
+        self.uploader = BackgroundUploader(self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say)
+
+    def _setup_processes(self) -> None:
+        config, cuda = self.config, torch.cuda.is_available()
+        self.accelerator = Accelerator(
+            # cpu=True is what makes several processes without a GPU join one gloo group (MULTI_CPU);
+            # without it each torchrun/`accelerate launch --multi_gpu` process would train alone.
+            cpu=not cuda and not torch.backends.mps.is_available(),
+            mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no",
+            log_with=config.report_to or None,
+            project_dir=self.work_dir / "trackers",
+        )
+        accelerator = self.accelerator
+        if accelerator.distributed_type == DistributedType.FSDP:
+            # Checkpoints hold rank 0's trainable weights and optimizer state: under FSDP that is one shard.
+            raise ValueError(
+                "FSDP is not supported: checkpoints would hold only rank 0's shard of the weights and optimizer "
+                "state, so a resumed run would not continue the same run. Launch data parallel "
+                "(`accelerate launch --multi_gpu`, DDP); for a model that does not fit one GPU use method qlora"
+            )
+        self.rank, self.world, self.is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+        self.say: Log = self.log if self.is_main else (lambda line: None)
+        if self.world != config.num_processes:
+            raise ValueError(
+                f"config.num_processes={config.num_processes} but {self.world} process(es) were started; launch with "
+                f"`accelerate launch --num_processes {config.num_processes} -m ft_assets.training.recipe ...` "
+                "or set num_processes to match"
+            )
+        self.device = accelerator.device
+        self.method = config.resolved_method(cuda)
+        if self.device.type == "cpu":
+            self.say("WARNING: no CUDA or MPS device found, training on CPU (fine for tests, ~100x slower than a GPU)")
+        self.say(f"training {self.method} on {self.device} x{self.world}, run {self.store.uri(self.run_prefix)}")
+        if config.report_to:
+            accelerator.init_trackers(self.run_prefix.replace("/", "-"), config=config.model_dump())
+
+    def _setup_data(self) -> None:
+        config = self.config
+        self.train_rows = load_packed_rows(self.shards_dir, "train", config.max_seq_len)
+        if self.train_rows is None:
+            raise FileNotFoundError(f"{self.shards_dir} has no train-*.parquet shards; materialize tokenized_shards first")
+        self.eval_rows = load_packed_rows(self.shards_dir, "eval", config.max_seq_len)
+        self.plan = DataPlan(len(self.train_rows), config, self.world)
+        try:
+            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world)
+        except ValueError as exc:
+            raise ValueError(f"{self.shards_dir}: {exc}") from exc
+        self.total_steps = self.resolved.total_steps
+        self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
+        self.say(
+            f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens, "
+            f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; {self.resolved.describe()}"
+        )
+
+    def _setup_model(self) -> None:
+        """Model, optimizer and scheduler, seeded so that a fresh run is reproducible."""
+        config = self.config
+        set_seed(config.seed)
+        model = load_model(config, self.method, self.base_model_dir, self.device)
+        self.attention = model.config._attn_implementation
+        self.model = self.accelerator.prepare_model(model)
+        self.unwrapped = self.accelerator.unwrap_model(self.model)
+        if config.compile:
+            self.model.compile()  # in place: parameter names (and so checkpoints) stay the same
+        self.params = trainable_parameters(self.unwrapped)
+        self.say(
+            f"{sum(p.numel() for p in self.params.values()):,} trainable parameters, attention {self.attention}"
+            f"{', torch.compile' if config.compile else ''}"
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.params.values(),
+            lr=self.resolved.learning_rate,
+            weight_decay=config.weight_decay,
+            fused=True if self.device.type == "cuda" else None,  # one kernel for all parameters; CPU: foreach
+        )
+        self.scheduler = make_scheduler(config, self.optimizer, self.resolved)
+
+    # --- resume ---
+
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint of the run, or start at step 0 from the base model.
+
+        Rank 0 finds the checkpoint (newer, unusable ones are skipped, then deleted); the other ranks
+        fetch the same step. The RNG states are restored last: setup (model load, LoRA init) draws from them.
+        """
+        resume_dir = self.work_dir / "resume" / f"rank-{self.rank}"
+        checkpoint: Checkpoint | None = None
+        skipped: list[int] = []
+        if self.is_main:
+            checkpoint, skipped = find_latest_checkpoint(self.store, self.run_prefix, resume_dir, self.log)
+        resume_step = [checkpoint.step if checkpoint else None]
+        if self.world > 1:
+            broadcast_object_list(resume_step)
+            if not self.is_main and resume_step[0] is not None:
+                checkpoint = fetch_checkpoint(self.store, self.run_prefix, resume_step[0], resume_dir)
+        self.state = TrainerState(total_steps=self.total_steps, world_size=self.world, method=self.method)
+        rng_state = None
+        if checkpoint is not None:
+            self.state = checkpoint.trainer_state()
+            self.state.total_steps = self.total_steps
+            load_trainable(self.unwrapped, checkpoint.weights(), checkpoint.uri)
+            self.optimizer.load_state_dict(checkpoint.optimizer_state())
+            self.scheduler.load_state_dict(checkpoint.scheduler_state())
+            rng_states = checkpoint.rng_states()
+            if len(rng_states) != self.world:
+                raise ValueError(f"checkpoint {checkpoint.uri} was written by {len(rng_states)} processes, not {self.world}")
+            rng_state = rng_states[self.rank]
+            self.say(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{self.total_steps})")
+        else:
+            self.say(f"no complete checkpoint under {self.store.uri(self.run_prefix)}: starting from the base model")
+        shutil.rmtree(resume_dir, ignore_errors=True)
+        if self.is_main:
+            for step in skipped:  # newer than the resume point and unusable: they will be rewritten
+                delete_checkpoint(self.store, self.run_prefix, step)
+        self.resumed_from = checkpoint.step if checkpoint else None
+        self.last_saved = self.state.step if checkpoint else None
+        self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
+        self.attempt = self.state.attempts[-1]
+        self.pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device) not yet read
+        if rng_state is not None:
+            restore_rng_state(rng_state)
+
+    # --- train loop ---
+
+    def train_loop(self) -> None:
+        """Optimizer steps up to ``total_steps``; at every step boundary: SIGTERM, logs, checkpoints, evals."""
+        config, total = self.config, self.total_steps
+        self.model.train()
+        self.window_start, self.window_steps = time.monotonic(), 0  # the steps since the last log line
+        while True:
+            self.stop_if_preempted()
+            if self.state.step >= total:
+                return
+            self.train_step()
+            self.window_steps += 1
+            step = self.state.step
+            if step % config.logging_steps == 0 or step == total:
+                self.log_progress()
+            if step % config.save_steps == 0 and step < total:
+                self.save_checkpoint()
+            if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
+                eval_loss = self.evaluate()
+                self.state.eval_history.append((step, eval_loss))
+                self.say(f"step {step}/{total}  eval loss {eval_loss:.4f}")
+                self.report({"step": step, "eval_loss": eval_loss})
+
+    def stop_if_preempted(self) -> None:
+        """After SIGTERM on any process: checkpoint this step unless saved, wait for the upload, raise ``Preempted``.
+
+        A collective under DDP: every rank calls it at every step boundary, so all of them stop at the same step.
+        """
+        stop = self.sigterm.requested
+        if self.world > 1:  # the processes agree on the step to stop at: a collective and a host sync per step
+            stop = self.accelerator.reduce(torch.tensor([float(stop)], device=self.device), "sum").item() > 0
+        if not stop:
+            return
+        self.say(f"SIGTERM received: checkpointing step {self.state.step} and stopping")
+        if self.state.step > 0 and self.last_saved != self.state.step:
+            self.save_checkpoint()
+        self.uploader.wait()
+        self.accelerator.wait_for_everyone()
+        uri = self.store.uri(layout.checkpoint(self.run_prefix, self.last_saved)) if self.last_saved is not None else None
+        raise Preempted(self.state.step, uri)
+
+    def train_step(self) -> None:
+        """One optimizer step over this rank's micro-batches of step ``state.step``, then the step's bookkeeping.
+
+        No host sync on CUDA except at logging and checkpoint steps: the learned-token count comes from the
+        rows on the host, and the step's loss stays on the device (``pending_losses``) until
+        ``read_losses`` copies the losses since the last read into the loss history in one transfer.
+        """
+        accelerator, device, world = self.accelerator, self.device, self.world
+        step_started = time.monotonic()
+        rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
+        # Normalise by the learned tokens of the whole step (all micro-batches, all processes):
+        # the loss is then the true per-token mean, whatever the packing put in each row.
+        items = sum(learned_tokens(b) for b in rows)
+        if world > 1:
+            items = accelerator.reduce(torch.tensor([items], device=device), "sum")[0].clamp(min=1)
+        else:
+            items = max(items, 1)
+        step_loss = torch.zeros((), device=device)
+        for micro, host_batch in enumerate(rows):
+            batch = {name: _to_device(value, device) for name, value in host_batch.items()}
+            last = micro == len(rows) - 1
+            with accelerator.no_sync(self.model) if not last else nullcontext():
+                loss_sum = token_loss_sum(self.model, batch)
+                # DDP averages gradients over processes; scale back up to a sum over all tokens.
+                accelerator.backward(loss_sum * (world / items))
+            step_loss += loss_sum.detach().float() / items
+        if self.config.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(self.params.values(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        state = self.state
+        state.step += 1
+        state.epoch = state.step // self.plan.steps_per_epoch
+        state.samples_seen += self.plan.rows_per_step
+        state.tokens_seen += self.tokens_per_step
+        self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss))
+        step, config = state.step, self.config
+        if step % config.logging_steps == 0 or step % config.save_steps == 0 or step == self.total_steps:
+            self.read_losses()  # inside the timed step: on CUDA this is where the queued work finishes
+        self.step_seconds += time.monotonic() - step_started
+
+    def read_losses(self) -> None:
+        """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
+        if self.pending_losses:
+            steps = [step for step, _ in self.pending_losses]
+            values = torch.stack([loss for _, loss in self.pending_losses]).tolist()
+            self.state.loss_history.extend(zip(steps, values))
+            self.pending_losses = []
+
+    def log_progress(self) -> None:
+        """Log and report the mean loss, learning rate, throughput and ETA of the steps since the last log line."""
+        step, total = self.state.step, self.total_steps
+        elapsed = time.monotonic() - self.window_start
+        per_step = elapsed / self.window_steps
+        recent = [value for _, value in self.state.loss_history[-self.window_steps :]]
+        metrics = {
+            "step": step,
+            "total_steps": total,
+            "epoch": step / self.plan.steps_per_epoch,
+            "loss": sum(recent) / len(recent),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "tokens_per_second": self.tokens_per_step * self.window_steps / elapsed if elapsed > 0 else 0.0,
+            "eta_seconds": per_step * (total - step),
+        }
+        self.say(
+            f"step {step}/{total}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
+            f"{metrics['tokens_per_second']:,.0f} tok/s  eta {_duration(metrics['eta_seconds'])}"
+        )
+        self.report(metrics)
+        self.uploader.drain_log()
+        self.window_start, self.window_steps = time.monotonic(), 0
+
+    def report(self, metrics: dict) -> None:
+        if self.is_main and self.on_metrics is not None:
+            self.on_metrics(metrics)
+        if self.config.report_to:
+            self.accelerator.log(metrics, step=metrics["step"])
+
+    # --- checkpoint and eval ---
+
+    def save_checkpoint(self) -> None:
+        """All processes: gather RNG states; rank 0: write locally and hand to the uploader."""
+        self.read_losses()
+        rng_states = gather_object([capture_rng_state()]) if self.world > 1 else [capture_rng_state()]
+        state = self.state
+        if self.is_main:
+            self.attempt.update(
+                last_checkpoint_step=state.step,
+                wall_seconds=round(time.monotonic() - self.started, 3),
+                step_seconds=round(self.step_seconds, 3),
+            )
+            local = write_checkpoint(
+                self.work_dir / "checkpoints" / f"checkpoint-{state.step:08d}",
+                weights=dict(self.params),
+                optimizer_state=self.optimizer.state_dict(),
+                scheduler_state=self.scheduler.state_dict(),
+                rng_states=rng_states,
+                trainer_state=state,
+            )
+            self.uploader.submit(local, state.step, meta={"step": state.step, "method": self.method})
+        self.last_saved = state.step
+
+    def evaluate(self) -> float:
+        """Mean token loss over every eval row, each process taking every world_size-th row."""
+        loss_sum, count = eval_loss_sum(
+            self.unwrapped, self.eval_rows, self.config.per_device_batch_size, self.device, self.rank, self.world
+        )
+        total = self.accelerator.reduce(torch.tensor([loss_sum, count], device=self.device), "sum")
+        return float(total[0] / max(total[1], 1))
+
+    # --- finish ---
+
+    def finish(self) -> None:
+        """The final checkpoint, eval and weights (rank 0 saves them with the tokenizer files)."""
+        if self.last_saved != self.state.step:
+            self.save_checkpoint()  # a rerun after a crash from here on skips straight to the export
+        if self.eval_rows is not None:
+            self.eval_loss = self.evaluate()
+            self.say(f"final eval loss {self.eval_loss:.4f} on {len(self.eval_rows)} rows")
+            self.report({"step": self.state.step, "eval_loss": self.eval_loss})
+        if self.is_main:
+            shutil.rmtree(self.output_dir, ignore_errors=True)
+            self.unwrapped.save_pretrained(self.output_dir, safe_serialization=True)
+            for name in TOKENIZER_FILES:
+                if (self.base_model_dir / name).is_file():
+                    shutil.copyfile(self.base_model_dir / name, self.output_dir / name)
+        self.uploader.close()
+        self.accelerator.wait_for_everyone()
+
+    def cleanup(self, failed: bool) -> None:
+        """End the trackers and free accelerate's memory; after a failure, first let a checkpoint in flight land."""
+        if failed:
+            try:  # the original error is what matters
+                self.uploader.wait()
+            except Exception as exc:  # noqa: BLE001
+                self.log(f"WARNING: checkpoint upload also failed: {exc}")
+        if self.config.report_to:
+            self.accelerator.end_training()
+        self.accelerator.free_memory()  # drop accelerate's references to the model, run gc, empty the CUDA cache
+
+    def result(self) -> TrainingResult:
+        """This attempt's figures, with wall time up to now; logs the closing line."""
+        wall = time.monotonic() - self.started
+        state = self.state
+        self.read_losses()
+        trained = (state.step - (self.resumed_from or 0)) * self.tokens_per_step  # this attempt
+        recent = [value for _, value in state.loss_history[-self.config.logging_steps :]]
+        result = TrainingResult(
+            output_dir=self.output_dir,
+            method=self.method,
+            device=f"{self.device.type} x{self.world}",
+            steps=state.step,
+            train_loss=sum(recent) / len(recent) if recent else None,
+            eval_loss=self.eval_loss,
+            tokens_seen=state.tokens_seen,
+            wall_seconds=wall,
+            step_seconds=self.step_seconds,
+            effective_training_fraction=self.step_seconds / wall if wall > 0 else 0.0,
+            resumed_from_step=self.resumed_from,
+            checkpoints=complete_checkpoints(self.store, self.run_prefix),
+            loss_history=list(state.loss_history),
+            restarts=state.attempts[:-1],
+            bytes_uploaded=self.uploader.bytes_uploaded,
+            resolved=self.resolved.as_dict(),
+            attn_implementation=self.attention,
+            tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
+        )
+        named = (("train", result.train_loss), ("eval", self.eval_loss))
+        losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
+        self.say(
+            f"done: {result.steps} steps, {losses}, {_duration(wall)} wall, "
+            f"{result.effective_training_fraction:.0%} of it in training steps"
+        )
+        return result
 
 
 def train(
@@ -374,257 +729,19 @@ def train(
     """
     started = time.monotonic() if started_at is None else started_at
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
-    with SigtermFlag() as sigterm:
-        base_model_dir, shards_dir, work_dir = Path(base_model_dir), Path(shards_dir), Path(work_dir)
-
-        # --- setup: processes and device ---
-        cuda = torch.cuda.is_available()
-        accelerator = Accelerator(
-            # cpu=True is what makes several processes without a GPU join one gloo group (MULTI_CPU);
-            # without it each torchrun/`accelerate launch --multi_gpu` process would train alone.
-            cpu=not cuda and not torch.backends.mps.is_available(),
-            mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no",
-            log_with=config.report_to or None,
-            project_dir=work_dir / "trackers",
+    # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
+    with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
+        recipe = FineTuneRecipe(
+            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started
         )
-        rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-        say: Log = log if is_main else (lambda line: None)
-        if world != config.num_processes:
-            raise ValueError(
-                f"config.num_processes={config.num_processes} but {world} process(es) were started; launch with "
-                f"`accelerate launch --num_processes {config.num_processes} -m ft_assets.training.recipe ...` "
-                "or set num_processes to match"
-            )
-        device = accelerator.device
-        method = config.resolved_method(cuda)
-        if device.type == "cpu":
-            say("WARNING: no CUDA or MPS device found, training on CPU (fine for tests, ~100x slower than a GPU)")
-        say(f"training {method} on {device} x{world}, run {store.uri(run_prefix)}")
-        if config.report_to:
-            accelerator.init_trackers(run_prefix.replace("/", "-"), config=config.model_dump())
-
-        # --- setup: data ---
-        train_rows = load_packed_rows(shards_dir, "train", config.max_seq_len)
-        if train_rows is None:
-            raise FileNotFoundError(f"{shards_dir} has no train-*.parquet shards; materialize tokenized_shards first")
-        eval_rows = load_packed_rows(shards_dir, "eval", config.max_seq_len)
-        plan = DataPlan(len(train_rows), config.per_device_batch_size, config.gradient_accumulation_steps, world, config.seed)
-        if plan.steps_per_epoch == 0:
-            raise ValueError(
-                f"{shards_dir} holds {len(train_rows)} train rows but one optimizer step needs {plan.rows_per_step} "
-                "(per_device_batch_size x gradient_accumulation_steps x num_processes); lower them"
-            )
-        total_steps = config.max_steps or config.epochs * plan.steps_per_epoch
-        tokens_per_step = plan.rows_per_step * train_rows.seq_len
-        say(
-            f"{len(train_rows)} train rows x {train_rows.seq_len} tokens, {len(eval_rows) if eval_rows else 0} eval rows; "
-            f"{plan.steps_per_epoch} steps/epoch, {total_steps} steps"
-        )
-
-        # --- setup: model and optimizer (seeded so a fresh run is reproducible) ---
-        set_seed(config.seed)
-        model = load_model(config, method, base_model_dir, device)
-        model = accelerator.prepare_model(model)
-        unwrapped = accelerator.unwrap_model(model)
-        params = trainable_parameters(unwrapped)
-        say(f"{sum(p.numel() for p in params.values()):,} trainable parameters")
-        optimizer = torch.optim.AdamW(params.values(), lr=config.learning_rate, weight_decay=config.weight_decay)
-        scheduler = make_scheduler(config, optimizer, total_steps)
-
-        # --- setup: resume from the newest complete checkpoint ---
-        resume_dir = work_dir / "resume" / f"rank-{rank}"
-        checkpoint: Checkpoint | None = None
-        skipped: list[int] = []
-        if is_main:
-            checkpoint, skipped = find_latest_checkpoint(store, run_prefix, resume_dir, log)
-        resume_step = [checkpoint.step if checkpoint else None]
-        if world > 1:
-            broadcast_object_list(resume_step)
-            if not is_main and resume_step[0] is not None:
-                checkpoint = fetch_checkpoint(store, run_prefix, resume_step[0], resume_dir)
-        state = TrainerState(total_steps=total_steps, world_size=world, method=method)
-        rng_state = None
-        if checkpoint is not None:
-            state = checkpoint.trainer_state()
-            state.total_steps = total_steps
-            load_trainable(unwrapped, checkpoint.weights(), checkpoint.uri)
-            optimizer.load_state_dict(checkpoint.optimizer_state())
-            scheduler.load_state_dict(checkpoint.scheduler_state())
-            rng_states = checkpoint.rng_states()
-            if len(rng_states) != world:
-                raise ValueError(f"checkpoint {checkpoint.uri} was written by {len(rng_states)} processes, not {world}")
-            rng_state = rng_states[rank]
-            say(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{total_steps})")
-        else:
-            say(f"no complete checkpoint under {store.uri(run_prefix)}: starting from the base model")
-        shutil.rmtree(resume_dir, ignore_errors=True)
-        if is_main:
-            for step in skipped:  # newer than the resume point and unusable: they will be rewritten
-                delete_checkpoint(store, run_prefix, step)
-        resumed_from = checkpoint.step if checkpoint else None
-        state.attempts.append({"resumed_from_step": resumed_from, "last_checkpoint_step": None})
-        attempt = state.attempts[-1]
-
-        uploader = BackgroundUploader(store, run_prefix, keep=config.save_total_limit, log=say)
-        step_seconds = 0.0
-        last_saved = state.step if checkpoint else None
-
-        def save_checkpoint() -> None:
-            """All processes: gather RNG states; rank 0: write locally and hand to the uploader."""
-            nonlocal last_saved
-            rng_states = gather_object([capture_rng_state()]) if world > 1 else [capture_rng_state()]
-            if is_main:
-                attempt.update(
-                    last_checkpoint_step=state.step,
-                    wall_seconds=round(time.monotonic() - started, 3),
-                    step_seconds=round(step_seconds, 3),
-                )
-                local = write_checkpoint(
-                    work_dir / "checkpoints" / f"checkpoint-{state.step:08d}",
-                    weights=dict(params),
-                    optimizer_state=optimizer.state_dict(),
-                    scheduler_state=scheduler.state_dict(),
-                    rng_states=rng_states,
-                    trainer_state=state,
-                )
-                uploader.submit(local, state.step, meta={"step": state.step, "method": method})
-            last_saved = state.step
-
-        def report(metrics: dict) -> None:
-            if is_main and on_metrics is not None:
-                on_metrics(metrics)
-            if config.report_to:
-                accelerator.log(metrics, step=metrics["step"])
-
+        recipe.setup()
+        recipe.resume()
         try:
-            # Restore the RNGs last: everything above (LoRA init, model load) may draw from them.
-            if rng_state is not None:
-                restore_rng_state(rng_state)
-            model.train()
-            window_start, window_steps = time.monotonic(), 0
-
-            # --- train loop ---
-            while True:
-                stop = torch.tensor([float(sigterm.requested)], device=device)
-                if world > 1:
-                    stop = accelerator.reduce(stop, "sum")
-                if stop.item() > 0:
-                    say(f"SIGTERM received: checkpointing step {state.step} and stopping")
-                    if state.step > 0 and last_saved != state.step:
-                        save_checkpoint()
-                    uploader.wait()
-                    accelerator.wait_for_everyone()
-                    uri = store.uri(layout.checkpoint(run_prefix, last_saved)) if last_saved is not None else None
-                    raise Preempted(state.step, uri)
-                if state.step >= total_steps:
-                    break
-
-                step_started = time.monotonic()
-                batches = [train_rows.batch(i, device) for i in plan.micro_batches(state.step, rank)]
-                # Normalise by the learned tokens of the whole step (all micro-batches, all processes):
-                # the loss is then the true per-token mean, whatever the packing put in each row.
-                items = torch.tensor([sum(learned_tokens(b) for b in batches)], device=device)
-                items = max(int(accelerator.reduce(items, "sum").item()), 1)
-                step_loss = torch.zeros((), device=device)
-                for micro, batch in enumerate(batches):
-                    last = micro == len(batches) - 1
-                    with accelerator.no_sync(model) if not last else nullcontext():
-                        loss_sum, _ = token_loss_sum(model, batch)
-                        # DDP averages gradients over processes; scale back up to a sum over all tokens.
-                        accelerator.backward(loss_sum * (world / items))
-                    step_loss += loss_sum.detach().float() / items
-                if config.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params.values(), config.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                loss = float(accelerator.reduce(step_loss, "sum").item())
-                step_seconds += time.monotonic() - step_started
-
-                state.step += 1
-                state.epoch = state.step // plan.steps_per_epoch
-                state.samples_seen += plan.rows_per_step
-                state.tokens_seen += tokens_per_step
-                state.loss_history.append((state.step, loss))
-                window_steps += 1
-
-                if state.step % config.logging_steps == 0 or state.step == total_steps:
-                    elapsed = time.monotonic() - window_start
-                    per_step = elapsed / window_steps
-                    recent = [value for _, value in state.loss_history[-window_steps:]]
-                    metrics = {
-                        "step": state.step,
-                        "total_steps": total_steps,
-                        "epoch": state.step / plan.steps_per_epoch,
-                        "loss": sum(recent) / len(recent),
-                        "learning_rate": scheduler.get_last_lr()[0],
-                        "tokens_per_second": tokens_per_step * window_steps / elapsed if elapsed > 0 else 0.0,
-                        "eta_seconds": per_step * (total_steps - state.step),
-                    }
-                    say(
-                        f"step {state.step}/{total_steps}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
-                        f"{metrics['tokens_per_second']:,.0f} tok/s  eta {_duration(metrics['eta_seconds'])}"
-                    )
-                    report(metrics)
-                    uploader.drain_log()
-                    window_start, window_steps = time.monotonic(), 0
-                if state.step % config.save_steps == 0 and state.step < total_steps:
-                    save_checkpoint()
-                if config.eval_steps and eval_rows and state.step % config.eval_steps == 0 and state.step < total_steps:
-                    eval_loss = evaluate(unwrapped, eval_rows, config.per_device_batch_size, accelerator)
-                    state.eval_history.append((state.step, eval_loss))
-                    say(f"step {state.step}/{total_steps}  eval loss {eval_loss:.4f}")
-                    report({"step": state.step, "eval_loss": eval_loss})
-
-            # --- final checkpoint, eval and save ---
-            if last_saved != state.step:
-                save_checkpoint()  # a rerun after a crash from here on skips straight to the export
-            eval_loss = None
-            if eval_rows is not None:
-                eval_loss = evaluate(unwrapped, eval_rows, config.per_device_batch_size, accelerator)
-                say(f"final eval loss {eval_loss:.4f} on {len(eval_rows)} rows")
-                report({"step": state.step, "eval_loss": eval_loss})
-            output_dir = work_dir / "final"
-            if is_main:
-                shutil.rmtree(output_dir, ignore_errors=True)
-                unwrapped.save_pretrained(output_dir, safe_serialization=True)
-                for name in TOKENIZER_FILES:
-                    if (base_model_dir / name).is_file():
-                        shutil.copyfile(base_model_dir / name, output_dir / name)
-            uploader.close()
-            accelerator.wait_for_everyone()
+            recipe.train_loop()
+            recipe.finish()
         finally:
-            if sys.exc_info()[0] is not None:
-                try:  # let a checkpoint already in flight land; the original error is what matters
-                    uploader.wait()
-                except Exception as exc:  # noqa: BLE001
-                    log(f"WARNING: checkpoint upload also failed: {exc}")
-            if config.report_to:
-                accelerator.end_training()
-            accelerator.free_memory()  # drop accelerate's references to the model, run gc, empty the CUDA cache
-
-    wall = time.monotonic() - started
-    recent = [value for _, value in state.loss_history[-config.logging_steps :]]
-    result = TrainingResult(
-        output_dir=output_dir,
-        method=method,
-        device=f"{device.type} x{world}",
-        steps=state.step,
-        train_loss=sum(recent) / len(recent) if recent else None,
-        eval_loss=eval_loss,
-        tokens_seen=state.tokens_seen,
-        wall_seconds=wall,
-        step_seconds=step_seconds,
-        effective_training_fraction=step_seconds / wall if wall > 0 else 0.0,
-        resumed_from_step=resumed_from,
-        checkpoints=complete_checkpoints(store, run_prefix),
-        loss_history=list(state.loss_history),
-        restarts=state.attempts[:-1],
-        bytes_uploaded=uploader.bytes_uploaded,
-    )
-    losses = ", ".join(f"{name} loss {value:.4f}" for name, value in (("train", result.train_loss), ("eval", eval_loss)) if value is not None)
-    say(f"done: {result.steps} steps, {losses}, {_duration(wall)} wall, {result.effective_training_fraction:.0%} of it in training steps")
-    return result
+            recipe.cleanup(failed=sys.exc_info()[0] is not None)
+    return recipe.result()
 
 
 # --- command line: `python -m ft_assets.training.recipe` / `accelerate launch -m ...` -------------

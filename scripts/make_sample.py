@@ -1,6 +1,6 @@
 """The shipped sample dataset: natural-language requests → one strict JSON tool call.
 
-``python -m ft_assets.data.sample samples/toolcalls`` regenerates ``samples/toolcalls/`` byte for
+``python -m scripts.make_sample samples/toolcalls`` regenerates ``samples/toolcalls/`` byte for
 byte (seed ``SEED``, 3000 examples). The demo fine-tunes SmolLM2-135M-Instruct with LoRA on two CPU
 cores for a few minutes, and the fine-tuned model must beat the base by at least 30 points of exact
 match on the assistant reply. The task is shaped for that:

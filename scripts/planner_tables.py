@@ -1,0 +1,39 @@
+"""Print the planner's VRAM and throughput tables for the reference models.
+
+``python -m scripts.planner_tables`` prints what ``ft_assets/control/planner.py``'s docstring quotes:
+peak VRAM of each reference model (``ft_assets_tests/reference_models.py``) per method at seq 512
+and 2048, and Llama-2-7B LoRA tokens/s on each default GPU offering.
+"""
+
+from ft_assets.control.cost_model import CostModel
+from ft_assets.control.planner import (
+    METHODS,
+    ModelShape,
+    estimate_vram,
+    flops_per_token,
+    tokens_per_second,
+)
+from ft_assets_tests.reference_models import REFERENCE_CONFIGS
+
+
+def main() -> None:
+    """Print the VRAM and throughput tables quoted in the planner's module docstring."""
+    cost_model = CostModel()
+    print("VRAM GiB, batch 1, gradient checkpointing, LoRA r=16 on all projections, seq 512 / 2048")
+    for name, config in REFERENCE_CONFIGS.items():
+        shape = ModelShape.from_config(config, name)
+        cells = []
+        for method in METHODS:
+            short, long = (estimate_vram(shape, method, s, 1, True).total_gib for s in (512, 2048))
+            cells.append(f"{method} {short:.1f} / {long:.1f}")
+        print(f"  {name:<14} {shape.params:>14,} params   " + "   ".join(cells))
+    llama7b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
+    gflops = flops_per_token(llama7b, "lora", 2048, True) / 1e9
+    print(f"Llama-2-7B LoRA at seq 2048 with checkpointing: {gflops:.1f} GFLOP/token; tokens/s by tier:")
+    for offering in cost_model.offerings:
+        speed = tokens_per_second(llama7b, "lora", 2048, True, offering, cost_model)
+        print(f"  {offering.name:<14} {speed:>7,.0f}")
+
+
+if __name__ == "__main__":
+    main()
