@@ -42,61 +42,57 @@ def ensure_home() -> Path:
     return dagster_home
 
 
-def dataset_files(path: Path) -> list[Path]:
-    from ft_assets.data.readers import SUPPORTED_SUFFIXES, is_data_file
+def content_version(files: list[tuple[str, Path]]) -> str:
+    """``v-`` + 12 hex of the sha256 over every (path under the version, content), read in 8 MiB chunks."""
+    from ft_assets.storage import CHUNK
 
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p.name))
-        if files:
-            return files
-        raise CliError(f"{path} holds no data files ({', '.join(SUPPORTED_SUFFIXES)})")
-    raise CliError(f"dataset path {path} does not exist")
-
-
-def default_name(path: Path) -> str:
-    name = path.name
-    for suffix in (".gz", ".jsonl", ".parquet"):
-        name = name.removesuffix(suffix)
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("-._") or "dataset"
-
-
-def content_version(files: list[Path], root: Path) -> str:
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() if path != root else path.name.encode())
-        digest.update(path.read_bytes())
+    for rel, path in files:
+        digest.update(rel.encode())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
     return "v-" + digest.hexdigest()[:12]
 
 
-def register_dataset(store, path: Path, name: str | None, version: str | None) -> tuple[str, bool]:
-    """Upload the files as a dataset version (``_SUCCESS`` last); returns (partition key, newly registered)."""
-    from ft_assets.layout import PartitionLayout
+def register_dataset(store, spec: str, name: str | None, version: str | None) -> tuple[str, bool]:
+    """Stage the input (``ft_assets.data.sources``) and upload it as a dataset version, ``_source.json``
+    (for a non-file source) before ``_SUCCESS``, which goes last; returns (partition key, newly registered)."""
+    import tempfile
+
+    from ft_assets.data.sources import stage
+    from ft_assets.layout import SOURCE_FILE, PartitionLayout
     from ft_assets.partitions import DatasetVersion, InvalidDatasetId
     from ft_assets.storage import join_key
 
-    files = dataset_files(path)
-    root = path if path.is_dir() else path.parent
-    try:
-        target = DatasetVersion(name or default_name(path), version or content_version(files, root))
-    except InvalidDatasetId as exc:
-        raise CliError(str(exc)) from exc
-    keys = PartitionLayout(target)
-    uploads = {join_key(keys.inputs, f.relative_to(root).as_posix()): f for f in files}
-    marker = keys.success_marker
-    if store.exists(marker):
-        existing = {k for k in store.list(keys.inputs) if k != marker}
-        same = existing == set(uploads) and all(store.get_bytes(k) == f.read_bytes() for k, f in uploads.items())
-        if not same:
-            raise CliError(
-                f"dataset version {target.key} already exists in {store.uri(keys.inputs)} with different "
-                "content; pass a new --version"
+    with tempfile.TemporaryDirectory(prefix="ft-assets-stage-") as work:
+        staged = stage(spec, Path(work), store)
+        files = list(staged.files)
+        if staged.source is not None:
+            record = Path(work) / SOURCE_FILE
+            record.write_text(json.dumps(staged.source, indent=2, sort_keys=True))
+            files.append((SOURCE_FILE, record))
+        try:
+            target = DatasetVersion(name or staged.name, version or content_version(files))
+        except InvalidDatasetId as exc:
+            raise CliError(str(exc)) from exc
+        keys = PartitionLayout(target)
+        uploads = {join_key(keys.inputs, rel): path for rel, path in files}
+        marker = keys.success_marker
+        if store.exists(marker):
+            existing = {k for k in store.list(keys.inputs) if k != marker}
+            same = existing == set(uploads) and all(
+                store.size(k) == f.stat().st_size and store.get_bytes(k) == f.read_bytes() for k, f in uploads.items()
             )
-        return target.key, False
-    for key, local in uploads.items():
-        store.put_file(key, local)
-    store.put_bytes(marker, b"")
+            if not same:
+                raise CliError(
+                    f"dataset version {target.key} already exists in {store.uri(keys.inputs)} with different "
+                    "content; pass a new --version"
+                )
+            return target.key, False
+        for key, local in uploads.items():
+            store.put_file(key, local)
+        store.put_bytes(marker, b"")
     return target.key, True
 
 
@@ -370,7 +366,7 @@ def cmd_run(args: argparse.Namespace, summary: dict) -> dict:
     run_config = load_run_config(args.config)
     run_config.setdefault("loggers", {"ft_console": {"config": {"verbose": args.verbose}}})
     store = open_store()
-    key, new = register_dataset(store, Path(args.dataset), args.name, args.version)
+    key, new = register_dataset(store, args.dataset, args.name, args.version)
     summary.update(partition=key, store=store.url, dagster_home=os.environ["DAGSTER_HOME"], runs={}, completed=[], skipped=[])
     log(f"dataset version {key} {'registered' if new else 'already registered'} in {store.url}")
     instance = dg.DagsterInstance.get()
@@ -527,6 +523,7 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
     return {
         "published_uri": store.uri(lineage["published_key"]),
         "dataset_version": lineage["partition"],
+        "dataset_source": lineage.get("dataset_source"),
         "base_model": lineage["base_model"],
         "checkpoint": store.uri(checkpoint["key"]),
         "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
@@ -540,8 +537,12 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
 
 
 def print_lineage(report: dict) -> None:
+    from ft_assets.data.sources import describe_source
+
     print(f"{report['published_uri']}")
     print(f"  dataset version {report['dataset_version']}; base model {report['base_model']['model_id']} (sha256 {report['base_model']['source_sha256'][:16]}…)")
+    for line in describe_source(report["dataset_source"]):
+        print(line)
     for link in report["chain"]:
         print(f"  ← {link['asset']:<21} {link['digest'][:16]}…  {link['created_at'] or '':<25} {link['status']}")
         if link["asset"] == "lora_adapter":
@@ -605,8 +606,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ft-assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="register a dataset version and materialize the planes for it")
-    run.add_argument("--dataset", required=True, help="a .jsonl/.jsonl.gz/.parquet file or a directory of them")
-    run.add_argument("--name", help="dataset name (default: the file or directory name)")
+    run.add_argument(
+        "--dataset",
+        required=True,
+        help="a .jsonl, .json, .csv, .tsv, .parquet or .arrow file (text ones also .gz) or a directory of them, a datasets "
+        "save_to_disk directory, hf://owner/name@revision (a Hub dataset, pinned to its commit), s3://bucket/prefix/, "
+        "or a mixture spec .yaml",
+    )
+    run.add_argument("--name", help="dataset name (default: the file, directory or repo name without its extension)")
     run.add_argument("--version", help="dataset version (default: v-<sha256 of the content, 12 hex>)")
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")

@@ -3,6 +3,7 @@
 | prefix | what | written by |
 |---|---|---|
 | `datasets/<name>/<version>/` + `_SUCCESS` | the input files, as dropped by the user (marker last) | the user, `ft-assets run` |
+| `datasets/<name>/<version>/_source.json` | where a non-file input came from: Hub repo + commit, S3 prefix, `save_to_disk` split, mixture | `ft-assets run` (``ft_assets.data.sources``) |
 | `runs/<name>/<version>/data/<stage>/` | raw, cleaned, deduplicated, split, shards | data plane |
 | `runs/<name>/<version>/control/plan/`, `cost/<run>/`, `cost_report/` | GPU plan, priced run, report | control plane |
 | `runs/<name>/<version>/train/<run>/checkpoint-<step>/`, `final/` | checkpoints, the trained adapter | training plane |
@@ -32,6 +33,7 @@ REGISTRY = "registry"
 MODELS = "models"
 LEASES = "leases"
 SUCCESS_MARKER = "_SUCCESS"  # written last by an uploader: the version is complete
+SOURCE_FILE = "_source.json"  # the origin of a version staged from a non-file source ("_": never a data file)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d{8})$")  # 8 digits: sorts by name up to 99,999,999 steps
 
 
@@ -52,6 +54,16 @@ class PartitionLayout:
     @property
     def success_marker(self) -> str:
         return join_key(self.inputs, SUCCESS_MARKER)
+
+    @property
+    def source(self) -> str:
+        """``SOURCE_FILE`` of the version: present when it was staged from a Hub repo, an S3 prefix, a
+        ``save_to_disk`` directory or a mixture spec (``ft_assets.data.sources``)."""
+        return join_key(self.inputs, SOURCE_FILE)
+
+    def component(self, name: str) -> str:
+        """The files of one component of a mixture version, under the version's own inputs."""
+        return join_key(self.inputs, name)
 
     @property
     def runs(self) -> str:

@@ -89,3 +89,23 @@ def test_existing_version_with_other_content_is_refused(project, capsys):
     capsys.readouterr()
     assert main(["run", "--dataset", str(second), *common]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_a_json_array_with_other_column_names_through_the_run_config(project, capsys):
+    """The issue's case: alpaca_data.json's layout (a JSON array) under its own name, columns mapped by config."""
+    tmp_path, config = project
+    data = tmp_path / "qa_data.json"
+    rows = [{"question": f"What is {i} times three?", "answer": f"It is {3 * i}."} for i in range(60)]
+    data.write_text(json.dumps(rows[:30] + [{"question": "no answer"}] + rows[30:], indent=2))
+    mapped = tmp_path / "mapped.yaml"
+    run_config = yaml.safe_load(config.read_text())
+    run_config["ops"]["raw_dataset"] = {"config": {"columns": {"prompt": "question", "response": "answer"}}}
+    mapped.write_text(yaml.safe_dump(run_config))
+    summary = run_json(capsys, "run", "--dataset", str(data), "--until", "data", "--config", str(mapped), "--json")
+    assert summary["partition"].startswith("qa_data@v-")
+    assert (summary["rows_in"], summary["rows_kept"], summary["quarantine_reasons"]) == (61, 60, {"unknown_format": 1})
+    quarantined = list(iter_records(Path(summary["artifacts"]["raw_dataset"]) / "quarantine.parquet"))
+    assert [(q["source"], q["reason"]) for q in quarantined] == [("qa_data.json#31", "unknown_format")]
+    # Without the mapping the version fails, naming the file and the columns it has.
+    assert main(["run", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
+    assert "qa_data.json: no row has an accepted layout (qa_data.json#1: " in capsys.readouterr().err

@@ -96,6 +96,52 @@ def test_deduplicate_dataset_records_every_removed_row(tmp_path, mode, kept, nea
     assert len(set(clusters.values())) == 3
 
 
+DUPLICATE_CASES = [
+    # (name, a, b, what deduplicate_dataset makes of the pair: "exact", "near" or None = two rows)
+    ("case", conv("Set a timer for 5 minutes."), conv("SET A TIMER FOR 5 MINUTES."), "exact"),
+    ("spacing", conv("Set a timer for 5 minutes."), conv(" Set a  timer\tfor 5\nminutes. "), "exact"),
+    ("punctuation-short", conv("Convert 12 km to m."), conv("Convert 12 km to m!"), "exact"),
+    ("apostrophe", conv("What's the time in Oslo?"), conv("whats the time in oslo"), "exact"),
+    ("space-after-comma", conv("Hello,world"), conv("Hello, world"), "exact"),
+    ("nfkc-full-width", conv("Ｃａｆé ５ km"), conv("café 5 km"), "exact"),
+    ("answer-punctuation", conv("Say hi.", "Hi!"), conv("Say hi", "Hi."), "exact"),
+    ("short-numbers-differ", conv("Convert 12 km to m."), conv("Convert 19 km to m."), None),
+    ("5-km-vs-6-km", conv("Run 5 km."), conv("Run 6 km."), None),
+    ("decimal-vs-integer", conv("Add 5.5 kg."), conv("Add 55 kg."), None),
+    ("decimal-vs-two-numbers", conv("Add 5.5 kg."), conv("Add 5 5 kg."), None),
+    ("decimal-point-vs-comma", conv("Add 5.5 kg."), conv("Add 5,5 kg."), None),
+    ("math-symbol", conv("Solve x + 1 = 3"), conv("Solve x = 1 = 3"), None),
+    ("currency-symbol", conv("It costs $5"), conv("It costs €5"), None),
+    ("one-word-differs", conv("hello there"), conv("hello here"), None),
+    ("answer-differs", conv("Say hi.", "Hi!"), conv("Say hi.", "Bye!"), None),
+    ("long-word-appended", conv(LONG), conv(LONG + " thanks"), "near"),
+    ("long-case-and-punctuation-and-word", conv(LONG + "."), conv(LONG.upper() + " -- thanks!!"), "near"),
+    ("long-number-changed", conv(LONG + " 12"), conv(LONG + " 19"), None),
+]
+
+
+@pytest.mark.parametrize("name,a,b,kind", DUPLICATE_CASES, ids=[c[0] for c in DUPLICATE_CASES])
+def test_what_is_a_duplicate(tmp_path, name, a, b, kind):
+    (tmp_path / "in").mkdir()
+    write_rows(tmp_path / "in" / "rows.parquet", [a, b])
+    deduplicate_dataset(tmp_path / "in", tmp_path / "out", DedupRules())
+    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in iter_records(tmp_path / "out" / "duplicates.parquet")]
+    assert duplicates == ([("f:2", kind, "f:1")] if kind else [])
+
+
+def test_duplicate_clusters_never_straddle_the_split(tmp_path):
+    """Near-duplicates kept (``keep``) share their cluster, so each pair lands on one side of the split."""
+    (tmp_path / "in").mkdir()
+    pairs = [(conv(f"{LONG} for table {i}"), conv(f"{LONG.upper()} for table {i}, thanks!")) for i in range(200)]
+    write_rows(tmp_path / "in" / "rows.parquet", [row for pair in pairs for row in pair])
+    stats = deduplicate_dataset(tmp_path / "in", tmp_path / "dedup", DedupRules(near_duplicates="keep"))
+    assert (stats["rows_kept"], stats["near_clusters"]) == (400, 200)
+    split_dataset(tmp_path / "dedup", tmp_path / "split", 0.25)
+    where = {r["source"]: (split, r["cluster"]) for split in (TRAIN, EVAL) for r in iter_records(tmp_path / "split" / f"{split}.parquet")}
+    assert all(where[f"f:{2 * i + 1}"] == where[f"f:{2 * i + 2}"] for i in range(200))
+    assert {split for split, _ in where.values()} == {TRAIN, EVAL}
+
+
 def test_split_is_deterministic_by_hash_and_respects_fraction():
     keys = [f"cluster-{i}" for i in range(5000)]
     first = [split_of(k, 0.2) for k in keys]

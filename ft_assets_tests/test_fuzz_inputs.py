@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import tempfile
 import unicodedata
 from collections import Counter
@@ -45,7 +46,10 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example, HealthCheck.function_scoped_fixture],
 )
 CLEAN_REASONS = {"unknown_role", "no_assistant_reply", "bad_role_order", "empty_answer", "too_short", "empty_message", "too_long"}
-RAW_REASONS = {"invalid_utf8", "invalid_json", "duplicate_key", "not_an_object", "wrong_type", "unknown_format", "line_too_long"}
+RAW_REASONS = {
+    "invalid_utf8", "invalid_json", "duplicate_key", "not_an_object", "wrong_type", "unknown_format", "line_too_long",
+    "wrong_field_count", "invalid_csv",
+}  # fmt: skip
 RULES = CleaningRules(max_chars=2000)
 DEDUP = DedupRules(num_perm=32)
 
@@ -256,8 +260,8 @@ def run_data_plane(files: list[tuple[str, bytes, int | None]]) -> dict:
         assert Counter(q["reason"] for q in quarantined) == raw["quarantine_reasons"]
         assert set(raw["quarantine_reasons"]) <= RAW_REASONS
         names = [name for name, _ in pairs]
-        for record in rows + quarantined:  # every row says where it came from
-            assert record["source"].rsplit(":" if ".jsonl" in record["source"] else "#", 1)[0] in names, record["source"]
+        for record in rows + quarantined:  # every row says where it came from: <file>:<line> or <file>#<row>
+            assert re.sub(r"[:#]\d+$", "", record["source"]) in names, record["source"]
         if all(lines is not None for _, _, lines in files):  # JSONL only: every line is a row or a blank line
             assert raw["rows_in"] + raw["blank_lines"] == sum(lines for _, _, lines in files)
 
@@ -314,6 +318,15 @@ HOSTILE = [
     ("parquet-wrong-schema", [(".parquet", parquet(pa.table({"text": ["a"], "label": [1]})), None)], "part-0.parquet", None),
     ("parquet-empty-file", [(".parquet", b"", None)], "part-0.parquet", None),
     ("parquet-wrong-types", [(".parquet", parquet(pa.table({"messages": [["a", "b"]], "id": [1]})), None)], 0, {"wrong_type": 1}),
+    ("json-array-bad-elements", [(".json", b'[' + GOOD + b', 5, {"instruction": "caf\xe9", "output": "x"}, {"a": 1, "a": 2}]', None)],
+     1, {"not_an_object": 1, "invalid_utf8": 1, "duplicate_key": 1}),
+    ("json-array-cut", [(".json", b"[" + GOOD + b", " + GOOD[:9], None)], "part-0.json", None),
+    ("json-array-deep-nesting", [(".json", b"[" + b"[" * 100_000 + b"]" * 100_000 + b"]", None)], "part-0.json", None),
+    ("csv-bad-records", [(".csv", b'instruction,output\r\n"Say ok.",ok\r\nonly one field\r\ncaf\xe9,x\r\n"open quote,x\r\n', None)],
+     1, {"wrong_field_count": 2, "invalid_utf8": 1}),
+    ("csv-no-accepted-header", [(".csv", b"question,answer\nhi,hello\n", None)], "part-0.csv", None),
+    ("csv-huge-field", [(".csv", b"instruction,output\n" + b"x" * (5 << 20) + b",y\n" + b"Say ok.,ok\n", None)], 1, {"line_too_long": 1}),
+    ("arrow-not-arrow", [(".arrow", b"ARROW1 but nothing else", None)], "part-0.arrow", None),
 ]
 
 

@@ -13,15 +13,18 @@ import dagster as dg
 
 from ft_assets import layout
 from ft_assets.data.cleaning import clean_dataset
-from ft_assets.data.config import CleanConfig, DedupConfig, SplitConfig, TokenizeConfig
+from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
+from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
-from ft_assets.data.readers import DatasetFileError, is_data_file, read_dataset
+from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
+from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
 from ft_assets.materialize import Materialization, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.storage import join_key
 
 DATA = dict(partitions_def=dataset_version, group_name="data", io_manager_key="refs", tags={"ft/pool": "cpu"})
 
@@ -35,27 +38,58 @@ def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return dict(Counter(a) + Counter(b))
 
 
+def _fetch_inputs(m: Materialization, prefix: str, shown_as: str = "") -> list[tuple[str, Path]]:
+    """Download the data files under ``prefix``: (name shown in row sources, local path) pairs."""
+    keys = m.store.list(prefix)
+    ignored = [k for k in keys if not is_data_file(k) and not k.rsplit("/", 1)[-1].startswith("_")]
+    keys = [k for k in keys if is_data_file(k)]
+    if not keys:
+        raise dg.Failure(f"no data files ({', '.join(SUPPORTED_SUFFIXES)}) under {m.store.uri(prefix)}")
+    if ignored:
+        m.context.log.warning(f"ignoring {len(ignored)} file(s) of unsupported type: {', '.join(ignored[:5])}")
+    files = []
+    for key in keys:
+        local = m.work / "in" / key
+        m.store.get_file(key, local)
+        files.append((join_key(shown_as, key.removeprefix(prefix + "/")), local))
+    return files
+
+
+def _mixture_component(m: Materialization, record: dict, mapping: ColumnMapping | None) -> Component:
+    """A mixture component's files: a registered version's inputs, or those staged under the mixture's own folder."""
+    if "dataset" in record:
+        keys = layout.of(record["dataset"])
+        if m.store.exists(keys.source):
+            record = {**record, "origin": m.store.get_json(keys.source)}
+        prefix = keys.inputs
+    else:
+        prefix = layout.of(m.partition).component(record["name"])
+    try:
+        own = ColumnMapping.of(record.get("columns") or {})
+    except ValueError as exc:
+        raise dg.Failure(f"mixture component {record['name']}: {exc}") from exc
+    return Component(record, _fetch_inputs(m, prefix, record["name"]), own or mapping)
+
+
 @dg.asset(**DATA, kinds={"python", "parquet"})
-def raw_dataset(context: dg.AssetExecutionContext, store: ObjectStoreResource) -> dg.Output[dict]:
-    """Every input file of the dataset version, normalized to one chat schema; bad rows quarantined."""
+def raw_dataset(context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource) -> dg.Output[dict]:
+    """Every input file of the dataset version (for a mixture, the rows drawn from its components),
+    normalized to one chat schema; bad rows quarantined. Where the version came from is in its stats."""
     keys_of = layout.of(context.partition_key)
+    mapping = config.mapping()
     with Materialization(context, store, "raw") as m:
-        keys = m.store.list(keys_of.inputs)
-        ignored = [k for k in keys if not is_data_file(k) and not k.rsplit("/", 1)[-1].startswith("_")]
-        keys = [k for k in keys if is_data_file(k)]
-        if not keys:
-            raise dg.Failure(f"no data files (.jsonl, .jsonl.gz, .parquet) under {m.store.uri(keys_of.inputs)}")
-        if ignored:
-            context.log.warning(f"ignoring {len(ignored)} file(s) of unsupported type: {', '.join(ignored[:5])}")
-        files = []
-        for key in keys:
-            local = m.work / "in" / key
-            m.store.get_file(key, local)
-            files.append((key.removeprefix(keys_of.inputs + "/"), local))
-        context.log.info(f"reading {len(files)} file(s) of {m.partition}")
+        source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
         try:
-            stats = read_dataset(files, m.out)
-        except DatasetFileError as exc:
+            if source is not None and source["kind"] == "mixture":
+                components = [_mixture_component(m, record, mapping) for record in source["components"]]
+                context.log.info(f"drawing {m.partition} from {len(components)} components (seed {source['seed']})")
+                stats = mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"])
+            else:
+                files = _fetch_inputs(m, keys_of.inputs)
+                context.log.info(f"reading {len(files)} file(s) of {m.partition}")
+                stats = read_dataset(files, m.out, mapping)
+                stats["source"] = source
+        except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
         if stats["rows_parsed"] == 0:
             raise dg.Failure(no_usable_rows(m.partition, stats, m.out / "quarantine.parquet"))
@@ -67,6 +101,7 @@ def raw_dataset(context: dg.AssetExecutionContext, store: ObjectStoreResource) -
         }
         ref = m.publish(keys_of.data("raw"), stats)
     context.log.info(f"{stats['rows_in']} rows in, {stats['rows_quarantined']} quarantined while parsing")
+    origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
     return m.output(
         ref,
         rows_in=stats["rows_in"],
@@ -76,6 +111,7 @@ def raw_dataset(context: dg.AssetExecutionContext, store: ObjectStoreResource) -
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
         rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
         sample=table(sample),
+        **origin,
     )
 
 
@@ -90,8 +126,9 @@ def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
     )
     reasons = ", ".join(f"{reason} x{count} (first at {examples[reason]})" for reason, count in stats["quarantine_reasons"].items())
     return (
-        f"dataset version {partition} has no usable row ({files}{'; ' + reasons if reasons else ''}). Rows must be JSON "
-        "objects in chat ({messages: [{role, content}]}), ShareGPT ({conversations}) or alpaca ({instruction, output}) form"
+        f"dataset version {partition} has no usable row ({files}{'; ' + reasons if reasons else ''}). Rows must be in chat "
+        "({messages: [{role, content}]}), ShareGPT ({conversations}) or alpaca ({instruction, output}) form, or their "
+        "columns mapped with raw_dataset's config 'columns'"
     )
 
 

@@ -1,12 +1,32 @@
 """Launchpad configuration of the data-plane assets; every field has a default and a help text."""
 
 
-from pydantic import Field
-
 import dagster as dg
+from pydantic import Field
 
 from ft_assets.data.cleaning import CleaningRules
 from ft_assets.data.dedup import DedupRules
+from ft_assets.data.readers import ColumnMapping
+
+
+class RawConfig(dg.Config):
+    columns: dict[str, str] = Field(
+        default={},
+        description=(
+            "Column names of tables in another layout than chat 'messages', ShareGPT 'conversations' or alpaca "
+            "'instruction'/'input'/'output'. Either prompt, response (and optionally input, system): one column each, "
+            "e.g. {prompt: question, response: answer} or {prompt: prompt, response: completion}; or messages: a column "
+            "holding a list of turns, with role and content naming the keys inside each turn, e.g. "
+            "{messages: dialog, role: from, content: value}. Empty: the layout is recognised from the column names. "
+            "A mixture component's own 'columns' take precedence."
+        ),
+    )
+
+    def mapping(self) -> ColumnMapping | None:
+        try:
+            return ColumnMapping.of(self.columns)
+        except ValueError as exc:
+            raise dg.Failure(f"raw_dataset config {exc}") from exc
 
 
 class CleanConfig(dg.Config):

@@ -1,7 +1,11 @@
 """Deduplication: exact on normalized content, then near-duplicates by MinHash LSH over word n-grams.
 
-Exact: a 128-bit BLAKE2b of the conversation after NFKC + casefold + whitespace collapse, so rows
-that differ only in case or spacing are one row. The first occurrence (file order) is kept.
+Exact: a 128-bit BLAKE2b of each turn's role, word characters, numbers and math/currency symbols
+after NFKC + casefold (``message_key``), so rows that differ only in case, Unicode form, spacing or
+punctuation are one row whatever their length: "Convert 12 km to m." and "convert 12  KM to m!" are
+one row, while "5 km" and "6 km", "5.5" and "55" (other numbers) and "x + 1" and "x = 1" (other
+symbols) stay two. The first occurrence (file order) is kept. A minus sign written as a hyphen is
+punctuation here: "-5" and "5" differ only in it.
 
 Near: datasketch MinHash signatures (``num_perm`` permutations) of the word ``ngram``-shingles of
 the user and assistant turns, shingled turn by turn (no shingle spans two turns, so "thanks!" at the
@@ -22,8 +26,9 @@ all), LSH collisions are found with numpy sorts, and the rows are filtered as Ar
 and a joined string per shingle (datasketch's default hash), took 47 s in the same benchmark.
 
 What must not collapse: short rows that differ in what matters. "Convert 12 km to m." and
-"Convert 19 km to m." are 5 words — below ``min_words`` rows are only ever exact-deduplicated —
-and two rows whose numbers differ are never near-duplicates, whatever their Jaccard similarity.
+"Convert 19 km to m." are 5 words — below ``min_words`` rows are only ever exact-deduplicated (on
+the normalized key above, so case, spacing and punctuation never keep two short rows apart) — and
+two rows whose numbers differ are never near-duplicates, whatever their Jaccard similarity.
 
 Defaults follow the literature (Lee et al. 2022 "Deduplicating Training Data…", Penedo et al. 2024
 FineWeb: 5-grams, 112–256 permutations, threshold ≈ 0.8).
@@ -43,6 +48,7 @@ import numpy as np
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_ASCII_NUMBER = re.compile(rb"\d+(?:[.,]\d+)*")
 _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: datasketch's "affine32" pre-mix
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
@@ -69,17 +75,47 @@ def normalize(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
-def _key(roles: Iterable[str], normalized: Iterable[str]) -> bytes:
-    joined = "\x1e".join(f"{role}\x1f{text}" for role, text in zip(roles, normalized))
-    return hashlib.blake2b(joined.encode(), digest_size=16).digest()
+def _kept_symbol(char: str) -> bool:
+    """Math and currency symbols stay in the exact key ("x + 1" is not "x = 1"); punctuation does not."""
+    return unicodedata.category(char) in ("Sm", "Sc")
+
+
+_ASCII_NOT_KEPT = bytes(c for c in range(128) if not _kept_symbol(chr(c)))  # deleted by bytes.translate
+_NON_WORD = re.compile(r"[^\w\s]")
+
+
+def message_key(text: str) -> tuple[bytes, list[bytes], list[bytes]]:
+    """One message's share of the exact key, its numbers and its words, from its ``normalize``d text.
+
+    The share is the message's word characters run together (every space and punctuation mark gone:
+    "Hello, world" and "Hello,world", "don't" and "dont" give the same run), then its numbers as
+    written and its math/currency symbols in order. The numbers keep apart what the run merges:
+    "5.5" and "55" (numbers 5.5 / 55), "5 5" and "55" (5, 5 / 55), "5.5" and "5,5".
+    """
+    if text.isascii():
+        raw = text.encode()
+        words, numbers = raw.translate(_ASCII_NON_WORD).split(), _ASCII_NUMBER.findall(raw)
+        symbols = raw.translate(None, _ASCII_NOT_KEPT)
+    else:
+        words, numbers = [word.encode() for word in _WORD.findall(text)], [n.encode() for n in _NUMBER.findall(text)]
+        symbols = "".join(c for c in _NON_WORD.findall(text) if _kept_symbol(c)).encode()
+    return b"\x1f".join((b"".join(words), b" ".join(numbers), symbols)), numbers, words
+
+
+@functools.lru_cache(maxsize=1024)
+def _system_key(content: str) -> bytes:
+    """``message_key`` of a system prompt: they repeat (8 distinct ones in the 200k-row benchmark corpus)."""
+    return message_key(normalize(content))[0]
+
+
+def _key(roles: Iterable[str], shares: Iterable[bytes]) -> bytes:
+    joined = b"\x1e".join(role.encode() + b"\x1f" + share for role, share in zip(roles, shares))
+    return hashlib.blake2b(joined, digest_size=16).digest()
 
 
 def exact_key(messages: list[dict]) -> bytes:
-    return _key((m["role"] for m in messages), (normalize(m["content"]) for m in messages))
-
-
-def near_text(messages: list[dict]) -> str:
-    return normalize(" ".join(m["content"] for m in messages if m["role"] != "system"))
+    """Equal for conversations whose turns differ only in case, Unicode form, spacing or punctuation."""
+    return _key((m["role"] for m in messages), (message_key(normalize(m["content"]))[0] for m in messages))
 
 
 # --- shingle hashes ------------------------------------------------------------------------------
@@ -176,9 +212,9 @@ def shingle_hashes(rows: list[list[list[int]]], n: int) -> tuple[np.ndarray, np.
     return _fold32(h), np.array(counts, dtype=np.int64)
 
 
-def numbers_key(text: str) -> int:
-    found = sorted(_NUMBER.findall(text))
-    return int.from_bytes(hashlib.blake2b("\x1f".join(found).encode(), digest_size=8).digest(), "little")
+def numbers_salt(numbers: Iterable[bytes]) -> int:
+    """A hash of the numbers of a row, whatever their order: rows whose numbers differ never collide."""
+    return int.from_bytes(hashlib.blake2b(b" ".join(sorted(numbers)), digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -187,20 +223,21 @@ class RowFeatures:
 
     key: bytes  # exact_key(messages)
     turns: list[list[int]] | None  # word hashes of the user/assistant turns; None: too short to judge
-    salt: int  # numbers_key(near_text(messages)): rows whose numbers differ never collide
+    salt: int  # numbers_salt of the user/assistant turns' numbers: rows whose numbers differ never collide
 
 
 def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
-    normalized = [normalize(m["content"]) for m in messages]
-    turns = [text for m, text in zip(messages, normalized) if m["role"] != "system"]
-    # Space is a stable code point of NFKC and casefold maps characters one by one, so the near text of
-    # the joined turns is the join of the normalized turns, unless one normalizes to nothing.
-    near = " ".join(turns) if all(turns) else near_text(messages)
-    words = [words_of(text) for text in turns]
-    hashed = None
-    if sum(map(len, words)) >= rules.min_words:
-        hashed = [word_hashes(turn) for turn in words]
-    return RowFeatures(_key((m["role"] for m in messages), normalized), hashed, numbers_key(near))
+    shares, turns, numbers = [], [], []
+    for message in messages:
+        if message["role"] == "system":  # left out of the shingles and the numbers guard
+            shares.append(_system_key(message["content"]))
+            continue
+        share, found, words = message_key(normalize(message["content"]))
+        shares.append(share)
+        turns.append(words)
+        numbers += found
+    hashed = [word_hashes(words) for words in turns] if sum(map(len, turns)) >= rules.min_words else None
+    return RowFeatures(_key((m["role"] for m in messages), shares), hashed, numbers_salt(numbers))
 
 
 class _UnionFind:

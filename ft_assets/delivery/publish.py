@@ -57,6 +57,7 @@ def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> 
     adapter, base, evaluation, gguf = refs["lora_adapter"], refs["base_model"], refs["eval_report"], refs["gguf_model"]
     return {
         "partition": partition,
+        "dataset_source": refs["raw_dataset"]["stats"].get("source"),  # Hub commit, S3 prefix, mixture components
         "published_key": published_key,
         "code_version": code_version(),
         "base_model": {
