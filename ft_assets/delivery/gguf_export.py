@@ -30,8 +30,10 @@ split off first, then GPT-2's regex) and stops on anything else with "unknown pr
 a ``LlamaForCausalLM``, the keys ``_add_llama_hparams`` writes (context and embedding length, block
 count, feed-forward length, head counts, RoPE base and dimension count, RMS-norm epsilon, vocabulary
 size, key/value length when config.json has ``head_dim``), and marks added tokens that are special or
-look like ``<|...|>`` as CONTROL, the others USER_DEFINED. ``src/models/llama.cpp`` and
-``src/llama-model.cpp`` read exactly those. A tokenizer llama.cpp cannot reproduce (another
+look like ``<|...|>`` as CONTROL, the others USER_DEFINED. ``src/llama-model.cpp`` and
+``src/models/llama.cpp`` read those for the llama architecture; the optional keys they also read (RoPE
+scaling, experts, sliding window) do not apply to the plain Llama models accepted here (scaled RoPE
+and biases are refused). A tokenizer llama.cpp cannot reproduce (another
 pre-tokenizer, a normalizer, byte fallback, added tokens that strip neighbouring spaces, a non-byte-level
 decoder) is refused with what to change, instead of a file that loads and tokenizes differently.
 
