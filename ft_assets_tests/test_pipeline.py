@@ -10,7 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from ft_assets.cli import main
 from ft_assets.delivery.publish import LINEAGE_CHAIN
@@ -70,6 +73,13 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     store = LocalStore(home / "home" / "store")
     registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
     manifest = read_manifest(store, registry)
+    assert "adapter/adapter_model.safetensors" in manifest.files  # the adapter alone, for multi-LoRA servers
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with_adapter = PeftModel.from_pretrained(base, store.root / registry / "adapter")  # PEFT loads it onto the base
+    merged = AutoModelForCausalLM.from_pretrained(store.root / registry / "merged")
+    ids = torch.tensor([[3, 17, 42, 99, 5]])
+    with torch.no_grad():
+        assert torch.allclose(with_adapter(ids).logits, merged(ids).logits, atol=1e-4)
     assert {"lineage.json", "merged/model.safetensors", "gguf/Modelfile"} <= set(manifest.files)
     lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
     assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)

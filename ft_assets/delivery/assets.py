@@ -33,7 +33,7 @@ from ft_assets.delivery.gguf_export import (
 from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
 from ft_assets.delivery.publish import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, push_to_hub
 from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
-from ft_assets.materialize import Materialization, op_config, ref_metadata, table
+from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata, table
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import make_ref, publish, read_ref
@@ -47,7 +47,7 @@ def _delivery_prefix(partition: str, adapter: dict, what: str) -> str:
     return layout.of(partition).delivery(adapter["stats"]["run_id"], what)
 
 
-@dg.asset(**DELIVERY, kinds={"pytorch", "safetensors"})
+@dg.asset(**DELIVERY, kinds={"pytorch", "huggingface", "safetensors", STORE_KIND})
 def merged_model(
     context: dg.AssetExecutionContext, config: MergeConfig, store: ObjectStoreResource, lora_adapter: dict, base_model: dict
 ) -> dg.Output[dict]:
@@ -71,7 +71,7 @@ def merged_model(
     return m.output(ref, dtype=stats["dtype"])
 
 
-@dg.asset(**DELIVERY, kinds={"gguf"})
+@dg.asset(**DELIVERY, kinds={"llama", "gguf", STORE_KIND})
 def gguf_model(
     context: dg.AssetExecutionContext, config: GgufConfig, store: ObjectStoreResource, merged_model: dict, lora_adapter: dict
 ) -> dg.Output[dict]:
@@ -145,7 +145,7 @@ def _checked_gguf(context, merged_dir: Path, path: Path, written: dict, referenc
     return entry
 
 
-@dg.asset(**DELIVERY, kinds={"pytorch", "gguf"})
+@dg.asset(**DELIVERY, kinds={"pytorch", "llama", "json", STORE_KIND})
 def eval_report(
     context: dg.AssetExecutionContext,
     config: EvalConfig,
@@ -232,7 +232,7 @@ def eval_report(
     )
 
 
-@dg.asset(**DELIVERY, kinds={"python"}, deps=["gguf_model"])
+@dg.asset(**DELIVERY, kinds={"huggingface", "llama", STORE_KIND}, deps=["gguf_model"])
 def published_model(
     context: dg.AssetExecutionContext, config: PublishConfig, store: ObjectStoreResource, eval_report: dict, lora_adapter: dict
 ) -> dg.Output[dict]:
@@ -265,6 +265,8 @@ def published_model(
             ref = make_ref(objects, "published_model", context.partition_key, existing, {"already_published": True}, {}, config=op_config(context))
         else:
             fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
+            if lora_adapter["stats"]["method"] != "full":  # the adapter alone: what multi-LoRA servers load
+                fetch_artifact(objects, refs["lora_adapter"]["prefix"], out / "adapter")
             fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
             fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
             lineage = build_lineage(context.partition_key, refs, prefix)
@@ -287,7 +289,7 @@ def published_model(
     )
 
 
-@dg.asset(**DELIVERY, kinds={"gguf"})
+@dg.asset(**DELIVERY, kinds={"llama", "openai"})
 def serving_smoke(
     context: dg.AssetExecutionContext, config: ServingConfig, store: ObjectStoreResource, published_model: dict, lora_adapter: dict
 ) -> dg.Output[dict]:
