@@ -70,7 +70,8 @@ def _refs():
     refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}})
     refs["lora_adapter"]["stats"] = {"run_id": "r1", "method": "lora", "steps": 8, "resumed_from_step": None}
     refs["eval_report"]["stats"] = {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 0.9,
-                                    "base_eval_loss": 3.0, "finetuned_eval_loss": 1.0, "improvement": 0.9}  # fmt: skip
+                                    "base_eval_loss": 3.0, "finetuned_eval_loss": 1.0, "improvement": 0.9,
+                                    "gguf_file": "m-q8_0.gguf", "gguf_qtype": "q8_0", "gguf_metric": 0.85, "gguf_drop": 0.05}  # fmt: skip
     refs["gguf_model"]["stats"] = {"files": {"m-f16.gguf": {"sha256": "cd" * 32}}}
     return refs
 
@@ -85,6 +86,7 @@ def test_lineage_names_every_upstream_artifact_and_hash():
     assert lineage["base_model"]["source_sha256"] == "ab" * 32
     assert lineage["training"]["checkpoint"] == {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}
     assert lineage["gguf"]["m-f16.gguf"]["sha256"] == "cd" * 32
+    assert (lineage["eval"]["gguf_file"], lineage["eval"]["gguf_metric"]) == ("m-q8_0.gguf", 0.85)  # what ships, as scored
     assert lineage["code_version"]
     refs = _refs()
     del refs["merged_model"]
