@@ -37,9 +37,8 @@ from ft_assets.storage import LocalStore, StoreError, join_key, open_store, sha2
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import UntrustedCheckpoint
 from ft_assets.training.recipe import load_model, train
-from ft_assets_tests.test_chaos import record_figures
-from ft_assets_tests.test_pipeline import run_config, write_dataset
-from ft_assets_tests.test_training import RUN, config, one_cpu_thread, shards, tiny_model  # noqa: F401 - fixtures
+from ft_assets_tests.support import RUN, record_figures, run_config, write_dataset
+from ft_assets_tests.support import training_config as config
 
 REPO = Path(__file__).resolve().parents[1]
 
