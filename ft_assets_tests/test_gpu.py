@@ -73,12 +73,17 @@ def test_liger_fused_loss_equals_the_chunked_one():
 
 
 def test_nvml_utilization_is_sampled_on_cuda():
-    with GpuUtilization() as utilization:
-        x = torch.randn(4096, 4096, device="cuda")
-        for _ in range(200):
-            x = x @ x.T / 4096
-        torch.cuda.synchronize()
-        import time
+    """Busy for two sampling windows, the mean is high; idle for two, it is low (idle time counts)."""
+    import time
 
-        time.sleep(2.5)
-    assert utilization.mean is not None and 0.0 <= utilization.mean <= 1.0
+    x = torch.randn(4096, 4096, device="cuda")
+    with GpuUtilization() as busy:
+        until = time.monotonic() + 4.5  # samples at 2 s and 4 s both land on a busy GPU
+        while time.monotonic() < until:
+            for _ in range(50):
+                x = x @ x.T / 4096
+            torch.cuda.synchronize()
+    with GpuUtilization() as idle:
+        time.sleep(4.5)
+    assert len(busy.samples) >= 2 and busy.mean > 0.5, busy.samples
+    assert len(idle.samples) >= 2 and idle.mean < 0.2, idle.samples
