@@ -1,4 +1,8 @@
+"""Fixtures shared by the test modules; the plain builders they use are in ``support.py``."""
+
+import multiprocessing
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,16 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
+def store(request, tmp_path):
+    """An empty object store, on both backends: a local directory and a real S3 server (SeaweedFS)."""
+    from ft_assets.storage import LocalStore, open_store
+
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return open_store(request.getfixturevalue("s3_env"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init 2-layer Llama + ChatML BPE tokenizer, built once per session (no downloads)."""
@@ -37,3 +51,77 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny models on 2 shared cores: intra-op threads spin against each other, 1 thread is ~10x faster."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """tiny.py's trainable Llama, with a tokenizer that knows the training tests' chat examples."""
+    from ft_assets_tests.support import SYSTEM, chat_examples
+    from ft_assets_tests.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory) -> Path:
+    """Packed train (48 examples) and eval (12) shards of the training tests' chat examples."""
+    from ft_assets_tests.support import chat_examples, write_shards
+
+    examples = chat_examples(60)
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
+    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, shards, tmp_path_factory):
+    """An uninterrupted run, to compare interrupted-and-resumed runs against."""
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+    from ft_assets_tests.support import RUN, final_weights, training_config
+
+    tmp = tmp_path_factory.mktemp("reference")
+    result = train(training_config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
+    return final_weights(result)
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    """A forkserver that has imported torch, transformers and ft-assets once: each killed worker starts in a second or two."""
+    from ft_assets_tests.support import PRELOAD
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """A Hub cache with ``acme/qa``: ``main`` (train 30 rows in two files, test 5) and tag ``v1.0`` (train 10)."""
+    import huggingface_hub.constants
+
+    from ft_assets_tests.support import MAIN, V1, add_hub_revision, qa_rows
+
+    cache = tmp_path / "hf-cache"
+    add_hub_revision(cache, "acme/qa", MAIN, {
+        "data/train-00000-of-00002.parquet": qa_rows(20),
+        "data/train-00001-of-00002.parquet": qa_rows(10, "r"),
+        "data/test-00000-of-00001.parquet": qa_rows(5, "t"),
+        "README.md": b"# acme/qa\n",
+    }, refs=("main",))  # fmt: skip
+    add_hub_revision(cache, "acme/qa", V1, {"data/train-00000-of-00001.parquet": qa_rows(10)}, refs=("v1.0",))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache

@@ -22,7 +22,7 @@ from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
-from ft_assets.materialize import Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import join_key
@@ -78,7 +78,7 @@ def _mixture_component(m: Materialization, record: dict, mapping: ColumnMapping 
     return Component(record, _fetch_inputs(m, prefix, record["name"]), own or mapping)
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def raw_dataset(
     context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource, data_executor: DataExecutorResource
 ) -> dg.Output[dict]:
@@ -143,7 +143,7 @@ def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def cleaned_dataset(
     context: dg.AssetExecutionContext,
     config: CleanConfig,
@@ -179,7 +179,7 @@ def cleaned_dataset(
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def deduplicated_dataset(
     context: dg.AssetExecutionContext,
     config: DedupConfig,
@@ -211,7 +211,7 @@ def deduplicated_dataset(
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def train_eval_split(
     context: dg.AssetExecutionContext,
     config: SplitConfig,
@@ -248,7 +248,7 @@ def _accounting_line(acc: dict) -> str:
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"huggingface", "parquet", STORE_KIND})
 def tokenized_shards(
     context: dg.AssetExecutionContext,
     config: TokenizeConfig,

@@ -133,18 +133,50 @@ def score_model(model, tokenizer, examples: list[EvalExample], shards_dir: Path,
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     loss = eval_loss(model, shards_dir)
     answers = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens, log)
+    return ModelScore(loss, math.exp(min(loss, 50.0)), task_metric(answers, examples, metric), answers)
+
+
+def task_metric(answers: list[str], examples: list[EvalExample], metric: str) -> float:
+    """The mean of ``metric`` over the answers, each against its example's reference.
+
+    The same function scores the merged model (transformers) and the shipped GGUF (llama.cpp greedy chat
+    answers to the same prompts, ``ft_assets.delivery.llamacpp.chat_answers``).
+    """
     scorer = SCORERS[metric]
-    value = sum(scorer(a, e.reference) for a, e in zip(answers, examples)) / max(len(examples), 1)
-    return ModelScore(loss, math.exp(min(loss, 50.0)), value, answers)
+    return sum(scorer(a, e.reference) for a, e in zip(answers, examples, strict=True)) / max(len(examples), 1)
 
 
-def comparison_table(examples: list[EvalExample], base: ModelScore, tuned: ModelScore, n: int = 5, width: int = 90) -> str:
+def gate(
+    metric: str, base_metric: float, finetuned_metric: float, gguf_metric: float, min_improvement: float, max_gguf_drop: float
+) -> dict:
+    """The eval gate: the fine-tuned model beats its base by ``min_improvement``, and the shipped GGUF stays
+    within ``max_gguf_drop`` of the fine-tuned model (same prompts, same metric); ``passed`` when both hold."""
+    improvement = finetuned_metric - base_metric
+    gguf_drop = finetuned_metric - gguf_metric
+    return {
+        "metric_name": metric,
+        "base_metric": base_metric,
+        "finetuned_metric": finetuned_metric,
+        "gguf_metric": gguf_metric,
+        "improvement": improvement,
+        "min_improvement": min_improvement,
+        "gguf_drop": gguf_drop,
+        "max_gguf_drop": max_gguf_drop,
+        "beats_base": improvement >= min_improvement,
+        "gguf_within_drop": gguf_drop <= max_gguf_drop,
+        "passed": improvement >= min_improvement and gguf_drop <= max_gguf_drop,
+    }
+
+
+def comparison_table(
+    examples: list[EvalExample], base: ModelScore, tuned: ModelScore, gguf: list[str], gguf_label: str, n: int = 5, width: int = 90
+) -> str:
     def cell(text: str) -> str:
         text = text.replace("|", "\\|").replace("\n", " ")
         return text[:width] + ("…" if len(text) > width else "")
 
-    lines = ["| prompt | reference | base | fine-tuned |", "| --- | --- | --- | --- |"]
-    for example, a, b in list(zip(examples, base.answers, tuned.answers))[:n]:
+    lines = [f"| prompt | reference | base | fine-tuned | {gguf_label} |", "| --- | --- | --- | --- | --- |"]
+    for example, a, b, c in list(zip(examples, base.answers, tuned.answers, gguf))[:n]:
         prompt = next((m["content"] for m in reversed(example.prompt) if m["role"] == "user"), "")
-        lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} |")
+        lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} | {cell(c)} |")
     return "\n".join(lines)
