@@ -552,6 +552,7 @@ def pack_splits(
     and the shards: only how many windows are packed at once changes.
     """
     executor = executor or InProcess()
+    out_dir.mkdir(parents=True, exist_ok=True)
     stats = {split: PackStats() for split in shards}
     writers = {split: ShardWriter(out_dir, split, rows_per_shard) for split in shards}
     items = ((split, shard) for split, split_shards in shards.items() for shard in split_shards)

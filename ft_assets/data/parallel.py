@@ -42,8 +42,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -219,31 +217,71 @@ class InProcess(Executor):
     """Every shard in turn, in this process."""
 
 
+def _worker_main(connection) -> None:
+    """A pool worker: shards in, parts out, over its own pipe, until told to stop or the driver is gone."""
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        try:
+            reply = ("part", _run_shard(*message))
+        except BaseException as exc:  # the stage function's own error, raised again in the driver
+            try:
+                pickle.loads(pickle.dumps(exc))
+                reply = ("error", exc)
+            except Exception:  # an exception class that does not survive pickling: its type and text do
+                reply = ("error", RuntimeError(f"{type(exc).__name__}: {exc}"))
+        try:
+            connection.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            connection.send(("error", RuntimeError(f"a shard's result or error cannot be sent back: {exc}; {reply[1]!r:.500}")))
+
+
+@dataclass(eq=False)
+class _Task:
+    """One shard of a map, from submission to its part (or error)."""
+
+    message: tuple  # (fn, common key, common source, shard)
+    attempts: int = 0
+    done: bool = False
+    part: Any = None
+    error: BaseException | None = None
+
+
 @dataclass
 class ProcessPool(Executor):
-    """``workers`` spawned processes on this machine; a dead worker's shards run again."""
+    """``workers`` spawned processes on this machine; the shards of a worker that dies run again.
+
+    Each worker has its own pipe (no queue or lock shared between workers), so a worker killed at any
+    moment, even halfway through sending a part back, costs its own shard only: the driver sees the
+    process end (and the pipe's end of file), sends the shard to a new worker and counts the attempt.
+    Spawned, not forked: the driver runs Dagster's threads (logging, the lease heartbeat).
+    """
 
     kind = "processes"
 
     def __post_init__(self):
-        self._pool: ProcessPoolExecutor | None = None
-        self._generation = 0  # bumped at every (re)start, so that two maps restart a broken pool once
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[tuple[Any, Any]] = []  # (process, connection)
+        self._busy: dict[int, _Task] = {}  # worker index -> task it runs
+        self._queue: deque[_Task] = deque()  # tasks waiting for a worker, in submission order
         self._common_dir = Path(tempfile.mkdtemp(prefix="ft-shard-common-"))
 
     def describe(self) -> str:
         return f"{self.workers} worker processes"
 
-    def _current_pool(self) -> tuple[ProcessPoolExecutor, int]:
-        if self._pool is None:
-            # spawn, not fork: the driver runs Dagster's threads (logging, the lease heartbeat)
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-            self._generation += 1
-        return self._pool, self._generation
-
-    def _restart(self, generation: int) -> None:
-        if generation == self._generation and self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    def _start_worker(self, index: int | None = None) -> None:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(target=_worker_main, args=(child,), daemon=True, name="ft-data-worker")
+        process.start()
+        child.close()  # the driver keeps its own end only, so a dead worker's pipe reads as end of file
+        if index is None:
+            self._workers.append((process, parent))
+        else:
+            self._workers[index] = (process, parent)
 
     def _publish(self, common: Any) -> tuple[str, Path | None]:
         """``common`` pickled once into a file every worker reads (once per worker and stage)."""
@@ -256,57 +294,105 @@ class ProcessPool(Executor):
             path.write_bytes(data)
         return key, path
 
+    def _dispatch(self) -> None:
+        if not self._workers:
+            for _ in range(self.workers):
+                self._start_worker()
+        for index in range(len(self._workers)):
+            if not self._queue:
+                return
+            if index in self._busy:
+                continue
+            task = self._queue.popleft()
+            task.attempts += 1
+            self._busy[index] = task
+            try:
+                self._workers[index][1].send(task.message)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._lost(index)
+
+    def _lost(self, index: int) -> None:
+        """Worker ``index`` died: its shard goes back to the front of the queue, a new worker takes its place."""
+        process, connection = self._workers[index]
+        connection.close()
+        process.join(timeout=1)
+        task = self._busy.pop(index)
+        if task.attempts >= MAX_ATTEMPTS:
+            task.done, task.error = True, ShardFailed(
+                f"the worker process running this shard died {task.attempts} times (killed by a signal, or by the OS for "
+                "lack of memory?); lower the data executor's shard_rows, or give the workers more memory"
+            )
+        else:
+            self.retried += 1
+            self._queue.appendleft(task)
+        self._start_worker(index)
+
+    def _wait(self, task: _Task) -> None:
+        """Run the pool until ``task`` is done, handling every part, error and dead worker on the way."""
+        from multiprocessing.connection import wait
+
+        while not task.done:
+            self._dispatch()
+            handles = {}
+            for index in self._busy:
+                process, connection = self._workers[index]
+                handles[connection] = handles[process.sentinel] = index
+            for ready in wait(list(handles)):
+                index = handles[ready]
+                if index not in self._busy:
+                    continue  # its pipe and its process both said something this round
+                connection = self._workers[index][1]
+                try:
+                    kind, payload = connection.recv() if connection.poll() else (None, None)
+                except (EOFError, ConnectionResetError, OSError):
+                    kind = None
+                if kind is None:
+                    self._lost(index)
+                    continue
+                done = self._busy.pop(index)
+                done.done = True
+                if kind == "error":
+                    done.error = payload
+                else:
+                    done.part, worker, cpu_s, rss = payload
+                    self._record(worker, cpu_s, rss)
+
     def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
         key, source = self._publish(common)
-        queue: deque[list] = deque()  # [shard, future, pool generation, attempts], in shard order
-
-        def submit(entry: list) -> None:
-            pool, entry[2] = self._current_pool()
-            entry[1] = pool.submit(_run_shard, fn, key, source, entry[0])
+        tasks: deque[_Task] = deque()
 
         def fill() -> None:
-            while len(queue) < IN_FLIGHT_PER_WORKER * self.workers and (shard := next(shards, None)) is not None:
-                entry = [shard, None, 0, 1]
-                submit(entry)
-                queue.append(entry)
+            while len(tasks) < IN_FLIGHT_PER_WORKER * self.workers and (shard := next(shards, None)) is not None:
+                tasks.append(_Task((fn, key, source, shard)))
+                self._queue.append(tasks[-1])
 
         try:
             fill()
-            while queue:
-                entry = queue[0]
-                try:
-                    part, worker, cpu_s, rss = entry[1].result()
-                except BrokenProcessPool:
-                    self._restart(entry[2])
-                    self._resubmit_broken(queue, submit)
-                    continue
-                queue.popleft()
-                self._record(worker, cpu_s, rss)
+            while tasks:
+                self._wait(tasks[0])
+                task = tasks.popleft()
+                if task.error is not None:
+                    raise task.error
                 fill()
-                yield part
+                yield task.part
         finally:
-            for entry in queue:
-                entry[1].cancel()
-
-    def _resubmit_broken(self, queue: deque, submit: Callable) -> None:
-        """Run again every shard in flight when the pool broke (which worker died is not known)."""
-        for entry in queue:
-            future = entry[1]
-            if not future.done() or future.cancelled() or not isinstance(future.exception(), BrokenProcessPool):
-                continue
-            if entry[3] >= MAX_ATTEMPTS:
-                raise ShardFailed(
-                    f"a worker process died {MAX_ATTEMPTS} times while this shard was in flight (killed by a signal or "
-                    "by the OS for lack of memory?); lower the data executor's shard_rows or workers, or give it more memory"
-                )
-            entry[3] += 1
-            self.retried += 1
-            submit(entry)
+            for task in tasks:  # a map given up early: its queued shards never start
+                if task in self._queue:
+                    self._queue.remove(task)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for process, connection in self._workers:
+            try:
+                connection.send(None)
+            except OSError:
+                pass
+        for process, connection in self._workers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            connection.close()
+        self._workers = []
         shutil.rmtree(self._common_dir, ignore_errors=True)
 
 
