@@ -1,23 +1,32 @@
-"""Data-plane throughput: clean + dedup + split + tokenize + pack on the generated corpus.
+"""Data-plane throughput on 1 and N cores and on Ray: clean + dedup + split + tokenize + pack.
 
 ``python -m benchmarks.data_plane`` runs, each in its own process so that its peak RSS is its own
-(``--quick`` runs them all in its own process, on 300 rows and tiny.py's tokenizer: a smoke run):
+(``--quick`` runs them all in its own process, on 300 rows in shards of 100 and tiny.py's tokenizer: a
+smoke run of every path):
 
 - **ours**: the plain functions of the ``data`` assets, in order (``read_dataset`` →
-  ``clean_dataset`` → ``deduplicate_dataset`` → ``split_dataset`` → ``tokenize_and_pack``), on the
-  corpus at ×1 (200k rows, ≈ 110 MB) and ×4, timed per stage (wall and CPU seconds).
+  ``clean_dataset`` → ``deduplicate_dataset`` → ``split_dataset`` → ``tokenize_splits``), on the
+  executor the assets get from ``DataExecutorResource`` (opened the way Dagster opens it): one process
+  (``--workers 1``, the corpus at ×1), ``N`` worker processes (×1 and ×4: is a worker's memory
+  independent of the corpus?) and a local Ray of ``N`` CPUs started through dagster-ray (×1). Timed
+  per stage; the driver's CPU seconds, every worker's CPU seconds and peak RSS (VmHWM) are recorded.
 - **ceiling**: the same tokenizer's Rust ``encode_batch`` alone, on exactly the chat-templated texts
   that ours tokenized (written by the ours run after its timed work), in batches of the same size.
-  Nothing can tokenize the corpus faster; ratio = ceiling seconds / our seconds.
+  Nothing can tokenize the corpus faster on one core; ratio = ceiling seconds / (our seconds × cores).
 - **baseline**: the data preparation of the Hugging Face tutorials: rows into ``datasets`` (bad JSON
   lines skipped, formats mapped to chat messages), ``Dataset.map`` rendering each row with
   ``apply_chat_template``, then ``Dataset.map(batched=True)`` tokenizing with ``padding="longest"``,
   truncation at the sequence length and labels copied from the ids. No cleaning, no deduplication.
 
-All three load the tokenizer (and import transformers) inside the timed span, and run with
-``TOKENIZERS_PARALLELISM=false``: one core each, so the comparison is per core and does not depend on
-what else the machine runs (the benchmark machine is shared). Wall seconds are the headline; CPU
-seconds are reported next to them because they move less when other processes compete for the cores.
+Every run loads the tokenizer (and imports transformers) inside the timed span (ours: in each
+worker), with ``TOKENIZERS_PARALLELISM=false``: one core per process. The machine is shared: wall
+seconds are the headline, CPU seconds are reported next to them because they move less when other
+processes compete for the cores, and the load average at the start is recorded with the results.
+
+The sizing table is a projection, not a measurement: from the N-worker run it takes the CPU seconds a
+row costs in the workers (spread over the cores) and in the driver (one process that writes every
+part; it also works while the workers do), the bytes per row that cross the network on a cluster (the
+parts back to the driver, and the deduplication shuffle) at ``NETWORK_BYTES_S``, and a fixed start-up.
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from benchmarks.common import benchmark_model, cache_dir, fmt, last_json, peak_rss_mib, run_child, table, write_result
@@ -36,6 +47,10 @@ from benchmarks.corpus import ROWS_PER_UNIT, ensure_corpus
 SEQ_LEN = 1024  # packed row length for the corpus (its replies run to ~1,300 tokens; 0.1% are longer)
 EVAL_FRACTION = 0.1
 QUICK_ROWS = 300
+QUICK_SHARD_ROWS = 100  # --quick: shards small enough that 300 rows are cut into several
+NETWORK_BYTES_S = 1.25e9  # projection: one 10 Gb/s link into the driver
+PROJECTION_ROWS = (10_000_000, 100_000_000)
+PROJECTION_CORES = (16, 64, 256)
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -64,45 +79,50 @@ def data_files(corpus: Path) -> list[tuple[str, Path]]:
 # --- workers (one per process) -----------------------------------------------------------------------
 
 
-def work_ours(corpus: Path, work: Path, model_dir: Path, seq_len: int, texts_path: Path | None) -> dict:
+def work_ours(
+    corpus: Path, work: Path, model_dir: Path, seq_len: int, texts_path: Path | None, workers: int = 1, ray: bool = False,
+    shard_rows: int = 0,
+) -> dict:  # fmt: skip
+    import dagster as dg
+
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-    from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+    from ft_assets.data.packing import TokenizerFiles, tokenize_splits
     from ft_assets.data.readers import read_dataset
-    from ft_assets.data.rows import iter_records
+    from ft_assets.data.resources import DataExecutorResource
     from ft_assets.data.split import split_dataset
 
+    settings = {"workers": workers, "ray_address": "local" if ray else ""} | ({"shard_rows": shard_rows} if shard_rows else {})
     watch = Stopwatch()
-    raw = watch("read", read_dataset, data_files(corpus), work / "raw")
-    cleaned = watch("clean", clean_dataset, work / "raw", work / "cleaned", CleaningRules())
-    deduplicated = watch("dedup", deduplicate_dataset, work / "cleaned", work / "deduplicated", DedupRules())
-    split = watch("split", split_dataset, work / "deduplicated", work / "split", EVAL_FRACTION)
-
-    def load_tokenizer():
-        from transformers import AutoTokenizer
-
-        return ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
-
-    encoder = watch("tokenizer_load", load_tokenizer)
-    (work / "shards").mkdir(parents=True, exist_ok=True)
-
-    def pack_all():
-        out = {}
-        for name in ("train", "eval"):
-            rows = ((r["source"], r["messages"]) for r in iter_records(work / "split" / f"{name}.parquet"))
-            out[name] = tokenize_and_pack(rows, encoder, seq_len, work / "shards", name)
-        return out
-
-    packed = watch("tokenize_pack", pack_all)
-    peak = peak_rss_mib()  # before the untimed extra below
+    with ExitStack() as stack:
+        opened = DataExecutorResource(**settings).yield_for_execution(dg.build_init_resource_context())
+        executor = watch("executor_start", stack.enter_context, opened).executor
+        raw = watch("read", read_dataset, data_files(corpus), work / "raw", None, executor)
+        cleaned = watch("clean", clean_dataset, work / "raw", work / "cleaned", CleaningRules(), executor)
+        deduplicated = watch("dedup", deduplicate_dataset, work / "cleaned", work / "deduplicated", DedupRules(), executor)
+        split = watch("split", split_dataset, work / "deduplicated", work / "split", EVAL_FRACTION, "ft-assets", executor)
+        tokenizer = TokenizerFiles.from_dir(model_dir)
+        packed = watch("tokenize_pack", tokenize_splits, work / "split", ("train", "eval"), tokenizer, seq_len, work / "shards", executor=executor)
+        driver_peak = peak_rss_mib()  # before the untimed extra below
+        part_bytes = sum(f.stat().st_size for f in work.rglob("*.parquet"))
+        usage = dict(executor.usage)
+        kind, workers = executor.kind, executor.workers
+    here = f"{socket.gethostname()}:{os.getpid()}"
+    others = {w: u for w, u in usage.items() if w != here}
     if texts_path is not None:
-        write_rendered_texts(encoder, work / "split", texts_path)
+        write_rendered_texts(tokenizer.encoder(), work / "split", texts_path)
     tokens = sum(p.tokens for p in packed.values())
     slots = sum(p.slots for p in packed.values())
+    wall = watch.total("wall_s")
     return {
+        "executor": kind,
+        "workers": workers,
+        "shard_rows": shard_rows or None,
         "stages": watch.stages,
-        "wall_s": watch.total("wall_s"),
-        "cpu_s": watch.total("cpu_s"),
+        "wall_s": wall,
+        "cpu_s": watch.total("cpu_s"),  # the driver's (all of it when the executor is in-process)
+        "workers_cpu_s": sum(u.process_cpu_s for u in others.values()),  # every worker's, imports and tokenizer loads included
+        "workers_stage_cpu_s": sum(u.cpu_s for u in others.values()),  # inside stage functions only
         "rows_in": raw["rows_in"],
         "rows_quarantined": raw["rows_quarantined"] + cleaned["rows_quarantined"] + sum(len(p.rejected) for p in packed.values()),
         "exact_duplicates": deduplicated["exact_duplicates"],
@@ -114,7 +134,11 @@ def work_ours(corpus: Path, work: Path, model_dir: Path, seq_len: int, texts_pat
         "loss_tokens": sum(p.loss_tokens for p in packed.values()),
         "packed_rows": sum(p.rows for p in packed.values()),
         "packing_efficiency": tokens / slots if slots else 0.0,
-        "peak_rss_mib_self": peak,
+        "shuffle_bytes": deduplicated["shuffle_bytes"],
+        "part_bytes": part_bytes,  # every row file the stages wrote: on a cluster, what comes back to the driver
+        "peak_rss_mib_self": driver_peak,
+        "workers_peak_rss_mib": {w: round(u.peak_rss_mib, 1) for w, u in others.items()},
+        "workers_shards": {w: u.shards for w, u in others.items()},
     }
 
 
@@ -237,10 +261,13 @@ def work_baseline(corpus: Path, work: Path, model_dir: Path, seq_len: int) -> di
     }
 
 
-def run_kind(kind: str, work: Path, model: Path, corpus: Path | None = None, seq_len: int = SEQ_LEN, render_texts: bool = False) -> dict:
+def run_kind(
+    kind: str, work: Path, model: Path, corpus: Path | None = None, seq_len: int = SEQ_LEN, render_texts: bool = False,
+    workers: int = 1, ray: bool = False, shard_rows: int = 0,
+) -> dict:  # fmt: skip
     texts = work / "ceiling_texts.parquet"
     if kind == "ours":
-        return work_ours(corpus, work, model, seq_len, texts if render_texts else None)
+        return work_ours(corpus, work, model, seq_len, texts if render_texts else None, workers, ray, shard_rows)
     if kind == "ceiling":
         return work_ceiling(texts, model)
     return work_baseline(corpus, work, model, seq_len)
@@ -253,28 +280,33 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--ray", action="store_true")
+    parser.add_argument("--shard-rows", type=int, default=0)
     parser.add_argument("--render-texts", action="store_true", help="ours: write the ceiling's input afterwards (untimed)")
     args = parser.parse_args(argv)
-    print(json.dumps(run_kind(args.kind, args.work, args.model, args.corpus, args.seq_len, args.render_texts)))
+    print(json.dumps(run_kind(
+        args.kind, args.work, args.model, args.corpus, args.seq_len, args.render_texts, args.workers, args.ray, args.shard_rows,
+    )))  # fmt: skip
 
 
 # --- orchestration -----------------------------------------------------------------------------------
 
 
-def run_worker(kind: str, in_process: bool, render_texts: bool = False, **options) -> dict:
+def run_worker(kind: str, in_process: bool, render_texts: bool = False, ray: bool = False, **options) -> dict:
     """Run one measurement in its own process (its peak RSS its own), or in this one (--quick)."""
     if in_process:
-        result = run_kind(kind, render_texts=render_texts, **options)
+        result = run_kind(kind, render_texts=render_texts, ray=ray, **options)
         result["peak_rss_mib"] = round(result.pop("peak_rss_mib_self"), 1)  # this whole process's
         return result
-    argv = ["-m", "benchmarks.data_plane", "worker", kind] + (["--render-texts"] if render_texts else [])
+    argv = ["-m", "benchmarks.data_plane", "worker", kind] + (["--render-texts"] if render_texts else []) + (["--ray"] if ray else [])
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     child = run_child(argv, env=ENV)
     if child.returncode != 0:
         raise RuntimeError(f"data_plane worker {kind} failed (exit {child.returncode}):\n{child.output[-4000:]}")
     result = last_json(child.output)
-    # The worker's own VmHWM at the end of its timed work (ours then renders the ceiling's input).
+    # The process's own VmHWM at the end of its timed work (ours: the driver's; then it renders the ceiling's input).
     result["peak_rss_mib"] = round(result.pop("peak_rss_mib_self"), 1)
     result["peak_rss_mib_whole_process"] = round(child.peak_rss_mib, 1)
     result["child_wall_s"] = round(child.wall_seconds, 2)
@@ -282,18 +314,35 @@ def run_worker(kind: str, in_process: bool, render_texts: bool = False, **option
     return result
 
 
-def measure(rows_per_unit: int, scales: list[int], baseline: bool, model: Path, in_process: bool, log=print) -> dict:
+def measure(
+    rows_per_unit: int, scales: list[int], workers: int, ray: bool, baseline: bool, model: Path, in_process: bool,
+    shard_rows: int = 0, log=print,
+) -> dict:  # fmt: skip
+    """x1: ours on 1 process, on ``workers`` processes and on Ray, the ceiling, the baseline; larger scales:
+    ours on ``workers`` processes (a worker's memory against the corpus size)."""
     runs: dict[str, dict] = {}
     for scale in scales:
         corpus, counts = ensure_corpus(cache_dir(), scale, rows_per_unit)
-        work = cache_dir() / "work" / f"data-plane-x{scale}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        log(f"x{scale}: {counts['lines']:,} lines, {counts['bytes'] / 1e6:,.1f} MB; ours …")
-        ours = run_worker("ours", in_process, scale == scales[0], corpus=corpus, work=work, model=model, seq_len=SEQ_LEN)
-        runs[f"ours_x{scale}"] = {"corpus": counts, **ours}
-        (work / "corpus.txt").write_text(f"{corpus}\n{model}")  # benchmarks.packing reuses these shards
-        if scale == scales[0]:
+        first = scale == scales[0]
+        log(f"x{scale}: {counts['lines']:,} lines, {counts['bytes'] / 1e6:,.1f} MB")
+        modes = ([("ours", 1, False)] if first else []) + [(f"ours_n{workers}", workers, False)]
+        if first and ray:
+            modes.append((f"ours_ray{workers}", workers, True))
+        for name, count, on_ray in modes:
+            work = cache_dir() / "work" / f"data-plane-x{scale}-{name}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            log(f"x{scale}: {name} …")
+            runs[f"{name}_x{scale}"] = {"corpus": counts, **run_worker(
+                "ours", in_process, first and count == 1, on_ray, corpus=corpus, work=work, model=model, seq_len=SEQ_LEN,
+                workers=count, shard_rows=shard_rows,
+            )}  # fmt: skip
+            if name == "ours" and first:
+                (work / "corpus.txt").write_text(f"{corpus}\n{model}")  # benchmarks.packing reuses these shards
+                continue
+            shutil.rmtree(work, ignore_errors=True)
+        if first:
+            work = cache_dir() / "work" / f"data-plane-x{scale}-ours"
             log(f"x{scale}: ceiling …")
             runs[f"ceiling_x{scale}"] = run_worker("ceiling", in_process, work=work, model=model)
             if baseline:
@@ -302,50 +351,99 @@ def measure(rows_per_unit: int, scales: list[int], baseline: bool, model: Path, 
                     "baseline", in_process, corpus=corpus, work=work / "baseline", model=model, seq_len=SEQ_LEN
                 )
                 shutil.rmtree(work / "baseline", ignore_errors=True)
-        if scale != scales[0]:
-            shutil.rmtree(work, ignore_errors=True)  # keep x1's shards for the packing benchmark
     return runs
 
 
-def summarize(runs: dict, scales: list[int]) -> dict:
-    first, last = f"x{scales[0]}", f"x{scales[-1]}"
-    ours, ceiling = runs[f"ours_{first}"], runs[f"ceiling_{first}"]
-    summary = {
-        "rows_per_s": ours["rows_in"] / ours["wall_s"],
-        "tokens_per_s": ours["tokens"] / ours["wall_s"],
-        "ceiling_tokens_per_s": ceiling["tokens"] / ceiling["wall_s"],
-        "ratio_to_ceiling": ceiling["wall_s"] / ours["wall_s"],
-        "ratio_to_ceiling_cpu": ceiling["cpu_s"] / ours["cpu_s"],
-        "peak_rss_mib": {f"x{s}": runs[f"ours_x{s}"]["peak_rss_mib"] for s in scales},
-        "peak_rss_growth": runs[f"ours_{last}"]["peak_rss_mib"] / ours["peak_rss_mib"],
+def workers_peak(run: dict) -> float:
+    """The largest peak RSS of a worker process; the driver's when the run had none (one process)."""
+    return max(run["workers_peak_rss_mib"].values(), default=run["peak_rss_mib"])
+
+
+def projection(run: dict) -> dict:
+    """Hours for PROJECTION_ROWS on PROJECTION_CORES, from one N-worker run (see the module docstring)."""
+    rows = run["rows_in"]
+    worker_s = run["workers_cpu_s"] / rows  # CPU seconds a row costs in the workers
+    driver_s = run["cpu_s"] / rows  # ... in the driver
+    network_s = (run["part_bytes"] + run["shuffle_bytes"]) / rows / NETWORK_BYTES_S
+    start_s = run["stages"]["executor_start"]["wall_s"] + run["workers_cpu_s"] / run["workers"] - run["workers_stage_cpu_s"] / run["workers"]
+    table_ = {
+        f"{total:,} rows": {
+            f"{cores} cores": round((total * max(worker_s / cores, driver_s + network_s) + start_s) / 3600, 2) for cores in PROJECTION_CORES
+        }
+        for total in PROJECTION_ROWS
     }
+    return {
+        "worker_cpu_s_per_row": worker_s,
+        "driver_cpu_s_per_row": driver_s,
+        "network_bytes_per_row": (run["part_bytes"] + run["shuffle_bytes"]) / rows,
+        "start_s": start_s,
+        "driver_bound_above_cores": int(worker_s / (driver_s + network_s)),
+        "hours": table_,
+    }
+
+
+def summarize(runs: dict, scales: list[int], workers: int) -> dict:
+    first, last = f"x{scales[0]}", f"x{scales[-1]}"
+    one, many, ceiling = runs[f"ours_{first}"], runs[f"ours_n{workers}_{first}"], runs[f"ceiling_{first}"]
+    many_last = runs[f"ours_n{workers}_{last}"]
+    summary = {
+        "rows_per_s": one["rows_in"] / one["wall_s"],
+        "tokens_per_s": one["tokens"] / one["wall_s"],
+        f"rows_per_s_n{workers}": many["rows_in"] / many["wall_s"],
+        f"tokens_per_s_n{workers}": many["tokens"] / many["wall_s"],
+        "speedup": one["wall_s"] / many["wall_s"],
+        "speedup_cpu": one["cpu_s"] / (many["cpu_s"] + many["workers_cpu_s"]),  # < 1: what the N-process run costs in extra CPU
+        "scaling_efficiency": one["wall_s"] / many["wall_s"] / workers,
+        "ceiling_tokens_per_s": ceiling["tokens"] / ceiling["wall_s"],
+        "ratio_to_ceiling": ceiling["wall_s"] / one["wall_s"],
+        "ratio_to_ceiling_cpu": ceiling["cpu_s"] / one["cpu_s"],
+        f"ratio_to_ceiling_per_core_n{workers}": ceiling["wall_s"] / (many["wall_s"] * workers),
+        f"ratio_to_ceiling_per_core_n{workers}_cpu": ceiling["cpu_s"] / (many["cpu_s"] + many["workers_cpu_s"]),
+        "peak_rss_mib_per_worker": {f"x{s}": workers_peak(runs[f"ours_n{workers}_x{s}"]) for s in scales},
+        "peak_rss_mib_driver": {f"x{s}": runs[f"ours_n{workers}_x{s}"]["peak_rss_mib"] for s in scales},
+        "peak_rss_growth": workers_peak(many_last) / workers_peak(many),
+        "driver_peak_rss_growth": many_last["peak_rss_mib"] / many["peak_rss_mib"],
+        "peak_rss_mib_one_process": one["peak_rss_mib"],
+        "projection": projection(many),
+    }
+    if f"ours_ray{workers}_{first}" in runs:
+        on_ray = runs[f"ours_ray{workers}_{first}"]
+        summary[f"rows_per_s_ray{workers}"] = on_ray["rows_in"] / on_ray["wall_s"]
+        summary["ray_overhead"] = on_ray["wall_s"] / many["wall_s"] - 1
+        summary["ray_start_s"] = on_ray["stages"]["executor_start"]["wall_s"]
     if f"baseline_{first}" in runs:
         baseline = runs[f"baseline_{first}"]
         summary["baseline_rows_per_s"] = baseline["rows_in"] / baseline["wall_s"]
-        summary["speedup_over_baseline"] = baseline["wall_s"] / ours["wall_s"]
-        summary["speedup_over_baseline_cpu"] = baseline["cpu_s"] / ours["cpu_s"]
+        summary["speedup_over_baseline"] = baseline["wall_s"] / one["wall_s"]
+        summary["speedup_over_baseline_cpu"] = baseline["cpu_s"] / one["cpu_s"]
     return summary
 
 
-def report(runs: dict, summary: dict, scales: list[int]) -> str:
+def report(runs: dict, summary: dict, scales: list[int], workers: int) -> str:
     rows = []
     for name, run in runs.items():
         kind, scale = name.rsplit("_", 1)
-        rows_in = run.get("rows_in", runs[f"ours_{scale}"]["rows_in"])
+        rows_in = run["rows_in"] if "rows_in" in run else runs[f"ours_{scale}"]["rows_in"]
+        cpu = run["cpu_s"] + run.get("workers_cpu_s", 0)
+        peak = workers_peak(run) if "workers_peak_rss_mib" in run else run["peak_rss_mib"]
         rows.append([
-            kind, scale, fmt(rows_in), fmt(run["wall_s"], 1), fmt(run["cpu_s"], 1), fmt(rows_in / run["wall_s"]),
-            fmt(run["tokens"] / run["wall_s"]), fmt(run["peak_rss_mib"]),
-        ])
-    out = [table(["run", "corpus", "rows in", "wall s", "cpu s", "rows/s", "tokens/s", "peak RSS MiB"], rows)]
-    first = f"ours_x{scales[0]}"
-    out.append("\nstages of " + first + ":\n" + table(
-        ["stage", "wall s", "cpu s", "share"],
-        [[k, fmt(v["wall_s"], 1), fmt(v["cpu_s"], 1), f"{v['wall_s'] / runs[first]['wall_s']:.0%}"] for k, v in runs[first]["stages"].items()],
-    ))
-    line = f"\nratio to the tokenizer ceiling {summary['ratio_to_ceiling']:.2f} (cpu {summary['ratio_to_ceiling_cpu']:.2f})"
-    if "speedup_over_baseline" in summary:
-        line += f"; speedup over the HF-tutorial baseline {summary['speedup_over_baseline']:.1f}x (cpu {summary['speedup_over_baseline_cpu']:.1f}x)"
-    line += f"; peak RSS x{scales[-1]} / x{scales[0]} = {summary['peak_rss_growth']:.2f}"
+            kind, scale, fmt(rows_in), fmt(run["wall_s"], 1), fmt(cpu, 1), fmt(rows_in / run["wall_s"]),
+            fmt(run["tokens"] / run["wall_s"]), fmt(peak), fmt(run["peak_rss_mib"]),
+        ])  # fmt: skip
+    out = [table(["run", "corpus", "rows in", "wall s", "cpu s (all)", "rows/s", "tokens/s", "peak RSS/worker MiB", "driver MiB"], rows)]
+    for name in (f"ours_x{scales[0]}", f"ours_n{workers}_x{scales[0]}"):
+        out.append(f"\nstages of {name}:\n" + table(
+            ["stage", "wall s", "driver cpu s", "share"],
+            [[k, fmt(v["wall_s"], 1), fmt(v["cpu_s"], 1), f"{v['wall_s'] / runs[name]['wall_s']:.0%}"] for k, v in runs[name]["stages"].items()],
+        ))  # fmt: skip
+    line = (
+        f"\n{workers} processes: {summary['speedup']:.2f}x the rows/s of one (efficiency {summary['scaling_efficiency']:.2f}); "
+        f"ratio to the tokenizer ceiling {summary['ratio_to_ceiling']:.2f} on 1 process, "
+        f"{summary[f'ratio_to_ceiling_per_core_n{workers}']:.2f} per core on {workers}"
+    )
+    if "ray_overhead" in summary:
+        line += f"; Ray {summary['ray_overhead']:+.1%} against {workers} processes"
+    line += f"; peak RSS per worker x{scales[-1]} / x{scales[0]} = {summary['peak_rss_growth']:.2f}"
     out.append(line)
     return "\n".join(out)
 
@@ -355,13 +453,15 @@ def main(argv: list[str] | None = None) -> dict:
     if argv[:1] == ["worker"]:
         worker(argv[1:])
         return {}
-    parser = argparse.ArgumentParser(description="Data-plane throughput vs the tokenizer ceiling and the HF-tutorial baseline.")
+    parser = argparse.ArgumentParser(description="Data-plane throughput on 1 and N cores and on Ray, vs the tokenizer ceiling and the HF-tutorial baseline.")
     parser.add_argument(
         "--quick", action="store_true",
-        help="300 rows, tiny.py's tokenizer, every run in this process (no per-run RSS): a smoke run of every path",
+        help=f"{QUICK_ROWS} rows in shards of {QUICK_SHARD_ROWS}, tiny.py's tokenizer, every run in this process (no per-run RSS): a smoke run of every path",
     )
     parser.add_argument("--rows", type=int, help=f"rows of the x1 corpus (default {ROWS_PER_UNIT:,})")
     parser.add_argument("--scales", default="1,4", help="corpus sizes to run, as multiples of --rows")
+    parser.add_argument("--workers", type=int, default=2, help="processes (and Ray CPUs) of the parallel runs")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray run")
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF-tutorial baseline")
     args = parser.parse_args(argv)
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS_PER_UNIT)
@@ -370,13 +470,14 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir, model_name = benchmark_model(args.quick)
     if args.quick:
         os.environ.update(ENV)  # the workers run in this process
-    runs = measure(rows, scales, not args.no_baseline, model_dir, in_process=args.quick)
-    summary = summarize(runs, scales)
-    print(report(runs, summary, scales))
+    shard_rows = QUICK_SHARD_ROWS if args.quick else 0
+    runs = measure(rows, scales, args.workers, not args.no_ray, not args.no_baseline, model_dir, args.quick, shard_rows)
+    summary = summarize(runs, scales, args.workers)
+    print(report(runs, summary, scales, args.workers))
     write_result("data_plane", {
-        "rows_per_unit": rows, "scales": scales, "seq_len": SEQ_LEN, "tokenizer": model_name, "summary": summary, "runs": runs,
-        "benchmark_seconds": round(time.perf_counter() - started, 1),
-    }, argv)
+        "rows_per_unit": rows, "scales": scales, "workers": args.workers, "seq_len": SEQ_LEN, "tokenizer": model_name,
+        "summary": summary, "runs": runs, "benchmark_seconds": round(time.perf_counter() - started, 1),
+    }, argv)  # fmt: skip
     return summary
 
 

@@ -197,6 +197,9 @@ def failure_reason(result) -> str:
         if event.is_step_failure:
             error = event.step_failure_data.error
             return f"{event.step_key}: {error_line(error) if error else event.message}"
+    for event in result.all_events:  # failed before any step: a resource that could not start (a Ray address)
+        if event.is_run_failure and event.event_specific_data.error is not None:
+            return error_line(event.event_specific_data.error)
     return f"see run {result.run_id} in the Dagster UI (make ui)"
 
 

@@ -21,6 +21,9 @@ def bench_dirs(tmp_path, monkeypatch):
     return tmp_path / "results"
 
 
+COUNTS = ("rows_in", "rows_quarantined", "exact_duplicates", "near_duplicates", "train_rows", "eval_rows", "tokens", "packed_rows")
+
+
 def result(results, name: str) -> dict:
     data = json.loads((results / f"{name}.json").read_text())
     assert {"command", "date", "machine"} <= set(data)
@@ -32,14 +35,19 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
 
     data_plane.main(["--quick"])
     summary = result(bench_dirs, "data_plane")["summary"]
-    for key in ("rows_per_s", "tokens_per_s", "ratio_to_ceiling", "speedup_over_baseline", "peak_rss_growth"):
+    for key in ("rows_per_s", "tokens_per_s", "rows_per_s_n2", "speedup", "ratio_to_ceiling", "ratio_to_ceiling_per_core_n2",
+                "speedup_over_baseline", "peak_rss_growth", "rows_per_s_ray2"):  # fmt: skip
         assert summary[key] > 0, key
     assert 0 < summary["ratio_to_ceiling"] < 1.5  # nothing beats tokenizing alone by much
+    assert set(summary["projection"]["hours"]) == {"10,000,000 rows", "100,000,000 rows"}
     runs = result(bench_dirs, "data_plane")["runs"]
-    assert set(runs) == {"ours_x1", "ceiling_x1", "baseline_x1", "ours_x4"}
+    assert set(runs) == {"ours_x1", "ours_n2_x1", "ours_ray2_x1", "ceiling_x1", "baseline_x1", "ours_n2_x4"}
     assert runs["ours_x1"]["rows_in"] == runs["ours_x1"]["corpus"]["lines"] - runs["ours_x1"]["corpus"]["blank_lines"]
-    assert set(runs["ours_x1"]["stages"]) == {"read", "clean", "dedup", "split", "tokenizer_load", "tokenize_pack"}
+    assert set(runs["ours_x1"]["stages"]) == {"executor_start", "read", "clean", "dedup", "split", "tokenize_pack"}
     assert runs["ours_x1"]["exact_duplicates"] > 0 and runs["ours_x1"]["rows_quarantined"] > 0
+    for name in ("ours_n2_x1", "ours_ray2_x1"):  # the same counts on every executor, the shards spread over 2 workers
+        assert {k: runs[name][k] for k in COUNTS} == {k: runs["ours_x1"][k] for k in COUNTS}, name
+        assert (runs[name]["executor"], len(runs[name]["workers_shards"])) == (("ray", 2) if "ray" in name else ("processes", 2))
 
     packing.main(["--quick"])
     for name, figures in result(bench_dirs, "packing")["results"].items():

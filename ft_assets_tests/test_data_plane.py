@@ -109,3 +109,52 @@ def test_a_json_array_with_other_column_names_through_the_run_config(project, ca
     # Without the mapping the version fails, naming the file and the columns it has.
     assert main(["run", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
     assert "qa_data.json: no row has an accepted layout (qa_data.json#1: " in capsys.readouterr().err
+
+
+DATA_ASSETS = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards")
+COUNTS = ("rows_in", "rows_kept", "rows_quarantined", "quarantine_reasons", "exact_duplicates", "near_duplicates",
+          "train_rows", "eval_rows", "tokens", "packing_efficiency", "accounting_invariant_holds")  # fmt: skip
+
+
+def test_one_process_two_processes_and_ray_publish_the_same_artifacts(project, capsys):
+    """``--data-workers 1``, ``--data-workers 2`` and ``--ray-address local``: every data artifact has the same
+    manifest digest (so the same bytes), the same counts; another executor does not make the plane stale."""
+    import dagster as dg
+
+    from ft_assets.refs import read_ref
+
+    tmp_path, config = project
+    sharded = tmp_path / "sharded.yaml"  # shards of 700 rows: the 3,333-line sample is cut in 5 or more a stage
+    sharded.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "resources": {"data_executor": {"config": {"shard_rows": 700}}}}))
+    base = ["run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1", "--until", "data", "--config", str(sharded), "--json"]
+    store = LocalStore(tmp_path / "home" / "store")
+
+    def published() -> tuple[dict, str]:
+        digests = {asset: read_ref(store, "toolcalls@t1", asset)["digest"] for asset in DATA_ASSETS}
+        event = dg.DagsterInstance.get().get_latest_materialization_event(dg.AssetKey("cleaned_dataset"))
+        return digests, event.asset_materialization.metadata["executor"].value
+
+    one = run_json(capsys, *base, "--data-workers", "1")
+    reference, executor = published()
+    assert executor == "1 process (in-process)"
+    for flags, expected in ((["--data-workers", "2"], "2 worker processes"), (["--ray-address", "local", "--data-workers", "2"], "Ray, 2 tasks at a time")):
+        again = run_json(capsys, *base, *flags, "--force")
+        assert published() == (reference, expected)
+        assert {k: again[k] for k in COUNTS} == {k: one[k] for k in COUNTS}
+    assert run_json(capsys, *base, "--data-workers", "2")["skipped"] == ["data"]
+
+
+def test_a_ray_address_that_does_not_answer_fails_the_run_within_30_s(project, capsys):
+    import socket
+    import time
+
+    tmp_path, config = project
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    started = time.monotonic()
+    assert main(["run", "--dataset", str(SAMPLE), "--until", "data", "--config", str(config), "--ray-address", address]) == 2
+    assert time.monotonic() - started < 30
+    error = capsys.readouterr().err
+    assert f"the Ray cluster at {address} does not answer" in error, error

@@ -65,10 +65,13 @@ def tokenizer(tiny_model_dir) -> TokenizerFiles:
 
 @pytest.fixture(scope="module")
 def ray_session():
+    import gc
+
     import ray
 
     yield
     ray.shutdown()
+    gc.collect()  # Ray's object references go now, not in a finalizer run by a later import
 
 
 @pytest.fixture

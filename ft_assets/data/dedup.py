@@ -552,6 +552,7 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
                 for p in range(partitions):
                     exact_files[p].write(part.exact[p].tobytes())
                     band_files[p].write(part.bands[p].tobytes())
+        shuffled = sum((spill / f"{kind}-{p}").stat().st_size for kind in ("exact", "bands") for p in range(partitions))
         exact_parts = list(executor.map(reduce_exact, (executor.share(spill / f"exact-{p}") for p in range(partitions))))
         duplicates = np.concatenate(exact_parts) if exact_parts else np.empty((0, 2), dtype=np.int64)
         duplicates = duplicates[np.argsort(duplicates[:, 0], kind="stable")]
@@ -607,4 +608,5 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
         "lsh_bands": hasher.bands,
         "lsh_rows_per_band": hasher.rows_per_band,
         "lsh_pairs_verified": len(pairs),
+        "shuffle_bytes": shuffled,
     }

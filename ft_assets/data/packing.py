@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")  # never shipped with a tokenizer
 
 
 @dataclass(frozen=True)
@@ -417,7 +418,9 @@ class TokenizerFiles:
 
     @classmethod
     def from_dir(cls, directory: Path) -> TokenizerFiles:
-        return cls(tuple((path.name, path.read_bytes()) for path in sorted(Path(directory).iterdir()) if path.is_file()))
+        """Every file of a model directory but its weights."""
+        files = sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
+        return cls(tuple((path.name, path.read_bytes()) for path in files))
 
     def encoder(self) -> ChatEncoder:
         import hashlib

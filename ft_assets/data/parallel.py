@@ -126,10 +126,12 @@ def peak_rss_mib() -> float:
 
 @dataclass
 class WorkerUsage:
-    """What one worker process did: shards, CPU seconds in stage functions, peak resident memory."""
+    """What one worker process did: shards, CPU seconds in stage functions and in all (imports, loading the
+    tokenizer), peak resident memory."""
 
     shards: int = 0
     cpu_s: float = 0.0
+    process_cpu_s: float = 0.0
     peak_rss_mib: float = 0.0
 
 
@@ -150,11 +152,12 @@ def _common(key: str, source: Any) -> Any:
     return _COMMON[key]
 
 
-def _run_shard(fn: Callable, key: str, source: Any, shard: Any) -> tuple[Any, str, float, float]:
-    """One shard in a worker: (part, worker id, CPU seconds, worker's peak RSS so far)."""
+def _run_shard(fn: Callable, key: str, source: Any, shard: Any) -> tuple[Any, tuple]:
+    """One shard in a worker: (part, its usage: worker id, CPU seconds, the worker's CPU seconds and peak RSS so far)."""
     started = time.process_time()
     part = fn(_common(key, source) if key else None, shard)
-    return part, f"{socket.gethostname()}:{os.getpid()}", time.process_time() - started, peak_rss_mib()
+    finished = time.process_time()
+    return part, (f"{socket.gethostname()}:{os.getpid()}", finished - started, finished, peak_rss_mib())
 
 
 # --- executors -----------------------------------------------------------------------------------------
@@ -183,14 +186,17 @@ class Executor:
     def _here(self, fn: Callable, common: Any, shard: Any) -> Any:
         started = time.process_time()
         part = fn(common, shard)
-        self._record(f"{socket.gethostname()}:{os.getpid()}", time.process_time() - started, peak_rss_mib())
+        finished = time.process_time()
+        self._record((f"{socket.gethostname()}:{os.getpid()}", finished - started, finished, peak_rss_mib()))
         return part
 
-    def _record(self, worker: str, cpu_s: float, rss_mib: float) -> None:
-        usage = self.usage.setdefault(worker, WorkerUsage())
-        usage.shards += 1
-        usage.cpu_s += cpu_s
-        usage.peak_rss_mib = max(usage.peak_rss_mib, rss_mib)
+    def _record(self, usage: tuple) -> None:
+        worker, cpu_s, process_cpu_s, rss_mib = usage
+        counted = self.usage.setdefault(worker, WorkerUsage())
+        counted.shards += 1
+        counted.cpu_s += cpu_s
+        counted.process_cpu_s = max(counted.process_cpu_s, process_cpu_s)
+        counted.peak_rss_mib = max(counted.peak_rss_mib, rss_mib)
 
     def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
         for shard in shards:
@@ -354,8 +360,8 @@ class ProcessPool(Executor):
                 if kind == "error":
                     done.error = payload
                 else:
-                    done.part, worker, cpu_s, rss = payload
-                    self._record(worker, cpu_s, rss)
+                    done.part, usage = payload
+                    self._record(usage)
 
     def _map(self, fn: Callable, shards: Iterator, common: Any) -> Iterator:
         key, source = self._publish(common)
@@ -435,13 +441,13 @@ class RayTasks(Executor):
             fill()
             while queue:
                 try:
-                    part, worker, cpu_s, rss = ray.get(queue[0])
+                    part, usage = ray.get(queue[0])
                 except RayTaskError as exc:  # the stage function's own error: raise it as itself
                     raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from None
                 except ray.exceptions.RayError as exc:
                     raise ShardFailed(f"Ray could not run a shard after {MAX_ATTEMPTS} attempts: {exc}") from exc
                 queue.popleft()
-                self._record(worker, cpu_s, rss)
+                self._record(usage)
                 fill()
                 yield part
         finally:
