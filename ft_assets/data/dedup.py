@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 import tempfile
 import unicodedata
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,7 +60,8 @@ _ASCII_NUMBER = re.compile(rb"\d+(?:[.,]\d+)*")
 _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: datasketch's "affine32" pre-mix
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
-MAX_PARTITIONS = 64  # shuffle partitions: one per shard up to this (a partition holds ~130 bytes x rows / partitions)
+PARTITION_BYTES = 128 << 20  # shuffle records a reduce task sorts, at most (about): bounds a worker's memory
+MAX_PARTITIONS = 512  # ... up to 1.6 billion rows; more rows make bigger partitions
 VERIFY_BATCH = 65_536  # candidate pairs compared in one numpy pass (x num_perm bytes of temporaries)
 
 
@@ -539,19 +540,21 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
     source_path = cleaned_dir / "rows.parquet"
     shards = row_ranges(source_path, executor)
     total = shards[-1].stop if shards else 0
-    partitions = max(1, min(len(shards), MAX_PARTITIONS))
     hasher = minhasher(rules)
+    record_bytes = 3 * 8 * (1 + hasher.bands)  # a row's exact record and its band records, if it is long enough
+    partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
     with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=out_dir.parent) as spill:
         spill = Path(spill)
-        with ExitStack() as files:
-            keys_file = files.enter_context(open(spill / "keys", "wb"))
-            exact_files = [files.enter_context(open(spill / f"exact-{p}", "wb")) for p in range(partitions)]
-            band_files = [files.enter_context(open(spill / f"bands-{p}", "wb")) for p in range(partitions)]
+        for p in range(partitions):
+            for kind in ("exact", "bands"):
+                (spill / f"{kind}-{p}").touch()
+        with open(spill / "keys", "wb") as keys_file:
             for part in executor.map(map_shard, shards, (rules, partitions)):
                 keys_file.write(part.keys)
-                for p in range(partitions):
-                    exact_files[p].write(part.exact[p].tobytes())
-                    band_files[p].write(part.bands[p].tobytes())
+                for kind, pieces in (("exact", part.exact), ("bands", part.bands)):
+                    for p, piece in enumerate(pieces):
+                        with open(spill / f"{kind}-{p}", "ab") as handle:  # hundreds of partitions: not all open at once
+                            handle.write(piece.tobytes())
         shuffled = sum((spill / f"{kind}-{p}").stat().st_size for kind in ("exact", "bands") for p in range(partitions))
         exact_parts = list(executor.map(reduce_exact, (executor.share(spill / f"exact-{p}") for p in range(partitions))))
         duplicates = np.concatenate(exact_parts) if exact_parts else np.empty((0, 2), dtype=np.int64)
