@@ -103,8 +103,9 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     return cleaned
 
 
-def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules) -> dict:
-    """Stream ``raw_dir/rows.parquet`` through ``clean_messages``; failures go to the quarantine."""
+def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules, clean=clean_messages) -> dict:
+    """Stream ``raw_dir/rows.parquet`` through ``clean`` (``clean_messages``, or ``preference.clean_pair``
+    for a version of preference pairs); failures go to the quarantine."""
     from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_records
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +116,7 @@ def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules) -> dict:
     ) as quarantine:
         for record in iter_records(raw_dir / "rows.parquet"):
             try:
-                messages = clean_messages(record["messages"], rules)
+                messages = clean(record["messages"], rules)
             except RowError as exc:
                 reasons[exc.reason] += 1
                 raw = json.dumps(record["messages"], ensure_ascii=False)[:2000]
