@@ -14,6 +14,7 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import layout
+from ft_assets.data.preference import PREFERENCE
 from ft_assets.data.rows import iter_records
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig
@@ -26,6 +27,7 @@ from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import make_ref, publish, read_ref
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.training.tracking import record
 
 DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
 
@@ -120,7 +122,10 @@ def eval_report(
     tokenized_shards: dict,
     lora_adapter: dict,
 ) -> dg.Output[dict]:
-    """Base vs fine-tuned on the fixed eval split: eval loss, perplexity, the task metric, answers side by side."""
+    """Base vs fine-tuned on the fixed eval split: eval loss, perplexity, the task metric, answers side by side;
+    for a preference run, reward accuracy and margin on the held-out pairs (the gate's metric: reward_accuracy)."""
+    if tokenized_shards["stats"]["kind"] == PREFERENCE:
+        return _preference_report(context, config, store, merged_model, base_model, tokenized_shards, lora_adapter)
     if config.metric not in ev.METRICS:
         raise dg.Failure(f"eval_report config metric={config.metric!r}: choose one of {', '.join(ev.METRICS)}")
     from transformers import AutoTokenizer
@@ -166,6 +171,7 @@ def eval_report(
     context.log.info(
         f"{config.metric}: base {base.metric:.3f} → fine-tuned {tuned.metric:.3f}; eval loss {base.eval_loss:.4f} → {tuned.eval_loss:.4f}"
     )
+    _track(context, lora_adapter, {config.metric: tuned.metric, f"base_{config.metric}": base.metric})
     comparison = [
         {"": config.metric, "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3)},
         {"": "eval loss", "base": round(base.eval_loss, 4), "fine-tuned": round(tuned.eval_loss, 4)},
@@ -181,6 +187,86 @@ def eval_report(
         finetuned_metric=dg.MetadataValue.float(tuned.metric),
         base_eval_loss=dg.MetadataValue.float(base.eval_loss),
         finetuned_eval_loss=dg.MetadataValue.float(tuned.eval_loss),
+    )
+
+
+def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict) -> None:
+    """The eval figures on the training run's MLflow run, when it was tracked."""
+    run_id = lora_adapter["stats"]["mlflow_run_id"]
+    if run_id:
+        uri = lora_adapter["training_config"]["mlflow_tracking_uri"]
+        record(uri, run_id, context.log.warning, metrics=metrics, step=lora_adapter["stats"]["steps"])
+
+
+def _preference_report(context, config: EvalConfig, store, merged_model: dict, base_model: dict, tokenized_shards: dict, lora_adapter: dict):
+    """eval_report for a preference run: base and tuned scored on every held-out pair (``evaluate.preference_scores``)."""
+    from transformers import AutoTokenizer
+
+    training = lora_adapter["training_config"]
+    beta, loss_type = training["dpo_beta"], training["dpo_loss"]
+    with Materialization(context, store, "eval") as m:
+        shards_dir = m.fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("pairs-eval-"))
+        try:
+            rows = ev.eval_pairs(shards_dir)
+        except FileNotFoundError as exc:
+            raise dg.Failure(f"{m.partition}: the eval split holds no pairs; raise train_eval_split.eval_fraction") from exc
+        scores = {}
+        for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
+            model_dir = m.fetch(ref, label)
+            context.log.info(f"scoring the {label} model on {rows.pairs} eval pairs")
+            scores[label] = ev.pair_scores(load_full_precision(model_dir), rows)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        figures = ev.preference_scores(scores["fine-tuned"], scores["base"], rows, beta, loss_type)
+        improvement = figures["finetuned_reward_accuracy"] - figures["base_reward_accuracy"]
+        stats = {
+            "metric_name": ev.PREFERENCE_METRIC,
+            "base_metric": figures["base_reward_accuracy"],
+            "finetuned_metric": figures["finetuned_reward_accuracy"],
+            "improvement": improvement,
+            "min_improvement": config.min_improvement,
+            "passed": improvement >= config.min_improvement,
+            "base_eval_loss": figures["base_eval_loss"],
+            "finetuned_eval_loss": figures["finetuned_eval_loss"],
+            "base_reward_margin": figures["base_reward_margin"],
+            "finetuned_reward_margin": figures["finetuned_reward_margin"],
+            "examples": figures["pairs"],
+            "dpo_beta": beta,
+            "dpo_loss": loss_type,
+        }
+        pairs = ev.pair_table(tokenizer, rows, scores["base"], scores["fine-tuned"], beta)
+        (m.out / "report.json").write_text(json.dumps({"stats": stats}, indent=2))
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
+            {"merged_model": merged_model, "base_model": base_model, "tokenized_shards": tokenized_shards},
+        )  # fmt: skip
+    context.log.info(
+        f"reward accuracy: base {stats['base_metric']:.3f} → fine-tuned {stats['finetuned_metric']:.3f}; reward margin "
+        f"{stats['base_reward_margin']:+.3f} → {stats['finetuned_reward_margin']:+.3f} on {stats['examples']} pairs"
+    )
+    _track(context, lora_adapter, {
+        "reward_accuracy": stats["finetuned_metric"], "reward_margin": stats["finetuned_reward_margin"],
+        "base_reward_accuracy": stats["base_metric"], "base_reward_margin": stats["base_reward_margin"],
+    })  # fmt: skip
+    comparison = [
+        {"": "reward accuracy", "base": round(stats["base_metric"], 3), "fine-tuned": round(stats["finetuned_metric"], 3)},
+        {"": "reward margin", "base": round(stats["base_reward_margin"], 4), "fine-tuned": round(stats["finetuned_reward_margin"], 4)},
+        {"": f"DPO loss ({loss_type})", "base": round(stats["base_eval_loss"], 4), "fine-tuned": round(stats["finetuned_eval_loss"], 4)},
+    ]
+    chart = bar_chart(
+        {"reward accuracy": {"base": stats["base_metric"], "fine-tuned": stats["finetuned_metric"]}},
+        f"reward accuracy on {stats['examples']} eval pairs", "reward accuracy",
+    )  # fmt: skip
+    return m.output(
+        ref,
+        comparison=table(comparison),
+        chart=dg.MetadataValue.md(chart),
+        pairs=dg.MetadataValue.md(pairs),
+        base_metric=dg.MetadataValue.float(stats["base_metric"]),
+        finetuned_metric=dg.MetadataValue.float(stats["finetuned_metric"]),
+        base_reward_margin=dg.MetadataValue.float(stats["base_reward_margin"]),
+        finetuned_reward_margin=dg.MetadataValue.float(stats["finetuned_reward_margin"]),
+        base_eval_loss=dg.MetadataValue.float(stats["base_eval_loss"]),
+        finetuned_eval_loss=dg.MetadataValue.float(stats["finetuned_eval_loss"]),
     )
 
 
