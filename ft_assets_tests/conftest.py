@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["ft_assets_tests.s3server"]
+pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver"]
 
 
 @pytest.fixture

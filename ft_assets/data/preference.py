@@ -16,7 +16,8 @@ A pair travels through the data plane as a chat row: the prompt's turns, then th
 (role ``chosen``), then the rejected one (role ``rejected``). The shared stages need no preference
 code that way: deduplication keys and shingles a row by all of its turns, so a pair is one row (the
 prompt and both replies make its key: the same prompt with other replies is another pair), and the
-split keeps a pair and its near-duplicates on one side. Cleaning (``clean_pair``) and tokenization
+split keeps a pair and its near-duplicates on one side. Shingles ignore roles, so a pair and the
+same pair with its replies swapped (a contradicting preference) are near duplicates: the first is kept. Cleaning (``clean_pair``) and tokenization
 (``ft_assets.data.pair_packing``) are the two stages that read a pair as a pair.
 
 A dataset version holds chat rows or pairs, never both: ``dataset_kind`` refuses a file, or a
