@@ -1,0 +1,281 @@
+"""DPO on a tiny Llama: the loss against its formula and TRL's, packed pair log-probabilities, the reference
+as the base with the adapter disabled, learning, and the same recovery guarantees as supervised runs
+(kill -9 and SIGTERM, then an exact resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from ft_assets import layout
+from ft_assets.data.packing import ChatEncoder
+from ft_assets.data.pair_packing import tokenize_and_pack_pairs
+from ft_assets.data.readers import parse_line
+from ft_assets.manifests import MANIFEST
+from ft_assets.shards import IGNORE_INDEX, load_pair_rows
+from ft_assets.storage import LocalStore, join_key
+from ft_assets.training.checkpoints import checkpoint_steps, complete_checkpoints
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
+from ft_assets.training.recipe import EXIT_PREEMPTED, train
+from ft_assets_tests.test_preference import timer_pairs
+from ft_assets_tests.test_training import ONE_THREAD, assert_same_weights, final_weights, wait_for
+
+SEQ_LEN = 256
+RUN = "runs/timers/v1/train/dpo"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from ft_assets_tests.tiny import build_tiny_model
+
+    texts = [" ".join((row["prompt"], row["chosen"], row["rejected"])) for row in timer_pairs(12)]
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[timer_pairs(1)[0]["system"], *texts])
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory) -> Path:
+    """48 training and 12 held-out pairs, tokenized and packed by the data plane's pair packer."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("pair-shards")
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(tiny_model))
+    rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
+    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
+        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, SEQ_LEN, out, split, rows_per_shard=8)
+        assert stats.examples == len(part), stats.rejected
+    return out
+
+
+def dpo_config(**overrides) -> TrainingConfig:
+    base = dict(
+        method="lora", lora_r=8, lora_alpha=16, learning_rate=5e-3, warmup_steps=2, max_steps=16, per_device_batch_size=2,
+        save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=SEQ_LEN, dpo_beta=0.1,
+    )  # fmt: skip
+    return TrainingConfig(**(base | overrides))
+
+
+# --- the loss --------------------------------------------------------------------------------------
+
+# policy chosen/rejected, reference chosen/rejected log-probabilities, tokens chosen/rejected, beta -> loss.
+# h = beta * ((-2 + 3) - (-5 + 4)) = 0.5 * 2 = 1; IPO: d = 1 / 2 - (-1) / 4 = 0.75, target 1 / (2 * 0.5) = 1.
+DPO_CASES = [
+    ("sigmoid", math.log(1 + math.exp(-1.0))),
+    ("hinge", 0.0),
+    ("ipo", (0.75 - 1.0) ** 2),
+]
+
+
+@pytest.mark.parametrize("loss_type,expected", DPO_CASES, ids=[c[0] for c in DPO_CASES])
+def test_dpo_loss_equals_its_formula(loss_type, expected):
+    def logps(chosen, rejected):
+        return PairLogps(torch.tensor([chosen]), torch.tensor([rejected]), torch.tensor([2.0]), torch.tensor([4.0]))
+
+    loss = dpo_losses(logps(-2.0, -5.0), logps(-3.0, -4.0), beta=0.5, loss_type=loss_type)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def trl_dpo_loss(loss_type: str, beta: float, per_token_logps: torch.Tensor, completion_mask: torch.Tensor, ref: torch.Tensor) -> float:
+    """TRL 1.16's own DPOTrainer._compute_loss on given per-token log-probabilities (chosen rows first, then rejected)
+    and precomputed reference log-probabilities: a stand-in trainer carries the attributes the method reads."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    class Accelerator:
+        device = torch.device("cpu")
+
+        def gather_for_metrics(self, tensor):
+            return tensor
+
+        gather = gather_for_metrics
+
+    def model(**kwargs):
+        zeros = torch.zeros_like(per_token_logps)
+        return types.SimpleNamespace(log_probs=per_token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+    pairs = ref.shape[0] // 2
+    trainer = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True), accelerator=Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
+        use_weighting=False, label_smoothing=0.0, _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    inputs = {"input_ids": torch.zeros_like(completion_mask), "attention_mask": torch.ones_like(completion_mask),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref[:pairs], "ref_rejected_logps": ref[pairs:]}  # fmt: skip
+    return float(DPOTrainer._compute_loss(trainer, model, inputs, False))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dpo_loss_equals_trls_on_random_inputs(loss_type, seed):
+    generator = torch.Generator().manual_seed(seed)
+    pairs, width = 8, 24
+    completion = torch.zeros(2 * pairs, width, dtype=torch.long)
+    for row, length in enumerate(torch.randint(1, width - 2, (2 * pairs,), generator=generator).tolist()):
+        completion[row, width - length :] = 1  # prompt, then the reply: TRL's layout
+    per_token = -torch.rand(2 * pairs, width - 1, generator=generator) * 4 * completion[:, 1:]
+    ref = -torch.rand(2 * pairs, generator=generator) * 40
+    beta = [0.05, 0.1, 0.5][seed]
+    sums, tokens = per_token.sum(dim=1), completion.sum(dim=1).float()
+    ours = dpo_losses(
+        PairLogps(sums[:pairs], sums[pairs:], tokens[:pairs], tokens[pairs:]),
+        PairLogps(ref[:pairs], ref[pairs:], tokens[:pairs], tokens[pairs:]), beta, loss_type,
+    ).mean()  # fmt: skip
+    assert ours.item() == pytest.approx(trl_dpo_loss(loss_type, beta, per_token, completion, ref), rel=1e-6)
+
+
+# --- log-probabilities of packed pairs -------------------------------------------------------------
+
+
+def test_packed_pair_logps_equal_each_sequence_scored_alone(tiny_model, shards):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    rows = load_pair_rows(shards, "eval", SEQ_LEN)
+    batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
+    with torch.no_grad():
+        packed = pair_logps(model, batch)
+        for row in range(len(rows)):
+            for slot in range(int(rows.pair_mask[row].sum())):
+                for side, scores, tokens in ((0, packed.chosen, packed.chosen_tokens), (1, packed.rejected, packed.rejected_tokens)):
+                    where = batch["segment_ids"][row] == 2 * slot + side
+                    ids, labels = batch["input_ids"][row][where], batch["labels"][row][where]
+                    logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+                    learned = labels[1:] != IGNORE_INDEX
+                    alone = torch.log_softmax(logits, dim=-1)[learned, labels[1:][learned]].sum()
+                    assert scores[row, slot].item() == pytest.approx(alone.item(), abs=1e-4)
+                    assert tokens[row, slot].item() == learned.sum().item() > 0
+        empty = ~rows.pair_mask
+        assert (packed.chosen[empty] == 0).all() and (packed.rejected_tokens[empty] == 0).all()
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+def test_full_fine_tuning_is_refused_for_dpo(tiny_model, shards, tmp_path):
+    with pytest.raises(ValueError, match="DPO trains a LoRA or QLoRA adapter: its reference policy is the base model"):
+        train(dpo_config(method="full"), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_dpo_learns_the_preferences_with_one_copy_of_the_model(tiny_model, shards, tmp_path, monkeypatch, method):
+    from transformers import AutoModelForCausalLM
+
+    loads = []
+    original = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args) or original(*args, **kwargs))
+    metrics, lines = [], []
+    result = train(dpo_config(method=method, max_steps=24, eval_steps=12), tiny_model, shards, LocalStore(tmp_path / "store"), RUN,
+                   tmp_path / "work", log=lines.append, on_metrics=metrics.append)  # fmt: skip
+    assert len(loads) == 1  # the reference is the same model with its adapter disabled, not a second copy
+    assert result.objective == "dpo" and result.method == method and result.steps == 24
+    first, last = result.loss_history[0][1], result.loss_history[-1][1]
+    assert first == pytest.approx(math.log(2), abs=1e-5)  # the adapter starts at zero: policy = reference
+    assert last < 0.5 * first, result.loss_history
+    evaluation = result.eval_metrics
+    assert evaluation["eval_reference_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert evaluation["eval_loss"] == result.eval_loss < evaluation["eval_reference_loss"]
+    assert evaluation["eval_reward_accuracy"] > evaluation["eval_reference_reward_accuracy"], evaluation
+    assert evaluation["eval_reward_margin"] > evaluation["eval_reference_reward_margin"]
+    assert [m["step"] for m in metrics if "eval_reward_accuracy" in m] == [12, 24]
+    assert all(m["grad_norm"] > 0 for m in metrics if "loss" in m)
+    assert any("(48 pairs; beta 0.1, sigmoid loss)" in line and f"dpo ({method})" in line for line in lines), lines[:4]
+
+
+@pytest.mark.integration
+def test_the_reference_is_the_base_model_with_the_adapter_disabled(tiny_model, shards, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = train(dpo_config(max_steps=8), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+    rows = load_pair_rows(shards, "eval", SEQ_LEN)
+    batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), result.output_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        policy = pair_logps(tuned, batch)
+        with tuned.disable_adapter():
+            reference = pair_logps(tuned, batch)
+        expected = pair_logps(base, batch)
+    assert torch.equal(reference.chosen, expected.chosen) and torch.equal(reference.rejected, expected.rejected)
+    assert not torch.allclose(policy.chosen, expected.chosen)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, shards, tmp_path_factory):
+    """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
+    tmp = tmp_path_factory.mktemp("dpo-reference")
+    return final_weights(train(dpo_config(), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None))
+
+
+def slow_worker(cfg_json: str, base: str, shards_dir: str, store: str, work: str) -> None:
+    """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
+    torch.set_num_threads(1)
+    train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards_dir), LocalStore(store), RUN, Path(work),
+          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
+
+
+@pytest.mark.integration
+def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tiny_model, shards, tmp_path, reference):
+    cfg = dpo_config(logging_steps=1, save_steps=3)
+    store = LocalStore(tmp_path / "store")
+    worker = multiprocessing.get_context("spawn").Process(
+        target=slow_worker, args=(cfg.model_dump_json(), str(tiny_model), str(shards), str(store.root), str(tmp_path / "w1"))
+    )
+    worker.start()
+    try:
+        wait_for(lambda: store.exists(join_key(layout.checkpoint(RUN, 6), MANIFEST)) or not worker.is_alive(), 120, "checkpoint 6")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+    finally:
+        worker.kill()
+    assert worker.exitcode == -signal.SIGKILL
+    assert max(checkpoint_steps(store, RUN)) < 16, "the worker finished before it could be killed"
+    result = train(cfg.model_copy(update={"logging_steps": 4}), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    assert result.objective == "dpo" and result.resumed_from_step is not None and 6 <= result.resumed_from_step < 16
+    assert_same_weights(final_weights(result), reference)
+
+
+@pytest.mark.integration
+def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(tiny_model, shards, tmp_path, reference):
+    store = LocalStore(tmp_path / "store")
+    cfg = dpo_config(logging_steps=1, save_steps=1000)
+    command = [sys.executable, "-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(tiny_model),
+               "--shards", str(shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1")]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("step 5/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        output.extend(proc.stdout)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, "".join(output)
+    stopped = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")][-1]
+    assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, stopped))]
+    result = train(dpo_config(), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    assert result.resumed_from_step == stopped
+    assert_same_weights(final_weights(result), reference)
