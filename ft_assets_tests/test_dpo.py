@@ -279,3 +279,81 @@ def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupte
     result = train(dpo_config(), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
     assert result.resumed_from_step == stopped
     assert_same_weights(final_weights(result), reference)
+
+
+# --- all four planes ---------------------------------------------------------------------------------
+
+
+def pipeline_config(tiny_model_dir, steps: int, lr: float, tracking_uri: str, experiment: str) -> dict:
+    return {
+        "ops": {
+            "base_model": {"config": {"source": str(tiny_model_dir)}},
+            "tokenized_shards": {"config": {"seq_len": 512}},
+            "train_eval_split": {"config": {"eval_fraction": 0.2}},
+            "lora_adapter": {"config": {"max_steps": steps, "save_steps": 10, "per_device_batch_size": 4, "learning_rate": lr,
+                                        "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 5,
+                                        "mlflow_tracking_uri": tracking_uri, "mlflow_experiment": experiment}},
+            "gguf_model": {"config": {"qtypes": ["f16"]}},
+            "eval_report": {"config": {"min_improvement": 0.1}},
+        }
+    }  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home, capsys, tiny_model_dir, mlflow_server):
+    import yaml
+
+    from ft_assets.manifests import read_manifest
+    from ft_assets_tests.test_pipeline import cli
+    from ft_assets_tests.test_preference import write_jsonl
+    from ft_assets_tests.test_tracking import the_run
+
+    experiment = "timers-v1"
+    config = home / "run_config.yaml"
+    config.write_text(yaml.safe_dump(pipeline_config(tiny_model_dir, 40, 5e-3, mlflow_server.uri, experiment)))
+    data = write_jsonl(home / "prefs.jsonl", timer_pairs(150))
+    code, summary, err = cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
+    assert code == 0, err
+    assert summary["rows_in"] == summary["rows_kept"] == 150 and summary["accounting_invariant_holds"]
+    assert summary["training_method"] == "lora" and summary["steps"] == 40
+    assert summary["metric_name"] == "reward_accuracy" and summary["finetuned_metric"] == summary["reward_accuracy"]
+    assert summary["reward_accuracy"] == 1.0 >= summary["base_reward_accuracy"] + 0.1, summary
+    assert summary["reward_margin"] > summary["base_reward_margin"]
+    assert summary["finetuned_eval_loss"] < summary["base_eval_loss"] == pytest.approx(math.log(2))  # DPO loss against the base
+    assert summary["published_uri"].endswith(f"registry/timers/v1/{summary['run_id']}")
+
+    store = LocalStore(home / "home" / "store")
+    registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
+    lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
+    assert lineage["eval"]["metric_name"] == "reward_accuracy" and lineage["training"]["config"]["dpo_beta"] == 0.1
+    for artifact in lineage["artifacts"]:
+        assert read_manifest(store, artifact["key"]).digest == artifact["digest"], artifact["asset"]
+
+    client = mlflow_server.client()
+    run = the_run(client, experiment)
+    assert run.info.run_name == summary["run_id"] and run.data.tags["ft.dataset_version"] == "timers@v1"
+    digests = {artifact["asset"]: artifact["digest"] for artifact in lineage["artifacts"]}
+    for asset in ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model", "lora_adapter"):
+        assert run.data.tags[f"ft.digest.{asset}"] == digests[asset], asset
+    assert run.data.metrics["reward_accuracy"] == pytest.approx(summary["reward_accuracy"])
+    assert run.data.metrics["base_reward_accuracy"] == pytest.approx(summary["base_reward_accuracy"])
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(losses) == 8 and losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.integration
+def test_the_gate_blocks_a_dpo_model_that_did_not_learn_the_preferences(home, capsys, tiny_model_dir):
+    import yaml
+
+    from ft_assets_tests.test_pipeline import cli
+    from ft_assets_tests.test_preference import write_jsonl
+
+    config = home / "run_config.yaml"
+    settings = pipeline_config(tiny_model_dir, 2, 1e-7, "", "unused")
+    settings["ops"]["lora_adapter"]["config"].pop("mlflow_tracking_uri")
+    config.write_text(yaml.safe_dump(settings))
+    data = write_jsonl(home / "prefs.jsonl", timer_pairs(60))
+    code, _, err = cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
+    assert code == 2
+    assert "blocking check finetuned_beats_base failed: reward_accuracy: base" in err and "reward margin" in err
+    assert not (home / "home" / "store" / "registry").exists()

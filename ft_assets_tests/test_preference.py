@@ -26,14 +26,14 @@ SEQ_LEN = 256
 
 
 def timer_pairs(count: int, start: int = 0) -> list[dict]:
-    """A small preference set a tiny model learns: the right tool call over a wrong tool or a wrong number."""
+    """A small preference set a tiny model learns: the right tool call over another tool, or over prose."""
     rows = []
     for i in range(start, start + count):
         minutes = 1 + i % 97
-        chosen = {"name": "set_timer", "arguments": {"minutes": minutes}}
-        rejected = [{"name": "set_alarm", "arguments": {"minutes": minutes}}, {"name": "set_timer", "arguments": {"minutes": minutes + 3}},
-                    {"name": "get_weather", "arguments": {"city": "Paris"}}][i % 3]  # fmt: skip
-        rows.append({"prompt": f"Set a timer for {minutes} minutes, request {i}.", "chosen": json.dumps(chosen), "rejected": json.dumps(rejected),
+        chosen = json.dumps({"name": "set_timer", "arguments": {"minutes": minutes}})
+        rejected = [json.dumps({"name": "set_alarm", "arguments": {"minutes": minutes}}), f"Okay, a timer for {minutes} minutes starts now.",
+                    json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})][i % 3]  # fmt: skip
+        rows.append({"prompt": f"Set a timer for {minutes} minutes, request {i}.", "chosen": chosen, "rejected": rejected,
                      "system": "Reply with one JSON tool call."})  # fmt: skip
     return rows
 
