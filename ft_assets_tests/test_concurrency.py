@@ -29,7 +29,7 @@ from ft_assets import locks
 from ft_assets.manifests import read_manifest
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
-from ft_assets_tests.support import MOCK, launched, run_config, wait_until, write_dataset
+from ft_assets_tests.support import MOCK, launched, run_config, submit, wait_until, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = "acks@v1"
