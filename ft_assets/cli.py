@@ -334,7 +334,11 @@ def delivery_summary(store, partition_key: str) -> dict:
         "base_eval_loss": evaluation["base_eval_loss"],
         "finetuned_eval_loss": evaluation["finetuned_eval_loss"],
         **preference_figures(evaluation),
-        "gguf_uri": store.uri(join_key(gguf["prefix"], next(iter(gguf["stats"]["files"])))),
+        "gguf_metric": evaluation["gguf_metric"],
+        "gguf_drop": evaluation["gguf_drop"],
+        "gguf_file": evaluation["gguf_file"],
+        "gguf_qtype": evaluation["gguf_qtype"],
+        "gguf_uri": store.uri(join_key(gguf["prefix"], gguf["stats"]["shipped"])),
         "published_uri": published["uri"],
         "run_id": adapter["stats"]["run_id"],
         "actual_cost_usd": round(cost["total_usd"], 6),
@@ -604,7 +608,7 @@ def print_summary(summary: dict) -> None:
         lines += [
             f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "
             f"eval loss {summary['base_eval_loss']:.4f} → {summary['finetuned_eval_loss']:.4f}",
-            f"  GGUF: {summary['gguf_uri']}",
+            f"  GGUF: {summary['gguf_uri']} ({summary['gguf_qtype']}, {summary['metric_name']} {summary['gguf_metric']:.3f} in llama.cpp)",
             f"  published: {summary['published_uri']} (lineage.json inside)",
         ]
     lines += [

@@ -21,6 +21,9 @@ import dagster as dg
 
 from ft_assets import refs
 from ft_assets.manifests import fetch_artifact
+from ft_assets.storage import store_kind
+
+STORE_KIND = store_kind()  # the asset kind of this deployment's store ("s3" or "file"), shown in the graph
 
 
 def ref_metadata(ref: dict) -> dict:

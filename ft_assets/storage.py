@@ -439,6 +439,11 @@ def default_store_path() -> Path:
     return Path(os.environ.get("FT_HOME", "var")).expanduser().resolve() / "store"
 
 
+def store_kind(url: str | None = None) -> str:
+    """The Dagster asset kind of the store ``url`` (or ``FT_STORE``) names: "s3" or "file" (a local directory)."""
+    return "s3" if (url or os.environ.get("FT_STORE") or "").startswith("s3://") else "file"
+
+
 def open_store(url: str | None = None) -> ObjectStore:
     """``url`` (or ``FT_STORE``): a local path, or ``s3://bucket/prefix``; default ``$FT_HOME/store``."""
     url = url or os.environ.get("FT_STORE") or str(default_store_path())

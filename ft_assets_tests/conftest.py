@@ -1,4 +1,8 @@
+"""Fixtures shared by the test modules; the plain builders they use are in ``support.py``."""
+
+import multiprocessing
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,16 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
+def store(request, tmp_path):
+    """An empty object store, on both backends: a local directory and a real S3 server (SeaweedFS)."""
+    from ft_assets.storage import LocalStore, open_store
+
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return open_store(request.getfixturevalue("s3_env"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init 2-layer Llama + ChatML BPE tokenizer, built once per session (no downloads)."""
@@ -37,3 +51,119 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny models on 2 shared cores: intra-op threads spin against each other, 1 thread is ~10x faster."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """tiny.py's trainable Llama, with a tokenizer that knows the training tests' chat examples."""
+    from ft_assets_tests.support import SYSTEM, chat_examples
+    from ft_assets_tests.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model, tmp_path_factory) -> Path:
+    """Packed train (48 examples) and eval (12) shards of the training tests' chat examples."""
+    from ft_assets_tests.support import chat_examples, write_shards
+
+    examples = chat_examples(60)
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
+    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, shards, tmp_path_factory):
+    """An uninterrupted run, to compare interrupted-and-resumed runs against."""
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+    from ft_assets_tests.support import RUN, final_weights, training_config
+
+    tmp = tmp_path_factory.mktemp("reference")
+    result = train(training_config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
+    return final_weights(result)
+
+
+@pytest.fixture(scope="module")
+def pair_model(tmp_path_factory) -> Path:
+    """tiny.py's trainable Llama, with a tokenizer that knows the timer preference pairs."""
+    from ft_assets_tests.support import timer_pairs
+    from ft_assets_tests.tiny import build_tiny_model
+
+    texts = [" ".join((row["prompt"], row["chosen"], row["rejected"])) for row in timer_pairs(12)]
+    return build_tiny_model(tmp_path_factory.mktemp("pair-model"), extra_text=[timer_pairs(1)[0]["system"], *texts])
+
+
+@pytest.fixture(scope="module")
+def pair_shards(pair_model, tmp_path_factory) -> Path:
+    """48 training and 12 held-out timer pairs, tokenized and packed by the data plane's pair packer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from ft_assets.data.packing import ChatEncoder
+    from ft_assets.data.pair_packing import tokenize_and_pack_pairs
+    from ft_assets.data.readers import parse_line
+    from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs
+
+    out = tmp_path_factory.mktemp("pair-shards")
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(pair_model))
+    rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
+    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
+        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, rows_per_shard=8)
+        assert stats.examples == len(part), stats.rejected
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_reference(pair_model, pair_shards, tmp_path_factory):
+    """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+    from ft_assets_tests.support import DPO_RUN, dpo_config, final_weights
+
+    tmp = tmp_path_factory.mktemp("dpo-reference")
+    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None))
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    """A forkserver that has imported torch, transformers and ft-assets once: each killed worker starts in a second or two."""
+    from ft_assets_tests.support import PRELOAD
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """A Hub cache with ``acme/qa``: ``main`` (train 30 rows in two files, test 5) and tag ``v1.0`` (train 10)."""
+    import huggingface_hub.constants
+
+    from ft_assets_tests.support import MAIN, V1, add_hub_revision, qa_rows
+
+    cache = tmp_path / "hf-cache"
+    add_hub_revision(cache, "acme/qa", MAIN, {
+        "data/train-00000-of-00002.parquet": qa_rows(20),
+        "data/train-00001-of-00002.parquet": qa_rows(10, "r"),
+        "data/test-00000-of-00001.parquet": qa_rows(5, "t"),
+        "README.md": b"# acme/qa\n",
+    }, refs=("main",))  # fmt: skip
+    add_hub_revision(cache, "acme/qa", V1, {"data/train-00000-of-00001.parquet": qa_rows(10)}, refs=("v1.0",))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache

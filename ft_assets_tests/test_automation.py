@@ -13,7 +13,7 @@ from ft_assets.definitions import defs
 from ft_assets.refs import read_ref
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import LocalStore
-from ft_assets_tests.test_pipeline import run_config, write_dataset
+from ft_assets_tests.support import run_config, write_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,6 @@ other reliability suites (test_storage_faults, test_fuzz_inputs, test_security).
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import random
 import re
@@ -42,17 +40,9 @@ from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound
 from ft_assets.storage import LocalStore, ObjectStore, open_store
 from ft_assets.training.checkpoints import checkpoint_steps, fetch_checkpoint
 from ft_assets.training.recipe import EXIT_PREEMPTED
-from ft_assets_tests.test_training import (  # noqa: F401 - fixtures are found by name
-    RUN,
-    assert_same_weights,
-    config,
-    one_cpu_thread,
-    reference,
-    shards,
-    tiny_model,
-)
+from ft_assets_tests.support import RUN, assert_same_weights, record_figures, training_config as config, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_cpu_thread")]
 
 INTERRUPTIONS = 6
 SIGKILL_SEED, SIGTERM_SEED = 20261101, 20261102
@@ -61,21 +51,6 @@ UPLOAD_DELAY_S = 0.05  # per uploaded file: a checkpoint (5 files) takes >= 0.25
 STEP_DELAY_S = 0.25  # per training step: a kill lands within a step or two of its scheduled one
 WORKER_TIMEOUT_S = 120
 SETTLE_S = 0.3  # after a SIGKILL, a request the worker had already sent may still land in the store
-
-FIGURES = Path(__file__).resolve().parents[1] / "test-artifacts" / "reliability.json"
-# What the forkserver imports once, so that every worker forked from it starts in a second or two.
-PRELOAD = [
-    "torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "accelerate",
-    "ft_assets.training.recipe", "ft_assets.cli", "ft_assets.definitions",
-]  # fmt: skip
-
-
-def record_figures(name: str, **figures) -> None:
-    """Keep one test's figures in test-artifacts/reliability.json, the source of the README's Reliability numbers."""
-    FIGURES.parent.mkdir(parents=True, exist_ok=True)
-    recorded = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-    recorded[name] = figures
-    FIGURES.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
 
 
 # --- the worker: the recipe's command line, in a forked process ------------------------------------
@@ -108,13 +83,6 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
     recipe.open_store = slow_store
     recipe.token_loss_sum = slow_step
     sys.exit(recipe.main(argv))
-
-
-@pytest.fixture(scope="module")
-def forkserver():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
 
 
 def schedule(seed: int, count: int) -> list[tuple[str, int, float]]:
@@ -185,18 +153,6 @@ class Reader:
 def logged_steps(log_path: Path) -> list[int]:
     text = log_path.read_text() if log_path.exists() else ""
     return [int(m) for m in re.findall(r"^step (\d+)/\d+ ", text, flags=re.M)]
-
-
-def wait_until(predicate, process, what: str, log_path: Path) -> None:
-    """Poll ``predicate`` while ``process`` lives; fail with the end of its log if it dies or time runs out."""
-    def tail() -> str:  # only read when an assertion fails
-        return log_path.read_text()[-3000:] if log_path.exists() else ""
-
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    while not predicate():
-        assert process.is_alive(), f"the worker exited (code {process.exitcode}) before {what}\n{tail()}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{tail()}"
-        time.sleep(0.01)
 
 
 def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model, shards, tmp_path: Path, sig: int, seed: int):

@@ -28,23 +28,14 @@ from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import Queued
 from ft_assets import locks
 from ft_assets.manifests import read_manifest
 from ft_assets.refs import read_ref
-from ft_assets.storage import LocalStore, open_store
-from ft_assets_tests.test_chaos import forkserver, wait_until  # noqa: F401 - forkserver is a fixture
-from ft_assets_tests.test_launcher import MOCK, _launched, _submit
-from ft_assets_tests.test_pipeline import run_config, write_dataset
+from ft_assets.storage import LocalStore
+from ft_assets_tests.support import MOCK, launched, run_config, submit, wait_until, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = "acks@v1"
 
 
 # --- the lease ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "store")
-    return open_store(request.getfixturevalue("s3_env"))
 
 
 def statuses(**known):
@@ -161,17 +152,17 @@ def test_the_queue_runs_one_run_per_partition_and_trains_within_the_gpu_slots():
             repository = next(iter(workspace.get_code_location("ft_assets").get_repositories().values()))
             from ft_assets.definitions import defs
 
-            def submit(job_name: str, partition: str) -> str:
+            def queue(job_name: str, partition: str) -> str:
                 job = defs.resolve_job_def(job_name)
                 tags = {**job.tags, "dagster/partition": partition}
-                return _submit(instance, workspace, repository.get_full_job(job_name), job, tags=tags).run_id
+                return submit(instance, workspace, repository.get_full_job(job_name), job, tags=tags).run_id
 
-            same = [submit("data_plane", "acks@v1"), submit("data_plane", "acks@v1")]
-            other = submit("data_plane", "acks@v2")
-            training = [submit("training_plane", f"acks@t{i}") for i in range(3)]
+            same = [queue("data_plane", "acks@v1"), queue("data_plane", "acks@v1")]
+            other = queue("data_plane", "acks@v2")
+            training = [queue("training_plane", f"acks@t{i}") for i in range(3)]
             list(QueuedRunCoordinatorDaemon(interval_seconds=1).run_iteration(context))
 
-            cpu, gpu = _launched(instance, "cpu"), _launched(instance, "gpu")
+            cpu, gpu = launched(instance, "cpu"), launched(instance, "gpu")
             assert len(cpu & set(same)) == 1 and other in cpu  # one run per partition; other partitions go ahead
             waiting = (set(same) - cpu).pop()
             assert instance.get_run_by_id(waiting).status == dg.DagsterRunStatus.QUEUED

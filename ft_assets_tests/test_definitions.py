@@ -54,3 +54,34 @@ def test_training_plan_and_lora_adapter_share_one_set_of_training_settings():
     training = {name: text for name, text in fields["training_plan"].items() if name in fields["lora_adapter"]}
     assert training == fields["lora_adapter"]  # every training setting, with the same help text, in both
     assert set(fields["training_plan"]) - set(fields["lora_adapter"]) == {"purpose", "data_region", "cost_model_path"}
+
+
+def kinds(definitions) -> dict[str, set[str]]:
+    graph = definitions.get_repository_def().asset_graph
+    return {
+        key.to_user_string(): {tag.removeprefix("dagster/kind/") for tag in graph.get(key).tags if tag.startswith("dagster/kind/")}
+        for key in graph.get_all_asset_keys()
+    }
+
+
+def test_every_asset_says_what_it_is_and_where_it_is_stored():
+    shown = kinds(defs)
+    assert {"parquet"} <= shown["raw_dataset"] and {"huggingface", "parquet"} <= shown["tokenized_shards"]
+    assert {"huggingface", "pytorch"} <= shown["lora_adapter"] and {"llama", "gguf"} <= shown["gguf_model"]
+    assert all("file" in found for asset, found in shown.items() if asset != "serving_smoke"), shown
+
+
+def test_the_storage_kind_follows_the_store(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import json; from ft_assets.definitions import defs; graph = defs.get_repository_def().asset_graph; "
+        "print(json.dumps({k.to_user_string(): sorted(graph.get(k).tags) for k in graph.get_all_asset_keys()}))"
+    )
+    env = {**os.environ, "FT_STORE": "s3://bucket/prefix"}
+    shown = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout)
+    assert "dagster/kind/s3" in shown["raw_dataset"] and "dagster/kind/s3" in shown["published_model"]
+    assert "dagster/kind/file" not in shown["lora_adapter"]

@@ -6,6 +6,7 @@ import torch
 from ft_assets.delivery.evaluate import EvalExample, eval_examples, exact_match, rouge_l, token_f1
 from ft_assets.delivery.merge import merge_adapter
 from ft_assets.delivery.publish import LINEAGE_CHAIN, build_lineage, hub_upload_plan, push_to_hub
+from ft_assets_tests.support import lineage_refs
 
 METRIC_CASES = [
     ("exact", exact_match, '{"a": 1}', ' {"a": 1}\n', 1.0),
@@ -61,22 +62,8 @@ def test_merged_model_reproduces_base_plus_adapter(tiny_model_dir, tmp_path):
     assert not list((tmp_path / "merged").glob("*.bin"))
 
 
-def _refs():
-    refs = {}
-    for i, name in enumerate(LINEAGE_CHAIN):
-        refs[name] = {"asset": name, "prefix": f"runs/t/v1/{name}", "uri": f"/store/runs/t/v1/{name}", "digest": f"{i:064x}", "created_at": 1000.0 + i,
-                      "upstream": {LINEAGE_CHAIN[i - 1]: {"digest": f"{i - 1:064x}"}} if i else {}, "stats": {}}  # fmt: skip
-    refs["base_model"]["stats"] = {"model_id": "tiny", "source": "/m", "source_sha256": "ab" * 32}
-    refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}})
-    refs["lora_adapter"]["stats"] = {"run_id": "r1", "method": "lora", "steps": 8, "resumed_from_step": None}
-    refs["eval_report"]["stats"] = {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 0.9,
-                                    "base_eval_loss": 3.0, "finetuned_eval_loss": 1.0, "improvement": 0.9}  # fmt: skip
-    refs["gguf_model"]["stats"] = {"files": {"m-f16.gguf": {"sha256": "cd" * 32}}}
-    return refs
-
-
 def test_lineage_names_every_upstream_artifact_and_hash():
-    lineage = build_lineage("toolcalls@v1", _refs(), "registry/toolcalls/v1/r1")
+    lineage = build_lineage("toolcalls@v1", lineage_refs(), "registry/toolcalls/v1/r1")
     assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)
     assert "/store" not in json.dumps(lineage)  # store-relative keys only: a moved store still verifies
     assert lineage["published_key"] == "registry/toolcalls/v1/r1" and lineage["artifacts"][0]["key"] == "runs/t/v1/raw_dataset"
@@ -85,8 +72,9 @@ def test_lineage_names_every_upstream_artifact_and_hash():
     assert lineage["base_model"]["source_sha256"] == "ab" * 32
     assert lineage["training"]["checkpoint"] == {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}
     assert lineage["gguf"]["m-f16.gguf"]["sha256"] == "cd" * 32
+    assert (lineage["eval"]["gguf_file"], lineage["eval"]["gguf_metric"]) == ("m-q8_0.gguf", 0.85)  # what ships, as scored
     assert lineage["code_version"]
-    refs = _refs()
+    refs = lineage_refs()
     del refs["merged_model"]
     with pytest.raises(ValueError, match="no reference for merged_model"):
         build_lineage("toolcalls@v1", refs, "/x")

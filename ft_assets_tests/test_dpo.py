@@ -1,6 +1,6 @@
 """DPO on a tiny Llama: the loss against its formula and TRL's, packed pair log-probabilities, the reference
-as the base with the adapter disabled, learning, and the same recovery guarantees as supervised runs
-(kill -9 and SIGTERM, then an exact resume)."""
+as the base with the adapter disabled, learning, the same recovery guarantees as supervised runs (kill -9
+and SIGTERM, then an exact resume), and a preference version through all four planes into MLflow."""
 
 from __future__ import annotations
 
@@ -18,61 +18,31 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from ft_assets import layout
-from ft_assets.data.packing import ChatEncoder
-from ft_assets.data.pair_packing import tokenize_and_pack_pairs
-from ft_assets.data.readers import parse_line
-from ft_assets.manifests import MANIFEST
+from ft_assets.manifests import MANIFEST, read_manifest
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows
 from ft_assets.storage import LocalStore, join_key
 from ft_assets.training.checkpoints import checkpoint_steps, complete_checkpoints
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
 from ft_assets.training.recipe import EXIT_PREEMPTED, train
-from ft_assets_tests.test_preference import timer_pairs
-from ft_assets_tests.test_training import ONE_THREAD, assert_same_weights, final_weights, wait_for
+from ft_assets_tests.support import (
+    DPO_RUN as RUN,
+    ONE_THREAD,
+    PAIR_SEQ_LEN as SEQ_LEN,
+    assert_same_weights,
+    dpo_config,
+    final_weights,
+    run_cli,
+    the_run,
+    timer_pairs,
+    wait_until,
+    write_jsonl,
+)
 
-SEQ_LEN = 256
-RUN = "runs/timers/v1/train/dpo"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ft_assets_tests.tiny import build_tiny_model
-
-    texts = [" ".join((row["prompt"], row["chosen"], row["rejected"])) for row in timer_pairs(12)]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[timer_pairs(1)[0]["system"], *texts])
-
-
-@pytest.fixture(scope="module")
-def shards(tiny_model, tmp_path_factory) -> Path:
-    """48 training and 12 held-out pairs, tokenized and packed by the data plane's pair packer."""
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("pair-shards")
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(tiny_model))
-    rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
-    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
-        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, SEQ_LEN, out, split, rows_per_shard=8)
-        assert stats.examples == len(part), stats.rejected
-    return out
-
-
-def dpo_config(**overrides) -> TrainingConfig:
-    base = dict(
-        method="lora", lora_r=8, lora_alpha=16, learning_rate=5e-3, warmup_steps=2, max_steps=16, per_device_batch_size=2,
-        save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=SEQ_LEN, dpo_beta=0.1,
-    )  # fmt: skip
-    return TrainingConfig(**(base | overrides))
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # --- the loss --------------------------------------------------------------------------------------
@@ -145,11 +115,11 @@ def test_dpo_loss_equals_trls_on_random_inputs(loss_type, seed):
 # --- log-probabilities of packed pairs -------------------------------------------------------------
 
 
-def test_packed_pair_logps_equal_each_sequence_scored_alone(tiny_model, shards):
+def test_packed_pair_logps_equal_each_sequence_scored_alone(pair_model, pair_shards):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
-    rows = load_pair_rows(shards, "eval", SEQ_LEN)
+    model = AutoModelForCausalLM.from_pretrained(pair_model, attn_implementation="sdpa").eval()
+    rows = load_pair_rows(pair_shards, "eval", SEQ_LEN)
     batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
     with torch.no_grad():
         packed = pair_logps(model, batch)
@@ -170,21 +140,21 @@ def test_packed_pair_logps_equal_each_sequence_scored_alone(tiny_model, shards):
 # --- training --------------------------------------------------------------------------------------
 
 
-def test_full_fine_tuning_is_refused_for_dpo(tiny_model, shards, tmp_path):
+def test_full_fine_tuning_is_refused_for_dpo(pair_model, pair_shards, tmp_path):
     with pytest.raises(ValueError, match="DPO trains a LoRA or QLoRA adapter: its reference policy is the base model"):
-        train(dpo_config(method="full"), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+        train(dpo_config(method="full"), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_dpo_learns_the_preferences_with_one_copy_of_the_model(tiny_model, shards, tmp_path, monkeypatch, method):
+def test_dpo_learns_the_preferences_with_one_copy_of_the_model(pair_model, pair_shards, tmp_path, monkeypatch, method):
     from transformers import AutoModelForCausalLM
 
     loads = []
     original = AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args) or original(*args, **kwargs))
     metrics, lines = [], []
-    result = train(dpo_config(method=method, max_steps=24, eval_steps=12), tiny_model, shards, LocalStore(tmp_path / "store"), RUN,
+    result = train(dpo_config(method=method, max_steps=24, eval_steps=12), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
                    tmp_path / "work", log=lines.append, on_metrics=metrics.append)  # fmt: skip
     assert len(loads) == 1  # the reference is the same model with its adapter disabled, not a second copy
     assert result.objective == "dpo" and result.method == method and result.steps == 24
@@ -202,15 +172,15 @@ def test_dpo_learns_the_preferences_with_one_copy_of_the_model(tiny_model, shard
 
 
 @pytest.mark.integration
-def test_the_reference_is_the_base_model_with_the_adapter_disabled(tiny_model, shards, tmp_path):
+def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, pair_shards, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    result = train(dpo_config(max_steps=8), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
-    rows = load_pair_rows(shards, "eval", SEQ_LEN)
+    result = train(dpo_config(max_steps=8), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+    rows = load_pair_rows(pair_shards, "eval", SEQ_LEN)
     batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), result.output_dir).eval()
-    base = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pair_model), result.output_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(pair_model).eval()
     with torch.no_grad():
         policy = pair_logps(tuned, batch)
         with tuned.disable_adapter():
@@ -218,13 +188,6 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(tiny_model, s
         expected = pair_logps(base, batch)
     assert torch.equal(reference.chosen, expected.chosen) and torch.equal(reference.rejected, expected.rejected)
     assert not torch.allclose(policy.chosen, expected.chosen)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model, shards, tmp_path_factory):
-    """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
-    tmp = tmp_path_factory.mktemp("dpo-reference")
-    return final_weights(train(dpo_config(), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None))
 
 
 def slow_worker(cfg_json: str, base: str, shards_dir: str, store: str, work: str) -> None:
@@ -235,32 +198,32 @@ def slow_worker(cfg_json: str, base: str, shards_dir: str, store: str, work: str
 
 
 @pytest.mark.integration
-def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tiny_model, shards, tmp_path, reference):
+def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
     cfg = dpo_config(logging_steps=1, save_steps=3)
     store = LocalStore(tmp_path / "store")
     worker = multiprocessing.get_context("spawn").Process(
-        target=slow_worker, args=(cfg.model_dump_json(), str(tiny_model), str(shards), str(store.root), str(tmp_path / "w1"))
+        target=slow_worker, args=(cfg.model_dump_json(), str(pair_model), str(pair_shards), str(store.root), str(tmp_path / "w1"))
     )
     worker.start()
     try:
-        wait_for(lambda: store.exists(join_key(layout.checkpoint(RUN, 6), MANIFEST)) or not worker.is_alive(), 120, "checkpoint 6")
+        wait_until(lambda: store.exists(join_key(layout.checkpoint(RUN, 6), MANIFEST)), worker, "checkpoint 6", tmp_path / "none.log")
         os.kill(worker.pid, signal.SIGKILL)
         worker.join()
     finally:
         worker.kill()
     assert worker.exitcode == -signal.SIGKILL
     assert max(checkpoint_steps(store, RUN)) < 16, "the worker finished before it could be killed"
-    result = train(cfg.model_copy(update={"logging_steps": 4}), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    result = train(cfg.model_copy(update={"logging_steps": 4}), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None)
     assert result.objective == "dpo" and result.resumed_from_step is not None and 6 <= result.resumed_from_step < 16
-    assert_same_weights(final_weights(result), reference)
+    assert_same_weights(final_weights(result), dpo_reference)
 
 
 @pytest.mark.integration
-def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(tiny_model, shards, tmp_path, reference):
+def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
     store = LocalStore(tmp_path / "store")
     cfg = dpo_config(logging_steps=1, save_steps=1000)
-    command = [sys.executable, "-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(tiny_model),
-               "--shards", str(shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1")]  # fmt: skip
+    command = [sys.executable, "-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(pair_model),
+               "--shards", str(pair_shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1")]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
     output = []
     try:
@@ -276,9 +239,9 @@ def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupte
     assert proc.returncode == EXIT_PREEMPTED, "".join(output)
     stopped = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")][-1]
     assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, stopped))]
-    result = train(dpo_config(), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    result = train(dpo_config(), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None)
     assert result.resumed_from_step == stopped
-    assert_same_weights(final_weights(result), reference)
+    assert_same_weights(final_weights(result), dpo_reference)
 
 
 # --- all four planes ---------------------------------------------------------------------------------
@@ -301,18 +264,11 @@ def pipeline_config(tiny_model_dir, steps: int, lr: float, tracking_uri: str, ex
 
 @pytest.mark.integration
 def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home, capsys, tiny_model_dir, mlflow_server):
-    import yaml
-
-    from ft_assets.manifests import read_manifest
-    from ft_assets_tests.test_pipeline import cli
-    from ft_assets_tests.test_preference import write_jsonl
-    from ft_assets_tests.test_tracking import the_run
-
     experiment = "timers-v1"
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(pipeline_config(tiny_model_dir, 40, 5e-3, mlflow_server.uri, experiment)))
     data = write_jsonl(home / "prefs.jsonl", timer_pairs(150))
-    code, summary, err = cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
+    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert summary["rows_in"] == summary["rows_kept"] == 150 and summary["accounting_invariant_holds"]
     assert summary["training_method"] == "lora" and summary["steps"] == 40
@@ -320,6 +276,7 @@ def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home,
     assert summary["reward_accuracy"] == 1.0 >= summary["base_reward_accuracy"] + 0.1, summary
     assert summary["reward_margin"] > summary["base_reward_margin"]
     assert summary["finetuned_eval_loss"] < summary["base_eval_loss"] == pytest.approx(math.log(2))  # DPO loss against the base
+    assert summary["gguf_metric"] >= summary["reward_accuracy"] - 0.05 and summary["gguf_file"].endswith(".gguf")  # llama.cpp agrees
     assert summary["published_uri"].endswith(f"registry/timers/v1/{summary['run_id']}")
 
     store = LocalStore(home / "home" / "store")
@@ -343,17 +300,12 @@ def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home,
 
 @pytest.mark.integration
 def test_the_gate_blocks_a_dpo_model_that_did_not_learn_the_preferences(home, capsys, tiny_model_dir):
-    import yaml
-
-    from ft_assets_tests.test_pipeline import cli
-    from ft_assets_tests.test_preference import write_jsonl
-
     config = home / "run_config.yaml"
     settings = pipeline_config(tiny_model_dir, 2, 1e-7, "", "unused")
     settings["ops"]["lora_adapter"]["config"].pop("mlflow_tracking_uri")
     config.write_text(yaml.safe_dump(settings))
     data = write_jsonl(home / "prefs.jsonl", timer_pairs(60))
-    code, _, err = cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
+    code, _, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
     assert code == 2
     assert "blocking check finetuned_beats_base failed: reward_accuracy: base" in err and "reward margin" in err
     assert not (home / "home" / "store" / "registry").exists()

@@ -22,6 +22,7 @@ from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
 from ft_assets.manifests import read_manifest
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
+from ft_assets.training import ec2_metadata
 from ft_assets.training.ec2_metadata import WORKER_TAG, SpotNoticeWatcher, worker_instance_tag
 from ft_assets.training.recipe import Preempted, SigtermFlag, train
 
@@ -96,8 +97,10 @@ def test_a_spot_notice_becomes_the_sigterm_path(imds):
     assert said == ["spot notice: EC2 will terminate this instance at 2026-12-01T12:00:00Z; checkpointing and stopping (as on SIGTERM)"]
 
 
-def test_training_checkpoints_and_stops_on_a_spot_notice(imds, tmp_path):
+def test_training_checkpoints_and_stops_on_a_spot_notice(imds, tmp_path, monkeypatch):
     from ft_assets_tests.tiny import build_tiny_model
+
+    monkeypatch.setattr(ec2_metadata, "SPOT_POLL_S", 0.02)  # the recipe's watcher polls every 20 ms, not 5 s
 
     model_dir = build_tiny_model(tmp_path / "tiny")
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))

@@ -33,7 +33,7 @@ from ft_assets.data.cleaning import CleaningRules, clean_dataset, clean_messages
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.readers import DatasetFileError, RowError, normalize_record, read_dataset
 from ft_assets.data.rows import iter_records
-from ft_assets_tests.test_chaos import record_figures
+from ft_assets_tests.support import record_figures
 
 LINE_LIMIT = 512  # readers.MAX_LINE_BYTES during the fuzz, so that "huge" lines stay cheap to generate
 DATASET_EXAMPLES = 400

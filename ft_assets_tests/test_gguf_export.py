@@ -86,11 +86,13 @@ def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, tmp_p
         "llama.attention.head_count": 4,
         "llama.attention.head_count_kv": 2,
         "llama.rope.dimension_count": 8,
+        "llama.attention.key_length": 8,  # config.json has head_dim: written, as llama.cpp's converter does
+        "llama.attention.value_length": 8,
         "llama.rope.freq_base": pytest.approx(10000.0),
         "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-6),
         "llama.vocab_size": config["vocab_size"],
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",  # llama.cpp's name (src/llama-vocab.cpp); it refuses "gpt2"
         "tokenizer.ggml.bos_token_id": 1,  # <|im_start|>
         "tokenizer.ggml.eos_token_id": 2,  # <|im_end|>
         "tokenizer.ggml.padding_token_id": 0,
@@ -142,15 +144,43 @@ def test_rows_off_the_block_size_fall_back_to_f16(tmp_path):
 
 @pytest.mark.parametrize("system", [None, "You answer with one JSON tool call."])
 def test_modelfile(tmp_path, system):
-    write_modelfile("tiny-q8_0.gguf", tmp_path / "Modelfile", system=system)
+    write_modelfile("tiny-q8_0.gguf", tmp_path / "Modelfile", CHATML_TEMPLATE, system=system)
     text = (tmp_path / "Modelfile").read_text()
 
     assert text.startswith("FROM ./tiny-q8_0.gguf\n")
     assert 'TEMPLATE """' in text
     assert "<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n" in text
-    assert "<|im_start|>system\n{{ .System }}<|im_end|>\n" in text
+    assert "<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}" in text  # no system prompt of its own
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert ('SYSTEM """You answer with one JSON tool call."""' in text) == (system is not None)
+
+
+# SmolLM2-135M-Instruct's chat template: ChatML that adds its own system prompt when there is none.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + "
+    "message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] "
+    "+ '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def test_ollama_template_keeps_the_default_system_prompt_of_the_chat_template():
+    template = gguf_export.ollama_template(SMOLLM2_TEMPLATE)
+    assert (
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ else }}<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{{ end }}"
+    ) in template
+    assert "{{ else }}" not in gguf_export.ollama_template(CHATML_TEMPLATE).split("{{ range")[0]
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, None], ids=["llama3", "none"])
+def test_ollama_template_refuses_what_it_cannot_translate(template):
+    with pytest.raises(GgufExportError, match="chat template"):
+        gguf_export.ollama_template(template)
 
 
 def _with_config(tiny_model_dir, tmp_path, **changes):
@@ -177,8 +207,62 @@ def test_clear_errors(tiny_model_dir, tmp_path, case, changes, qtype, message):
     assert not (tmp_path / "out.gguf").exists()
 
 
+def _added_token_strips(tokenizer: dict) -> None:
+    tokenizer["added_tokens"][1]["lstrip"] = True
+
+
+def _set(path: str, value):
+    def change(tokenizer: dict) -> None:
+        *parents, key = path.split(".")
+        node = tokenizer
+        for parent in parents:
+            node = node[parent]
+        node[key] = value
+
+    return change
+
+
+# tokenizer.json changes llama.cpp cannot reproduce -> the refusal names what and where.
+TOKENIZER_ERROR_CASES = [
+    ("normalizer", _set("normalizer", {"type": "NFC"}), "a normalizer is set"),
+    ("byte fallback", _set("model.byte_fallback", True), "is not a byte-level BPE"),
+    ("ignore_merges", _set("model.ignore_merges", True), "model.ignore_merges = True"),
+    ("subword prefix", _set("model.continuing_subword_prefix", "##"), "model.continuing_subword_prefix = '##'"),
+    ("decoder", _set("decoder", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}), "is not ByteLevel"),
+    ("lstrip", _added_token_strips, "added token '<|im_start|>' (id 1) sets lstrip"),
+    ("pre-tokenizer", _set("pre_tokenizer", {"type": "Whitespace"}), "find its name in llama.cpp's src/llama-vocab.cpp"),
+]
+
+
+@pytest.mark.parametrize("case, change, message", TOKENIZER_ERROR_CASES, ids=[c[0] for c in TOKENIZER_ERROR_CASES])
+def test_tokenizers_llamacpp_cannot_represent_are_refused(tiny_model_dir, tmp_path, case, change, message):
+    model_dir = tmp_path / "changed"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    change(tokenizer)
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(GgufExportError, match=re.escape(message)) as refused:
+        export_gguf(model_dir, tmp_path / "out.gguf", "f16")
+    assert str(model_dir / "tokenizer.json") in str(refused.value) or case == "pre-tokenizer"
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_added_tokens_that_look_special_are_control_tokens(tiny_model_dir, tmp_path):
+    """As llama.cpp's converter: <|...|> tokens are CONTROL even when not marked special, others USER_DEFINED."""
+    model_dir = tmp_path / "added"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer["added_tokens"][1]["special"] = False  # <|im_start|>
+    tokenizer["added_tokens"].append(dict(tokenizer["added_tokens"][0], id=300, content="<tool>", special=False))
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    export_gguf(model_dir, tmp_path / "out.gguf", "f16")
+    types = _fields(tmp_path / "out.gguf")["tokenizer.ggml.token_type"]
+    assert types[1] == 3 and types[300] == 4  # CONTROL, USER_DEFINED
+
+
 PRE_TOKENIZER_CASES = [
-    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt2"),
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt-2"),
+    ({"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}, None),
     (
         {
             "type": "Sequence",

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_qlora_is_the_default_on_cuda_and_trains_in_bf16(tiny_model_dir, tmp_path):
-    from ft_assets_tests.test_training import chat_examples, write_shards
+    from ft_assets_tests.support import chat_examples, write_shards
 
     write_shards(tiny_model_dir, tmp_path / "shards", "train", chat_examples(64), rows_per_shard=64)
     config = TrainingConfig(max_steps=10, save_steps=5, per_device_batch_size=4, learning_rate=5e-3, warmup_steps=0)
@@ -73,12 +73,17 @@ def test_liger_fused_loss_equals_the_chunked_one():
 
 
 def test_nvml_utilization_is_sampled_on_cuda():
-    with GpuUtilization() as utilization:
-        x = torch.randn(4096, 4096, device="cuda")
-        for _ in range(200):
-            x = x @ x.T / 4096
-        torch.cuda.synchronize()
-        import time
+    """Busy for two sampling windows, the mean is high; idle for two, it is low (idle time counts)."""
+    import time
 
-        time.sleep(2.5)
-    assert utilization.mean is not None and 0.0 <= utilization.mean <= 1.0
+    x = torch.randn(4096, 4096, device="cuda")
+    with GpuUtilization() as busy:
+        until = time.monotonic() + 4.5  # samples at 2 s and 4 s both land on a busy GPU
+        while time.monotonic() < until:
+            for _ in range(50):
+                x = x @ x.T / 4096
+            torch.cuda.synchronize()
+    with GpuUtilization() as idle:
+        time.sleep(4.5)
+    assert len(busy.samples) >= 2 and busy.mean > 0.5, busy.samples
+    assert len(idle.samples) >= 2 and idle.mean < 0.2, idle.samples

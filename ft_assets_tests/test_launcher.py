@@ -12,10 +12,10 @@ from dagster._core.workspace.load_target import ModuleTarget
 from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 
 from ft_assets.control.launcher import GPU, POOL_TAG, MixedPoolRun, pool_for_run
+from ft_assets_tests.support import MOCK, launched, submit
 
 pytestmark = pytest.mark.integration
 
-MOCK = {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}
 OVERRIDES = {
     "run_coordinator": {
         "module": "ft_assets.control.launcher",
@@ -47,22 +47,6 @@ def test_mixed_run_is_refused_with_a_clear_message():
         pool_for_run({}, ["tokenized_shards", "lora_adapter"])
 
 
-def _submit(instance, workspace, remote_job, job_def, assets=None, tags=None) -> dg.DagsterRun:
-    run = instance.create_run_for_job(
-        job_def=job_def,
-        remote_job_origin=remote_job.get_remote_origin(),
-        job_code_origin=remote_job.get_python_origin(),
-        asset_selection=frozenset(dg.AssetKey(a) for a in assets) if assets else None,
-        tags={"dagster/partition": "acks@v1", **(tags or {})},
-    )
-    instance.submit_run(run.run_id, workspace)
-    return instance.get_run_by_id(run.run_id)
-
-
-def _launched(instance, pool: str) -> set[str]:
-    return {run.run_id for run in instance.run_launcher.launcher(pool).queue()}
-
-
 def test_queue_routes_runs_and_limits_gpu_slots():
     with dg.instance_for_test(overrides=OVERRIDES) as instance:
         target = ModuleTarget(module_name="ft_assets.definitions", attribute=None, working_directory=None, location_name="ft_assets")
@@ -75,10 +59,10 @@ def test_queue_routes_runs_and_limits_gpu_slots():
 
             implicit_def = defs.resolve_implicit_global_asset_job_def()
 
-            ad_hoc_training = _submit(instance, workspace, implicit, implicit_def, ["lora_adapter"])
-            second_training = _submit(instance, workspace, implicit, implicit_def, ["lora_adapter"])
-            data = _submit(instance, workspace, implicit, implicit_def, ["raw_dataset", "cleaned_dataset"])
-            mixed = _submit(instance, workspace, implicit, implicit_def, ["tokenized_shards", "lora_adapter"])
+            ad_hoc_training = submit(instance, workspace, implicit, implicit_def, ["lora_adapter"])
+            second_training = submit(instance, workspace, implicit, implicit_def, ["lora_adapter"])
+            data = submit(instance, workspace, implicit, implicit_def, ["raw_dataset", "cleaned_dataset"])
+            mixed = submit(instance, workspace, implicit, implicit_def, ["tokenized_shards", "lora_adapter"])
 
             assert ad_hoc_training.tags[POOL_TAG] == "gpu" and data.tags[POOL_TAG] == "cpu"
             assert mixed.status == dg.DagsterRunStatus.FAILURE
@@ -87,7 +71,7 @@ def test_queue_routes_runs_and_limits_gpu_slots():
 
             list(QueuedRunCoordinatorDaemon(interval_seconds=1).run_iteration(context))
 
-            gpu, cpu = _launched(instance, "gpu"), _launched(instance, "cpu")
+            gpu, cpu = launched(instance, "gpu"), launched(instance, "cpu")
             assert data.run_id in cpu and data.run_id not in gpu
             # One GPU slot: exactly one of the two training runs launched, on the gpu pool; the other waits.
             assert len(gpu & {ad_hoc_training.run_id, second_training.run_id}) == 1

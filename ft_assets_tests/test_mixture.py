@@ -17,7 +17,7 @@ from ft_assets.data.sources import describe_source
 from ft_assets.manifests import publish_dir
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
-from ft_assets_tests.test_sources import MAIN, hub_cache  # noqa: F401 - the fixture
+from ft_assets_tests.support import MAIN
 
 SPEC_ERRORS = [
     ("not-a-mixture", {"components": []}, "one mapping 'mixture:'"),
@@ -179,9 +179,9 @@ def minimal_lineage(partition: str, source: dict, checkpoint: dict) -> dict:
 
 def test_the_lineage_manifest_carries_the_dataset_source():
     from ft_assets.delivery.publish import build_lineage
-    from ft_assets_tests.test_delivery import _refs
+    from ft_assets_tests.support import lineage_refs
 
-    refs = _refs()
+    refs = lineage_refs()
     source = {"kind": "hub", "uri": "hf://acme/qa@main", "repo": "acme/qa", "revision": "main", "commit": MAIN, "split": "train", "files": []}
     refs["raw_dataset"]["stats"] = {"source": source}
     assert build_lineage("qa@v1", refs, "/store/registry/qa/v1/r1")["dataset_source"] == source

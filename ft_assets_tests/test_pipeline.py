@@ -10,52 +10,25 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
-from ft_assets.cli import main
 from ft_assets.delivery.publish import LINEAGE_CHAIN
 from ft_assets.manifests import read_manifest
+from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
+from ft_assets_tests.support import run_cli, run_config, write_dataset
 
 pytestmark = pytest.mark.integration
-ANSWER = '{"name": "ok"}'
-
-
-def write_dataset(path: Path, rows: int = 240) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / "part-0.jsonl", "w") as handle:
-        for i in range(rows):
-            handle.write(json.dumps({"instruction": f"Request number {i}: please acknowledge item {i * 7 % 1000}.", "output": ANSWER}) + "\n")
-    return path
-
-
-def run_config(tiny_model_dir, steps: int, lr: float) -> dict:
-    return {
-        "ops": {
-            "base_model": {"config": {"source": str(tiny_model_dir)}},
-            "tokenized_shards": {"config": {"seq_len": 256}},
-            "train_eval_split": {"config": {"eval_fraction": 0.1}},
-            "lora_adapter": {"config": {"max_steps": steps, "save_steps": 10, "per_device_batch_size": 4,
-                                        "learning_rate": lr, "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16}},  # fmt: skip
-            "gguf_model": {"config": {"qtypes": ["f16"]}},
-            "eval_report": {"config": {"max_examples": 12, "max_new_tokens": 12, "min_improvement": 0.5}},
-        }
-    }
-
-
-def cli(capsys, *argv) -> tuple[int, dict | None, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    lines = captured.out.strip().splitlines()
-    last = lines[-1] if lines else ""
-    return code, (json.loads(last) if last.startswith("{") else None), captured.err
 
 
 def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_model_dir, monkeypatch):
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=60, lr=0.01)))
     data = write_dataset(home / "data")
-    code, summary, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert summary["steps"] == 60 and summary["train_loss"] < 0.5  # the random base: ~7.5
     assert summary["tokens_per_second"] > 0 and summary["mfu"] is None and summary["usd_per_million_tokens"] > 0  # CPU: no peak
@@ -64,20 +37,30 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     assert summary["finetuned_eval_loss"] < summary["base_eval_loss"]
     assert summary["published_uri"].endswith(f"registry/acks/v1/{summary['run_id']}")
     assert summary["gguf_uri"].endswith(".gguf") and Path(summary["gguf_uri"]).is_file()
+    assert summary["gguf_qtype"] == "f16" and summary["gguf_drop"] == summary["finetuned_metric"] - summary["gguf_metric"] <= 0.05
 
     store = LocalStore(home / "home" / "store")
     registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
     manifest = read_manifest(store, registry)
+    assert "adapter/adapter_model.safetensors" in manifest.files  # the adapter alone, for multi-LoRA servers
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with_adapter = PeftModel.from_pretrained(base, store.root / registry / "adapter")  # PEFT loads it onto the base
+    merged = AutoModelForCausalLM.from_pretrained(store.root / registry / "merged")
+    ids = torch.tensor([[3, 17, 42, 99, 5]])
+    with torch.no_grad():
+        assert torch.allclose(with_adapter(ids).logits, merged(ids).logits, atol=1e-4)
     assert {"lineage.json", "merged/model.safetensors", "gguf/Modelfile"} <= set(manifest.files)
     lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
     assert [a["asset"] for a in lineage["artifacts"]] == list(LINEAGE_CHAIN)
     for artifact in lineage["artifacts"]:  # every hash in the lineage is the digest of a published artifact
         assert read_manifest(store, artifact["key"]).digest == artifact["digest"], artifact["asset"]
     assert lineage["partition"] == "acks@v1" and str(store.root) not in json.dumps(lineage)  # keys, no local paths
+    smoke = read_ref(store, "acks@v1", "serving_smoke")["stats"]  # the published file, served over HTTP
+    assert smoke["file"] == Path(summary["gguf_uri"]).name and len(smoke["answers"]) == 2
 
     # ft-assets lineage: the chain from the store alone (no Dagster instance), every file re-hashed.
     monkeypatch.delenv("DAGSTER_HOME")
-    code, chain, err = cli(capsys, "lineage", summary["published_uri"], "--json")
+    code, chain, err = run_cli(capsys, "lineage", summary["published_uri"], "--json")
     assert code == 0, err
     assert chain["verified"] and chain["files_rehashed"] and chain["dataset_version"] == "acks@v1"
     assert [link["asset"] for link in chain["chain"]] == ["published_model", *LINEAGE_CHAIN, "checkpoint"]
@@ -92,10 +75,10 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
         middle = len(original) // 2
         path.write_bytes(original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1 :])
         try:
-            code, broken, _ = cli(capsys, "lineage", summary["published_uri"], "--json")
+            code, broken, _ = run_cli(capsys, "lineage", summary["published_uri"], "--json")
             assert code == 1 and not broken["verified"], link["asset"]
             assert [entry["status"] for entry in broken["chain"] if entry["status"] != "ok"] == [f"CHANGED: {link['key']}/{rel}"]
-            code, fast, _ = cli(capsys, "lineage", summary["published_uri"], "--json", "--fast")
+            code, fast, _ = run_cli(capsys, "lineage", summary["published_uri"], "--json", "--fast")
             assert code == 0 and fast["verified"] and not fast["files_rehashed"]
         finally:
             path.write_bytes(original)
@@ -103,22 +86,22 @@ def test_new_version_flows_to_a_published_model_with_lineage(home, capsys, tiny_
     # The store copied elsewhere verifies there: lineage holds store-relative keys.
     moved = home / "moved-store"
     shutil.copytree(store.root, moved)
-    code, there, err = cli(capsys, "lineage", str(moved / registry), "--json")
+    code, there, err = run_cli(capsys, "lineage", str(moved / registry), "--json")
     assert code == 0 and there["verified"], err
     assert all(link["uri"].startswith(str(moved)) for link in there["chain"])
 
     store.delete(chain["chain"][2]["key"] + "/manifest.json")
-    code, chain, _ = cli(capsys, "lineage", summary["published_uri"], "--json")
+    code, chain, _ = run_cli(capsys, "lineage", summary["published_uri"], "--json")
     assert code == 1 and chain["chain"][2]["status"] == "missing from the store" and not chain["verified"]
     monkeypatch.setenv("DAGSTER_HOME", str(home / "home" / "dagster_home"))
 
     # Running the same version again with the same settings reruns nothing; forced, publishing is a no-op.
     before = store.get_bytes(f"{registry}/manifest.json")
-    code, again, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+    code, again, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert again["skipped"] == ["data", "training", "delivery"] and again["runs"] == {}
     assert again["published_uri"] == summary["published_uri"] and again["finetuned_metric"] == summary["finetuned_metric"]
-    code, forced, err = cli(
+    code, forced, err = run_cli(
         capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json",
         "--until", "delivery", "--force",
     )  # fmt: skip
@@ -132,7 +115,7 @@ def test_eval_gate_blocks_a_model_that_is_not_better(home, capsys, tiny_model_di
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
     data = write_dataset(home / "data", rows=120)
-    code, _, err = cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "weak", "--config", str(config))
+    code, _, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "weak", "--config", str(config))
     assert code == 2
     assert "blocking check finetuned_beats_base failed" in err
     assert not (home / "home" / "store" / "registry").exists()

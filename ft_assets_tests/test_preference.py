@@ -21,28 +21,7 @@ from ft_assets.data.readers import DatasetFileError, parse_line, read_dataset
 from ft_assets.data.rows import iter_records
 from ft_assets.data.split import split_dataset
 from ft_assets.shards import IGNORE_INDEX, holds_pairs, load_pair_rows, shard_files
-
-SEQ_LEN = 256
-
-
-def timer_pairs(count: int, start: int = 0) -> list[dict]:
-    """A small preference set a tiny model learns: the right tool call over another tool, or over prose."""
-    rows = []
-    for i in range(start, start + count):
-        minutes = 1 + i % 97
-        chosen = json.dumps({"name": "set_timer", "arguments": {"minutes": minutes}})
-        rejected = [json.dumps({"name": "set_alarm", "arguments": {"minutes": minutes}}), f"Okay, a timer for {minutes} minutes starts now.",
-                    json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})][i % 3]  # fmt: skip
-        rows.append({"prompt": f"Set a timer for {minutes} minutes, request {i}.", "chosen": chosen, "rejected": rejected,
-                     "system": "Reply with one JSON tool call."})  # fmt: skip
-    return rows
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
+from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs, write_jsonl
 
 def turn(role: str, content: str) -> dict:
     return {"role": role, "content": content}
@@ -156,7 +135,7 @@ def encoder(tiny_model_dir) -> ChatEncoder:
     return ChatEncoder(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = SEQ_LEN) -> dict:
+def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN) -> dict:
     """The data plane's functions in the assets' order on one JSONL file of pairs; every stage's figures."""
     stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], root / "raw")}
     stats["kind"] = dataset_kind(root / "raw" / "rows.parquet")
@@ -190,9 +169,9 @@ def test_pair_rows_learn_only_the_final_replies_and_keep_sequences_apart(encoder
     history = [turn("user", "Set a timer for 5 minutes."), turn("assistant", "Done."), turn("user", "Set a timer for 7 minutes.")]
     rows = [[*history, turn("chosen", '{"name": "set_timer", "arguments": {"minutes": 7}}'), turn("rejected", "I cannot.")]]
     rows += [parse_line(json.dumps(row).encode()) for row in timer_pairs(3)]
-    stats = tokenize_and_pack_pairs(((f"r{i}", m) for i, m in enumerate(rows)), encoder, SEQ_LEN, tmp_path, "train")
+    stats = tokenize_and_pack_pairs(((f"r{i}", m) for i, m in enumerate(rows)), encoder, PAIR_SEQ_LEN, tmp_path, "train")
     assert stats.examples == 4 and not stats.rejected
-    pairs = load_pair_rows(tmp_path, "train", SEQ_LEN)
+    pairs = load_pair_rows(tmp_path, "train", PAIR_SEQ_LEN)
     assert pairs.pairs == 4 and (pairs.pair_mask.sum(dim=1) == (pairs.segment_ids.max(dim=1).values + 1) // 2).all()
     tokenizer = encoder.tokenizer
     replies = []

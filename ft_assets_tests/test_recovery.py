@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,18 +23,10 @@ import pytest
 import yaml
 
 from ft_assets import locks
-from ft_assets.cli import main
 from ft_assets.storage import LocalStore
-from ft_assets_tests.test_pipeline import run_config, write_dataset
+from ft_assets_tests.support import run_cli, run_config, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(capsys, *argv) -> tuple[int, dict | None, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    lines = captured.out.strip().splitlines()
-    return code, (json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None), captured.err
 
 
 def config_file(home: Path, tiny_model_dir, **training) -> Path:

@@ -37,9 +37,8 @@ from ft_assets.storage import LocalStore, StoreError, join_key, open_store, sha2
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import UntrustedCheckpoint
 from ft_assets.training.recipe import load_model, train
-from ft_assets_tests.test_chaos import record_figures
-from ft_assets_tests.test_pipeline import run_config, write_dataset
-from ft_assets_tests.test_training import RUN, config, one_cpu_thread, shards, tiny_model  # noqa: F401 - fixtures
+from ft_assets_tests.support import RUN, record_figures, run_config, write_dataset
+from ft_assets_tests.support import training_config as config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,12 +92,16 @@ def test_pipeline_on_s3_end_to_end_leaks_no_secret(s3_env, seaweedfs, tmp_path, 
     registry = summary["published_uri"][len(s3_env) + 1 :]
     assert {"lineage.json", "merged/model.safetensors"} <= set(read_manifest(store, registry).files)
     lineage = store.get_json(join_key(registry, "lineage.json"))
-    assert all(artifact["uri"].startswith(s3_env) for artifact in lineage["artifacts"])
+    assert all(read_manifest(store, artifact["key"]).digest == artifact["digest"] for artifact in lineage["artifacts"])
     assert read_ref(store, "acks@s3e2e", "lora_adapter")["uri"].startswith(s3_env)
+    assert main(["lineage", summary["published_uri"], "--json"]) == 0  # every file re-hashed, streamed from S3
+    lineage_report = capfd.readouterr()
+    assert json.loads(lineage_report.out.strip().splitlines()[-1])["verified"]
 
     leaks, searched = [], Counter()
     leaks += find_leaks("captured stdout", captured.out.encode(), secrets)
     leaks += find_leaks("captured stderr", captured.err.encode(), secrets)
+    leaks += find_leaks("lineage output", (lineage_report.out + lineage_report.err).encode(), secrets)
     searched["captured streams"] += 2
 
     instance = dg.DagsterInstance.get()

@@ -7,14 +7,8 @@ it exactly as it would after a download, with outgoing traffic disabled.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import os
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from ft_assets.cli import main, register_dataset
@@ -22,53 +16,9 @@ from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
 from ft_assets.data.rows import iter_records
 from ft_assets.data.sources import describe_source, stage
 from ft_assets.storage import LocalStore
+from ft_assets_tests.support import MAIN, V1, add_hub_revision, qa_rows
 
-MAIN = "1111111111111111111111111111111111111111"
-V1 = "2222222222222222222222222222222222222222"
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-
-
-def parquet_bytes(table: pa.Table) -> bytes:
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer)
-    return buffer.getvalue()
-
-
-def qa_rows(n: int, prefix: str = "q") -> bytes:
-    return parquet_bytes(pa.table({"question": [f"{prefix} {i}?" for i in range(n)], "answer": [f"a {i}." for i in range(n)]}))
-
-
-def add_hub_revision(cache: Path, repo: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ()) -> None:
-    """One commit of a Hub dataset repo in a cache with ``huggingface_hub``'s layout."""
-    repo_dir = cache / f"datasets--{repo.replace('/', '--')}"
-    for rel, data in files.items():
-        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = repo_dir / "snapshots" / commit / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    for ref in refs:
-        (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
-        (repo_dir / "refs" / ref).write_text(commit)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch) -> Path:
-    """A Hub cache with ``acme/qa``: ``main`` (train 30 rows in two files, test 5) and tag ``v1.0`` (train 10)."""
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hf-cache"
-    add_hub_revision(cache, "acme/qa", MAIN, {
-        "data/train-00000-of-00002.parquet": qa_rows(20),
-        "data/train-00001-of-00002.parquet": qa_rows(10, "r"),
-        "data/test-00000-of-00001.parquet": qa_rows(5, "t"),
-        "README.md": b"# acme/qa\n",
-    }, refs=("main",))  # fmt: skip
-    add_hub_revision(cache, "acme/qa", V1, {"data/train-00000-of-00001.parquet": qa_rows(10)}, refs=("v1.0",))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return cache
 
 
 QA = ColumnMapping.of({"prompt": "question", "response": "answer"})

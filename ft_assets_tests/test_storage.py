@@ -25,13 +25,6 @@ from ft_assets.manifests import (
 from ft_assets.storage import CHUNK, LocalStore, S3Store, StoreError, join_key, open_store, sha256_file
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "store")
-    return open_store(request.getfixturevalue("s3_env"))
-
-
 def bucket_and_key(uri: str) -> tuple[str, str]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return bucket, key

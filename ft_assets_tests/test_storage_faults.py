@@ -37,17 +37,9 @@ from ft_assets.training.checkpoints import (
     write_checkpoint,
 )
 from ft_assets.training.recipe import train
-from ft_assets_tests.test_chaos import forkserver, record_figures  # noqa: F401 - forkserver is a fixture
-from ft_assets_tests.test_training import (  # noqa: F401 - fixtures are found by name
-    RUN,
-    assert_same_weights,
-    config,
-    final_weights,
-    one_cpu_thread,
-    reference,
-    shards,
-    tiny_model,
-)
+from ft_assets_tests.support import RUN, assert_same_weights, final_weights, record_figures, training_config as config
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 OUTAGE_S = 1.0  # the server is down this long, plus its restart (~4 s)
 SHORT_ATTEMPTS = 3  # 0.5 + 1 = 1.5 s of backoff: "stays down" is decided quickly in the tests

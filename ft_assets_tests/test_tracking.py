@@ -15,26 +15,18 @@ from ft_assets.storage import LocalStore
 from ft_assets.training.recipe import train
 from ft_assets.training.tracking import lineage_tags
 from ft_assets_tests.mlflowserver import MlflowServer, free_port
-from ft_assets_tests.test_dpo import RUN, dpo_config, one_cpu_thread, shards, tiny_model  # noqa: F401 -- module fixtures
-from ft_assets_tests.test_training import ONE_THREAD
+from ft_assets_tests.support import DPO_RUN as RUN, ONE_THREAD, dpo_config, the_run
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_cpu_thread")]
 DIGESTS = {"raw_dataset": "a" * 64, "tokenized_shards": "b" * 64, "base_model": "c" * 64}  # the refs' manifest digests
 
 
-def the_run(client, experiment: str):
-    """The one MLflow run of an experiment."""
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert len(runs) == 1, [run.info.run_name for run in runs]
-    return runs[0]
-
-
-def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow_server, tiny_model, shards, tmp_path):
+def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow_server, pair_model, pair_shards, tmp_path):
     experiment = f"dpo-{uuid.uuid4().hex[:8]}"
     cfg = dpo_config(mlflow_tracking_uri=mlflow_server.uri, mlflow_experiment=experiment, eval_steps=8)
     tags = lineage_tags("timers@v1", {name: {"digest": digest} for name, digest in DIGESTS.items()})
     lines = []
-    result = train(cfg, tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w1", log=lines.append, tags=tags)
+    result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w1", log=lines.append, tags=tags)
     client = mlflow_server.client()
     run = the_run(client, experiment)
     assert run.info.run_id == result.mlflow_run_id and run.info.run_name == "dpo" and run.info.status == "FINISHED"
@@ -58,21 +50,21 @@ def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow
     assert history("eval_reference_reward_accuracy")[-1][1] == pytest.approx(result.eval_metrics["eval_reference_reward_accuracy"])
 
     # Another attempt of the same run continues its MLflow run.
-    again = train(cfg, tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w2", log=lines.append, tags=tags)
+    again = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w2", log=lines.append, tags=tags)
     assert again.mlflow_run_id == run.info.run_id and the_run(client, experiment).info.status == "FINISHED"
     assert any("(resumed)" in line for line in lines)
 
 
-def test_a_tracker_that_does_not_answer_is_a_warning(tiny_model, shards, tmp_path):
+def test_a_tracker_that_does_not_answer_is_a_warning(pair_model, pair_shards, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     lines = []
-    result = train(dpo_config(max_steps=4, mlflow_tracking_uri=dead), tiny_model, shards, LocalStore(tmp_path / "store"), RUN,
+    result = train(dpo_config(max_steps=4, mlflow_tracking_uri=dead), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
                    tmp_path / "work", log=lines.append)  # fmt: skip
     assert result.steps == 4 and result.mlflow_run_id is None
     assert any(line.startswith(f"WARNING: MLflow at {dead} did not answer") and "training goes on" in line for line in lines)
 
 
-def test_a_tracker_that_dies_mid_run_is_a_warning(tiny_model, shards, tmp_path):
+def test_a_tracker_that_dies_mid_run_is_a_warning(pair_model, pair_shards, tmp_path):
     server = MlflowServer(tmp_path / "mlflow")
     (tmp_path / "mlflow").mkdir()
     server.start()
@@ -84,7 +76,7 @@ def test_a_tracker_that_dies_mid_run_is_a_warning(tiny_model, shards, tmp_path):
                 server.stop()
 
         cfg = dpo_config(mlflow_tracking_uri=server.uri)
-        result = train(cfg, tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lines.append, on_metrics=on_metrics)
+        result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lines.append, on_metrics=on_metrics)
     finally:
         server.stop()
     assert result.steps == 16 and result.mlflow_run_id is not None
@@ -92,14 +84,14 @@ def test_a_tracker_that_dies_mid_run_is_a_warning(tiny_model, shards, tmp_path):
     assert sum("tracking is off" in line for line in lines) == 1  # one warning, then no more calls
 
 
-def test_only_rank_0_of_a_data_parallel_run_tracks(mlflow_server, tiny_model, shards, tmp_path):
+def test_only_rank_0_of_a_data_parallel_run_tracks(mlflow_server, pair_model, pair_shards, tmp_path):
     experiment = f"ddp-{uuid.uuid4().hex[:8]}"
     cfg = dpo_config(num_processes=2, max_steps=4, logging_steps=2, per_device_batch_size=1, mlflow_tracking_uri=mlflow_server.uri,
                      mlflow_experiment=experiment)  # fmt: skip
     store_dir = tmp_path / "store"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               "-m", "ft_assets_tests.test_training", cfg.model_dump_json(), str(tiny_model), str(shards), str(store_dir),
+               "-m", "ft_assets_tests.test_training", cfg.model_dump_json(), str(pair_model), str(pair_shards), str(store_dir),
                str(tmp_path / "work")]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

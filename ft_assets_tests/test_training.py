@@ -19,9 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
 from ft_assets.shards import ShardWriter, load_packed_rows
 from ft_assets import layout
 from ft_assets.manifests import MANIFEST
@@ -41,85 +39,12 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training import recipe
 from ft_assets.training.loss import learned_tokens, token_loss_sum
 from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
+from ft_assets_tests.support import ONE_THREAD, RUN, SEQ_LEN, assert_same_weights, final_weights, training_config as config
 
-SEQ_LEN = 128  # fits two ~55-token tiny chat examples per row, so rows really are packed
-RUN = "runs/timers/v1/train/test"
-SYSTEM = "Reply with one JSON tool call."
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # --- fixtures: a tiny model and packed shards from the data plane's packer --------------------------
-
-
-def chat_examples(count: int) -> list[tuple[str, str]]:
-    examples = []
-    for i in range(count):
-        minutes = 1 + (i * 7) % 19
-        examples.append((f"Set a timer for {minutes} minutes.", json.dumps({"name": "set_timer", "arguments": {"minutes": minutes}})))
-    return examples
-
-
-def conversations(examples: list[tuple[str, str]]) -> list[tuple[str, list[dict]]]:
-    """(row id, messages) pairs, as the data plane hands them to the packer."""
-    roles = ("system", "user", "assistant")
-    return [
-        (f"timer-{i}", [{"role": role, "content": content} for role, content in zip(roles, (SYSTEM, user, reply))])
-        for i, (user, reply) in enumerate(examples)
-    ]
-
-
-def write_shards(model_dir: Path, out_dir: Path, split: str, examples: list[tuple[str, str]], rows_per_shard: int) -> None:
-    """Packed shards of ``examples`` at SEQ_LEN, made by the data plane's own tokenizer and packer."""
-    from transformers import AutoTokenizer
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
-    stats = tokenize_and_pack(iter(conversations(examples)), encoder, SEQ_LEN, out_dir, split, rows_per_shard=rows_per_shard)
-    assert stats.examples == len(examples), stats.rejected
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny models on 2 shared cores: intra-op threads spin against each other, 1 thread is ~10x faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """tiny.py's trainable Llama, with a tokenizer that knows this module's chat examples."""
-    from ft_assets_tests.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
-
-
-@pytest.fixture(scope="module")
-def shards(tiny_model, tmp_path_factory) -> Path:
-    examples = chat_examples(60)
-    out = tmp_path_factory.mktemp("shards")
-    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
-    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
-    return out
-
-
-def config(**overrides) -> TrainingConfig:
-    base = dict(
-        method="lora", lora_r=8, lora_alpha=16, learning_rate=2e-2, warmup_steps=2, max_steps=12,
-        per_device_batch_size=2, save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=SEQ_LEN,
-    )  # fmt: skip
-    return TrainingConfig(**(base | overrides))
-
-
-def final_weights(result) -> dict[str, torch.Tensor]:
-    name = "model.safetensors" if result.method == "full" else "adapter_model.safetensors"
-    return load_file(result.output_dir / name)
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-7), name
 
 
 # --- config and run id ---------------------------------------------------------------------------
@@ -299,14 +224,6 @@ def test_each_method_trains_and_lowers_the_loss(tiny_model, shards, tmp_path, me
     assert (result.output_dir / "tokenizer.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model, shards, tmp_path_factory):
-    """An uninterrupted run, to compare interrupted-and-resumed runs against."""
-    tmp = tmp_path_factory.mktemp("reference")
-    result = train(config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
-    return final_weights(result)
-
-
 def slow_worker(cfg_json: str, base: str, shards: str, store: str, work: str) -> None:
     """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
     torch.set_num_threads(1)
@@ -430,9 +347,6 @@ def test_save_total_limit_prunes_checkpoints_in_the_store(tiny_model, shards, tm
                    tmp_path / "work", log=lambda line: None)  # fmt: skip
     assert checkpoint_steps(store, RUN) == [10, 8]
     assert result.checkpoints == [store.uri(layout.checkpoint(RUN, 8)), store.uri(layout.checkpoint(RUN, 10))]
-
-
-ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def recipe_command(cfg: TrainingConfig, tiny_model, shards, store_dir, work_dir, launcher: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.storage import LocalStore
-from ft_assets_tests.test_pipeline import run_config, write_dataset
+from ft_assets_tests.support import run_config, write_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.planner import ModelShape, NoGpuFits, Throughput, flops_per_token, plan_training, throughput
 from ft_assets.manifests import read_manifest
-from ft_assets.materialize import Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import has_ref, read_ref
@@ -49,7 +49,7 @@ def _cost_model(path: str):
         raise dg.Failure(str(exc)) from exc
 
 
-@dg.asset(**CONTROL, kinds={"python"}, tags={"ft/pool": "any"})
+@dg.asset(**CONTROL, kinds={"python", "json", STORE_KIND}, tags={"ft/pool": "any"})
 def training_plan(
     context: dg.AssetExecutionContext, config: PlanConfig, store: ObjectStoreResource, tokenized_shards: dict, base_model: dict
 ) -> dg.Output[dict]:
@@ -163,7 +163,7 @@ def measurements(adapter: dict, plan: dict, store, retention_days: float) -> tup
     return measured, notes
 
 
-@dg.asset(**CONTROL, kinds={"python"}, tags={"ft/pool": "cpu"})
+@dg.asset(**CONTROL, kinds={"python", "json", STORE_KIND}, tags={"ft/pool": "cpu"})
 def training_cost(
     context: dg.AssetExecutionContext, config: CostConfig, store: ObjectStoreResource, lora_adapter: dict, training_plan: dict
 ) -> dg.Output[dict]:
@@ -221,7 +221,7 @@ def _eth_report(stats: dict):
     return EthReport(**fields)
 
 
-@dg.asset(**CONTROL, kinds={"python"}, tags={"ft/pool": "cpu"}, deps=["training_cost"])
+@dg.asset(**CONTROL, kinds={"python", "json", STORE_KIND}, tags={"ft/pool": "cpu"}, deps=["training_cost"])
 def cost_report(context: dg.AssetExecutionContext, store: ObjectStoreResource) -> dg.Output[dict]:
     """Every priced training run in the store, by dataset version: estimate vs actual, ETH, idle share."""
     with Materialization(context, store, "cost-report") as m:

@@ -25,7 +25,7 @@ from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFil
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
-from ft_assets.materialize import Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import join_key
@@ -75,7 +75,7 @@ def _mixture_component(m: Materialization, record: dict, mapping: ColumnMapping 
     return Component(record, _fetch_inputs(m, prefix, record["name"]), own or mapping)
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def raw_dataset(context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource) -> dg.Output[dict]:
     """Every input file of the dataset version (for a mixture, the rows drawn from its components),
     normalized to one chat schema; bad rows quarantined. Where the version came from is in its stats."""
@@ -138,7 +138,7 @@ def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def cleaned_dataset(
     context: dg.AssetExecutionContext, config: CleanConfig, store: ObjectStoreResource, raw_dataset: dict
 ) -> dg.Output[dict]:
@@ -170,7 +170,7 @@ def cleaned_dataset(
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def deduplicated_dataset(
     context: dg.AssetExecutionContext, config: DedupConfig, store: ObjectStoreResource, cleaned_dataset: dict
 ) -> dg.Output[dict]:
@@ -197,7 +197,7 @@ def deduplicated_dataset(
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def train_eval_split(
     context: dg.AssetExecutionContext, config: SplitConfig, store: ObjectStoreResource, deduplicated_dataset: dict
 ) -> dg.Output[dict]:
@@ -229,7 +229,7 @@ def _accounting_line(acc: dict) -> str:
     )
 
 
-@dg.asset(**DATA, kinds={"python", "parquet"})
+@dg.asset(**DATA, kinds={"huggingface", "parquet", STORE_KIND})
 def tokenized_shards(
     context: dg.AssetExecutionContext,
     config: TokenizeConfig,

@@ -10,8 +10,25 @@ class MergeConfig(dg.Config):
 
 
 class GgufConfig(dg.Config):
-    qtypes: list[str] = Field(default=["f16", "q8_0"], description="GGUF quantization types to export (f32, f16, q8_0, q4_0).")
-    verify: bool = Field(default=True, description="Load each GGUF back with transformers and compare logits with the merged model.")
+    qtypes: list[str] = Field(
+        default=["f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"],
+        description="GGUF types to export: f32, f16, q8_0, q4_0 (written here) and q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer on the f16 file).",
+    )
+    verify: bool = Field(default=True, description="Also load each file written here back with transformers and compare logits with the merged model.")
+    ship: str = Field(
+        default="auto",
+        description=(
+            "The GGUF that ships (scored by eval_report, served by serving_smoke, FROM of the Modelfile): one of qtypes, or 'auto' = "
+            "the smallest file whose logit error through llama.cpp is within ship_max_rel_error (the most accurate file when none is)."
+        ),
+    )
+    ship_max_rel_error: float = Field(
+        default=0.08,
+        description=(
+            "For ship='auto': the largest relative logit error against the merged model (through llama.cpp) a shipped file may have; "
+            "0.08 is the bound a Q8_0 file is held to (gguf_export.TOLERANCES)."
+        ),
+    )
     system_prompt: str = Field(default="", description="SYSTEM line of the Ollama Modelfile (empty: none).")
 
 
@@ -21,13 +38,31 @@ class EvalConfig(dg.Config):
         description="Task metric on generations: exact_match, token_f1 or rouge_l. A preference (DPO) run is scored on its "
         "held-out pairs instead: reward_accuracy.",
     )
-    max_examples: int = Field(default=100, description="Eval conversations to generate answers for (the first N of the fixed eval split).")
+    max_examples: int = Field(
+        default=100,
+        description="Eval conversations to generate answers for (the first N of the fixed eval split); preference runs: eval pairs to score.",
+    )
     max_new_tokens: int = Field(default=96, description="Generation budget per answer.")
     min_improvement: float = Field(
         default=0.05,
         description="Blocking gate: the fine-tuned metric (preference runs: reward accuracy) must beat the base's by at least this "
         "much (absolute, 0.05 = 5 points).",
     )
+    max_gguf_drop: float = Field(
+        default=0.05,
+        description=(
+            "Blocking gate: the shipped GGUF, answering through llama.cpp, may score at most this much below the merged model "
+            "on the same prompts and metric (absolute, 0.05 = 5 points)."
+        ),
+    )
+
+
+class ServingConfig(dg.Config):
+    prompts: list[str] = Field(
+        default=["Say hello.", "What is the weather in Paris in celsius?"],
+        description="One chat completion per prompt is asked of the OpenAI-compatible server on the published GGUF.",
+    )
+    max_tokens: int = Field(default=32, description="Generation budget per smoke answer.")
 
 
 class PublishConfig(dg.Config):

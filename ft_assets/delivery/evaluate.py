@@ -18,7 +18,8 @@ generation: each model's **reward accuracy** (the fraction of pairs whose chosen
 higher log-probability than the rejected one) and **reward margin** (the mean of beta x the
 difference of those log-probabilities), base and tuned alike, and the DPO loss of the tuned model
 against the base, the same loss as in training (``ft_assets.training.loss``). The tuned margin minus
-the base's is the mean DPO implicit reward margin. Reward accuracy is the gate's metric.
+the base's is the mean DPO implicit reward margin. Reward accuracy is the gate's metric, for the
+shipped GGUF too: llama.cpp's logits give its log-probabilities of the same pairs (``gguf_pair_scores``).
 """
 
 from __future__ import annotations
@@ -141,34 +142,73 @@ def score_model(model, tokenizer, examples: list[EvalExample], shards_dir: Path,
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     loss = eval_loss(model, shards_dir)
     answers = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens, log)
+    return ModelScore(loss, math.exp(min(loss, 50.0)), task_metric(answers, examples, metric), answers)
+
+
+def task_metric(answers: list[str], examples: list[EvalExample], metric: str) -> float:
+    """The mean of ``metric`` over the answers, each against its example's reference.
+
+    The same function scores the merged model (transformers) and the shipped GGUF (llama.cpp greedy chat
+    answers to the same prompts, ``ft_assets.delivery.llamacpp.chat_answers``).
+    """
     scorer = SCORERS[metric]
-    value = sum(scorer(a, e.reference) for a, e in zip(answers, examples)) / max(len(examples), 1)
-    return ModelScore(loss, math.exp(min(loss, 50.0)), value, answers)
+    return sum(scorer(a, e.reference) for a, e in zip(answers, examples, strict=True)) / max(len(examples), 1)
 
 
-def comparison_table(examples: list[EvalExample], base: ModelScore, tuned: ModelScore, n: int = 5, width: int = 90) -> str:
+def gate(
+    metric: str, base_metric: float, finetuned_metric: float, gguf_metric: float, min_improvement: float, max_gguf_drop: float
+) -> dict:
+    """The eval gate: the fine-tuned model beats its base by ``min_improvement``, and the shipped GGUF stays
+    within ``max_gguf_drop`` of the fine-tuned model (same prompts, same metric); ``passed`` when both hold."""
+    improvement = finetuned_metric - base_metric
+    gguf_drop = finetuned_metric - gguf_metric
+    return {
+        "metric_name": metric,
+        "base_metric": base_metric,
+        "finetuned_metric": finetuned_metric,
+        "gguf_metric": gguf_metric,
+        "improvement": improvement,
+        "min_improvement": min_improvement,
+        "gguf_drop": gguf_drop,
+        "max_gguf_drop": max_gguf_drop,
+        "beats_base": improvement >= min_improvement,
+        "gguf_within_drop": gguf_drop <= max_gguf_drop,
+        "passed": improvement >= min_improvement and gguf_drop <= max_gguf_drop,
+    }
+
+
+def comparison_table(
+    examples: list[EvalExample], base: ModelScore, tuned: ModelScore, gguf: list[str], gguf_label: str, n: int = 5, width: int = 90
+) -> str:
     def cell(text: str) -> str:
         text = text.replace("|", "\\|").replace("\n", " ")
         return text[:width] + ("…" if len(text) > width else "")
 
-    lines = ["| prompt | reference | base | fine-tuned |", "| --- | --- | --- | --- |"]
-    for example, a, b in list(zip(examples, base.answers, tuned.answers))[:n]:
+    lines = [f"| prompt | reference | base | fine-tuned | {gguf_label} |", "| --- | --- | --- | --- | --- |"]
+    for example, a, b, c in list(zip(examples, base.answers, tuned.answers, gguf))[:n]:
         prompt = next((m["content"] for m in reversed(example.prompt) if m["role"] == "user"), "")
-        lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} |")
+        lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} | {cell(c)} |")
     return "\n".join(lines)
 
 
 # --- preference pairs --------------------------------------------------------------------------------
 
 
-def eval_pairs(shards_dir: Path):
-    """The packed eval pairs (``pairs-eval-*.parquet``)."""
+def eval_pairs(shards_dir: Path, limit: int):
+    """The first ``limit`` packed eval pairs (``pairs-eval-*.parquet``, row by row): every model is scored on these."""
+    from dataclasses import replace
+
     from ft_assets.shards import load_pair_rows
 
     rows = load_pair_rows(shards_dir, "eval", max_seq_len=1 << 30)
     if rows is None:
         raise FileNotFoundError(f"no pairs-eval-*.parquet shards in {shards_dir}")
-    return rows
+    kept = rows.pair_mask & (rows.pair_mask.flatten().cumsum(0).view_as(rows.pair_mask) <= limit)
+    used = kept.any(dim=1)
+    return replace(
+        rows, input_ids=rows.input_ids[used], labels=rows.labels[used], position_ids=rows.position_ids[used],
+        segment_ids=rows.segment_ids[used], pair_mask=kept[used],
+    )  # fmt: skip
 
 
 def pair_scores(model, rows, batch_size: int = 4):
@@ -176,6 +216,33 @@ def pair_scores(model, rows, batch_size: int = 4):
     from ft_assets.training.loss import all_pair_logps
 
     return all_pair_logps(model, rows, batch_size, model.device)[0]
+
+
+def gguf_pair_scores(path: Path, rows):
+    """The same log-probabilities as ``pair_scores``, of a GGUF file through llama.cpp: each sequence evaluated
+    alone (its own positions, as in the packed rows), the log-softmax of its logits summed over the reply's tokens."""
+    import numpy as np
+    import torch
+
+    from ft_assets.delivery import llamacpp
+    from ft_assets.shards import IGNORE_INDEX
+    from ft_assets.training.loss import PairLogps
+
+    llm = llamacpp.load(path, logits_all=True, n_ctx=max(llamacpp.N_CTX, rows.seq_len))
+    sums, tokens = torch.zeros(rows.pair_mask.shape + (2,)), torch.zeros(rows.pair_mask.shape + (2,))
+    try:
+        for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
+            for side in (0, 1):
+                where = rows.segment_ids[row] == 2 * k + side
+                ids, labels = rows.input_ids[row][where].tolist(), rows.labels[row][where].numpy()
+                logits = llamacpp.logits(llm, ids)[:-1].astype(np.float64)
+                logps = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+                learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
+                sums[row, k, side] = float(logps[learned, labels[1:][learned]].sum())
+                tokens[row, k, side] = len(learned)
+    finally:
+        llm.close()
+    return PairLogps(sums[..., 0], sums[..., 1], tokens[..., 0], tokens[..., 1])
 
 
 def preference_scores(tuned, base, rows, beta: float, loss_type: str) -> dict:

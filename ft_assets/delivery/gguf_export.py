@@ -21,6 +21,22 @@ template) and writes one GGUF file with the ``gguf`` package, in Python, followi
   token types, merges, special ids, add-BOS/EOS flags) with the pre-tokenizer named from the shape of
   tokenizer.json's pre_tokenizer, plus ``tokenizer.chat_template``.
 
+The names and keys are llama.cpp's own, checked against its source (the copy vendored in
+llama-cpp-python 0.3.36): ``src/llama-vocab.cpp`` (``llama_vocab::impl::load``) accepts
+``tokenizer.ggml.pre = "gpt-2"`` for GPT-2's byte-level regex and ``"smollm"`` for SmolLM's (each digit
+split off first, then GPT-2's regex) and stops on anything else with "unknown pre-tokenizer type" --
+``"gpt2"`` is only a ``tokenizer.ggml.model`` value there; ``convert_hf_to_gguf.py``
+(``TextModel.set_gguf_parameters``, ``LlamaModel.set_gguf_parameters``, ``_set_vocab_gpt2``) writes, for
+a ``LlamaForCausalLM``, the keys ``_add_llama_hparams`` writes (context and embedding length, block
+count, feed-forward length, head counts, RoPE base and dimension count, RMS-norm epsilon, vocabulary
+size, key/value length when config.json has ``head_dim``), and marks added tokens that are special or
+look like ``<|...|>`` as CONTROL, the others USER_DEFINED. ``src/llama-model.cpp`` and
+``src/models/llama.cpp`` read those for the llama architecture; the optional keys they also read (RoPE
+scaling, experts, sliding window) do not apply to the plain Llama models accepted here (scaled RoPE
+and biases are refused). A tokenizer llama.cpp cannot reproduce (another
+pre-tokenizer, a normalizer, byte fallback, added tokens that strip neighbouring spaces, a non-byte-level
+decoder) is refused with what to change, instead of a file that loads and tokenizes differently.
+
 ``verify_gguf`` loads the file back with transformers (model and tokenizer from the GGUF alone, in a
 directory holding nothing else) and compares it with the source: token ids of raw and chat-rendered
 prompts, the chat template and its rendering, and the next-token logits on the chat-rendered prompts.
@@ -60,6 +76,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -92,11 +109,15 @@ VERIFY_PROMPTS = (
     "Convert 19 km to m, then say café twice!",
 )
 
-# tokenizer.json pre_tokenizer shape -> llama.cpp's pre-tokenizer name (tokenizer.ggml.pre). llama.cpp's
-# converter recognises models by hashing a tokenization; here the two shapes this project meets are
-# matched directly and anything else is refused rather than guessed.
+# tokenizer.json pre_tokenizer shape -> llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), as spelled in
+# llama.cpp's src/llama-vocab.cpp. llama.cpp's converter recognises models by hashing a tokenization; here
+# the two shapes this project meets are matched directly and anything else is refused rather than guessed.
 _GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 _SMOLLM_DIGITS = {"type": "Digits", "individual_digits": True}
+# tokenizer.json model options of the tokenizers library that llama.cpp's BPE does not implement.
+_BPE_OPTIONS_LLAMACPP_LACKS = ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges")
+GPT2_PRE = "gpt-2"  # LLAMA_VOCAB_PRE_TYPE_GPT2: 's|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
+SMOLLM_PRE = "smollm"  # LLAMA_VOCAB_PRE_TYPE_SMOLLM: \p{N} first, then the GPT-2 regex
 
 
 class GgufExportError(ValueError):
@@ -159,7 +180,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "f16",
         "bytes": out_path.stat().st_size,
         "tensor_count": sum(tensor_types.values()),
         "tensor_types": dict(tensor_types),
-        "sha256": _sha256(out_path),
+        "sha256": file_sha256(out_path),
     }
 
 
@@ -198,30 +219,16 @@ def verify_gguf(
             texts.append(rendered)
     token_mismatches = [t for t in texts if source_tok(t).input_ids != gguf_tok(t).input_ids]
 
-    squared_diff = squared_ref = kl_sum = 0.0
-    max_abs_diff = 0.0
-    top1_same = positions = 0
+    pairs = []
     with torch.inference_mode():
         for text in texts[1::2] if source_tok.chat_template else texts:
             ids = torch.tensor([source_tok(text).input_ids])
-            ref = source(input_ids=ids).logits[0].double()
-            got = exported(input_ids=ids).logits[0].double()
-            diff = got - ref
-            squared_diff += float((diff**2).sum())
-            squared_ref += float((ref**2).sum())
-            max_abs_diff = max(max_abs_diff, float(diff.abs().max()))
-            ref_logp, got_logp = ref.log_softmax(-1), got.log_softmax(-1)
-            kl_sum += float((ref_logp.exp() * (ref_logp - got_logp)).sum())
-            top1_same += int((got.argmax(-1) == ref.argmax(-1)).sum())
-            positions += ids.shape[1]
-    rel_error = (squared_diff / squared_ref) ** 0.5
-    logits_ok = rel_error <= TOLERANCES[qtype]
+            pairs.append((source(input_ids=ids).logits[0].numpy(), exported(input_ids=ids).logits[0].numpy()))
+    agreement = logit_agreement(pairs)
+    logits_ok = agreement["rel_error"] <= TOLERANCES[qtype]
     return {
         "qtype": qtype,
-        "rel_error": rel_error,
-        "max_abs_diff": max_abs_diff,
-        "top1_agreement": top1_same / positions,
-        "kl_divergence": kl_sum / positions,  # mean KL(source || gguf) of the next-token distribution, nats
+        **agreement,
         "tolerance": TOLERANCES[qtype],
         "logits_ok": logits_ok,
         "tokens_match": not token_mismatches,
@@ -231,25 +238,107 @@ def verify_gguf(
     }
 
 
-# ChatML as Ollama's Go template: the same text the HF template renders, generation prompt included.
-OLLAMA_CHATML_TEMPLATE = (
-    "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
-    "{{ range .Messages }}"
-    '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n'
-    '{{ else if eq .Role "assistant" }}{{ .Content }}<|im_end|>\n{{ end }}'
-    "{{ end }}"
-)
+def logit_agreement(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """How close exported logits are to the source's, over (source, exported) arrays of [positions, vocab].
+
+    ``rel_error`` = ||exported - source|| / ||source|| over every position and vocabulary entry,
+    ``max_abs_diff``, ``top1_agreement`` (share of positions whose argmax agrees) and ``kl_divergence``
+    (mean KL(source || exported) of the next-token distribution, nats).
+    """
+    squared_diff = squared_ref = kl_sum = max_abs_diff = 0.0
+    top1_same = positions = 0
+    for source, exported in pairs:
+        ref, got = np.asarray(source, dtype=np.float64), np.asarray(exported, dtype=np.float64)
+        diff = got - ref
+        squared_diff += float((diff**2).sum())
+        squared_ref += float((ref**2).sum())
+        max_abs_diff = max(max_abs_diff, float(np.abs(diff).max()))
+        ref_logp, got_logp = _log_softmax(ref), _log_softmax(got)
+        kl_sum += float((np.exp(ref_logp) * (ref_logp - got_logp)).sum())
+        top1_same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        positions += ref.shape[0]
+    return {
+        "rel_error": (squared_diff / squared_ref) ** 0.5,
+        "max_abs_diff": max_abs_diff,
+        "top1_agreement": top1_same / positions,
+        "kl_divergence": kl_sum / positions,
+    }
 
 
-def write_modelfile(gguf_filename: str, out_path: str | Path, system: str | None = None) -> None:
-    """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory."""
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _ollama_chatml(default_system: str) -> str:
+    """ChatML as Ollama's Go template: the text the HF template renders, generation prompt included, and the
+    template's own system prompt when the conversation brings none."""
+    fallback = f"{{{{ else }}}}<|im_start|>system\n{default_system}<|im_end|>\n" if default_system else ""
+    return (
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n" + fallback + "{{ end }}"
+        "{{ range .Messages }}"
+        '{{ if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n<|im_start|>assistant\n'
+        '{{ else if eq .Role "assistant" }}{{ .Content }}<|im_end|>\n{{ end }}'
+        "{{ end }}"
+    )
+
+
+def ollama_template(chat_template: str | None) -> str:
+    """The Modelfile TEMPLATE (Ollama's Go template) that renders what ``chat_template`` renders.
+
+    ``chat_template`` is the Jinja template embedded in the GGUF, which llama.cpp (and llama_cpp.server)
+    apply. Probe conversations are rendered with it: a ChatML template, with or without a default system
+    prompt when the conversation has none, becomes the ChatML Go template; any other is refused, since a
+    Modelfile whose TEMPLATE differs from the file's would prompt the model differently under Ollama.
+    """
+    if not chat_template:
+        raise GgufExportError("the model has no chat template; add one to tokenizer_config.json or chat_template.jinja")
+    turn = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    alone = _render(chat_template, [{"role": "user", "content": "Q"}])
+    prefix = alone[: -len(turn)] if alone.endswith(turn) else None
+    default = re.fullmatch(r"<\|im_start\|>system\n(.*)<\|im_end\|>\n", prefix or "", re.DOTALL)
+    conversation = [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "Q"},
+    ]  # fmt: skip
+    chatml = "<|im_start|>system\nS<|im_end|>\n" + turn + "A<|im_end|>\n" + turn
+    if prefix is None or (prefix and not default) or _render(chat_template, conversation) != chatml:
+        raise GgufExportError(
+            "the chat template does not render ChatML (<|im_start|>role ... <|im_end|>), the only one translated to an "
+            f"Ollama TEMPLATE here; it renders {alone!r} for one user turn. Write the Modelfile's TEMPLATE by hand"
+        )
+    system = default.group(1) if default else ""
+    if "{{" in system or '"""' in system:
+        raise GgufExportError(f"the chat template's default system prompt {system!r} cannot be written into a Modelfile TEMPLATE")
+    return _ollama_chatml(system)
+
+
+def _render(chat_template: str, messages: list[dict]) -> str:
+    """Render a chat template as transformers and llama-cpp-python do (sandboxed Jinja, generation prompt on)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise GgufExportError(f"the chat template refused a probe conversation: {message}")
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(chat_template).render(
+        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token="", eos_token=""
+    )
+
+
+def write_modelfile(gguf_filename: str, out_path: str | Path, chat_template: str | None, system: str | None = None) -> None:
+    """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory.
+
+    ``FROM`` is the GGUF file (the one that ships), ``TEMPLATE`` renders what its embedded chat template
+    renders (``ollama_template``).
+    """
     if "/" in gguf_filename or "\\" in gguf_filename:
         raise ValueError(f"gguf_filename must be a bare file name next to the Modelfile, got {gguf_filename!r}")
     if system is not None and '"""' in system:
         raise ValueError('the system prompt cannot contain """ (it ends the Modelfile block); rephrase it')
     lines = [
         f"FROM ./{gguf_filename}",
-        f'TEMPLATE """{OLLAMA_CHATML_TEMPLATE}"""',
+        f'TEMPLATE """{ollama_template(chat_template)}"""',
         'PARAMETER stop "<|im_end|>"',
     ]
     if system:
@@ -257,11 +346,19 @@ def write_modelfile(gguf_filename: str, out_path: str | Path, system: str | None
     Path(out_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def modelfile_gguf(modelfile: str | Path) -> str:
+    """The GGUF file name a Modelfile written by ``write_modelfile`` names in ``FROM ./<file>``."""
+    for line in Path(modelfile).read_text(encoding="utf-8").splitlines():
+        if line.startswith("FROM ./"):
+            return line.removeprefix("FROM ./").strip()
+    raise GgufExportError(f"{modelfile} has no 'FROM ./<file>.gguf' line")
+
+
 def _quant_types(qtype: str) -> tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]:
     if qtype not in _QUANT:
         raise GgufExportError(
             f"qtype {qtype!r} is not supported; choose one of {', '.join(SUPPORTED_QTYPES)} "
-            "(K-quants need llama.cpp's llama-quantize on the f16 file)"
+            "(K-quants are made from the f16 file by llama.cpp's quantizer: ft_assets.delivery.llamacpp.quantize)"
         )
     return _QUANT[qtype]
 
@@ -302,10 +399,10 @@ def _add_llama_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
-    # transformers reads rope.dimension_count back as head_dim; llama.cpp wants the key/value widths
-    # spelled out only when heads are not hidden_size / n_head wide.
+    # transformers reads rope.dimension_count back as head_dim; llama.cpp takes the key/value widths from
+    # attention.key_length/value_length (default hidden_size / n_head), written as the converter does.
     writer.add_rope_dimension_count(head_dim)
-    if head_dim != config["hidden_size"] // n_head:
+    if "head_dim" in config or head_dim != config["hidden_size"] // n_head:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
@@ -322,8 +419,28 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], st
             f"{path}: model type {model.get('type')!r} (byte_fallback={model.get('byte_fallback')}) is not "
             "a byte-level BPE; only GPT-2 style tokenizers are exported"
         )
+    for key in _BPE_OPTIONS_LLAMACPP_LACKS:
+        if model.get(key):
+            raise GgufExportError(
+                f"{path}: model.{key} = {model[key]!r}; llama.cpp's BPE for the gpt-2/smollm pre-tokenizers "
+                "has no such option, so it would tokenize differently. Export a tokenizer without it"
+            )
     if tokenizer.get("normalizer") is not None:
         raise GgufExportError(f"{path}: a normalizer is set; llama.cpp's byte-level BPE has none")
+    decoder = tokenizer.get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        raise GgufExportError(
+            f"{path}: decoder {json.dumps(decoder)} is not ByteLevel; llama.cpp decodes byte-level BPE tokens "
+            "as GPT-2 bytes, so its text would differ from the tokenizer's"
+        )
+    for entry in tokenizer.get("added_tokens", []):
+        stripping = [key for key in ("lstrip", "rstrip", "single_word") if entry.get(key)]
+        if stripping:
+            raise GgufExportError(
+                f"{path}: added token {entry['content']!r} (id {entry['id']}) sets {', '.join(stripping)}; GGUF has no "
+                "key for that, so llama.cpp would keep the spaces the tokenizer strips. Set them false and retrain "
+                "the embedding of that token, or export another tokenizer"
+            )
     pre = pre_tokenizer_name(tokenizer.get("pre_tokenizer"))
 
     by_id = {index: token for token, index in model["vocab"].items()}
@@ -336,9 +453,10 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], st
     tokens, types = [], []
     for index in range(n_vocab):  # ids the tokenizer never produces (embedding padding) become [PADn]
         if index in added:
-            tokens.append(added[index]["content"])
-            special = added[index]["special"]
-            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+            content = added[index]["content"]
+            tokens.append(content)
+            control = added[index]["special"] or (content.startswith("<|") and content.endswith("|>"))
+            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
         elif index in by_id:
             tokens.append(by_id[index])
             types.append(gguf.TokenType.NORMAL)
@@ -349,13 +467,13 @@ def _read_vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], st
 
 
 def pre_tokenizer_name(pre_tokenizer: dict | None) -> str:
-    """llama.cpp's name for a tokenizer.json ``pre_tokenizer``: "gpt2" or "smollm"; refuses others."""
+    """llama.cpp's name for a tokenizer.json ``pre_tokenizer``: "gpt-2" or "smollm"; refuses others."""
 
     def is_gpt2(step: dict) -> bool:
         return all(step.get(key) == value for key, value in _GPT2_BYTE_LEVEL.items())
 
     if pre_tokenizer and is_gpt2(pre_tokenizer):
-        return "gpt2"
+        return GPT2_PRE
     steps = (pre_tokenizer or {}).get("pretokenizers", [])
     if (
         (pre_tokenizer or {}).get("type") == "Sequence"
@@ -363,10 +481,11 @@ def pre_tokenizer_name(pre_tokenizer: dict | None) -> str:
         and all(steps[0].get(key) == value for key, value in _SMOLLM_DIGITS.items())
         and is_gpt2(steps[1])
     ):
-        return "smollm"
+        return SMOLLM_PRE
     raise GgufExportError(
         f"tokenizer.json pre_tokenizer {json.dumps(pre_tokenizer)} is not one llama.cpp is known to match "
-        "here (GPT-2 ByteLevel, or SmolLM's Digits + ByteLevel); add its llama.cpp name to gguf_export"
+        "here (GPT-2 ByteLevel, or SmolLM's Digits + ByteLevel); find its name in llama.cpp's "
+        "src/llama-vocab.cpp, add the shape to gguf_export and check it with ft_assets_tests/test_llamacpp.py"
     )
 
 
@@ -414,7 +533,7 @@ def _tensor_type(gguf_name: str, shape: tuple[int, ...], weight_type: gguf.GGMLQ
     return weight_type
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(8 * 1024 * 1024):

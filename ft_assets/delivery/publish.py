@@ -27,6 +27,11 @@ LINEAGE_CHAIN = (
     "eval_report",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# eval_report's figures a lineage keeps: the gate's inputs, the shipped GGUF's score among them.
+EVAL_FIGURES = (
+    "metric_name", "base_metric", "finetuned_metric", "base_eval_loss", "finetuned_eval_loss", "improvement",
+    "gguf_file", "gguf_qtype", "gguf_metric", "gguf_drop",
+)  # fmt: skip
 
 
 def code_version() -> str:
@@ -74,7 +79,7 @@ def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> 
             "steps": adapter["stats"]["steps"],
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
         },
-        "eval": {k: evaluation["stats"][k] for k in ("metric_name", "base_metric", "finetuned_metric", "base_eval_loss", "finetuned_eval_loss", "improvement")},
+        "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
         "gguf": gguf["stats"]["files"],
         "artifacts": [
             {

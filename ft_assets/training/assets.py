@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ft_assets import layout
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
-from ft_assets.materialize import Materialization, op_config, ref_metadata
+from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart
 from ft_assets.refs import make_ref, read_ref
@@ -53,7 +53,7 @@ class BaseModelConfig(dg.Config):
     partitions_def=dataset_version,
     group_name="training",
     io_manager_key="refs",
-    kinds={"pytorch", "safetensors"},
+    kinds={"huggingface", "safetensors", STORE_KIND},
     tags={"ft/pool": "any"},
 )
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store: ObjectStoreResource) -> dg.Output[dict]:
@@ -154,7 +154,7 @@ def free_port() -> int:
     partitions_def=dataset_version,
     group_name="training",
     io_manager_key="refs",
-    kinds={"pytorch"},
+    kinds={"pytorch", "huggingface", STORE_KIND},
     tags={"ft/pool": "gpu"},
 )
 def lora_adapter(

@@ -98,8 +98,8 @@ class SpotNoticeWatcher:
     waits for the upload and exits with ``EXIT_PREEMPTED``, which the run retry resumes elsewhere.
     """
 
-    def __init__(self, poll_s: float = SPOT_POLL_S, timeout_s: float = IMDS_TIMEOUT_S, log=logger.warning):
-        self.poll_s, self.timeout_s, self.log = poll_s, timeout_s, log
+    def __init__(self, poll_s: float | None = None, timeout_s: float = IMDS_TIMEOUT_S, log=logger.warning):
+        self.poll_s, self.timeout_s, self.log = poll_s or SPOT_POLL_S, timeout_s, log
         self.notice: dict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

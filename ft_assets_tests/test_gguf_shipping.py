@@ -1,0 +1,59 @@
+"""Which GGUF ships, and the gate it must pass: plain functions, no llama.cpp needed."""
+
+import pytest
+
+from ft_assets.delivery.evaluate import gate
+from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf, write_modelfile
+from ft_assets.delivery.llamacpp import choose_shipped
+from ft_assets_tests.tiny import CHATML_TEMPLATE
+
+# name -> qtype, MB, relative logit error through llama.cpp: SmolLM2-135M's (benchmarks/results/gguf_runtime.json)
+FILES = {
+    f"m-{qtype}.gguf": {"qtype": qtype, "bytes": int(mb * 1e6), "llamacpp": {"rel_error": error}}
+    for qtype, mb, error in [
+        ("f16", 270.9, 0.0019), ("q8_0", 144.8, 0.048), ("q6_k", 138.4, 0.067), ("q5_k_m", 112.1, 0.27), ("q4_k_m", 105.5, 0.14)
+    ]
+}
+
+SHIP_CASES = [
+    ("auto: smallest within tolerance", "auto", 0.05, "m-q8_0.gguf"),
+    ("auto: looser tolerance, smaller file", "auto", 0.15, "m-q4_k_m.gguf"),
+    ("auto: none within, the most accurate", "auto", 0.001, "m-f16.gguf"),
+    ("named type", "q6_k", 0.05, "m-q6_k.gguf"),
+]
+
+
+@pytest.mark.parametrize("case, ship, max_rel_error, shipped", SHIP_CASES, ids=[c[0] for c in SHIP_CASES])
+def test_choose_shipped(case, ship, max_rel_error, shipped):
+    assert choose_shipped(FILES, ship, max_rel_error) == shipped
+
+
+def test_choose_shipped_refuses_a_type_not_exported():
+    with pytest.raises(ValueError, match="q4_0"):
+        choose_shipped(FILES, "q4_0", 0.05)
+
+
+GATE_CASES = [  # base, fine-tuned, gguf -> beats_base, gguf_within_drop
+    ("both hold", 0.1, 0.9, 0.9, True, True),
+    ("gguf a little worse", 0.1, 0.9, 0.86, True, True),
+    ("gguf too much worse", 0.1, 0.9, 0.8, True, False),
+    ("gguf better", 0.1, 0.9, 1.0, True, True),
+    ("no improvement", 0.5, 0.52, 0.52, False, True),
+]
+
+
+@pytest.mark.parametrize("case, base, tuned, gguf, beats_base, within", GATE_CASES, ids=[c[0] for c in GATE_CASES])
+def test_gate(case, base, tuned, gguf, beats_base, within):
+    stats = gate("exact_match", base, tuned, gguf, min_improvement=0.05, max_gguf_drop=0.05)
+    assert (stats["beats_base"], stats["gguf_within_drop"]) == (beats_base, within)
+    assert stats["passed"] == (beats_base and within)
+    assert stats["gguf_drop"] == pytest.approx(tuned - gguf)
+    assert stats["gguf_metric"] == gguf
+
+
+def test_modelfile_names_the_shipped_file(tmp_path):
+    write_modelfile("acks-v1-q8_0.gguf", tmp_path / "Modelfile", CHATML_TEMPLATE)
+    assert modelfile_gguf(tmp_path / "Modelfile") == "acks-v1-q8_0.gguf"
+    (tmp_path / "Other").write_text('TEMPLATE """x"""\n')
+    with pytest.raises(GgufExportError, match="no 'FROM ./<file>.gguf' line"):
+        modelfile_gguf(tmp_path / "Other")
