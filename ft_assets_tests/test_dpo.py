@@ -112,6 +112,19 @@ def test_dpo_loss_equals_trls_on_random_inputs(loss_type, seed):
     assert ours.item() == pytest.approx(trl_dpo_loss(loss_type, beta, per_token, completion, ref), rel=1e-6)
 
 
+BAD_SETTINGS = [
+    ({"dpo_beta": 0}, "dpo_beta must be > 0"),
+    ({"dpo_loss": "kto"}, "dpo_loss"),
+    ({"report_to": ["mlflow"]}, "for MLflow set mlflow_tracking_uri"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
+def test_dpo_and_tracking_settings_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingConfig(**overrides)
+
+
 # --- log-probabilities of packed pairs -------------------------------------------------------------
 
 
