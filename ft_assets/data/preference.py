@@ -129,15 +129,17 @@ def is_pair(messages: list[dict]) -> bool:
 # --- which kind a version is -----------------------------------------------------------------------
 
 
-def _last_roles(messages) -> np.ndarray:
-    """The role of every row's last turn ('' for a row without turns), from the Arrow column without converting rows."""
+def _ends_in_rejected(messages) -> np.ndarray:
+    """Whether each row's last turn is a rejected reply, from the Arrow column without converting rows to Python."""
+    import pyarrow.compute as pc
+
     offsets = messages.offsets.to_numpy()
-    roles = np.array(messages.values.field("role").to_pylist(), dtype=object)
+    rejected = pc.equal(messages.values.field("role"), REJECTED).to_numpy(zero_copy_only=False)
     ends = offsets[1:]
-    last = np.full(len(ends), "", dtype=object)
+    found = np.zeros(len(ends), dtype=bool)
     filled = ends > offsets[:-1]
-    last[filled] = roles[ends[filled] - 1]
-    return last
+    found[filled] = rejected[ends[filled] - 1]
+    return found
 
 
 def dataset_kind(rows_path: Path) -> str:
@@ -150,7 +152,7 @@ def dataset_kind(rows_path: Path) -> str:
 
     first: dict[str, dict[str, str]] = {}  # file -> kind -> its first row's source
     for batch in iter_batches(rows_path, columns=["source", "messages"]):
-        kinds = np.where(_last_roles(batch.column("messages")) == REJECTED, PREFERENCE, CHAT)
+        kinds = np.where(_ends_in_rejected(batch.column("messages")), PREFERENCE, CHAT)
         for source, kind in zip(batch.column("source").to_pylist(), kinds.tolist()):
             first.setdefault(_ROW_NUMBER.sub("", source), {}).setdefault(kind, source)
     for file, seen in first.items():
