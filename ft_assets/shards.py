@@ -194,21 +194,15 @@ def load_packed_rows(shards_dir: Path, split: str, max_seq_len: int) -> PackedRo
 
 
 @dataclass(frozen=True)
-class PairRows:
-    """Rows of packed preference pairs (``pair_split`` shards)."""
+class PairRows(PackedRows):
+    """Rows of packed preference pairs (``pair_split`` shards): packed rows plus which sequence is which.
 
-    input_ids: torch.Tensor  # (rows, seq_len) int32
-    labels: torch.Tensor  # input_ids on each final reply (and its end-of-turn marker), else IGNORE_INDEX
-    position_ids: torch.Tensor  # restart at 0 at every sequence (and the padding tail)
+    ``labels`` are the input ids on each final reply (and its end-of-turn marker); ``position_ids``
+    restart at every sequence (chosen and rejected alike).
+    """
+
     segment_ids: torch.Tensor  # 2k: pair k's chosen sequence, 2k + 1: its rejected one, -1: padding
     pair_mask: torch.Tensor  # (rows, pairs_per_row) bool: which pair slots of a row hold a pair
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
 
     @property
     def pairs(self) -> int:
@@ -219,9 +213,7 @@ class PairRows:
 
         index = torch.tensor(indices)
         return {
-            "input_ids": self.input_ids[index].to(device, torch.long),
-            "labels": self.labels[index].to(device, torch.long),
-            "position_ids": self.position_ids[index].to(device, torch.long),
+            **super().batch(indices, device),
             "segment_ids": self.segment_ids[index].to(device, torch.long),
             "pair_mask": self.pair_mask[index].to(device),
         }
