@@ -11,10 +11,21 @@ of packed rows. Every row holds several whole chat examples back to back, padded
   gives training its block-diagonal causal mask (no example attends to its neighbour);
 - ``seq_lens`` (int32): the example lengths, for inspection (the reader does not load them).
 
+Preference pairs (``ft_assets.data.pair_packing``) have their own shards, ``pairs-<split>-NNNNN.parquet``
+(``pair_split``), so that a reader of packed chat rows can never pick them up. Each row holds whole
+pairs back to back, a pair's chosen sequence (prompt + chosen reply) then its rejected one (prompt +
+rejected reply), in the four columns above (``loss_mask`` on the final reply and its end-of-turn
+marker only, ``seq_lens`` one entry a sequence) plus
+
+- ``segment_ids`` (int32): which sequence of the row a token belongs to: 2k for pair k's chosen
+  side, 2k + 1 for its rejected side, -1 on the padding tail. Training sums each sequence's token
+  log-probabilities by it (``ft_assets.training.loss.pair_logps``).
+
 ``ShardWriter`` writes a split, rotating files every ``ROWS_PER_SHARD`` rows (8 MiB of int32 per
 column at seq_len 512). ``load_packed_rows`` reads a whole split into memory as three int32 tensors,
 12 bytes/token (0.6 GB per 50M tokens): any shuffle order costs no I/O per step, at the price of
 memory that grows with the dataset; batches are widened to int64 only when they are taken.
+``load_pair_rows`` does the same for pairs, with the segment ids as a fourth tensor (16 bytes/token).
 
 pyarrow and numpy only at import: the data plane writes shards without paying for torch, which the
 reader side imports when it runs.
@@ -43,6 +54,9 @@ SCHEMA = pa.schema(
     ]
 )
 TRAINING_COLUMNS = ("input_ids", "loss_mask", "position_ids")  # what the reader loads: seq_lens is implied by position_ids
+PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
+PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
+PAIRS = "pairs"  # file name prefix of preference-pair shards
 ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 IGNORE_INDEX = -100  # label value the HF loss skips
 
@@ -56,19 +70,29 @@ def shard_files(shards_dir: Path, split: str) -> list[Path]:
     return sorted(Path(shards_dir).glob(f"{split}-*.parquet"))
 
 
+def pair_split(split: str) -> str:
+    """The file split name of preference-pair shards: ``pairs-train``, ``pairs-eval``."""
+    return f"{PAIRS}-{split}"
+
+
+def holds_pairs(shards_dir: Path) -> bool:
+    """Whether ``shards_dir`` holds preference-pair shards (else packed chat rows)."""
+    return bool(shard_files(shards_dir, pair_split("train")))
+
+
 # --- writer ----------------------------------------------------------------------------------------
 
 
 class ShardWriter:
     """Writes packed rows to ``<split>-00000.parquet``, ``-00001``… rotating every ``rows_per_shard``."""
 
-    def __init__(self, out_dir: Path, split: str, rows_per_shard: int = ROWS_PER_SHARD):
-        self.out_dir, self.split, self.rows_per_shard = out_dir, split, rows_per_shard
+    def __init__(self, out_dir: Path, split: str, rows_per_shard: int = ROWS_PER_SHARD, schema: pa.Schema = SCHEMA):
+        self.out_dir, self.split, self.rows_per_shard, self.schema = out_dir, split, rows_per_shard, schema
         self.buffer: list[dict] = []
         self.files: list[str] = []
 
     def add(self, row: dict) -> None:
-        """Buffer one row: a dict of 1-D arrays (or lists), one per ``SCHEMA`` column."""
+        """Buffer one row: a dict of 1-D arrays (or lists), one per column of the schema."""
         self.buffer.append(row)
         if len(self.buffer) >= self.rows_per_shard:
             self.flush()
@@ -78,13 +102,13 @@ class ShardWriter:
             return
         name = shard_name(self.split, len(self.files))
         columns = []
-        for column in SCHEMA:  # one flat numpy array + offsets per column: no per-row conversion
+        for column in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
             values = [row[column.name] for row in self.buffer]
             offsets = np.zeros(len(values) + 1, dtype=np.int32)
             np.cumsum([len(v) for v in values], out=offsets[1:])
             flat = pa.array(np.concatenate(values), type=column.type.value_type)
             columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
-        pq.write_table(pa.Table.from_arrays(columns, schema=SCHEMA), self.out_dir / name)
+        pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
         self.files.append(name)
         self.buffer = []
 
@@ -127,29 +151,88 @@ def _fixed_width(path: Path, table: pa.Table, column: str) -> np.ndarray:
     return values.flatten().to_numpy(zero_copy_only=False).reshape(len(values), lengths[0])
 
 
+def _load_columns(shards_dir: Path, split: str, columns: tuple[str, ...], max_seq_len: int) -> list[np.ndarray] | None:
+    """Every row of ``<split>-*.parquet`` as one (rows, seq_len) int32 array per column; None without shards."""
+    files = shard_files(shards_dir, split)
+    if not files:
+        return None
+    parts = {column: [] for column in columns}
+    for path in files:
+        table = pq.read_table(path, columns=list(columns))
+        widths = set()
+        for column in columns:
+            parts[column].append(_fixed_width(path, table, column))
+            widths.add(parts[column][-1].shape[1])
+        if len(widths) != 1 or widths != {parts[columns[0]][0].shape[1]}:
+            raise ValueError(f"{path}: columns or files disagree on seq_len ({sorted(widths)}); repack the shards")
+    arrays = [np.concatenate(parts[column]).astype(np.int32) for column in columns]
+    if arrays[0].shape[1] > max_seq_len:
+        raise ValueError(
+            f"{shards_dir}: shards are packed at {arrays[0].shape[1]} tokens, above max_seq_len={max_seq_len}; "
+            "repack them shorter or raise max_seq_len if the GPU has the memory"
+        )
+    return arrays
+
+
+def _labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    # A label at the first token of an example would be predicted from the previous example's last
+    # token; the mask should never ask for that, and this makes sure it cannot.
+    return torch.where(loss_mask.bool() & (position_ids != 0), input_ids, torch.tensor(IGNORE_INDEX, dtype=torch.int32))
+
+
 def load_packed_rows(shards_dir: Path, split: str, max_seq_len: int) -> PackedRows | None:
     """All rows of ``<split>-*.parquet`` in memory: 3 int32 tensors, 12 bytes/token (0.6 GB per 50M tokens)."""
     import torch
 
-    files = shard_files(shards_dir, split)
-    if not files:
+    arrays = _load_columns(shards_dir, split, TRAINING_COLUMNS, max_seq_len)
+    if arrays is None:
         return None
-    parts = {column: [] for column in TRAINING_COLUMNS}
-    for path in files:
-        table = pq.read_table(path, columns=list(TRAINING_COLUMNS))
-        widths = set()
-        for column in TRAINING_COLUMNS:
-            parts[column].append(_fixed_width(path, table, column))
-            widths.add(parts[column][-1].shape[1])
-        if len(widths) != 1 or widths != {parts["input_ids"][0].shape[1]}:
-            raise ValueError(f"{path}: columns or files disagree on seq_len ({sorted(widths)}); repack the shards")
-    input_ids, loss_mask, position_ids = (torch.from_numpy(np.concatenate(parts[c]).astype(np.int32)) for c in TRAINING_COLUMNS)
-    if input_ids.shape[1] > max_seq_len:
-        raise ValueError(
-            f"{shards_dir}: shards are packed at {input_ids.shape[1]} tokens, above max_seq_len={max_seq_len}; "
-            "repack them shorter or raise max_seq_len if the GPU has the memory"
-        )
-    # A label at the first token of an example would be predicted from the previous example's last
-    # token; the mask should never ask for that, and this makes sure it cannot.
-    labels = torch.where(loss_mask.bool() & (position_ids != 0), input_ids, torch.tensor(IGNORE_INDEX, dtype=torch.int32))
-    return PackedRows(input_ids=input_ids, labels=labels, position_ids=position_ids)
+    input_ids, loss_mask, position_ids = (torch.from_numpy(array) for array in arrays)
+    return PackedRows(input_ids=input_ids, labels=_labels(input_ids, loss_mask, position_ids), position_ids=position_ids)
+
+
+@dataclass(frozen=True)
+class PairRows(PackedRows):
+    """Rows of packed preference pairs (``pair_split`` shards): packed rows plus which sequence is which.
+
+    ``labels`` are the input ids on each final reply (and its end-of-turn marker); ``position_ids``
+    restart at every sequence (chosen and rejected alike).
+    """
+
+    segment_ids: torch.Tensor  # 2k: pair k's chosen sequence, 2k + 1: its rejected one, -1: padding
+    pair_mask: torch.Tensor  # (rows, pairs_per_row) bool: which pair slots of a row hold a pair
+
+    @property
+    def pairs(self) -> int:
+        return int(self.pair_mask.sum())
+
+    def batch(self, indices: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+        import torch
+
+        index = torch.tensor(indices)
+        return {
+            **super().batch(indices, device),
+            "segment_ids": self.segment_ids[index].to(device, torch.long),
+            "pair_mask": self.pair_mask[index].to(device),
+        }
+
+
+def load_pair_rows(shards_dir: Path, split: str, max_seq_len: int) -> PairRows | None:
+    """All preference pairs of ``pairs-<split>-*.parquet`` in memory: 4 int32 tensors, 16 bytes/token."""
+    import torch
+
+    arrays = _load_columns(shards_dir, pair_split(split), PAIR_COLUMNS, max_seq_len)
+    if arrays is None:
+        return None
+    input_ids, loss_mask, position_ids, segment_ids = (torch.from_numpy(array) for array in arrays)
+    pairs = (segment_ids.max(dim=1).values + 1) // 2  # sequences come in (chosen, rejected) twos
+    pair_mask = torch.arange(int(pairs.max())) < pairs[:, None]
+    return PairRows(
+        input_ids=input_ids,
+        labels=_labels(input_ids, loss_mask, position_ids),
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        pair_mask=pair_mask,
+    )

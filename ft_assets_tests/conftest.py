@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["ft_assets_tests.s3server"]
+pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver"]
 
 
 @pytest.fixture
@@ -95,6 +95,48 @@ def reference(tiny_model, shards, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     result = train(training_config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
     return final_weights(result)
+
+
+@pytest.fixture(scope="module")
+def pair_model(tmp_path_factory) -> Path:
+    """tiny.py's trainable Llama, with a tokenizer that knows the timer preference pairs."""
+    from ft_assets_tests.support import timer_pairs
+    from ft_assets_tests.tiny import build_tiny_model
+
+    texts = [" ".join((row["prompt"], row["chosen"], row["rejected"])) for row in timer_pairs(12)]
+    return build_tiny_model(tmp_path_factory.mktemp("pair-model"), extra_text=[timer_pairs(1)[0]["system"], *texts])
+
+
+@pytest.fixture(scope="module")
+def pair_shards(pair_model, tmp_path_factory) -> Path:
+    """48 training and 12 held-out timer pairs, tokenized and packed by the data plane's pair packer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from ft_assets.data.packing import ChatEncoder
+    from ft_assets.data.pair_packing import tokenize_and_pack_pairs
+    from ft_assets.data.readers import parse_line
+    from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs
+
+    out = tmp_path_factory.mktemp("pair-shards")
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(pair_model))
+    rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
+    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
+        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, rows_per_shard=8)
+        assert stats.examples == len(part), stats.rejected
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_reference(pair_model, pair_shards, tmp_path_factory):
+    """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+    from ft_assets_tests.support import DPO_RUN, dpo_config, final_weights
+
+    tmp = tmp_path_factory.mktemp("dpo-reference")
+    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None))
 
 
 @pytest.fixture(scope="module")

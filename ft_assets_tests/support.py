@@ -193,6 +193,47 @@ def add_hub_revision(cache: Path, repo: str, commit: str, files: dict[str, bytes
         (repo_dir / "refs" / ref).write_text(commit)
 
 
+# --- preference pairs and DPO runs (test_preference, test_dpo, test_tracking) ------------------------
+
+PAIR_SEQ_LEN = 256  # a timer pair is ~80 tokens with the pair model's tokenizer: rows hold several pairs
+DPO_RUN = "runs/timers/v1/train/dpo"
+ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}  # for recipe subprocesses on the 2 shared cores
+
+
+def timer_pairs(count: int, start: int = 0) -> list[dict]:
+    """A small preference set a tiny model learns: the right tool call over another tool, or over prose."""
+    rows = []
+    for i in range(start, start + count):
+        minutes = 1 + i % 97
+        chosen = json.dumps({"name": "set_timer", "arguments": {"minutes": minutes}})
+        rejected = [json.dumps({"name": "set_alarm", "arguments": {"minutes": minutes}}), f"Okay, a timer for {minutes} minutes starts now.",
+                    json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})][i % 3]  # fmt: skip
+        rows.append({"prompt": f"Set a timer for {minutes} minutes, request {i}.", "chosen": chosen, "rejected": rejected,
+                     "system": "Reply with one JSON tool call."})  # fmt: skip
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def dpo_config(**overrides) -> TrainingConfig:
+    base = dict(
+        method="lora", lora_r=8, lora_alpha=16, learning_rate=5e-3, warmup_steps=2, max_steps=16, per_device_batch_size=2,
+        save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=PAIR_SEQ_LEN, dpo_beta=0.1,
+    )  # fmt: skip
+    return TrainingConfig(**(base | overrides))
+
+
+def the_run(client, experiment: str):
+    """The one MLflow run of an experiment (fails naming the runs if there are several)."""
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, [run.info.run_name for run in runs]
+    return runs[0]
+
+
 # --- references of a whole published chain (lineage) ------------------------------------------------
 
 def lineage_refs() -> dict[str, dict]:

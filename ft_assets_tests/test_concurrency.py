@@ -29,7 +29,7 @@ from ft_assets import locks
 from ft_assets.manifests import read_manifest
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
-from ft_assets_tests.support import MOCK, launched, run_config, wait_until, write_dataset
+from ft_assets_tests.support import MOCK, launched, run_config, submit, wait_until, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITION = "acks@v1"
@@ -152,14 +152,14 @@ def test_the_queue_runs_one_run_per_partition_and_trains_within_the_gpu_slots():
             repository = next(iter(workspace.get_code_location("ft_assets").get_repositories().values()))
             from ft_assets.definitions import defs
 
-            def submit(job_name: str, partition: str) -> str:
+            def queue(job_name: str, partition: str) -> str:
                 job = defs.resolve_job_def(job_name)
                 tags = {**job.tags, "dagster/partition": partition}
                 return submit(instance, workspace, repository.get_full_job(job_name), job, tags=tags).run_id
 
-            same = [submit("data_plane", "acks@v1"), submit("data_plane", "acks@v1")]
-            other = submit("data_plane", "acks@v2")
-            training = [submit("training_plane", f"acks@t{i}") for i in range(3)]
+            same = [queue("data_plane", "acks@v1"), queue("data_plane", "acks@v1")]
+            other = queue("data_plane", "acks@v2")
+            training = [queue("training_plane", f"acks@t{i}") for i in range(3)]
             list(QueuedRunCoordinatorDaemon(interval_seconds=1).run_iteration(context))
 
             cpu, gpu = launched(instance, "cpu"), launched(instance, "gpu")

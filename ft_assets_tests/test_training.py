@@ -39,7 +39,7 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training import recipe
 from ft_assets.training.loss import learned_tokens, token_loss_sum
 from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
-from ft_assets_tests.support import RUN, SEQ_LEN, assert_same_weights, final_weights, training_config as config
+from ft_assets_tests.support import ONE_THREAD, RUN, SEQ_LEN, assert_same_weights, final_weights, training_config as config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -347,9 +347,6 @@ def test_save_total_limit_prunes_checkpoints_in_the_store(tiny_model, shards, tm
                    tmp_path / "work", log=lambda line: None)  # fmt: skip
     assert checkpoint_steps(store, RUN) == [10, 8]
     assert result.checkpoints == [store.uri(layout.checkpoint(RUN, 8)), store.uri(layout.checkpoint(RUN, 10))]
-
-
-ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def recipe_command(cfg: TrainingConfig, tiny_model, shards, store_dir, work_dir, launcher: list[str]) -> list[str]:

@@ -3,7 +3,9 @@
 Each asset downloads its input artifact, calls one plain function of this plane, publishes its
 output artifact under ``runs/<name>/<version>/data/<stage>/`` and returns a reference. The row
 accounting travels along in the references, so ``tokenized_shards`` can prove the invariant
-``rows_in = rows_kept + rows_quarantined + exact_duplicates + near_duplicates``.
+``rows_in = rows_kept + rows_quarantined + exact_duplicates + near_duplicates``. So does the kind
+of the version (``stats["kind"]``: chat rows or preference pairs, found by ``raw_dataset``), which
+picks the cleaning and the tokenization of pairs (``ft_assets.data.preference``, ``pair_packing``).
 """
 
 from collections import Counter
@@ -12,11 +14,13 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import layout
-from ft_assets.data.cleaning import clean_dataset
+from ft_assets.data.cleaning import clean_dataset, clean_messages
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.packing import TokenizerFiles, tokenize_splits
+from ft_assets.data.pair_packing import tokenize_and_pack_pairs
+from ft_assets.data.preference import PREFERENCE, clean_pair, dataset_kind
 from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
@@ -99,6 +103,7 @@ def raw_dataset(
                 context.log.info(f"reading {len(files)} file(s) of {m.partition}")
                 stats = read_dataset(files, m.out, mapping, executor)
                 stats["source"] = source
+            stats["kind"] = dataset_kind(m.out / "rows.parquet")
         except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
         if stats["rows_parsed"] == 0:
@@ -110,11 +115,12 @@ def raw_dataset(
             "quarantine_reasons": stats["quarantine_reasons"],
         }
         ref = m.publish(keys_of.data("raw"), stats)
-    context.log.info(f"{stats['rows_in']} rows in, {stats['rows_quarantined']} quarantined while parsing")
+    context.log.info(f"{stats['rows_in']} rows in ({stats['kind']}), {stats['rows_quarantined']} quarantined while parsing")
     origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
     return m.output(
         ref,
         rows_in=stats["rows_in"],
+        kind=stats["kind"],
         rows_parsed=stats["rows_parsed"],
         rows_quarantined=stats["rows_quarantined"],
         blank_lines=stats["blank_lines"],
@@ -139,7 +145,7 @@ def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
     return (
         f"dataset version {partition} has no usable row ({files}{'; ' + reasons if reasons else ''}). Rows must be in chat "
         "({messages: [{role, content}]}), ShareGPT ({conversations}) or alpaca ({instruction, output}) form, or their "
-        "columns mapped with raw_dataset's config 'columns'"
+        "columns mapped with raw_dataset's config 'columns', or preference pairs ({prompt, chosen, rejected})"
     )
 
 
@@ -153,8 +159,11 @@ def cleaned_dataset(
 ) -> dg.Output[dict]:
     """Unicode/whitespace cleanup, length filters and role-order validation; failures quarantined with a reason."""
     retried = data_executor.executor.retried
+    kind = raw_dataset["stats"]["kind"]
     with Materialization(context, store, "clean") as m:
-        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor)
+        clean = clean_pair if kind == PREFERENCE else clean_messages
+        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor, clean)
+        stats["kind"] = kind
         sample = sample_rows(m.out / "rows.parquet")
         before = raw_dataset["stats"]["accounting"]
         quarantined = before["rows_quarantined"] + stats["rows_quarantined"]
@@ -191,6 +200,7 @@ def deduplicated_dataset(
     retried = data_executor.executor.retried
     with Materialization(context, store, "dedup") as m:
         stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules(), data_executor.executor)
+        stats["kind"] = cleaned_dataset["stats"]["kind"]
         stats["accounting"] = {
             **cleaned_dataset["stats"]["accounting"],
             "exact_duplicates": stats["exact_duplicates"],
@@ -226,6 +236,7 @@ def train_eval_split(
         if stats["train_rows"] == 0:
             raise dg.Failure(f"{m.partition}: no training rows left after cleaning and deduplication")
         stats["eval_fraction"] = config.eval_fraction
+        stats["kind"] = deduplicated_dataset["stats"]["kind"]
         stats["accounting"] = deduplicated_dataset["stats"]["accounting"]
         sample = sample_rows(m.out / "eval.parquet")
         ref = m.publish(layout.of(m.partition).data("split"), stats, {"deduplicated_dataset": deduplicated_dataset})
@@ -257,17 +268,26 @@ def tokenized_shards(
     train_eval_split: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
-    """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest)."""
+    """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest); preference pairs packed whole."""
     retried = data_executor.executor.retried
+    kind = train_eval_split["stats"]["kind"]
     with Materialization(context, store, "tokenize") as m:
         split_dir = m.fetch(train_eval_split)
-        per_split = tokenize_splits(
-            split_dir, ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window, data_executor.executor
-        )
-        for split in ("train", "eval"):
+        tokenizer = _tokenizer_files(m, base_model)
+        if kind == PREFERENCE:  # pairs are encoded and packed in this process: pair_packing is not sharded
+            per_split = {
+                split: tokenize_and_pack_pairs(
+                    ((r["source"], r["messages"]) for r in iter_records(split_dir / f"{split}.parquet")),
+                    tokenizer.encoder(), config.seq_len, m.out, split, config.window,
+                )
+                for split in ("train", "eval")
+            }  # fmt: skip
+        else:
+            per_split = tokenize_splits(split_dir, ("train", "eval"), tokenizer, config.seq_len, m.out, config.window, data_executor.executor)
+        for split, packed in per_split.items():
             context.log.info(
-                f"{split}: {per_split[split].examples} examples, {per_split[split].tokens} tokens in "
-                f"{per_split[split].rows} rows (packing efficiency {per_split[split].packing_efficiency:.4f})"
+                f"{split}: {packed.examples} {'pairs' if kind == PREFERENCE else 'examples'}, {packed.tokens} tokens in "
+                f"{packed.rows} rows (packing efficiency {packed.packing_efficiency:.4f})"
             )
         rejected = per_split["train"].rejected + per_split["eval"].rejected
         reasons = Counter(err.reason for _, err in rejected)
@@ -288,6 +308,7 @@ def tokenized_shards(
         accounting["invariant_holds"] = balance == accounting["rows_in"]
         slots = train.slots + evaluation.slots
         stats = {
+            "kind": kind,
             "seq_len": config.seq_len,
             "pad_token_id": train.pad_id,
             "train_rows": train.examples,
@@ -317,6 +338,7 @@ def tokenized_shards(
         train_packed_rows=train.rows,
         eval_packed_rows=evaluation.rows,
         seq_len=config.seq_len,
+        kind=kind,
         rows_in=accounting["rows_in"],
         rows_kept=accounting["rows_kept"],
         rows_quarantined=accounting["rows_quarantined"],

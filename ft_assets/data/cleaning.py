@@ -26,6 +26,8 @@ from ft_assets.data.parallel import Executor, InProcess
 from ft_assets.data.readers import RowError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ft_assets.data.rows import RowRange
 
 ROLES = ("system", "user", "assistant")
@@ -108,17 +110,19 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     return cleaned
 
 
-def clean_shard(rules: CleaningRules, shard: RowRange) -> tuple:
-    """One shard of raw rows through ``clean_messages``: (kept rows, quarantined rows, reasons, rows modified)."""
+def clean_shard(settings: tuple[CleaningRules, Callable], shard: RowRange) -> tuple:
+    """One shard of raw rows through ``clean`` (``clean_messages``, or ``preference.clean_pair``): (kept rows,
+    quarantined rows, reasons, rows modified)."""
     import pyarrow as pa
 
     from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA
 
+    rules, clean = settings
     kept, quarantined, reasons, changed = [], [], Counter(), 0
     table = shard.read()
     for source, original in zip(table.column("source").to_pylist(), table.column("messages").to_pylist()):
         try:
-            messages = clean_messages(original, rules)
+            messages = clean(original, rules)
         except RowError as exc:
             reasons[exc.reason] += 1
             raw = json.dumps(original, ensure_ascii=False)[:2000]
@@ -134,9 +138,12 @@ def clean_shard(rules: CleaningRules, shard: RowRange) -> tuple:
     )
 
 
-def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules, executor: Executor | None = None) -> dict:
-    """``raw_dir/rows.parquet`` through ``clean_messages``, in shards on ``executor`` (default: this
-    process); failures go to the quarantine, rows keep their order."""
+def clean_dataset(
+    raw_dir: Path, out_dir: Path, rules: CleaningRules, executor: Executor | None = None, clean: Callable = clean_messages
+) -> dict:
+    """``raw_dir/rows.parquet`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
+    version of preference pairs), in shards on ``executor`` (default: this process); failures go to the
+    quarantine, rows keep their order."""
     from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, row_ranges
 
     executor = executor or InProcess()
@@ -146,7 +153,7 @@ def clean_dataset(raw_dir: Path, out_dir: Path, rules: CleaningRules, executor: 
     with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows, ParquetSink(
         out_dir / "quarantine.parquet", QUARANTINE_SCHEMA
     ) as quarantine:
-        for kept, quarantined, shard_reasons, shard_changed in executor.map(clean_shard, row_ranges(raw_dir / "rows.parquet", executor), rules):
+        for kept, quarantined, shard_reasons, shard_changed in executor.map(clean_shard, row_ranges(raw_dir / "rows.parquet", executor), (rules, clean)):
             rows.write_table(kept)
             quarantine.write_table(quarantined)
             reasons.update(shard_reasons)

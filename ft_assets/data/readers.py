@@ -18,6 +18,8 @@ Row layouts, all mapped to ``messages: [{role, content}]``:
   "history": [["earlier request", "earlier reply"], ...] (both optional, as LLaMA-Factory writes them)}``
 - any other column names through a ``ColumnMapping`` (``raw_dataset`` config ``columns``), e.g.
   ``{prompt: question, response: answer}``.
+- preference pairs: a row with ``chosen`` and ``rejected`` (``ft_assets.data.preference``, which
+  lists their layouts) becomes the prompt's turns followed by the two replies.
 
 The reader never crashes on a bad *row*: each one becomes a ``Rejected`` with a reason and the raw
 text (truncated), so every input row is accounted for. A bad *file* (truncated gzip, unreadable
@@ -73,7 +75,7 @@ SHAREGPT_ROLES = {
     "model": "assistant",
     "system": "system",
 }
-LAYOUTS = "a 'messages' column, a 'conversations' column, or 'instruction' + 'output'"
+LAYOUTS = "a 'messages' column, a 'conversations' column, 'instruction' + 'output', or 'chosen' + 'rejected' (preference pairs)"
 MAPPING_HINT = (
     "map your columns with the raw_dataset config 'columns', e.g. {prompt: question, response: answer} "
     "or {messages: dialog, role: speaker, content: text}"
@@ -238,6 +240,10 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
         raise RowError("not_an_object", f"a row must be a JSON object, got {type(obj).__name__}")
     if mapping is not None:
         return mapping.record(obj)
+    if "chosen" in obj and "rejected" in obj:
+        from ft_assets.data.preference import pair_messages
+
+        return pair_messages(obj)
     if "messages" in obj:
         return _message_list(obj["messages"], "messages", "role", "content", None)
     if "conversations" in obj:
@@ -251,7 +257,7 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
             _history(obj.get("history")),
         )
     keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
-    raise RowError("unknown_format", f"expected 'messages', 'conversations' or 'instruction'+'output'; found keys: {keys}")
+    raise RowError("unknown_format", f"expected 'messages', 'conversations', 'instruction'+'output' or 'chosen'+'rejected'; found keys: {keys}")
 
 
 def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, what: str) -> None:
@@ -265,7 +271,8 @@ def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, 
             )
         return
     present = set(columns)
-    if not ({"messages"} <= present or {"conversations"} <= present or {"instruction", "output"} <= present):
+    layouts = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"chosen", "rejected"})
+    if not any(layout <= present for layout in layouts):
         raise DatasetFileError(f"{name}: {what} has none of the accepted layouts ({LAYOUTS}); columns found: {found}; {MAPPING_HINT}")
 
 

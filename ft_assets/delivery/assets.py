@@ -18,6 +18,7 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import layout
+from ft_assets.data.preference import PREFERENCE
 from ft_assets.data.rows import iter_records
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp
@@ -38,6 +39,7 @@ from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import make_ref, publish, read_ref
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.training.tracking import record
 
 GGUF_QTYPES = (*SUPPORTED_QTYPES, *llamacpp.K_QUANTS)
 DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
@@ -157,7 +159,10 @@ def eval_report(
     tokenized_shards: dict,
     lora_adapter: dict,
 ) -> dg.Output[dict]:
-    """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split: loss, perplexity, the task metric, answers."""
+    """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split: loss, perplexity, the task metric, answers;
+    for a preference run, reward accuracy and margin on the held-out pairs (``_preference_report``)."""
+    if tokenized_shards["stats"]["kind"] == PREFERENCE:
+        return _preference_report(context, config, store, merged_model, base_model, gguf_model, tokenized_shards, lora_adapter)
     if config.metric not in ev.METRICS:
         raise dg.Failure(f"eval_report config metric={config.metric!r}: choose one of {', '.join(ev.METRICS)}")
     from transformers import AutoTokenizer
@@ -210,6 +215,7 @@ def eval_report(
         f"{config.metric}: base {base.metric:.3f} → fine-tuned {tuned.metric:.3f} → shipped {qtype} {stats['gguf_metric']:.3f}; "
         f"eval loss {base.eval_loss:.4f} → {tuned.eval_loss:.4f}"
     )
+    _track(context, lora_adapter, {config.metric: tuned.metric, f"base_{config.metric}": base.metric, f"gguf_{config.metric}": stats["gguf_metric"]})
     comparison = [
         {"": config.metric, "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3), gguf_label: round(stats["gguf_metric"], 3)},
         {"": "eval loss", "base": round(base.eval_loss, 4), "fine-tuned": round(tuned.eval_loss, 4), gguf_label: None},
@@ -229,6 +235,105 @@ def eval_report(
         gguf_file=shipped,
         base_eval_loss=dg.MetadataValue.float(base.eval_loss),
         finetuned_eval_loss=dg.MetadataValue.float(tuned.eval_loss),
+    )
+
+
+def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict) -> None:
+    """The eval figures on the training run's MLflow run, when it was tracked."""
+    run_id = lora_adapter["stats"]["mlflow_run_id"]
+    if run_id:
+        uri = lora_adapter["training_config"]["mlflow_tracking_uri"]
+        record(uri, run_id, context.log.warning, metrics=metrics, step=lora_adapter["stats"]["steps"])
+
+
+def _preference_report(
+    context, config: EvalConfig, store, merged_model: dict, base_model: dict, gguf_model: dict, tokenized_shards: dict, lora_adapter: dict
+):
+    """eval_report for a preference run: base, tuned and the shipped GGUF (through llama.cpp) scored on the same held-out
+    pairs (``evaluate.preference_scores``), gated by reward accuracy like a chat run by its task metric."""
+    from transformers import AutoTokenizer
+
+    training = lora_adapter["training_config"]
+    beta, loss_type = training["dpo_beta"], training["dpo_loss"]
+    shipped = gguf_model["stats"]["shipped"]
+    qtype = gguf_model["stats"]["files"][shipped]["qtype"]
+    with Materialization(context, store, "eval") as m:
+        shards_dir = m.fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("pairs-eval-"))
+        try:
+            rows = ev.eval_pairs(shards_dir, config.max_examples)
+        except FileNotFoundError as exc:
+            raise dg.Failure(f"{m.partition}: the eval split holds no pairs; raise train_eval_split.eval_fraction") from exc
+        scores = {}
+        for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
+            model_dir = m.fetch(ref, label)
+            context.log.info(f"scoring the {label} model on {rows.pairs} eval pairs")
+            scores[label] = ev.pair_scores(load_full_precision(model_dir), rows)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        gguf_path = m.fetch(gguf_model, "gguf", include=lambda rel: rel == shipped) / shipped
+        context.log.info(f"scoring the shipped {shipped} through llama.cpp on the same {rows.pairs} pairs")
+        try:
+            gguf_scores = ev.gguf_pair_scores(gguf_path, rows)
+        except llamacpp.LlamaCppError as exc:
+            raise dg.Failure(str(exc)) from exc
+        figures = ev.preference_scores(scores["fine-tuned"], scores["base"], rows, beta, loss_type)
+        gguf = ev.preference_scores(gguf_scores, scores["base"], rows, beta, loss_type)
+        stats = ev.gate(
+            ev.PREFERENCE_METRIC, figures["base_reward_accuracy"], figures["finetuned_reward_accuracy"],
+            gguf["finetuned_reward_accuracy"], config.min_improvement, config.max_gguf_drop,
+        )  # fmt: skip
+        stats.update({
+            "gguf_file": shipped,
+            "gguf_qtype": qtype,
+            "base_eval_loss": figures["base_eval_loss"],
+            "finetuned_eval_loss": figures["finetuned_eval_loss"],
+            "base_reward_margin": figures["base_reward_margin"],
+            "finetuned_reward_margin": figures["finetuned_reward_margin"],
+            "gguf_reward_margin": gguf["finetuned_reward_margin"],
+            "examples": figures["pairs"],
+            "dpo_beta": beta,
+            "dpo_loss": loss_type,
+        })  # fmt: skip
+        pairs = ev.pair_table(tokenizer, rows, scores["base"], scores["fine-tuned"], beta)
+        (m.out / "report.json").write_text(json.dumps({"stats": stats}, indent=2))
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
+            {"merged_model": merged_model, "base_model": base_model, "gguf_model": gguf_model, "tokenized_shards": tokenized_shards},
+        )  # fmt: skip
+    context.log.info(
+        f"reward accuracy: base {stats['base_metric']:.3f} → fine-tuned {stats['finetuned_metric']:.3f} → shipped {qtype} "
+        f"{stats['gguf_metric']:.3f}; reward margin {stats['base_reward_margin']:+.3f} → {stats['finetuned_reward_margin']:+.3f} "
+        f"on {stats['examples']} pairs"
+    )
+    _track(context, lora_adapter, {
+        "reward_accuracy": stats["finetuned_metric"], "reward_margin": stats["finetuned_reward_margin"],
+        "base_reward_accuracy": stats["base_metric"], "base_reward_margin": stats["base_reward_margin"],
+        "gguf_reward_accuracy": stats["gguf_metric"],
+    })  # fmt: skip
+    gguf_label = f"GGUF {qtype} (llama.cpp)"
+    comparison = [
+        {"": "reward accuracy", "base": round(stats["base_metric"], 3), "fine-tuned": round(stats["finetuned_metric"], 3),
+         gguf_label: round(stats["gguf_metric"], 3)},
+        {"": "reward margin", "base": round(stats["base_reward_margin"], 4), "fine-tuned": round(stats["finetuned_reward_margin"], 4),
+         gguf_label: round(stats["gguf_reward_margin"], 4)},
+        {"": f"DPO loss ({loss_type})", "base": round(stats["base_eval_loss"], 4), "fine-tuned": round(stats["finetuned_eval_loss"], 4),
+         gguf_label: None},
+    ]  # fmt: skip
+    bars = {"base": stats["base_metric"], "fine-tuned": stats["finetuned_metric"], f"GGUF {qtype}": stats["gguf_metric"]}
+    chart = bar_chart({"reward accuracy": bars}, f"reward accuracy on {stats['examples']} eval pairs", "reward accuracy")
+    return m.output(
+        ref,
+        comparison=table(comparison),
+        chart=dg.MetadataValue.md(chart),
+        pairs=dg.MetadataValue.md(pairs),
+        base_metric=dg.MetadataValue.float(stats["base_metric"]),
+        finetuned_metric=dg.MetadataValue.float(stats["finetuned_metric"]),
+        gguf_metric=dg.MetadataValue.float(stats["gguf_metric"]),
+        gguf_drop=dg.MetadataValue.float(stats["gguf_drop"]),
+        gguf_file=shipped,
+        base_reward_margin=dg.MetadataValue.float(stats["base_reward_margin"]),
+        finetuned_reward_margin=dg.MetadataValue.float(stats["finetuned_reward_margin"]),
+        base_eval_loss=dg.MetadataValue.float(stats["base_eval_loss"]),
+        finetuned_eval_loss=dg.MetadataValue.float(stats["finetuned_eval_loss"]),
     )
 
 

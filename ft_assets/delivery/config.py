@@ -33,12 +33,20 @@ class GgufConfig(dg.Config):
 
 
 class EvalConfig(dg.Config):
-    metric: str = Field(default="exact_match", description="Task metric on generations: exact_match, token_f1 or rouge_l.")
-    max_examples: int = Field(default=100, description="Eval conversations to generate answers for (the first N of the fixed eval split).")
+    metric: str = Field(
+        default="exact_match",
+        description="Task metric on generations: exact_match, token_f1 or rouge_l. A preference (DPO) run is scored on its "
+        "held-out pairs instead: reward_accuracy.",
+    )
+    max_examples: int = Field(
+        default=100,
+        description="Eval conversations to generate answers for (the first N of the fixed eval split); preference runs: eval pairs to score.",
+    )
     max_new_tokens: int = Field(default=96, description="Generation budget per answer.")
     min_improvement: float = Field(
         default=0.05,
-        description="Blocking gate: the fine-tuned metric must beat the base metric by at least this much (absolute, 0.05 = 5 points).",
+        description="Blocking gate: the fine-tuned metric (preference runs: reward accuracy) must beat the base's by at least this "
+        "much (absolute, 0.05 = 5 points).",
     )
     max_gguf_drop: float = Field(
         default=0.05,

@@ -12,6 +12,14 @@ split, whose near-duplicate clusters never touch train):
 
 Generation runs in left-padded batches (one forward per new token for the whole batch), which is
 what makes a few hundred eval prompts affordable on a CPU.
+
+A preference (DPO) run is judged on the held-out pairs of its eval shards instead, with no
+generation: each model's **reward accuracy** (the fraction of pairs whose chosen reply it gives a
+higher log-probability than the rejected one) and **reward margin** (the mean of beta x the
+difference of those log-probabilities), base and tuned alike, and the DPO loss of the tuned model
+against the base, the same loss as in training (``ft_assets.training.loss``). The tuned margin minus
+the base's is the mean DPO implicit reward margin. Reward accuracy is the gate's metric, for the
+shipped GGUF too: llama.cpp's logits give its log-probabilities of the same pairs (``gguf_pair_scores``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 METRICS = ("exact_match", "token_f1", "rouge_l")
+PREFERENCE_METRIC = "reward_accuracy"  # the gate's metric for preference runs
 GENERATION_BATCH = 16  # prompts per generate() call: large enough to amortize, small enough for CPU RAM
 
 
@@ -179,4 +188,94 @@ def comparison_table(
     for example, a, b, c in list(zip(examples, base.answers, tuned.answers, gguf))[:n]:
         prompt = next((m["content"] for m in reversed(example.prompt) if m["role"] == "user"), "")
         lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} | {cell(c)} |")
+    return "\n".join(lines)
+
+
+# --- preference pairs --------------------------------------------------------------------------------
+
+
+def eval_pairs(shards_dir: Path, limit: int):
+    """The first ``limit`` packed eval pairs (``pairs-eval-*.parquet``, row by row): every model is scored on these."""
+    from dataclasses import replace
+
+    from ft_assets.shards import load_pair_rows
+
+    rows = load_pair_rows(shards_dir, "eval", max_seq_len=1 << 30)
+    if rows is None:
+        raise FileNotFoundError(f"no pairs-eval-*.parquet shards in {shards_dir}")
+    kept = rows.pair_mask & (rows.pair_mask.flatten().cumsum(0).view_as(rows.pair_mask) <= limit)
+    used = kept.any(dim=1)
+    return replace(
+        rows, input_ids=rows.input_ids[used], labels=rows.labels[used], position_ids=rows.position_ids[used],
+        segment_ids=rows.segment_ids[used], pair_mask=kept[used],
+    )  # fmt: skip
+
+
+def pair_scores(model, rows, batch_size: int = 4):
+    """The model's summed log-probabilities of every eval pair's chosen and rejected reply (``PairLogps``)."""
+    from ft_assets.training.loss import all_pair_logps
+
+    return all_pair_logps(model, rows, batch_size, model.device)[0]
+
+
+def gguf_pair_scores(path: Path, rows):
+    """The same log-probabilities as ``pair_scores``, of a GGUF file through llama.cpp: each sequence evaluated
+    alone (its own positions, as in the packed rows), the log-softmax of its logits summed over the reply's tokens."""
+    import numpy as np
+    import torch
+
+    from ft_assets.delivery import llamacpp
+    from ft_assets.shards import IGNORE_INDEX
+    from ft_assets.training.loss import PairLogps
+
+    llm = llamacpp.load(path, logits_all=True, n_ctx=max(llamacpp.N_CTX, rows.seq_len))
+    sums, tokens = torch.zeros(rows.pair_mask.shape + (2,)), torch.zeros(rows.pair_mask.shape + (2,))
+    try:
+        for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
+            for side in (0, 1):
+                where = rows.segment_ids[row] == 2 * k + side
+                ids, labels = rows.input_ids[row][where].tolist(), rows.labels[row][where].numpy()
+                logits = llamacpp.logits(llm, ids)[:-1].astype(np.float64)
+                logps = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+                learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
+                sums[row, k, side] = float(logps[learned, labels[1:][learned]].sum())
+                tokens[row, k, side] = len(learned)
+    finally:
+        llm.close()
+    return PairLogps(sums[..., 0], sums[..., 1], tokens[..., 0], tokens[..., 1])
+
+
+def preference_scores(tuned, base, rows, beta: float, loss_type: str) -> dict:
+    """Reward accuracy and margin of base and tuned, and the DPO loss of each against the base, per eval pair."""
+    from ft_assets.training.loss import preference_metrics
+
+    sums = preference_metrics(tuned, base, rows.pair_mask, beta, loss_type)
+    pairs = max(sums["pairs"], 1)
+    return {
+        "pairs": int(sums["pairs"]),
+        "base_reward_accuracy": sums["reference_reward_accuracy"] / pairs,
+        "finetuned_reward_accuracy": sums["reward_accuracy"] / pairs,
+        "base_reward_margin": sums["reference_reward_margin"] / pairs,
+        "finetuned_reward_margin": sums["reward_margin"] / pairs,
+        "base_eval_loss": sums["reference_loss"] / pairs,
+        "finetuned_eval_loss": sums["loss"] / pairs,
+    }
+
+
+def pair_table(tokenizer, rows, base, tuned, beta: float, n: int = 5, width: int = 70) -> str:
+    """The first ``n`` eval pairs, decoded from the shards: both replies and each model's margin on them."""
+    from ft_assets.shards import IGNORE_INDEX
+
+    def cell(tokens) -> str:
+        text = tokenizer.decode(tokens, skip_special_tokens=True).replace("|", "\\|").replace("\n", " ").strip()
+        return text[:width] + ("…" if len(text) > width else "")
+
+    lines = ["| chosen | rejected | base margin | fine-tuned margin |", "| --- | --- | --- | --- |"]
+    for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
+        if len(lines) - 2 >= n:
+            break
+        learned = rows.labels[row] != IGNORE_INDEX
+        chosen, rejected = (rows.input_ids[row][learned & (rows.segment_ids[row] == 2 * k + side)] for side in (0, 1))
+        margins = [beta * float(scores.chosen[row, k] - scores.rejected[row, k]) for scores in (base, tuned)]
+        lines.append(f"| {cell(chosen)} | {cell(rejected)} | {margins[0]:+.3f} | {margins[1]:+.3f} |")
     return "\n".join(lines)

@@ -73,7 +73,6 @@ tolerance); on a sharper random model (init std 0.2) by 1.1, with top-1 at 13%.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -83,6 +82,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from ft_assets.storage import sha256_file
 
 SUPPORTED_QTYPES = ("f32", "f16", "q8_0", "q4_0")  # what gguf can write in numpy; K-quants are read-only there
 
@@ -180,7 +181,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "f16",
         "bytes": out_path.stat().st_size,
         "tensor_count": sum(tensor_types.values()),
         "tensor_types": dict(tensor_types),
-        "sha256": file_sha256(out_path),
+        "sha256": sha256_file(out_path),
     }
 
 
@@ -531,14 +532,6 @@ def _tensor_type(gguf_name: str, shape: tuple[int, ...], weight_type: gguf.GGMLQ
     if shape[-1] % block_size:
         return gguf.GGMLQuantizationType.F16
     return weight_type
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(8 * 1024 * 1024):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _main() -> None:

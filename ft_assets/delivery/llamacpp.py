@@ -45,7 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_sha256, logit_agreement
+from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, logit_agreement
+from ft_assets.storage import sha256_file
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
@@ -259,7 +260,7 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
         "qtype": qtype,
         "bytes": out_path.stat().st_size,
         **tensor_types(out_path),
-        "sha256": file_sha256(out_path),
+        "sha256": sha256_file(out_path),
     }
 
 

@@ -21,7 +21,7 @@ from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, 
 from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart
-from ft_assets.refs import make_ref
+from ft_assets.refs import make_ref, read_ref
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import run_id
@@ -30,8 +30,10 @@ from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.ec2_metadata import worker_instance_tag
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.recipe import EXIT_PREEMPTED, Preempted, train
+from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record
 
 PREEMPTED_TAG = "ft/preempted"
+DATA_CHAIN = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split")  # read for the tracker's lineage tags
 
 
 class BaseModelConfig(dg.Config):
@@ -109,7 +111,9 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     )
 
 
-def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path) -> dict:
+def _train_distributed(
+    context, training: TrainingConfig, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path, tags: dict[str, str]
+) -> dict:
     """``accelerate launch`` of the recipe, driven with dagster-pipes; rank 0 alone reports and uploads."""
     result_path = work / "result.json"
     command = [
@@ -119,7 +123,7 @@ def _train_distributed(context, training: TrainingConfig, base_dir: Path, shards
         "-m", "ft_assets.training.recipe",
         "--config", training.model_dump_json(), "--base-model", str(base_dir), "--shards", str(shards_dir),
         "--store", objects.url, "--run-prefix", prefix, "--work-dir", str(work / "run"),
-        "--result", str(result_path), "--pipes",
+        "--result", str(result_path), "--pipes", "--tags", json.dumps(tags),
     ]  # fmt: skip
     try:
         dg.PipesSubprocessClient().run(command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -160,7 +164,8 @@ def lora_adapter(
     tokenized_shards: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
-    """LoRA / QLoRA / full fine-tune on the packed shards; checkpoints to the store, resumes after preemption."""
+    """LoRA / QLoRA / full fine-tune on the packed shards (DPO on preference pairs); checkpoints to the store,
+    resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
     started = time.monotonic()
     worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
     if worker:
@@ -171,14 +176,18 @@ def lora_adapter(
         prefix = layout.of(m.partition).train(run)
         context.log.info(f"fetching base model and shards for run {run}")
         base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
+        tags = {}
+        if training.mlflow_tracking_uri:
+            chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
+            tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
         try:
             with GpuUtilization() as utilization:
                 if training.num_processes > 1:
-                    result = _train_distributed(context, training, base_dir, shards_dir, m.store, prefix, m.work)
+                    result = _train_distributed(context, training, base_dir, shards_dir, m.store, prefix, m.work, tags)
                 else:
                     result = train(
                         training, base_dir, shards_dir, m.store, prefix, m.work / "run",
-                        log=context.log.info, started_at=started,
+                        log=context.log.info, started_at=started, tags=tags,
                     ).to_json()  # fmt: skip
                     result["output_dir"] = Path(result["output_dir"])
         except Preempted as exc:
@@ -193,9 +202,9 @@ def lora_adapter(
         stats = {
             key: result[key]
             for key in (
-                "method", "device", "steps", "train_loss", "eval_loss", "tokens_seen", "wall_seconds", "step_seconds",
-                "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts", "resolved",
-                "attn_implementation", "tokens_per_second",
+                "method", "objective", "device", "steps", "train_loss", "eval_loss", "eval_metrics", "tokens_seen",
+                "wall_seconds", "step_seconds", "effective_training_fraction", "resumed_from_step", "checkpoints",
+                "bytes_uploaded", "restarts", "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id",
             )
         }  # fmt: skip
         stats["run_id"] = run
@@ -207,15 +216,19 @@ def lora_adapter(
             checkpoint=final_checkpoint(m.store, prefix, result["steps"]),
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
+    if stats["mlflow_run_id"]:
+        record(training.mlflow_tracking_uri, stats["mlflow_run_id"], context.log.warning, tags={f"{LINEAGE_TAG}lora_adapter": ref["digest"]})
     history = [tuple(point) for point in result["loss_history"]]
     return m.output(
         ref,
         method=stats["method"],
+        objective=stats["objective"],
         settings=dg.MetadataValue.json(stats["resolved"]),
         device=stats["device"],
         steps=stats["steps"],
         train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
         eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
+        eval_metrics=dg.MetadataValue.json(stats["eval_metrics"]),
         tokens_seen=stats["tokens_seen"],
         tokens_per_second=dg.MetadataValue.float(round(stats["tokens_per_second"], 1)),
         attn_implementation=stats["attn_implementation"],

@@ -16,6 +16,13 @@ today's defaults reach exact match 0.92 on held-out prompts; the old ones (1 epo
 ``resolve`` turns the empty fields into the values a run uses (method, learning rate, warmup, steps),
 which the plan, the run log and the training result all show.
 
+The objective is not a setting: the shards decide it. Preference-pair shards train with DPO
+(``dpo_beta``, ``dpo_loss``), chat shards with supervised fine-tuning; a setting could only
+contradict the data. ``method`` keeps meaning which weights train, so a DPO run is ``method: lora``
+or ``qlora`` (its reference policy is the base with the adapter disabled, no second copy of the
+model; ``full`` would need that copy and is refused), and the planner, the merge and the run log
+read it as they always did.
+
 Fields split in two: those that change the trained weights (``RESULT_FIELDS``, hashed into the run
 id, so changing one starts a new run) and those that only change how the run is operated (how often
 to checkpoint, log or evaluate, where to report), which may differ between the attempts of one run.
@@ -29,6 +36,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Method = Literal["qlora", "lora", "full"]
+Objective = Literal["sft", "dpo"]
+OBJECTIVES: dict[str, Objective] = {"chat": "sft", "preference": "dpo"}  # the shards' kind (tokenized_shards stats) -> objective
+DpoLoss = Literal["sigmoid", "ipo", "hinge"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
 ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,13 +51,15 @@ ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 OPERATIONAL_FIELDS = frozenset(
     {
         "save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing",
-        "attn_implementation", "compile",
+        "attn_implementation", "compile", "mlflow_tracking_uri", "mlflow_experiment",
     }
 )  # fmt: skip
 
 DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
+DPO_LEARNING_RATE = 5e-6  # LoRA/QLoRA DPO recipes (alignment-handbook's zephyr-7b-dpo-qlora): 40x below SFT's
 
-REPORTERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")  # accelerate trackers
+# accelerate trackers; MLflow has its own setting (mlflow_tracking_uri), which also logs the lineage
+REPORTERS = ("tensorboard", "wandb", "comet_ml", "aim", "clearml", "dvclive")
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,7 @@ class ResolvedTraining:
     """What a run does, with every default filled in (shown by the plan, the run log and the result)."""
 
     method: Method
+    objective: Objective
     learning_rate: float
     warmup_steps: int
     total_steps: int
@@ -66,8 +79,9 @@ class ResolvedTraining:
         return self.total_steps / self.steps_per_epoch
 
     def describe(self) -> str:
+        what = self.method if self.objective == "sft" else f"{self.objective} ({self.method})"
         return (
-            f"{self.method}, {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
+            f"{what}, {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
             f"{self.rows_per_step} rows a step), learning rate {self.learning_rate:g}, warmup {self.warmup_steps} steps"
         )
 
@@ -95,7 +109,7 @@ class TrainingConfig(BaseModel):
     learning_rate: float | None = Field(
         default=None,
         description=f"Peak learning rate of AdamW. Empty: {DEFAULT_LEARNING_RATES['lora']:g} for lora and qlora, "
-        f"{DEFAULT_LEARNING_RATES['full']:g} for full fine-tuning.",
+        f"{DEFAULT_LEARNING_RATES['full']:g} for full fine-tuning, {DPO_LEARNING_RATE:g} for DPO (preference shards).",
     )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="Learning-rate decay after warmup: 'cosine', 'linear' or 'constant'."
@@ -150,7 +164,29 @@ class TrainingConfig(BaseModel):
     )
     report_to: list[str] = Field(
         default_factory=list,
-        description=f"Experiment trackers that accelerate logs metrics to, any of {', '.join(REPORTERS)}.",
+        description=f"Experiment trackers that accelerate logs metrics to, any of {', '.join(REPORTERS)} "
+        "(MLflow: mlflow_tracking_uri).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking server to log the run to, e.g. http://mlflow:5000 (needs pip install "
+        "'ft-assets[mlflow]'): params, loss, learning rate, tokens/s and grad norm at every logging step, eval "
+        "metrics, and the dataset version and lineage digests as tags, from rank 0 only. Empty: no tracking. A "
+        "server that does not answer is a warning, never a failed run.",
+    )
+    mlflow_experiment: str = Field(
+        default="ft-assets", description="MLflow experiment the run is logged under (created when missing)."
+    )
+    dpo_beta: float = Field(
+        default=0.1,
+        description="DPO (preference shards only): how strongly the policy is held to the reference (the base "
+        "with the adapter disabled); lower lets it move further. 0.1 is the usual value (DPO paper, TRL).",
+    )
+    dpo_loss: DpoLoss = Field(
+        default="sigmoid",
+        description="DPO loss variant (preference shards only): 'sigmoid' (the DPO paper's), 'ipo' (IPO's squared "
+        "loss on length-normalised log-ratios, less prone to overfit near-deterministic preferences) or 'hinge' "
+        "(SLiC's hinge on the reward margin).",
     )
     eval_steps: int | None = Field(
         default=None, description="Also compute eval loss every this many steps. Empty: only at the end."
@@ -174,6 +210,8 @@ class TrainingConfig(BaseModel):
     @field_validator("report_to")
     @classmethod
     def _known_reporters(cls, value: list[str]) -> list[str]:
+        if "mlflow" in value:
+            raise ValueError("report_to: for MLflow set mlflow_tracking_uri (and mlflow_experiment) instead")
         unknown = sorted(set(value) - set(REPORTERS))
         if unknown:
             raise ValueError(f"report_to has unknown tracker(s) {unknown}; use any of {list(REPORTERS)}")
@@ -204,6 +242,8 @@ class TrainingConfig(BaseModel):
             problems.append(f"max_seq_len must be >= 2 (got {self.max_seq_len})")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             problems.append("weight_decay and max_grad_norm must be >= 0")
+        if not self.dpo_beta > 0:
+            problems.append(f"dpo_beta must be > 0 (got {self.dpo_beta})")
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
         return self
@@ -227,14 +267,24 @@ class TrainingConfig(BaseModel):
         per_epoch = self.steps_per_epoch(train_rows, world_size)
         return self.max_steps or max(self.epochs * per_epoch, self.min_steps)
 
-    def resolve(self, train_rows: int, cuda_available: bool, world_size: int | None = None) -> ResolvedTraining:
-        """The values a run on ``train_rows`` packed rows uses for every field left empty."""
+    def resolve(
+        self, train_rows: int, cuda_available: bool, world_size: int | None = None, objective: Objective = "sft"
+    ) -> ResolvedTraining:
+        """The values a run on ``train_rows`` packed rows uses for every field left empty; ``objective`` is the
+        shards': ``dpo`` for preference pairs. DPO trains an adapter (``method`` full is refused)."""
         method = self.resolved_method(cuda_available)
+        if objective == "dpo" and method == "full":
+            raise ValueError(
+                "DPO trains a LoRA or QLoRA adapter: its reference policy is the base model with the adapter disabled "
+                "(no second copy of the model), which method 'full' does not have; set method lora or qlora"
+            )
         steps = self.total_steps(train_rows, world_size)
         warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * steps)
+        default_rate = DPO_LEARNING_RATE if objective == "dpo" else DEFAULT_LEARNING_RATES[method]
         return ResolvedTraining(
             method=method,
-            learning_rate=self.learning_rate or DEFAULT_LEARNING_RATES[method],
+            objective=objective,
+            learning_rate=self.learning_rate or default_rate,
             warmup_steps=min(warmup, steps),
             total_steps=steps,
             steps_per_epoch=self.steps_per_epoch(train_rows, world_size),

@@ -22,18 +22,39 @@ of loss + backward drops from 5.9 GiB to 0.3 GiB, with the same loss and gradien
 On CUDA with ``liger-kernel`` installed (``pip install 'ft-assets[liger]'``), the chunks run through
 Liger's fused linear cross-entropy instead (Triton; logits never leave on-chip memory, gradients
 computed in the forward pass), when lm_head is a plain linear layer.
+
+Preference pairs (DPO). ``pair_logps`` scores every sequence of packed pair rows in one forward:
+the summed log-probability of its learned tokens (the final reply), from the same chunked lm_head,
+per segment id. ``dpo_losses`` is the DPO objective on those sums, written out here because TRL
+(1.16) has it only inside ``DPOTrainer._compute_loss``, which needs its own model wrapper and
+trainer state; ``test_dpo.py`` checks it equals TRL's on random inputs for every variant. With
+h = beta * ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))):
+
+- ``sigmoid`` (DPO, Rafailov et al. 2023): -log sigmoid(h)
+- ``hinge`` (SLiC, Zhao et al. 2023): max(0, 1 - h)
+- ``ipo`` (Azar et al. 2023): (d - 1 / (2 beta))^2, d the same difference of log-ratios with each
+  side divided by its token count (TRL's length normalization, confirmed with the IPO authors)
+
+The reference is the base with the adapter disabled (the caller's ``disable_adapter()`` context),
+so no second copy of the model exists. Reward accuracy and margin (``preference_metrics``) score a
+model alone: the fraction of pairs whose chosen reply it finds likelier than the rejected one, and
+the mean beta * (log pi(chosen) - log pi(rejected)); a tuned model's margin minus its base's is the
+mean DPO implicit reward margin, so base and tuned are measured by one yardstick.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ft_assets.shards import IGNORE_INDEX, PackedRows
+from ft_assets.shards import IGNORE_INDEX, PackedRows, PairRows
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
 LOSS_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one chunk: 524 tokens of a 32k vocabulary, 131 of a 128k one
 FP32_BYTES = 4
@@ -130,3 +151,113 @@ def eval_loss_sum(
             count += learned_tokens(batch)
     model.train(was_training)
     return loss_sum, count
+
+
+# --- preference pairs ------------------------------------------------------------------------------
+
+
+class PairLogps(NamedTuple):
+    """Per pair slot of packed pair rows, (rows, pairs_per_row) each; slots without a pair hold zeros."""
+
+    chosen: torch.Tensor  # summed log-probability of the chosen reply's tokens
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor  # how many tokens each sum covers
+    rejected_tokens: torch.Tensor
+
+
+def pair_count(batch: dict[str, torch.Tensor]) -> int:
+    """How many pairs a batch of pair rows holds (the DPO loss is a mean over them)."""
+    return int(batch["pair_mask"].sum())
+
+
+def _chunk_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+    logps = -F.cross_entropy(lm_head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return logps.new_zeros(size).index_add(0, slots, logps)
+
+
+def pair_logps(model, batch: dict[str, torch.Tensor]) -> PairLogps:
+    """Summed log-probability of the learned tokens of every sequence in a batch of pair rows.
+
+    One forward of the packed rows (no attention mask, no KV cache: the position ids keep sequences
+    apart), then lm_head + log-softmax chunk by chunk as in ``token_loss_sum``, each token's
+    log-probability added to its sequence's slot (its row x its segment id); unlearned labels add 0.
+    """
+    inputs = {name: batch[name] for name in ("input_ids", "position_ids")}
+    output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    hidden = output.hidden_states[-1][:, :-1]
+    rows, sequences = batch["pair_mask"].shape[0], 2 * batch["pair_mask"].shape[1]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = batch["labels"][:, 1:].reshape(-1)
+    # label i + 1 belongs to the segment of token i + 1; padding (-1) carries no label, so slot 0 gets 0 from it
+    row_base = torch.arange(rows, device=targets.device)[:, None] * sequences
+    slots = (batch["segment_ids"][:, 1:].clamp(min=0) + row_base).reshape(-1)
+    size = rows * sequences
+    lm_head = _unwrap(model).get_output_embeddings()
+    chunk = chunk_tokens(lm_head.weight.shape[0])
+    logps = hidden.new_zeros(size, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], slots[start : start + chunk], size)
+        logps = logps + (checkpoint(_chunk_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logps(*part))
+    tokens = logps.new_zeros(size).index_add(0, slots, (targets != IGNORE_INDEX).float())
+    logps, tokens = logps.view(rows, -1, 2), tokens.view(rows, -1, 2)
+    return PairLogps(logps[..., 0], logps[..., 1], tokens[..., 0], tokens[..., 1])
+
+
+def dpo_losses(policy: PairLogps, reference: PairLogps, beta: float, loss_type: str) -> torch.Tensor:
+    """The DPO loss of every pair slot (the module docstring has the formulas); mask out empty slots before summing."""
+    chosen_ratio, rejected_ratio = policy.chosen - reference.chosen, policy.rejected - reference.rejected
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
+    if loss_type == "ipo":
+        normalized = chosen_ratio / policy.chosen_tokens.clamp(min=1) - rejected_ratio / policy.rejected_tokens.clamp(min=1)
+        return (normalized - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss {loss_type!r}; use one of {', '.join(DPO_LOSSES)}")
+
+
+def dpo_loss_sum(policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str) -> torch.Tensor:
+    """The DPO loss summed over the pairs of a batch (divide by ``pair_count`` over the step for the mean)."""
+    return (dpo_losses(policy, reference, beta, loss_type) * pair_mask).sum()
+
+
+def all_pair_logps(model, rows: PairRows, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> tuple[PairLogps, torch.Tensor]:
+    """``pair_logps`` of the rows ``rank``, ``rank + world_size``, … of ``rows`` (on the CPU) and their pair mask.
+
+    The model runs in eval mode without gradients and is left in the mode it came in.
+    """
+    was_training = model.training
+    model.eval()
+    indices = np.arange(rank, len(rows), world_size)
+    parts: list[PairLogps] = []
+    with torch.no_grad():
+        for start in range(0, len(indices), batch_size):
+            parts.append(PairLogps(*(part.cpu() for part in pair_logps(model, rows.batch(indices[start : start + batch_size], device)))))
+    model.train(was_training)
+    if not parts:
+        empty = torch.zeros(0, rows.pair_mask.shape[1])
+        return PairLogps(empty, empty, empty, empty), rows.pair_mask[indices]
+    return PairLogps(*(torch.cat(columns) for columns in zip(*parts))), rows.pair_mask[indices]
+
+
+def preference_metrics(policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str) -> dict[str, float]:
+    """Sums over the pairs (divide by ``pairs`` after summing over processes): the DPO loss of the policy
+    against the reference and of the reference against itself, and each model's reward accuracy and margin."""
+    mask = pair_mask.float()
+
+    def rewards(model: PairLogps) -> tuple[float, float]:
+        accuracy = ((model.chosen > model.rejected).float() * mask).sum()
+        margin = (beta * (model.chosen - model.rejected) * mask).sum()
+        return float(accuracy), float(margin)
+
+    accuracy, margin = rewards(policy)
+    reference_accuracy, reference_margin = rewards(reference)
+    return {
+        "pairs": float(mask.sum()),
+        "loss": float(dpo_loss_sum(policy, reference, mask, beta, loss_type)),
+        "reference_loss": float(dpo_loss_sum(reference, reference, mask, beta, loss_type)),
+        "reward_accuracy": accuracy,
+        "reward_margin": margin,
+        "reference_reward_accuracy": reference_accuracy,
+        "reference_reward_margin": reference_margin,
+    }

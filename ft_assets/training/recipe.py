@@ -7,6 +7,16 @@ runs them. Packed rows come from ``ft_assets.shards`` and the loss from ``ft_ass
 which the data and delivery planes share. No Dagster here: the ``lora_adapter`` asset calls
 ``train`` and turns ``Preempted`` into a retry.
 
+The shards pick the objective. Packed chat rows train with the token loss (supervised fine-tuning);
+preference-pair shards train with DPO, a variant of the step and of the eval only: the step's loss is
+the summed DPO loss of its pairs over their count (as SFT's is the summed token loss over the learned
+tokens), the policy is the model and the reference the same model under peft's ``disable_adapter()``
+(no second copy; without gradients). Everything else — data order, checkpoints, resume, SIGTERM, DDP
+— is the same code, so DPO has the same guarantees. The reference's log-probabilities are recomputed
+every step (one forward without gradients, ~1/3 more compute) instead of precomputed and stored.
+
+With ``mlflow_tracking_uri`` set, rank 0 logs the run to MLflow (``ft_assets.training.tracking``).
+
 Workers are stateless and often spot instances, so the recipe assumes it can die at any step:
 
 - Every ``save_steps`` steps it writes a checkpoint (trainable weights, optimizer, scheduler, every
@@ -65,7 +75,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 
 from ft_assets import layout
-from ft_assets.shards import load_packed_rows
+from ft_assets.shards import holds_pairs, load_packed_rows, load_pair_rows
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
@@ -81,7 +91,17 @@ from ft_assets.training.checkpoints import (
 )
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
 from ft_assets.training.ec2_metadata import SpotNoticeWatcher
-from ft_assets.training.loss import eval_loss_sum, learned_tokens, token_loss_sum
+from ft_assets.training.loss import (
+    all_pair_logps,
+    dpo_loss_sum,
+    eval_loss_sum,
+    learned_tokens,
+    pair_count,
+    pair_logps,
+    preference_metrics,
+    token_loss_sum,
+)
+from ft_assets.training.tracking import MlflowTracker
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
 FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
@@ -104,10 +124,12 @@ class Preempted(RuntimeError):
 class TrainingResult:
     output_dir: Path  # final adapter (lora/qlora) or model (full) with tokenizer files, written by rank 0
     method: str
+    objective: str  # "sft" (chat shards) or "dpo" (preference-pair shards)
     device: str
     steps: int
     train_loss: float | None  # mean of the last `logging_steps` step losses
-    eval_loss: float | None  # None when there are no eval shards
+    eval_loss: float | None  # None when there are no eval shards; DPO: the DPO loss on the eval pairs
+    eval_metrics: dict  # the final eval's figures (DPO: reward accuracy and margin of the model and its reference)
     tokens_seen: int  # packed tokens (padding included) over all processes, whole run
     wall_seconds: float  # this attempt, from `started_at` (model load, data, uploads, eval included)
     step_seconds: float  # this attempt, inside forward + backward + optimizer step
@@ -120,6 +142,7 @@ class TrainingResult:
     resolved: dict  # the settings the run used, defaults filled in (ResolvedTraining.as_dict)
     attn_implementation: str  # the attention backend the run used (``auto`` resolved)
     tokens_per_second: float  # this attempt: packed tokens (padding included) per second of step time, all processes
+    mlflow_run_id: str | None  # the MLflow run this run is logged to (None: no tracking, or the tracker did not answer)
 
     def to_json(self) -> dict:
         raw = asdict(self)
@@ -321,6 +344,11 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def _figures(metrics: dict[str, float]) -> str:
+    """Eval figures for a log line: 'eval loss 0.6931, eval reward accuracy 0.5000, …'."""
+    return ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -350,6 +378,7 @@ class FineTuneRecipe:
         on_metrics: OnMetrics | None,
         sigterm: SigtermFlag,
         started: float,
+        tags: dict[str, str],
     ):
         self.config = config
         self.base_model_dir, self.shards_dir, self.work_dir = Path(base_model_dir), Path(shards_dir), Path(work_dir)
@@ -360,16 +389,20 @@ class FineTuneRecipe:
         self.step_seconds = 0.0  # this attempt, inside forward + backward + optimizer step
         self.last_saved: int | None = None  # step of the newest checkpoint resumed from or handed to the uploader
         self.eval_loss: float | None = None  # the final one; None without eval shards
+        self.eval_metrics: dict = {}  # the final eval's figures
+        self.tags = tags  # for the tracker: dataset version and lineage digests, from the caller
+        self.tracker: MlflowTracker | None = None
         self.output_dir = self.work_dir / "final"
 
     # --- setup ---
 
     def setup(self) -> None:
-        """Processes and device, packed data, model, optimizer and scheduler, the checkpoint uploader."""
+        """Processes and device, packed data, model, optimizer and scheduler, the checkpoint uploader, the tracker."""
         self._setup_processes()
         self._setup_data()
         self._setup_model()
         self.uploader = BackgroundUploader(self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say)
+        self._setup_tracking()
 
     def _setup_processes(self) -> None:
         config, cuda = self.config, torch.cuda.is_available()
@@ -406,20 +439,26 @@ class FineTuneRecipe:
             accelerator.init_trackers(self.run_prefix.replace("/", "-"), config=config.model_dump())
 
     def _setup_data(self) -> None:
+        """The train and eval rows: packed chat rows (objective sft) or packed preference pairs (dpo)."""
         config = self.config
-        self.train_rows = load_packed_rows(self.shards_dir, "train", config.max_seq_len)
+        self.objective = "dpo" if holds_pairs(self.shards_dir) else "sft"
+        load = load_pair_rows if self.objective == "dpo" else load_packed_rows
+        self.train_rows = load(self.shards_dir, "train", config.max_seq_len)
         if self.train_rows is None:
-            raise FileNotFoundError(f"{self.shards_dir} has no train-*.parquet shards; materialize tokenized_shards first")
-        self.eval_rows = load_packed_rows(self.shards_dir, "eval", config.max_seq_len)
+            raise FileNotFoundError(
+                f"{self.shards_dir} has no train-*.parquet (or pairs-train-*.parquet) shards; materialize tokenized_shards first"
+            )
+        self.eval_rows = load(self.shards_dir, "eval", config.max_seq_len)
         self.plan = DataPlan(len(self.train_rows), config, self.world)
         try:
-            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world)
+            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world, self.objective)
         except ValueError as exc:
             raise ValueError(f"{self.shards_dir}: {exc}") from exc
         self.total_steps = self.resolved.total_steps
         self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
+        pairs = f" ({self.train_rows.pairs} pairs; beta {config.dpo_beta:g}, {config.dpo_loss} loss)" if self.objective == "dpo" else ""
         self.say(
-            f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens, "
+            f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens{pairs}, "
             f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; {self.resolved.describe()}"
         )
 
@@ -445,6 +484,17 @@ class FineTuneRecipe:
             fused=True if self.device.type == "cuda" else None,  # one kernel for all parameters; CPU: foreach
         )
         self.scheduler = make_scheduler(config, self.optimizer, self.resolved)
+
+    def _setup_tracking(self) -> None:
+        """Rank 0 only: the MLflow run of this training run (resumed attempts continue it), when configured."""
+        config = self.config
+        if not (self.is_main and config.mlflow_tracking_uri):
+            return
+        run_id = self.run_prefix.rsplit("/", 1)[-1]
+        params = {**config.result_fields(torch.cuda.is_available()), **self.resolved.as_dict()}
+        tags = {**self.tags, "ft.run_id": run_id, "ft.run_prefix": self.run_prefix, "ft.objective": self.objective,
+                "ft.method": self.method}  # fmt: skip
+        self.tracker = MlflowTracker.start(config.mlflow_tracking_uri, config.mlflow_experiment, run_id, params, tags, self.log)
 
     # --- resume ---
 
@@ -487,7 +537,8 @@ class FineTuneRecipe:
         self.last_saved = self.state.step if checkpoint else None
         self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
         self.attempt = self.state.attempts[-1]
-        self.pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, loss on the device) not yet read
+        self.pending_losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) on the device, not yet read
+        self.grad_norms: list[float] = []  # the gradient norms of the steps since the last log line
         if rng_state is not None:
             restore_rng_state(rng_state)
 
@@ -510,10 +561,10 @@ class FineTuneRecipe:
             if step % config.save_steps == 0 and step < total:
                 self.save_checkpoint()
             if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
-                eval_loss = self.evaluate()
-                self.state.eval_history.append((step, eval_loss))
-                self.say(f"step {step}/{total}  eval loss {eval_loss:.4f}")
-                self.report({"step": step, "eval_loss": eval_loss})
+                metrics = self.evaluate()
+                self.state.eval_history.append((step, metrics["eval_loss"]))
+                self.say(f"step {step}/{total}  {_figures(metrics)}")
+                self.report({"step": step, **metrics})
 
     def stop_if_preempted(self) -> None:
         """After SIGTERM on any process: checkpoint this step unless saved, wait for the upload, raise ``Preempted``.
@@ -543,9 +594,9 @@ class FineTuneRecipe:
         accelerator, device, world = self.accelerator, self.device, self.world
         step_started = time.monotonic()
         rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
-        # Normalise by the learned tokens of the whole step (all micro-batches, all processes):
-        # the loss is then the true per-token mean, whatever the packing put in each row.
-        items = sum(learned_tokens(b) for b in rows)
+        # Normalise by the learned tokens (DPO: the pairs) of the whole step (all micro-batches, all processes):
+        # the loss is then the true per-token (per-pair) mean, whatever the packing put in each row.
+        items = sum(self.count(b) for b in rows)
         if world > 1:
             items = accelerator.reduce(torch.tensor([items], device=device), "sum")[0].clamp(min=1)
         else:
@@ -555,12 +606,12 @@ class FineTuneRecipe:
             batch = {name: _to_device(value, device) for name, value in host_batch.items()}
             last = micro == len(rows) - 1
             with accelerator.no_sync(self.model) if not last else nullcontext():
-                loss_sum = token_loss_sum(self.model, batch)
+                loss_sum = self.loss_sum(batch)
                 # DDP averages gradients over processes; scale back up to a sum over all tokens.
                 accelerator.backward(loss_sum * (world / items))
             step_loss += loss_sum.detach().float() / items
-        if self.config.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(self.params.values(), self.config.max_grad_norm)
+        # The norm before clipping, for the logs; max_grad_norm 0 measures it without clipping (scaled by 1.0).
+        grad_norm = accelerator.clip_grad_norm_(self.params.values(), self.config.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -570,18 +621,32 @@ class FineTuneRecipe:
         state.epoch = state.step // self.plan.steps_per_epoch
         state.samples_seen += self.plan.rows_per_step
         state.tokens_seen += self.tokens_per_step
-        self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss))
+        self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss, grad_norm))
         step, config = state.step, self.config
         if step % config.logging_steps == 0 or step % config.save_steps == 0 or step == self.total_steps:
             self.read_losses()  # inside the timed step: on CUDA this is where the queued work finishes
         self.step_seconds += time.monotonic() - step_started
 
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the step's loss is a mean over: learned tokens (sft) or pairs (dpo)."""
+        return pair_count(batch) if self.objective == "dpo" else learned_tokens(batch)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The summed loss of a micro-batch: token loss (sft), or DPO loss against the base with the adapter disabled."""
+        if self.objective == "sft":
+            return token_loss_sum(self.model, batch)
+        policy = pair_logps(self.model, batch)
+        with torch.no_grad(), self.unwrapped.disable_adapter():
+            reference = pair_logps(self.unwrapped, batch)
+        return dpo_loss_sum(policy, reference, batch["pair_mask"], self.config.dpo_beta, self.config.dpo_loss)
+
     def read_losses(self) -> None:
         """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
         if self.pending_losses:
-            steps = [step for step, _ in self.pending_losses]
-            values = torch.stack([loss for _, loss in self.pending_losses]).tolist()
-            self.state.loss_history.extend(zip(steps, values))
+            steps = [step for step, _, _ in self.pending_losses]
+            values = torch.stack([torch.stack([loss, norm.float()]) for _, loss, norm in self.pending_losses]).tolist()
+            self.state.loss_history.extend((step, loss) for step, (loss, _) in zip(steps, values))
+            self.grad_norms.extend(norm for _, norm in values)
             self.pending_losses = []
 
     def log_progress(self) -> None:
@@ -590,6 +655,7 @@ class FineTuneRecipe:
         elapsed = time.monotonic() - self.window_start
         per_step = elapsed / self.window_steps
         recent = [value for _, value in self.state.loss_history[-self.window_steps :]]
+        norms = self.grad_norms[-self.window_steps :]
         metrics = {
             "step": step,
             "total_steps": total,
@@ -597,6 +663,7 @@ class FineTuneRecipe:
             "loss": sum(recent) / len(recent),
             "learning_rate": self.scheduler.get_last_lr()[0],
             "tokens_per_second": self.tokens_per_step * self.window_steps / elapsed if elapsed > 0 else 0.0,
+            "grad_norm": sum(norms) / len(norms),
             "eta_seconds": per_step * (total - step),
         }
         self.say(
@@ -606,12 +673,15 @@ class FineTuneRecipe:
         self.report(metrics)
         self.uploader.drain_log()
         self.window_start, self.window_steps = time.monotonic(), 0
+        self.grad_norms = []
 
     def report(self, metrics: dict) -> None:
         if self.is_main and self.on_metrics is not None:
             self.on_metrics(metrics)
         if self.config.report_to:
             self.accelerator.log(metrics, step=metrics["step"])
+        if self.tracker is not None:  # rank 0 only
+            self.tracker.log_metrics(metrics, step=metrics["step"])
 
     # --- checkpoint and eval ---
 
@@ -637,13 +707,23 @@ class FineTuneRecipe:
             self.uploader.submit(local, state.step, meta={"step": state.step, "method": self.method})
         self.last_saved = state.step
 
-    def evaluate(self) -> float:
-        """Mean token loss over every eval row, each process taking every world_size-th row."""
-        loss_sum, count = eval_loss_sum(
-            self.unwrapped, self.eval_rows, self.config.per_device_batch_size, self.device, self.rank, self.world
-        )
-        total = self.accelerator.reduce(torch.tensor([loss_sum, count], device=self.device), "sum")
-        return float(total[0] / max(total[1], 1))
+    def evaluate(self) -> dict[str, float]:
+        """``eval_loss`` over every eval row, each process taking every world_size-th row: the mean token loss
+        (sft), or the mean DPO loss of the eval pairs with the reward accuracy and margin of the model and of
+        its reference, the base with the adapter disabled (dpo; ``ft_assets.training.loss.preference_metrics``)."""
+        batch, device, rank, world = self.config.per_device_batch_size, self.device, self.rank, self.world
+        if self.objective == "sft":
+            loss_sum, count = eval_loss_sum(self.unwrapped, self.eval_rows, batch, device, rank, world)
+            total = self.accelerator.reduce(torch.tensor([loss_sum, count], device=device), "sum")
+            return {"eval_loss": float(total[0] / max(total[1], 1))}
+        policy, pair_mask = all_pair_logps(self.unwrapped, self.eval_rows, batch, device, rank, world)
+        with self.unwrapped.disable_adapter():
+            reference, _ = all_pair_logps(self.unwrapped, self.eval_rows, batch, device, rank, world)
+        sums = preference_metrics(policy, reference, pair_mask, self.config.dpo_beta, self.config.dpo_loss)
+        names = list(sums)
+        total = self.accelerator.reduce(torch.tensor([sums[name] for name in names], device=device), "sum").tolist()
+        pairs = max(total[names.index("pairs")], 1)
+        return {f"eval_{name}": value / pairs for name, value in zip(names, total) if name != "pairs"}
 
     # --- finish ---
 
@@ -652,9 +732,10 @@ class FineTuneRecipe:
         if self.last_saved != self.state.step:
             self.save_checkpoint()  # a rerun after a crash from here on skips straight to the export
         if self.eval_rows is not None:
-            self.eval_loss = self.evaluate()
-            self.say(f"final eval loss {self.eval_loss:.4f} on {len(self.eval_rows)} rows")
-            self.report({"step": self.state.step, "eval_loss": self.eval_loss})
+            self.eval_metrics = self.evaluate()
+            self.eval_loss = self.eval_metrics["eval_loss"]
+            self.say(f"final {_figures(self.eval_metrics)} on {len(self.eval_rows)} rows")
+            self.report({"step": self.state.step, **self.eval_metrics})
         if self.is_main:
             shutil.rmtree(self.output_dir, ignore_errors=True)
             self.unwrapped.save_pretrained(self.output_dir, safe_serialization=True)
@@ -673,6 +754,8 @@ class FineTuneRecipe:
                 self.log(f"WARNING: checkpoint upload also failed: {exc}")
         if self.config.report_to:
             self.accelerator.end_training()
+        if self.tracker is not None:
+            self.tracker.finish(failed)
         self.accelerator.free_memory()  # drop accelerate's references to the model, run gc, empty the CUDA cache
 
     def result(self) -> TrainingResult:
@@ -685,10 +768,12 @@ class FineTuneRecipe:
         result = TrainingResult(
             output_dir=self.output_dir,
             method=self.method,
+            objective=self.objective,
             device=f"{self.device.type} x{self.world}",
             steps=state.step,
             train_loss=sum(recent) / len(recent) if recent else None,
             eval_loss=self.eval_loss,
+            eval_metrics=self.eval_metrics,
             tokens_seen=state.tokens_seen,
             wall_seconds=wall,
             step_seconds=self.step_seconds,
@@ -701,6 +786,7 @@ class FineTuneRecipe:
             resolved=self.resolved.as_dict(),
             attn_implementation=self.attention,
             tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
+            mlflow_run_id=self.tracker.run_id if self.tracker is not None else None,
         )
         named = (("train", result.train_loss), ("eval", self.eval_loss))
         losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
@@ -721,18 +807,19 @@ def train(
     log: Log = print,
     on_metrics: OnMetrics | None = None,
     started_at: float | None = None,
+    tags: dict[str, str] | None = None,
 ) -> TrainingResult:
     """Train (or resume) the run at ``run_prefix`` and return the final weights and figures.
 
     ``started_at`` is a ``time.monotonic()`` value from before the caller's downloads, so that wall
-    time covers them; default now.
+    time covers them; default now. ``tags`` go to the MLflow run (dataset version, lineage digests).
     """
     started = time.monotonic() if started_at is None else started_at
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
     # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
     with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
         recipe = FineTuneRecipe(
-            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started
+            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started, tags or {}
         )
         recipe.setup()
         recipe.resume()
@@ -757,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
     parser.add_argument("--result", type=Path, help="write the TrainingResult here as JSON (rank 0)")
     parser.add_argument("--pipes", action="store_true", help="report to Dagster through dagster-pipes (rank 0 only)")
+    parser.add_argument("--tags", default="{}", help="tags of the MLflow run as a JSON object (dataset version, lineage digests)")
     args = parser.parse_args(argv)
 
     raw = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
@@ -783,7 +871,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, flush=True)
 
         try:
-            result = train(config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log)
+            result = train(
+                config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log,
+                tags=json.loads(args.tags),
+            )  # fmt: skip
         except Preempted as exc:
             log(str(exc))
             return EXIT_PREEMPTED

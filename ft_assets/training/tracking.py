@@ -1,0 +1,143 @@
+"""Experiment tracking in MLflow: a training run's settings, metrics, eval figures and lineage.
+
+One MLflow run per training run, named by the run id (tag ``ft.run_id``). A resumed attempt finds
+the MLflow run by that tag and continues it, so the attempts of a preempted run are one run in
+MLflow (steps trained twice after a SIGKILL are logged twice, at the same step numbers).
+
+What is logged, from rank 0 only (the recipe opens a tracker on the main process alone):
+
+- params: the settings that change the weights (those hashed into the run id) and the values the
+  run resolved (objective, method, learning rate, warmup, steps); they are the same for every
+  attempt of a run, which MLflow requires of params;
+- metrics at every logging step: ``loss``, ``learning_rate``, ``tokens_per_second``, ``grad_norm``,
+  ``epoch``, ``eta_seconds``; the eval figures at eval steps and at the end (``eval_loss``; DPO:
+  ``eval_reward_accuracy``, ``eval_reward_margin`` and their reference's); after delivery,
+  ``eval_report``'s base-vs-tuned figures (``reward_accuracy``, ``reward_margin`` of a DPO run);
+- tags: ``ft.dataset_version``, ``ft.run_id``, ``ft.objective``, ``ft.method``, and
+  ``ft.digest.<asset>``, the manifest digest of every artifact the run was built from (the
+  digests ``lineage.json`` records; the adapter's is added when it is published).
+
+A tracker must never cost the run: every call is guarded, and the first one that fails logs one
+WARNING and turns tracking off for the rest of the attempt. MLflow's client retries a request 7
+times with exponential backoff by default, minutes against a dead server; unless the environment
+says otherwise, requests are retried twice (backoff factor 1) with a 10 s timeout, so a tracker
+that does not answer costs seconds, once.
+
+``pip install 'ft-assets[mlflow]'`` installs the client (mlflow-skinny); the full ``mlflow`` package
+(server and UI) pins pyarrow below 26 in its 3.17 release, which this project's pyarrow is not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+Log = Callable[[str], None]
+CLIENT_LIMITS = {  # MLflow's own environment variables, set only when the environment has not
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+NOT_METRICS = ("step", "total_steps")  # in the recipe's progress dicts, but the step is MLflow's x axis
+LINEAGE_TAG = "ft.digest."
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    for name, value in CLIENT_LIMITS.items():
+        os.environ.setdefault(name, value)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created by another run in the meantime
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _metrics(metrics: dict, step: int | None):
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [
+        Metric(key, float(value), now, step or 0)
+        for key, value in metrics.items()
+        if key not in NOT_METRICS and isinstance(value, int | float) and not isinstance(value, bool)
+    ]
+
+
+class MlflowTracker:
+    """The MLflow run of one training run, on rank 0; ``start`` returns None when tracking is impossible."""
+
+    def __init__(self, client, uri: str, run_id: str, log: Log):
+        self.client, self.uri, self.run_id, self.log = client, uri, run_id, log
+        self.active = True
+
+    @classmethod
+    def start(cls, uri: str, experiment: str, run_name: str, params: dict, tags: dict[str, str], log: Log) -> MlflowTracker | None:
+        """Open (or, for a resumed attempt, reopen) the run named ``run_name`` and log its params and tags."""
+        try:
+            import mlflow  # noqa: F401
+        except ImportError:
+            log("WARNING: mlflow_tracking_uri is set but MLflow is not installed (pip install 'ft-assets[mlflow]'); not tracking")
+            return None
+        from mlflow.entities import Param, RunTag
+
+        try:
+            client = _client(uri)
+            experiment_id = _experiment_id(client, experiment)
+            found = client.search_runs([experiment_id], filter_string=f"tags.`ft.run_id` = '{run_name}'", max_results=1)
+            if found:
+                run_id = found[0].info.run_id
+                client.update_run(run_id, status="RUNNING")
+            else:
+                run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+            client.log_batch(
+                run_id,
+                params=[Param(key, str(value)) for key, value in params.items()],
+                tags=[RunTag(key, str(value)) for key, value in tags.items()],
+            )
+        except Exception as exc:  # noqa: BLE001 -- whatever the tracker does, training goes on
+            log(f"WARNING: MLflow at {uri} did not answer ({type(exc).__name__}: {exc}); training goes on without tracking")
+            return None
+        log(f"tracking in MLflow at {uri}: experiment {experiment!r}, run {run_id} ({'resumed' if found else 'new'})")
+        return cls(client, uri, run_id, log)
+
+    def _call(self, what: str, call: Callable[[], object]) -> None:
+        if not self.active:
+            return
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 -- whatever the tracker does, training goes on
+            self.active = False
+            self.log(f"WARNING: MLflow at {self.uri} failed to {what} ({type(exc).__name__}: {exc}); tracking is off for this attempt")
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self._call("log metrics", lambda: self.client.log_batch(self.run_id, metrics=_metrics(metrics, step)))
+
+    def finish(self, failed: bool) -> None:
+        """FINISHED, or FAILED for an attempt that stopped (preempted, crashed; a retry sets it RUNNING again)."""
+        self._call("end the run", lambda: self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED"))
+
+
+def record(uri: str, run_id: str, log: Log, metrics: dict | None = None, tags: dict[str, str] | None = None, step: int | None = None) -> None:
+    """Add metrics and tags to an existing MLflow run (the adapter's digest, delivery's eval); a failure is a warning."""
+    try:
+        from mlflow.entities import RunTag
+
+        _client(uri).log_batch(run_id, metrics=_metrics(metrics or {}, step), tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+    except Exception as exc:  # noqa: BLE001 -- a tracker never fails the asset
+        log(f"WARNING: MLflow at {uri} did not take the figures for run {run_id} ({type(exc).__name__}: {exc})")
+
+
+def lineage_tags(partition: str, refs: dict[str, dict]) -> dict[str, str]:
+    """The dataset version and the manifest digest of every artifact in ``refs`` (asset name -> reference)."""
+    return {"ft.dataset_version": partition, **{f"{LINEAGE_TAG}{name}": ref["digest"] for name, ref in refs.items()}}
