@@ -16,19 +16,25 @@ from ft_assets.delivery import checks as delivery_checks
 from ft_assets.resources import ArtifactRefIOManager, ObjectStoreResource
 from ft_assets.training import assets as training_assets
 
-store = ObjectStoreResource()
 
-defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([control_assets, data_assets, training_assets, delivery_assets]),
-    asset_checks=dg.load_asset_checks_from_modules([data_checks, delivery_checks]),
-    jobs=PLANE_JOBS,
-    sensors=[dataset_version_sensor, train_after_data, deliver_after_training, idle_gpu_worker_sensor],
-    schedules=[training_window],
-    resources={
-        "store": store,
-        "refs": ArtifactRefIOManager(store=store),
-        "data_executor": DataExecutorResource(),
-        "ec2_workers": Ec2WorkersResource(),
-    },
-    loggers={"ft_console": ft_console},
-)
+def make_definitions(data_executor: DataExecutorResource | None = None) -> dg.Definitions:
+    """The project's definitions; ``data_executor`` replaces the data plane's executor, e.g. one with a
+    dagster-ray resource that creates a cluster for the run (README: "Data plane on a Ray cluster")."""
+    store = ObjectStoreResource()
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules([control_assets, data_assets, training_assets, delivery_assets]),
+        asset_checks=dg.load_asset_checks_from_modules([data_checks, delivery_checks]),
+        jobs=PLANE_JOBS,
+        sensors=[dataset_version_sensor, train_after_data, deliver_after_training, idle_gpu_worker_sensor],
+        schedules=[training_window],
+        resources={
+            "store": store,
+            "refs": ArtifactRefIOManager(store=store),
+            "data_executor": data_executor or DataExecutorResource(),
+            "ec2_workers": Ec2WorkersResource(),
+        },
+        loggers={"ft_console": ft_console},
+    )
+
+
+defs = make_definitions()

@@ -277,9 +277,12 @@ def test_a_ray_address_that_does_not_answer_fails_clearly_within_30_s():
 
 
 def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
-    """``DataExecutorResource(ray=LocalRay(...))``: Dagster connects the dagster-ray resource, the shards run on it."""
+    """``make_definitions(DataExecutorResource(ray=LocalRay(...)))`` (the README's KubeRay recipe, with a
+    local Ray): Dagster connects the dagster-ray resource, the shards run on it."""
     import ray
     from dagster_ray import LocalRay
+
+    from ft_assets.definitions import make_definitions
 
     ray.shutdown()  # the module's Ray, if a test before started it: this one starts its own
 
@@ -288,6 +291,6 @@ def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
         assert data_executor.executor.kind == "ray"
         return list(data_executor.executor.map(_die, range(6), str(tmp_path)))
 
-    resource = DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False}))
-    result = dg.materialize([squares], resources={"data_executor": resource})
+    defs = make_definitions(DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False})))
+    result = dg.materialize([squares], resources={"data_executor": defs.resources["data_executor"]})
     assert result.output_for_node("squares") == [i * i for i in range(6)]
