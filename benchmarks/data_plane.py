@@ -32,6 +32,7 @@ parts back to the driver, and the deduplication shuffle) at ``NETWORK_BYTES_S``,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -105,6 +106,9 @@ def work_ours(
         packed = watch("tokenize_pack", tokenize_splits, work / "split", ("train", "eval"), tokenizer, seq_len, work / "shards", executor=executor)
         driver_peak = peak_rss_mib()  # before the untimed extra below
         part_bytes = sum(f.stat().st_size for f in work.rglob("*.parquet"))
+        outputs = hashlib.sha256()  # every file the stages wrote, untimed: the same in every mode?
+        for path in sorted(work.rglob("*.parquet")):
+            outputs.update(str(path.relative_to(work)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
         usage = dict(executor.usage)
         kind, workers = executor.kind, executor.workers
     here = f"{socket.gethostname()}:{os.getpid()}"
@@ -135,6 +139,7 @@ def work_ours(
         "packed_rows": sum(p.rows for p in packed.values()),
         "packing_efficiency": tokens / slots if slots else 0.0,
         "shuffle_bytes": deduplicated["shuffle_bytes"],
+        "outputs_sha256": outputs.hexdigest(),
         "part_bytes": part_bytes,  # every row file the stages wrote: on a cluster, what comes back to the driver
         "peak_rss_mib_self": driver_peak,
         "workers_peak_rss_mib": {w: round(u.peak_rss_mib, 1) for w, u in others.items()},

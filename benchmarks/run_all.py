@@ -45,6 +45,23 @@ def target(name: str, goal: str, measured: str, ok: bool, why: str) -> list[str]
     return [name, goal, measured, verdict(ok), "" if ok else why]
 
 
+OUTPUT_COUNTS = ("rows_in", "rows_quarantined", "exact_duplicates", "near_duplicates", "train_rows", "eval_rows", "tokens", "packed_rows")
+
+
+def same_outputs(result: dict) -> str:
+    """Whether every mode's run of the first corpus wrote the same counts (and files, where their digest was recorded)."""
+    first = f"_x{result['scales'][0]}"
+    ours = {name: run for name, run in result["runs"].items() if name.startswith("ours") and name.endswith(first)}
+    if len({tuple(run[k] for k in OUTPUT_COUNTS) for run in ours.values()}) != 1:
+        return "**The modes' counts differ** (see `runs` in the JSON)."
+    digests = {run.get("outputs_sha256") for run in ours.values()}
+    if None in digests:
+        return f"Every mode wrote the same counts ({', '.join(OUTPUT_COUNTS)}); file digests were not recorded in this run."
+    return "Every mode wrote the same counts and the same files (sha256 of every Parquet file)." if len(digests) == 1 else (
+        "Every mode wrote the same counts, **but not the same files** (sha256 differs)."
+    )
+
+
 def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     s, runs, scales, n = result["summary"], result["runs"], result["scales"], result["workers"]
     first, last = f"x{scales[0]}", f"x{scales[-1]}"
@@ -59,7 +76,7 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
         f"bad rows; {result['tokenizer']} tokenizer and chat template, {result['seq_len']:,}-token packed rows. Ours runs the `data` "
         "assets' functions on the executor `DataExecutorResource` opens (1 process; worker processes; a local Ray started "
         "through dagster-ray, start-up included), tokenizer loads included; every process tokenizes on one core "
-        "(`TOKENIZERS_PARALLELISM=false`). Every run wrote the same counts.",
+        f"(`TOKENIZERS_PARALLELISM=false`). {same_outputs(result)}",
         "",
     ]
     labels = {
