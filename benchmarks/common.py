@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import threading
@@ -136,17 +135,6 @@ def last_json(output: str) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     raise ValueError(f"the benchmark worker printed no JSON result; its output ends with:\n{output[-3000:]}")
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set so far (VmHWM), in MiB."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def smollm2_dir() -> Path:

@@ -42,8 +42,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.common import benchmark_model, cache_dir, fmt, last_json, peak_rss_mib, run_child, table, write_result
+from benchmarks.common import benchmark_model, cache_dir, fmt, last_json, run_child, table, write_result
 from benchmarks.corpus import ROWS_PER_UNIT, ensure_corpus
+from ft_assets.data.parallel import peak_rss_mib
 
 SEQ_LEN = 1024  # packed row length for the corpus (its replies run to ~1,300 tokens; 0.1% are longer)
 EVAL_FRACTION = 0.1
