@@ -223,3 +223,34 @@ def test_packing_pairs_fills_the_rows(encoder, tmp_path):
     print(f"mean pair {np.mean([a + b for a, b in lengths]):.0f} tokens: packed {stats.packing_efficiency:.3f}, "
           f"padded to the longest of 8 pairs {batch_of_8:.3f}, padded to seq_len {to_seq_len:.3f}")  # fmt: skip
     assert stats.examples == 400 and stats.packing_efficiency > 0.95 > batch_of_8 > to_seq_len
+
+
+def test_pairs_shard_on_worker_processes_with_the_same_bytes(encoder, tiny_model_dir, tmp_path):
+    """The data plane's pair tokenizing on 2 worker processes, in shards of 16 pairs and windows of 8 pairs,
+    writes the same files as the in-process packer: a window never cuts a pair apart."""
+    import hashlib
+
+    from ft_assets.data.packing import TokenizerFiles, tokenize_splits
+    from ft_assets.data.pair_packing import PAIRS
+    from ft_assets.data.parallel import ProcessPool
+
+    rows = timer_pairs(90) + [{"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."}]
+    stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN)
+    expected = {}
+    for split in ("train", "eval"):  # the in-process packer again, with the same windows
+        items = ((r["source"], r["messages"]) for r in iter_records(tmp_path / "one" / "split" / f"{split}.parquet"))
+        expected[split] = tokenize_and_pack_pairs(items, encoder, PAIR_SEQ_LEN, tmp_path / "one" / "windowed", split, window=8)
+    with ProcessPool(2, 16) as executor:
+        packed = tokenize_splits(tmp_path / "one" / "split", ("train", "eval"), TokenizerFiles.from_dir(tiny_model_dir), PAIR_SEQ_LEN,
+                                 tmp_path / "two", 8, executor, kind=PAIRS)  # fmt: skip
+        assert sum(usage.shards for usage in executor.usage.values()) > 4  # really sharded
+
+    def digests(folder: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("pairs-*.parquet"))}
+
+    assert len(digests(tmp_path / "two")) == 2 and digests(tmp_path / "two") == digests(tmp_path / "one" / "windowed")
+    for split in ("train", "eval"):
+        assert (packed[split].examples, packed[split].tokens, packed[split].rows) == (
+            expected[split].examples, expected[split].tokens, expected[split].rows)  # fmt: skip
+        assert [(row, err.reason) for row, err in packed[split].rejected] == [(row, err.reason) for row, err in expected[split].rejected]
+    assert stats["train"].examples + stats["eval"].examples == 90

@@ -18,8 +18,8 @@ from ft_assets.data.cleaning import clean_dataset, clean_messages
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
-from ft_assets.data.packing import TokenizerFiles, tokenize_splits
-from ft_assets.data.pair_packing import tokenize_and_pack_pairs
+from ft_assets.data.packing import EXAMPLES, TokenizerFiles, tokenize_splits
+from ft_assets.data.pair_packing import PAIRS
 from ft_assets.data.preference import PREFERENCE, clean_pair, dataset_kind
 from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
 from ft_assets.data.resources import DataExecutorResource
@@ -273,17 +273,10 @@ def tokenized_shards(
     kind = train_eval_split["stats"]["kind"]
     with Materialization(context, store, "tokenize") as m:
         split_dir = m.fetch(train_eval_split)
-        tokenizer = _tokenizer_files(m, base_model)
-        if kind == PREFERENCE:  # pairs are encoded and packed in this process: pair_packing is not sharded
-            per_split = {
-                split: tokenize_and_pack_pairs(
-                    ((r["source"], r["messages"]) for r in iter_records(split_dir / f"{split}.parquet")),
-                    tokenizer.encoder(), config.seq_len, m.out, split, config.window,
-                )
-                for split in ("train", "eval")
-            }  # fmt: skip
-        else:
-            per_split = tokenize_splits(split_dir, ("train", "eval"), tokenizer, config.seq_len, m.out, config.window, data_executor.executor)
+        per_split = tokenize_splits(
+            split_dir, ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window, data_executor.executor,
+            kind=PAIRS if kind == PREFERENCE else EXAMPLES,
+        )  # fmt: skip
         for split, packed in per_split.items():
             context.log.info(
                 f"{split}: {packed.examples} {'pairs' if kind == PREFERENCE else 'examples'}, {packed.tokens} tokens in "

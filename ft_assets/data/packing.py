@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,9 +38,11 @@ import numpy as np
 
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
 from ft_assets.data.readers import RowError
-from ft_assets.shards import ROWS_PER_SHARD, ShardWriter
+from ft_assets.shards import ROWS_PER_SHARD, SCHEMA, ShardWriter
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from ft_assets.data.rows import RowRange
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
@@ -453,8 +455,8 @@ class EncodedShard:
     pad_id: int
 
 
-def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
-    """Tokenize one shard of a split (a row range of its file, or (row id, messages) pairs): a data-plane task."""
+def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> tuple:
+    """What a tokenize task works on: (encoder, seq_len, split, [(row id, messages)], pad id)."""
     source, seq_len = settings
     encoder = source if isinstance(source, ChatEncoder) else source.encoder()
     split, rows = item
@@ -462,8 +464,20 @@ def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple
         table = rows.read(["source", "messages"])
         rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
     pad_id = encoder.tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = encoder.tokenizer.eos_token_id
+    return encoder, seq_len, split, rows, encoder.tokenizer.eos_token_id if pad_id is None else pad_id
+
+
+def encoded_shard(split: str, kept: list[Example], rejected: list[tuple[str, str, str]], pad_id: int) -> EncodedShard:
+    """The kept sequences back to back."""
+    lengths = np.array([len(e.input_ids) for e in kept], dtype=np.int64)
+    ids = np.concatenate([e.input_ids for e in kept]) if kept else np.empty(0, dtype=np.int32)
+    mask = np.concatenate([e.loss_mask for e in kept]) if kept else np.empty(0, dtype=np.int8)
+    return EncodedShard(split, ids, mask, lengths, rejected, pad_id)
+
+
+def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
+    """Tokenize one shard of a split (a row range of its file, or (row id, messages) pairs): a data-plane task."""
+    encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
     kept: list[Example] = []
     rejected: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), TOKENIZE_BATCH):
@@ -477,10 +491,7 @@ def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple
                 rejected.append((row_id, "no_loss_tokens", "no assistant token survived templating"))
             else:
                 kept.append(result)
-    lengths = np.array([len(e.input_ids) for e in kept], dtype=np.int64)
-    ids = np.concatenate([e.input_ids for e in kept]) if kept else np.empty(0, dtype=np.int32)
-    mask = np.concatenate([e.loss_mask for e in kept]) if kept else np.empty(0, dtype=np.int8)
-    return EncodedShard(split, ids, mask, lengths, rejected, pad_id)
+    return encoded_shard(split, kept, rejected, pad_id)
 
 
 @dataclass(frozen=True)
@@ -493,16 +504,33 @@ class Window:
     lengths: np.ndarray
     pad_id: int
 
+    def examples(self) -> list[Example]:
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        return [Example(self.input_ids[a:b], self.loss_mask[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
 
 def pack_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
     """The packed rows of one window: a data-plane task."""
-    offsets = np.concatenate([[0], np.cumsum(window.lengths)])
-    examples = [Example(window.input_ids[a:b], window.loss_mask[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
-    return window.split, list(pack_rows(examples, seq_len, window.pad_id))
+    return window.split, list(pack_rows(window.examples(), seq_len, window.pad_id))
 
 
-def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackStats]) -> Iterator[Window]:
-    """The examples of the encoded shards, in order, cut into windows of ``window`` examples per split."""
+@dataclass(frozen=True)
+class PackKind:
+    """What ``pack_splits`` packs: its two tasks, how many sequences make one item, and its shards."""
+
+    encode: Callable[[tuple, tuple], EncodedShard]  # (settings, (split, rows)) -> the shard's sequences
+    pack: Callable[[int, Window], tuple[str, list[dict]]]  # (seq_len, window) -> (split, packed rows)
+    sequences: int  # sequences an item (an example: 1; a preference pair: 2), never cut apart by a window
+    schema: pa.Schema
+    file_split: Callable[[str], str]  # split -> the split name in its shard files
+
+
+EXAMPLES = PackKind(encode_shard, pack_window, 1, SCHEMA, str)
+
+
+def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackStats], sequences: int = 1) -> Iterator[Window]:
+    """The sequences of the encoded shards, in order, cut into windows of ``window`` sequences per split
+    (a multiple of ``sequences``, and every shard holds whole items: an item is never cut)."""
     pending: dict[str, list[EncodedShard]] = {}
 
     def cut(split: str, final: bool) -> Iterator[Window]:
@@ -527,7 +555,7 @@ def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackSt
         current = part.split
         counted = stats[part.split]
         counted.pad_id = part.pad_id
-        counted.examples += len(part.lengths)
+        counted.examples += len(part.lengths) // sequences
         counted.tokens += int(part.lengths.sum())
         counted.loss_tokens += int(part.loss_mask.sum())
         counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
@@ -546,21 +574,23 @@ def pack_splits(
     window: int = PACK_WINDOW,
     rows_per_shard: int = ROWS_PER_SHARD,
     executor: Executor | None = None,
+    kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
     """Encode the shards of each split and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``.
 
-    Two kinds of task on ``executor`` (default: this process), pipelined: ``encode_shard`` per shard of
-    rows, and ``pack_window`` per ``window`` examples of a split, cut from the examples in row order as
-    one process would cut them. So the packed rows and shard files are the same whatever the executor
-    and the shards: only how many windows are packed at once changes.
+    Two kinds of task on ``executor`` (default: this process), pipelined: ``kind.encode`` per shard of
+    rows, and ``kind.pack`` per ``window`` items of a split, cut from the items in row order as one
+    process would cut them. So the packed rows and shard files are the same whatever the executor and
+    the shards: only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples), or
+    ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``).
     """
     executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     stats = {split: PackStats() for split in shards}
-    writers = {split: ShardWriter(out_dir, split, rows_per_shard) for split in shards}
+    writers = {split: ShardWriter(out_dir, kind.file_split(split), rows_per_shard, kind.schema) for split in shards}
     items = ((split, shard) for split, split_shards in shards.items() for shard in split_shards)
-    encoded = executor.map(encode_shard, items, (encoder, seq_len))
-    for split, rows in executor.map(pack_window, _windows(encoded, window, stats), seq_len):
+    encoded = executor.map(kind.encode, items, (encoder, seq_len))
+    for split, rows in executor.map(kind.pack, _windows(encoded, window * kind.sequences, stats, kind.sequences), seq_len):
         for row in rows:
             writers[split].add(row)
         stats[split].rows += len(rows)
@@ -579,11 +609,12 @@ def tokenize_and_pack(
     split: str,
     window: int = PACK_WINDOW,
     rows_per_shard: int = ROWS_PER_SHARD,
+    kind: PackKind = EXAMPLES,
 ) -> PackStats:
-    """Encode (row id, messages) pairs and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``, in this process."""
+    """Encode (row id, messages) items and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``, in this process."""
     rows = iter(rows)
     batches = iter(lambda: list(itertools.islice(rows, DEFAULT_SHARD_ROWS)), [])
-    return pack_splits({split: batches}, encoder, seq_len, out_dir, window, rows_per_shard)[split]
+    return pack_splits({split: batches}, encoder, seq_len, out_dir, window, rows_per_shard, kind=kind)[split]
 
 
 def tokenize_splits(
@@ -594,6 +625,7 @@ def tokenize_splits(
     out_dir: Path,
     window: int = PACK_WINDOW,
     executor: Executor | None = None,
+    kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
     """``pack_splits`` of ``split_dir/<split>.parquet`` for each split, in row ranges of ``executor.shard_rows``."""
     from ft_assets.data.rows import row_ranges
@@ -601,5 +633,5 @@ def tokenize_splits(
     executor = executor or InProcess()
     return pack_splits(
         {split: row_ranges(split_dir / f"{split}.parquet", executor) for split in splits}, encoder, seq_len, out_dir, window,
-        executor=executor,
+        executor=executor, kind=kind,
     )  # fmt: skip

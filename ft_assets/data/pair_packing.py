@@ -26,10 +26,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.data.packing import PACK_WINDOW, TOKENIZE_BATCH, ChatEncoder, Example, PackStats, pack_bins
+from ft_assets.data.packing import (
+    PACK_WINDOW,
+    TOKENIZE_BATCH,
+    ChatEncoder,
+    EncodedShard,
+    Example,
+    PackKind,
+    PackStats,
+    Window,
+    encoded_shard,
+    pack_bins,
+    shard_input,
+    tokenize_and_pack,
+)
 from ft_assets.data.preference import split_pair
 from ft_assets.data.readers import RowError
-from ft_assets.shards import PAIR_SCHEMA, ROWS_PER_SHARD, ShardWriter, pair_split
+from ft_assets.shards import PAIR_SCHEMA, ROWS_PER_SHARD, pair_split
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,37 @@ def pack_pair_rows(pairs: list[Pair], seq_len: int, pad_id: int) -> Iterator[dic
                "segment_ids": segment_ids}  # fmt: skip
 
 
+def encode_pair_shard(settings: tuple, item: tuple) -> EncodedShard:
+    """Tokenize one shard of preference pairs (``encode_shard``'s contract): each kept pair is its chosen
+    then its rejected sequence, back to back; a pair with a failed side, longer than a row or with nothing
+    to learn is rejected whole. A data-plane task."""
+    encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
+    kept: list[Example] = []
+    rejected: list[tuple[str, str, str]] = []
+    for start in range(0, len(rows), TOKENIZE_BATCH // 2):  # two sequences a pair
+        batch = rows[start : start + TOKENIZE_BATCH // 2]
+        for (row_id, _), result in zip(batch, encode_pairs(encoder, [messages for _, messages in batch])):
+            if isinstance(result, RowError):
+                rejected.append((row_id, result.reason, result.detail))
+            elif len(result) > seq_len:
+                rejected.append((row_id, "too_long_tokens", f"{len(result)} tokens (both sides of the pair) > seq_len {seq_len}"))
+            elif not (result.chosen.loss_mask.any() and result.rejected.loss_mask.any()):
+                rejected.append((row_id, "no_loss_tokens", "a reply has no token left after templating"))
+            else:
+                kept += [result.chosen, result.rejected]
+    return encoded_shard(split, kept, rejected, pad_id)
+
+
+def pack_pair_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
+    """The packed rows of one window of pairs (chosen, rejected, chosen, ...): a data-plane task."""
+    sequences = window.examples()
+    pairs = [Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])]
+    return window.split, list(pack_pair_rows(pairs, seq_len, window.pad_id))
+
+
+PAIRS = PackKind(encode_pair_shard, pack_pair_window, 2, PAIR_SCHEMA, pair_split)
+
+
 def tokenize_and_pack_pairs(
     rows: Iterable[tuple[str, list[dict]]],
     encoder: ChatEncoder,
@@ -96,47 +140,6 @@ def tokenize_and_pack_pairs(
     window: int = PACK_WINDOW,
     rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
-    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` to ``out_dir``; ``examples`` counts pairs."""
-    pad_id = encoder.tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = encoder.tokenizer.eos_token_id
-    writer = ShardWriter(out_dir, pair_split(split), rows_per_shard, PAIR_SCHEMA)
-    stats = PackStats(pad_id=pad_id)
-    pending: list[Pair] = []
-
-    def drain() -> None:
-        for row in pack_pair_rows(pending, seq_len, pad_id):
-            writer.add(row)
-            stats.rows += 1
-            stats.slots += seq_len
-        pending.clear()
-
-    def encode(batch: list[tuple[str, list[dict]]]) -> None:
-        for (row_id, _), result in zip(batch, encode_pairs(encoder, [m for _, m in batch])):
-            if isinstance(result, RowError):
-                stats.rejected.append((row_id, result))
-            elif len(result) > seq_len:
-                stats.rejected.append(
-                    (row_id, RowError("too_long_tokens", f"{len(result)} tokens (both sides of the pair) > seq_len {seq_len}"))
-                )
-            elif not (result.chosen.loss_mask.any() and result.rejected.loss_mask.any()):
-                stats.rejected.append((row_id, RowError("no_loss_tokens", "a reply has no token left after templating")))
-            else:
-                pending.append(result)
-                stats.examples += 1
-                stats.tokens += len(result)
-                stats.loss_tokens += int(result.chosen.loss_mask.sum() + result.rejected.loss_mask.sum())
-                if len(pending) >= window:
-                    drain()
-
-    batch: list[tuple[str, list[dict]]] = []
-    for item in rows:
-        batch.append(item)
-        if len(batch) >= TOKENIZE_BATCH // 2:  # two sequences a pair
-            encode(batch)
-            batch = []
-    encode(batch)
-    drain()
-    writer.flush()
-    stats.files = writer.files
-    return stats
+    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` to ``out_dir``, in this
+    process; ``examples`` counts pairs. (The data plane shards them: ``tokenize_splits(..., kind=PAIRS)``.)"""
+    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, rows_per_shard, kind=PAIRS)
