@@ -126,7 +126,7 @@ def load_run_config(path: str | None) -> dict:
         raise CliError(f"run config {path} must be a mapping with an 'ops:' section")
     unknown = set(loaded) - {"ops", "resources", "execution", "loggers"}
     if unknown:
-        raise CliError(f"run config {path}: unknown top-level key(s) {sorted(unknown)}; expected 'ops:'")
+        raise CliError(f"run config {path}: unknown top-level key(s) {sorted(unknown)}; expected ops, resources, execution or loggers")
     return loaded
 
 
