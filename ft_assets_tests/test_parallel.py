@@ -289,8 +289,24 @@ def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
     @dg.asset
     def squares(data_executor: DataExecutorResource) -> list[int]:
         assert data_executor.executor.kind == "ray"
+        assert data_executor.executor.log is not None  # long stages report progress to the run's log
         return list(data_executor.executor.map(_die, range(6), str(tmp_path)))
 
     defs = make_definitions(DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False})))
     result = dg.materialize([squares], resources={"data_executor": defs.resources["data_executor"]})
     assert result.output_for_node("squares") == [i * i for i in range(6)]
+
+
+def test_a_long_stage_logs_its_progress(tmp_path):
+    """Past ``progress_every_s`` a stage says how many shards are done, of how many, and what is left;
+    a short one (the default 30 s) says nothing."""
+    lines: list[str] = []
+    with ProcessPool(2, log=lines.append, progress_every_s=0) as executor:
+        assert list(executor.map(_die, range(6), str(tmp_path))) == [i * i for i in range(6)]
+    assert [line.split(" shards done")[0] for line in lines] == [f"_die: {done}/6" for done in range(1, 7)]
+    assert lines[0].endswith("s left") and "on 2 worker processes" in lines[0] and lines[-1].endswith("about 0 s left")
+    quiet: list[str] = []
+    (tmp_path / "3").touch()  # shard 3 has died once already: in this process it must not
+    with InProcess(1, log=quiet.append) as executor:
+        assert list(executor.map(_die, iter(range(6)), str(tmp_path))) == [i * i for i in range(6)]
+    assert quiet == []

@@ -50,6 +50,7 @@ MAX_ATTEMPTS = 3  # runs of a shard whose worker died before the stage gives up 
 DEFAULT_SHARD_ROWS = 16_384  # rows a task works on: ~10 MB of chat rows, ~8 s of tokenizing on one core
 IN_FLIGHT_PER_WORKER = 2  # shards queued per worker: one running, one ready while the driver writes a part
 RAY_CONNECT_TIMEOUT_S = 15.0  # a Ray address that does not answer in this time is reported as such
+PROGRESS_EVERY_S = 30.0  # a stage that runs longer says how far it is, this often
 
 
 class ShardFailed(RuntimeError):
@@ -171,17 +172,34 @@ class Executor:
     shard_rows: int = DEFAULT_SHARD_ROWS
     retried: int = 0  # shard runs repeated because a worker died (ProcessPool; Ray retries on its own)
     usage: dict[str, WorkerUsage] = field(default_factory=dict)  # per worker process (host:pid)
+    log: Callable[[str], None] | None = None  # where a long stage reports its progress (the run's log)
+    progress_every_s: float = PROGRESS_EVERY_S
 
     kind = "in-process"
 
     def map(self, fn: Callable[[Any, Any], Any], shards: Iterable, common: Any = None) -> Iterator:
-        """``fn(common, shard)`` for every shard, lazily, in shard order; a stage of one shard runs here."""
+        """``fn(common, shard)`` for every shard, lazily, in shard order; a stage of one shard runs here.
+        A stage that runs longer than ``progress_every_s`` logs its shards done (of how many, when known)."""
+        total = len(shards) if isinstance(shards, list | tuple | range) else None
         shards = iter(shards)
         head = list(itertools.islice(shards, 2))
         if len(head) < 2:
             yield from (self._here(fn, common, shard) for shard in head)
             return
-        yield from self._map(fn, itertools.chain(head, shards), common)
+        yield from self._progress(fn.__name__, self._map(fn, itertools.chain(head, shards), common), total)
+
+    def _progress(self, name: str, parts: Iterator, total: int | None) -> Iterator:
+        started = last = time.monotonic()
+        done = 0
+        for part in parts:
+            done += 1
+            now = time.monotonic()
+            if self.log is not None and now - last >= self.progress_every_s:
+                last = now
+                of = f"/{total}" if total else ""
+                eta = f", about {(now - started) / done * (total - done):.0f} s left" if total else ""
+                self.log(f"{name}: {done}{of} shards done in {now - started:.0f} s on {self.describe()}{eta}")
+            yield part
 
     def _here(self, fn: Callable, common: Any, shard: Any) -> Any:
         started = time.process_time()

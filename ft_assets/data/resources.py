@@ -112,6 +112,7 @@ class DataExecutorResource(dg.ConfigurableResource):
     @contextmanager
     def yield_for_execution(self, context: dg.InitResourceContext) -> Iterator[DataExecutorResource]:
         with self._open(context) as executor:
+            executor.log = context.log.info
             self._executor = executor
             context.log.info(f"data plane runs on {executor.describe()}, {self.shard_rows:,} rows a shard")
             try:
