@@ -581,7 +581,7 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
             position += batch.num_rows
         keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
 
-        def items() -> Iterator[FilterItem]:
+        def items(keys: np.ndarray) -> Iterator[FilterItem]:
             exact_at = np.searchsorted(duplicates[:, 0], [s.start for s in shards] + [total])
             merged_at = np.searchsorted(merged, [s.start for s in shards] + [total])
             for i, shard in enumerate(shards):
@@ -598,7 +598,7 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
         ) as kept:
             for row, first in duplicates.tolist():
                 records.write({"source": sources[row], "kind": "exact", "duplicate_of": sources[first]})
-            for rows, near in executor.map(filter_shard, items(), rules.near_duplicates):
+            for rows, near in executor.map(filter_shard, items(keys), rules.near_duplicates):
                 kept.write_table(rows)
                 if near:
                     records.write_table(pa.Table.from_pylist(near, schema=DUPLICATE_SCHEMA))
