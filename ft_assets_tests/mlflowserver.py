@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from ft_assets_tests.pg import free_port
+
 START_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MlflowServer:

@@ -141,6 +141,41 @@ def wait_until(predicate, process, what: str, log_path: Path, timeout_s: float =
         time.sleep(0.01)
 
 
+def _slow_training(cfg_json: str, base: str, shards: str, store: str, run: str, work: str) -> None:
+    """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+
+    torch.set_num_threads(1)
+    train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards), LocalStore(store), run, Path(work),
+          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
+
+
+def sigkill_training_after_checkpoint(cfg: TrainingConfig, base: Path, shards: Path, store, run: str, step: int, work: Path) -> None:
+    """Train ``cfg`` in a spawned process (slowed down) and SIGKILL it once checkpoint ``step`` is in ``store``;
+    fails unless the kill is what ended it, before its last step."""
+    import multiprocessing
+    import signal
+
+    from ft_assets import layout
+    from ft_assets.manifests import MANIFEST
+    from ft_assets.storage import join_key
+    from ft_assets.training.checkpoints import checkpoint_steps
+
+    worker = multiprocessing.get_context("spawn").Process(
+        target=_slow_training, args=(cfg.model_dump_json(), str(base), str(shards), str(store.root), run, str(work))
+    )
+    worker.start()
+    try:
+        wait_until(lambda: store.exists(join_key(layout.checkpoint(run, step), MANIFEST)), worker, f"checkpoint {step}", work / "none.log")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+    finally:
+        worker.kill()
+    assert worker.exitcode == -signal.SIGKILL
+    assert max(checkpoint_steps(store, run)) < cfg.max_steps, "the worker finished before it could be killed"
+
+
 # --- the run queue and the pool launcher -------------------------------------------------------------
 
 MOCK = {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}

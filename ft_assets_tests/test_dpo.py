@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import os
 import signal
 import subprocess
 import sys
-import time
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -21,10 +18,10 @@ import torch
 import yaml
 
 from ft_assets import layout
-from ft_assets.manifests import MANIFEST, read_manifest
+from ft_assets.manifests import read_manifest
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows
-from ft_assets.storage import LocalStore, join_key
-from ft_assets.training.checkpoints import checkpoint_steps, complete_checkpoints
+from ft_assets.storage import LocalStore
+from ft_assets.training.checkpoints import complete_checkpoints
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
 from ft_assets.training.recipe import EXIT_PREEMPTED, train
@@ -36,9 +33,9 @@ from ft_assets_tests.support import (
     dpo_config,
     final_weights,
     run_cli,
+    sigkill_training_after_checkpoint,
     the_run,
     timer_pairs,
-    wait_until,
     write_jsonl,
 )
 
@@ -203,29 +200,11 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, p
     assert not torch.allclose(policy.chosen, expected.chosen)
 
 
-def slow_worker(cfg_json: str, base: str, shards_dir: str, store: str, work: str) -> None:
-    """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
-    torch.set_num_threads(1)
-    train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards_dir), LocalStore(store), RUN, Path(work),
-          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
-
-
 @pytest.mark.integration
 def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
     cfg = dpo_config(logging_steps=1, save_steps=3)
     store = LocalStore(tmp_path / "store")
-    worker = multiprocessing.get_context("spawn").Process(
-        target=slow_worker, args=(cfg.model_dump_json(), str(pair_model), str(pair_shards), str(store.root), str(tmp_path / "w1"))
-    )
-    worker.start()
-    try:
-        wait_until(lambda: store.exists(join_key(layout.checkpoint(RUN, 6), MANIFEST)), worker, "checkpoint 6", tmp_path / "none.log")
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join()
-    finally:
-        worker.kill()
-    assert worker.exitcode == -signal.SIGKILL
-    assert max(checkpoint_steps(store, RUN)) < 16, "the worker finished before it could be killed"
+    sigkill_training_after_checkpoint(cfg, pair_model, pair_shards, store, RUN, 6, tmp_path / "w1")
     result = train(cfg.model_copy(update={"logging_steps": 4}), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None)
     assert result.objective == "dpo" and result.resumed_from_step is not None and 6 <= result.resumed_from_step < 16
     assert_same_weights(final_weights(result), dpo_reference)

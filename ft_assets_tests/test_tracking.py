@@ -14,7 +14,8 @@ import pytest
 from ft_assets.storage import LocalStore
 from ft_assets.training.recipe import train
 from ft_assets.training.tracking import lineage_tags
-from ft_assets_tests.mlflowserver import MlflowServer, free_port
+from ft_assets_tests.mlflowserver import MlflowServer
+from ft_assets_tests.pg import free_port
 from ft_assets_tests.support import DPO_RUN as RUN, ONE_THREAD, dpo_config, the_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_cpu_thread")]

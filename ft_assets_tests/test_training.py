@@ -8,7 +8,6 @@ and SIGTERM hit a real worker.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -39,7 +38,15 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training import recipe
 from ft_assets.training.loss import learned_tokens, token_loss_sum
 from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
-from ft_assets_tests.support import ONE_THREAD, RUN, SEQ_LEN, assert_same_weights, final_weights, training_config as config
+from ft_assets_tests.support import (
+    ONE_THREAD,
+    RUN,
+    SEQ_LEN,
+    assert_same_weights,
+    final_weights,
+    sigkill_training_after_checkpoint,
+)
+from ft_assets_tests.support import training_config as config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -224,37 +231,11 @@ def test_each_method_trains_and_lowers_the_loss(tiny_model, shards, tmp_path, me
     assert (result.output_dir / "tokenizer.json").is_file()
 
 
-def slow_worker(cfg_json: str, base: str, shards: str, store: str, work: str) -> None:
-    """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
-    torch.set_num_threads(1)
-    train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards), LocalStore(store), RUN, Path(work),
-          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 @pytest.mark.integration
 def test_sigkill_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_model, shards, tmp_path, reference):
     cfg = config(max_steps=24, logging_steps=1, save_steps=3)
     store = LocalStore(tmp_path / "store")
-    manifest = join_key(layout.checkpoint(RUN, 9), MANIFEST)
-    worker = multiprocessing.get_context("spawn").Process(
-        target=slow_worker, args=(cfg.model_dump_json(), str(tiny_model), str(shards), str(store.root), str(tmp_path / "w1"))
-    )
-    worker.start()
-    try:
-        wait_for(lambda: store.exists(manifest) or not worker.is_alive(), 120, "checkpoint 9")
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join()
-    finally:
-        worker.kill()
-    assert worker.exitcode == -signal.SIGKILL
-    assert max(checkpoint_steps(store, RUN)) < 24, "the worker finished before it could be killed"
+    sigkill_training_after_checkpoint(cfg, tiny_model, shards, store, RUN, 9, tmp_path / "w1")
 
     lines = []
     result = train(cfg.model_copy(update={"logging_steps": 4}), tiny_model, shards, store, RUN, tmp_path / "w2", log=lines.append)

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.definitions import defs
+from ft_assets_tests.pg import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -49,12 +49,6 @@ CHROMIUM_FLAGS = [
 SERVER_TIMEOUT_S = 120.0
 UI_TIMEOUT_MS = 60_000  # first paint of a page includes loading the code location on 2 busy cores
 EDGE_TOUCH_PX = 12.0  # an edge ends this close to a node's box (Dagster leaves room for the arrowhead)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
