@@ -175,13 +175,18 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "f16",
         os.replace(tmp_path, out_path)
     finally:
         tmp_path.unlink(missing_ok=True)
+    return file_entry(out_path, qtype, tensor_types)
+
+
+def file_entry(path: Path, qtype: str, tensor_types: Counter[str]) -> dict:
+    """What ``gguf_model`` records of one written GGUF file (whoever wrote it: this writer or llama.cpp's quantizer)."""
     return {
-        "path": str(out_path),
+        "path": str(path),
         "qtype": qtype,
-        "bytes": out_path.stat().st_size,
+        "bytes": path.stat().st_size,
         "tensor_count": sum(tensor_types.values()),
         "tensor_types": dict(tensor_types),
-        "sha256": sha256_file(out_path),
+        "sha256": sha256_file(path),
     }
 
 

@@ -45,8 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, logit_agreement
-from ft_assets.storage import sha256_file
+from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
@@ -255,21 +254,14 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
         os.replace(tmp_path, out_path)
     finally:
         tmp_path.unlink(missing_ok=True)
-    return {
-        "path": str(out_path),
-        "qtype": qtype,
-        "bytes": out_path.stat().st_size,
-        **tensor_types(out_path),
-        "sha256": sha256_file(out_path),
-    }
+    return file_entry(out_path, qtype, tensor_types(out_path))
 
 
-def tensor_types(path: str | Path) -> dict:
-    """``tensor_count`` and ``tensor_types`` (count per GGML type) of a GGUF file."""
+def tensor_types(path: str | Path) -> Counter[str]:
+    """How many tensors of each GGML type a GGUF file holds."""
     from gguf import GGUFReader
 
-    types = Counter(tensor.tensor_type.name for tensor in GGUFReader(path).tensors)
-    return {"tensor_count": sum(types.values()), "tensor_types": dict(types)}
+    return Counter(tensor.tensor_type.name for tensor in GGUFReader(path).tensors)
 
 
 def chat_answers(path: str | Path, conversations: list[list[dict]], max_new_tokens: int, log: Callable[[str], None] = print) -> list[str]:
