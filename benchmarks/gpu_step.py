@@ -169,7 +169,7 @@ def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int,
     import torch
 
     from ft_assets.training.config import TrainingConfig
-    from ft_assets.training.recipe import load_model, trainable_parameters
+    from ft_assets.training.model import load_model, trainable_parameters
 
     config = TrainingConfig(method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing)
     model = load_model(config, method, model_dir, device)

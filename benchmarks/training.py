@@ -7,7 +7,7 @@
    the final save included) with checkpoints every 10 and every 50 steps, uploads in the background
    (the recipe's ``BackgroundUploader``) or synchronous (the same uploader, waited on after every
    submit: what a trainer that uploads inline does), and with no checkpoint but the final one.
-2. **Resume cost** of ``python -m ft_assets.training.recipe`` (checkpoints every 10 steps) killed with
+2. **Resume cost** of ``python -m ft_assets.training.worker`` (checkpoints every 10 steps) killed with
    SIGKILL at step 25, restarted, then stopped with SIGTERM at step 37 and restarted again: for each
    restart, seconds from the process start to its first new step (interpreter, imports, model load and
    checkpoint download included) and steps lost (last step done before the kill - step resumed from).
@@ -201,7 +201,7 @@ def recipe_command(settings: Settings, model_dir: Path, shards: Path, store_url:
         settings, save_steps=settings.resume_save_steps, max_steps=RESUME_MAX_STEPS, logging_steps=1, save_total_limit=None
     )
     return [
-        sys.executable, "-m", "ft_assets.training.recipe", "--config", config.model_dump_json(),
+        sys.executable, "-m", "ft_assets.training.worker", "--config", config.model_dump_json(),
         "--base-model", str(model_dir), "--shards", str(shards), "--store", store_url,
         "--run-prefix", RUN_PREFIX, "--work-dir", str(work),
     ]  # fmt: skip
@@ -215,7 +215,7 @@ def step_of(line: str) -> int | None:
 
 
 class RecipeProcess:
-    """``python -m ft_assets.training.recipe`` in a child process, its output read line by line."""
+    """``python -m ft_assets.training.worker`` in a child process, its output read line by line."""
 
     def __init__(self, command: list[str], env: dict):
         self.started = time.monotonic()

@@ -133,10 +133,11 @@ def dpo_reference(pair_model, pair_shards, tmp_path_factory):
     """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
     from ft_assets.storage import LocalStore
     from ft_assets.training.recipe import train
+    from ft_assets.objectives import DPO
     from ft_assets_tests.support import DPO_RUN, dpo_config, final_weights
 
     tmp = tmp_path_factory.mktemp("dpo-reference")
-    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None))
+    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None, objective=DPO))
 
 
 @pytest.fixture(scope="module")
