@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ft_assets.data.parallel import Executor, InProcess
-from ft_assets.data.readers import RowError
+from ft_assets.data.rows import RowError
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -43,8 +43,10 @@ import numpy as np
 import yaml
 
 from ft_assets import layout
+from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.parallel import Executor
-from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.sources import MIXTURE_SUFFIXES, Staged, dataset_name, stage
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
 from ft_assets.storage import join_key, sha256_file

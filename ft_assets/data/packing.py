@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
-from ft_assets.data.readers import RowError
+from ft_assets.data.rows import RowError
 from ft_assets.shards import ROWS_PER_SHARD, SCHEMA, ShardWriter
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ accepted forms), and into a small record of the origin that ``ft-assets run`` st
 
 | input | files of the version | ``_source.json`` |
 |---|---|---|
-| a file or a directory of files (``readers.SUPPORTED_SUFFIXES``) | the files | none |
+| a file or a directory of files (``formats.SUPPORTED_SUFFIXES``) | the files | none |
 | ``hf://owner/name@revision`` (or ``owner/name@revision``) | the split's data files of the Hub repo at that revision | repo, revision, resolved commit, split, files |
 | ``s3://bucket/prefix/`` | every data file under the prefix (Parquet, JSONL, ...) | URI, files |
 | a ``datasets`` ``save_to_disk`` directory | the split's Arrow files | path, split, rows, columns |
@@ -34,7 +34,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ft_assets.data.readers import SUPPORTED_SUFFIXES, DatasetFileError, is_data_file, suffix_of
+from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file, suffix_of
+from ft_assets.data.rows import DatasetFileError
 
 ACCEPTED = (
     f"a data file ({', '.join(SUPPORTED_SUFFIXES)}) or a directory of them, a datasets save_to_disk directory, "
