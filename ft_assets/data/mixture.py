@@ -40,13 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import yaml
 
 from ft_assets import layout
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.parallel import Executor
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, ParquetSink, iter_batches
 from ft_assets.data.staging import MIXTURE_SUFFIXES, Staged, dataset_name, stage_source
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
 from ft_assets.storage import join_key, sha256_file
@@ -206,10 +207,6 @@ def mix_dataset(
 ) -> dict:
     """Read every component (in shards on ``executor``), draw the mixture's rows into ``rows.parquet``; returns
     ``read_dataset``'s counts for the drawn rows, plus ``source``: the records with each component's figures and digest."""
-    import pyarrow as pa
-
-    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches
-
     read = []
     for component in components:
         name = component.record["name"]
