@@ -56,12 +56,16 @@ SUPPORTED_SUFFIXES = (
 
 @dataclass(frozen=True)
 class Row:
+    """A row read and parsed: where it came from and its messages."""
+
     source: str  # "<file>:<line>" (1-based) for line formats, "<file>#<row>" for arrays and tables
     messages: list[dict]
 
 
 @dataclass(frozen=True)
 class Rejected:
+    """A row that could not be read or parsed: the quarantine's record of it (raw text truncated)."""
+
     source: str
     reason: str
     detail: str
@@ -106,6 +110,7 @@ def _lines(handle, first: int = 1) -> Iterator[tuple[int, bytes | None]]:
 
 
 def json_lines(handle, name: str, mapping: ColumnMapping | None, first: int = 1) -> Iterator[Row | Rejected | None]:
+    """Rows of JSON Lines from an open binary ``handle`` (a file, or the byte range of a shard whose first line is ``first``)."""
     for number, raw in _lines(handle, first):
         source = f"{name}:{number}"
         if raw is None:
@@ -224,7 +229,8 @@ def _table_rows(name: str, kind: str, batches, mapping: ColumnMapping | None, in
         raise DatasetFileError(f"{name}: {kind} data unreadable after row {index} ({exc})") from exc
 
 
-def parquet_file(path: FileRef, name: str):
+def parquet_file(path: FileRef, name: str) -> pq.ParquetFile:
+    """The Parquet file opened (its metadata read), or a ``DatasetFileError`` naming it."""
     try:
         return pq.ParquetFile(arrow_file(path))
     except (pa.ArrowException, OSError) as exc:
