@@ -64,8 +64,9 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     from transformers import AutoTokenizer
 
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
+    from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
-    from ft_assets.data.readers import is_data_file, read_dataset
+    from ft_assets.data.readers import read_dataset
     from ft_assets.data.rows import iter_records
     from ft_assets.shards import load_packed_rows, shard_files
 

@@ -72,8 +72,9 @@ def build_inputs(settings: Settings) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
+    from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
-    from ft_assets.data.readers import is_data_file, read_dataset
+    from ft_assets.data.readers import read_dataset
     from ft_assets.data.rows import iter_records
     from ft_assets_tests.tiny import build_tiny_model
 

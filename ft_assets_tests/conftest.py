@@ -114,9 +114,9 @@ def pair_shards(pair_model, tmp_path_factory) -> Path:
 
     from transformers import AutoTokenizer
 
+    from ft_assets.data.decoding import parse_line
     from ft_assets.data.packing import ChatEncoder
     from ft_assets.data.pair_packing import tokenize_and_pack_pairs
-    from ft_assets.data.readers import parse_line
     from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs
 
     out = tmp_path_factory.mktemp("pair-shards")

@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
+from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
 from ft_assets.data.preference import CHAT, PREFERENCE, clean_pair, dataset_kind
-from ft_assets.data.readers import DatasetFileError, parse_line, read_dataset
-from ft_assets.data.rows import iter_records
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import DatasetFileError, iter_records
 from ft_assets.data.split import split_dataset
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows, pair_split, shard_files
 from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs, write_jsonl

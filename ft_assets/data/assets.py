@@ -19,12 +19,14 @@ from ft_assets.data.accounting import RowAccounting
 from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
+from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
+from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.preference import dataset_kind
-from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
+from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
+from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
 from ft_assets.materialize import STORE_KIND, Materialization, table
