@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ft_assets_tests.tiny import CORPUS
+from ft_assets_tests.tiny import train_bpe
 
 HIDDEN = 128  # 4 heads of 32
 VOCAB = 448  # the BPE's merges fill it up; a multiple of 64
@@ -124,19 +124,12 @@ BY_NAME = {family.name: family for family in FAMILIES}
 
 def build_family_tokenizer(tokens: Tokens, vocab_size: int = VOCAB):
     """A byte-level BPE trained on the test corpus, with the family's special tokens and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=tokens.special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad, unk_token=tokens.pad
-    )
+        tokenizer_object=train_bpe(tokens.special, vocab_size), bos_token=tokens.bos, eos_token=tokens.eos, pad_token=tokens.pad,
+        unk_token=tokens.pad,
+    )  # fmt: skip
     fast.chat_template = tokens.template
     return fast
 
