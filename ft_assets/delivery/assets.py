@@ -19,7 +19,7 @@ import dagster as dg
 
 from ft_assets import layout, objectives
 from ft_assets.delivery import evaluate as ev
-from ft_assets.delivery import llamacpp
+from ft_assets.delivery import llamacpp, model_registry, signing
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig
 from ft_assets.delivery.gguf_export import (
     SUPPORTED_QTYPES,
@@ -254,6 +254,10 @@ def published_model(
             f"{verdict.gguf_metric:.3f} in llama.cpp, {verdict.gguf_drop:.3f} below the merged model's {verdict.finetuned_metric:.3f} "
             f"(at most {verdict.max_gguf_drop:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
         )
+    try:
+        key = signing.signing_key()
+    except signing.SigningError as exc:
+        raise dg.Failure(f"not publishing {context.partition_key}: {exc}") from exc
     objects = store.open()
     prefix = layout.of(context.partition_key).registry(lora_adapter["stats"]["run_id"])
     refs = {name: read_ref(objects, context.partition_key, name) for name in LINEAGE_CHAIN}
@@ -267,7 +271,9 @@ def published_model(
             context.log.warning(f"{objects.uri(prefix)} is already published; not overwriting it")
             fetch_artifact(objects, prefix, out, include=lambda rel: rel == LINEAGE_FILE)
             lineage = json.loads((out / LINEAGE_FILE).read_text())
-            ref = make_ref(objects, "published_model", context.partition_key, existing, {"already_published": True}, {}, config=op_config(context))
+            signature = signing.recorded(objects, prefix, existing.files)
+            stats = {"already_published": True, "signature": signature}
+            ref = make_ref(objects, "published_model", context.partition_key, existing, stats, {}, config=op_config(context))
         else:
             fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
             if lora_adapter["stats"]["method"] != "full":  # the adapter alone: what multi-LoRA servers load
@@ -276,13 +282,16 @@ def published_model(
             fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
             lineage = build_lineage(context.partition_key, refs, prefix)
             (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+            signature = signing.sign_directory(out, key) if key else dict(signing.UNSIGNED)  # model.sig: every file above
+            context.log.info(f"{prefix}: {signing.summary(signature)}")
             ref = publish(
-                objects, "published_model", context.partition_key, prefix, out, {"already_published": False},
+                objects, "published_model", context.partition_key, prefix, out, {"already_published": False, "signature": signature},
                 {name: refs[name] for name in ("eval_report", "gguf_model", "merged_model", "lora_adapter")},
                 config=op_config(context),
             )  # fmt: skip
         if config.hub_repo_id:
             push_to_hub(out, config.hub_repo_id, os.environ.get("HF_TOKEN"), config.hub_dry_run, log=context.log.info)
+    registered = _register(context, ref, lineage, verdict, signature, lora_adapter)
     return dg.Output(
         ref,
         metadata={
@@ -290,8 +299,21 @@ def published_model(
             "code_version": lineage["code_version"],
             "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": objects.uri(a["key"])} for a in lineage["artifacts"]]),
             "already_published": existing is not None,
+            "signature": signing.summary(signature),
+            "model_registry": model_registry.summary(registered),
         },
     )
+
+
+def _register(context, ref: dict, lineage: dict, verdict: ev.Gate, signature: dict, lora_adapter: dict) -> dict | None:
+    """The published model as a version in MLflow's Model Registry, when the training run was tracked there."""
+    uri = lora_adapter["training_config"].get("mlflow_tracking_uri")
+    if not uri:
+        return None
+    release = model_registry.release_of(
+        context.partition_key, ref, lineage, verdict.as_dict(), signature, lora_adapter["stats"]["mlflow_run_id"]
+    )
+    return model_registry.register(uri, release, context.log.info, context.log.warning)
 
 
 @dg.asset(**DELIVERY, kinds={"llama", "openai"})
@@ -305,6 +327,7 @@ def serving_smoke(
     server that fails to start shows as this asset failing, rerun alone, while the model stays published.
     """
     with Materialization(context, store, "serving") as m:
+        signature = _verified(m, published_model)
         published = m.fetch(published_model, "published", include=lambda rel: rel == "gguf/Modelfile")
         try:
             shipped = modelfile_gguf(published / "gguf" / "Modelfile")
@@ -314,6 +337,20 @@ def serving_smoke(
         except (GgufExportError, llamacpp.LlamaCppError) as exc:
             raise dg.Failure(str(exc)) from exc
         (m.out / "answers.json").write_text(json.dumps(answers, indent=2))
-        stats = {"file": shipped, "answers": answers, "server": "llama_cpp.server (OpenAI-compatible, /v1/chat/completions)"}
+        stats = {"file": shipped, "answers": answers, "server": "llama_cpp.server (OpenAI-compatible, /v1/chat/completions)",
+                 "signature": signature}  # fmt: skip
         ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "serving"), stats, {"published_model": published_model})
-    return m.output(ref, file=shipped, answers=table(answers))
+    return m.output(ref, file=shipped, answers=table(answers), signature=signature)
+
+
+def _verified(m: Materialization, published_model: dict) -> str:
+    """With ``FT_SIGNING_PUBLIC_KEY``, the whole published directory, verified against its model.sig before anything
+    is served (a Failure naming the changed file otherwise); without it, nothing is checked."""
+    trusted = signing.trusted_key_from_env()
+    if trusted is None:
+        return f"not checked (no {signing.PUBLIC_KEY_ENV})"
+    published = m.fetch(published_model, "published")  # the files served below are the files verified here
+    try:
+        return signing.summary(signing.verify_directory(published, trusted))
+    except signing.SigningError as exc:
+        raise dg.Failure(f"not serving {published_model['uri']}: {str(exc).replace(str(published), published_model['uri'])}") from exc

@@ -43,7 +43,8 @@ NOT_METRICS = ("step", "total_steps")  # in the recipe's progress dicts, but the
 LINEAGE_TAG = "ft.digest."
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
+    """An MlflowClient for ``uri`` whose requests give up in seconds, not minutes (``CLIENT_LIMITS``)."""
     from mlflow.tracking import MlflowClient
 
     for name, value in CLIENT_LIMITS.items():
@@ -92,7 +93,7 @@ class MlflowTracker:
         from mlflow.entities import Param, RunTag
 
         try:
-            client = _client(uri)
+            client = mlflow_client(uri)
             experiment_id = _experiment_id(client, experiment)
             found = client.search_runs([experiment_id], filter_string=f"tags.`ft.run_id` = '{run_name}'", max_results=1)
             if found:
@@ -133,7 +134,7 @@ def record(uri: str, run_id: str, log: Log, metrics: dict | None = None, tags: d
     try:
         from mlflow.entities import RunTag
 
-        _client(uri).log_batch(run_id, metrics=_metrics(metrics or {}, step), tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+        mlflow_client(uri).log_batch(run_id, metrics=_metrics(metrics or {}, step), tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
     except Exception as exc:  # noqa: BLE001 -- a tracker never fails the asset
         log(f"WARNING: MLflow at {uri} did not take the figures for run {run_id} ({type(exc).__name__}: {exc})")
 
