@@ -1,0 +1,97 @@
+"""MLflow Model Registry: published models as model versions of a real ``mlflow server`` on loopback (mlflow-skinny's
+client), by reference to the store, with lineage, signature and gate tags; ``champion`` moves only to a better
+model that passed its gate, ``candidate`` otherwise; a registry that fails is a warning."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from ft_assets.delivery import model_registry as mr
+from ft_assets.delivery.evaluate import gate
+from ft_assets.delivery.publish import LINEAGE_CHAIN, build_lineage
+from ft_assets_tests.pg import free_port
+from ft_assets_tests.support import lineage_refs
+
+SIGNED = {"signed": True, "sha256": "5e" * 32}
+
+
+def release(name: str, run_id: str, metric: float, passed: bool = True, metric_name: str = "exact_match", mlflow_run_id=None) -> mr.Release:
+    """The release of a published run of dataset ``name``: lineage from a whole chain of references, a gate on ``metric``."""
+    refs = lineage_refs()
+    refs["lora_adapter"]["stats"]["run_id"] = run_id
+    prefix = f"registry/{name}/v1/{run_id}"
+    lineage = build_lineage(f"{name}@v1", refs, prefix)
+    verdict = gate(metric_name, 0.0, metric, None, min_improvement=0.05 if passed else 2.0, max_gguf_drop=0.05)
+    published = {"uri": f"s3://models/store/{prefix}", "digest": run_id.encode().hex().ljust(64, "0")}
+    return mr.release_of(f"{name}@v1", published, lineage, verdict.as_dict(), SIGNED, mlflow_run_id)
+
+
+ALIASES = [  # (case, new gate passed, new metric name and value, the champion's tags (None: none), alias)
+    ("first version that passed", True, "exact_match", 0.5, None, mr.CHAMPION),
+    ("first version, gate failed", False, "exact_match", 0.5, None, mr.CANDIDATE),
+    ("better on the same metric", True, "exact_match", 0.8, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CHAMPION),
+    ("a tie keeps the champion", True, "exact_match", 0.7, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
+    ("worse", True, "exact_match", 0.6, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
+    ("better but gate failed", False, "exact_match", 0.9, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
+    ("another metric", True, "token_f1", 0.9, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, passed, metric_name, metric, champion, alias", ALIASES, ids=[case[0] for case in ALIASES])
+def test_the_alias_of_a_new_version(case, passed, metric_name, metric, champion, alias):
+    chosen, why = mr.choose_alias(release("acks", "r1", metric, passed, metric_name), champion)
+    assert chosen == alias, why
+
+
+def test_a_release_carries_lineage_signature_and_gate_tags():
+    tags = release("acks", "r7", 0.75).version_tags()
+    assert tags["ft.dataset_version"] == "acks@v1" and tags["ft.run_id"] == "r7" and tags["ft.signature.sha256"] == "5e" * 32
+    assert {f"ft.digest.{name}" for name in (*LINEAGE_CHAIN, "checkpoint", "published_model")} <= set(tags)
+    assert tags["ft.digest.checkpoint"] == "ef" * 32 and tags["ft.digest.tokenized_shards"] == lineage_refs()["tokenized_shards"]["digest"]
+    assert (tags["ft.gate.passed"], tags["ft.gate.metric_name"], tags["ft.gate.finetuned_metric"]) == ("True", "exact_match", "0.75")
+    unsigned = mr.release_of("acks@v1", {"uri": "s3://b/p", "digest": "0" * 64}, build_lineage("acks@v1", lineage_refs(), "p"),
+                             {"passed": True}, {"signed": False, "sha256": None}, None)  # fmt: skip
+    assert unsigned.tags["ft.signature.sha256"] == "unsigned"
+
+
+@pytest.mark.integration
+def test_versions_get_champion_only_when_they_beat_it(mlflow_server):
+    client = mlflow_server.client()
+    name = f"acks-{uuid.uuid4().hex[:8]}"
+    experiment = client.create_experiment(name)
+    training_run = client.create_run(experiment).info.run_id
+    lines = []
+    steps = [("first", 0.6, mr.CHAMPION), ("worse", 0.5, mr.CANDIDATE), ("better", 0.8, mr.CHAMPION)]
+    versions = []
+    for run_id, metric, alias in steps:
+        registered = mr.register(mlflow_server.uri, release(name, run_id, metric, mlflow_run_id=training_run), lines.append, lines.append)
+        assert registered is not None and registered["aliases"] == [alias], lines
+        versions.append(registered["version"])
+    assert client.get_model_version_by_alias(name, mr.CHAMPION).version == versions[2]
+    assert client.get_model_version_by_alias(name, mr.CANDIDATE).version == versions[1]
+    second = client.get_model_version(name, versions[1])
+    assert second.source == f"s3://models/store/registry/{name}/v1/worse" and second.run_id == training_run  # by reference
+    assert not list((mlflow_server.root / "artifacts").rglob("*.safetensors"))  # nothing copied into MLflow
+    expected = release(name, "worse", 0.5).version_tags()
+    assert {k: second.tags[k] for k in expected} == expected  # every lineage, signature and gate tag
+    assert [line for line in lines if "does not beat the champion's 0.6000" in line], lines
+
+    # Publishing the same run again registers nothing new and moves no alias.
+    again = mr.register(mlflow_server.uri, release(name, "worse", 0.5), lines.append, lines.append)
+    assert again["version"] == versions[1] and again["reason"] == "already registered"
+    assert len(client.search_model_versions(f"name = '{name}'")) == 3
+    assert client.get_model_version_by_alias(name, mr.CHAMPION).version == versions[2]
+
+
+@pytest.mark.integration
+def test_a_registry_that_fails_is_a_warning(mlflow_server, tmp_path):
+    warnings = []
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert mr.register(dead, release("acks", "r1", 0.9), print, warnings.append) is None
+    assert warnings and warnings[0].startswith(f"MLflow Model Registry at {dead} did not register") and "published all the same" in warnings[0]
+    local = replace(release(f"acks-{uuid.uuid4().hex[:8]}", "r1", 0.9), source=str(tmp_path / "registry"))  # a local store's path
+    assert mr.register(mlflow_server.uri, local, print, warnings.append) is None
+    assert "Invalid model version source" in warnings[1] and "publish to an s3:// store (FT_STORE)" in warnings[1], warnings[1]
