@@ -523,6 +523,7 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
     from datetime import UTC, datetime
 
     from ft_assets.delivery.publish import LINEAGE_FILE
+    from ft_assets.delivery.signing import lineage_check
     from ft_assets.layout import registry_key
     from ft_assets.manifests import ArtifactNotFound, changed_files, read_manifest
     from ft_assets.storage import StoreError, join_key, open_store
@@ -551,6 +552,7 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
         return {"asset": asset, "digest": digest, "created_at": when, "key": prefix, "uri": store.uri(prefix), "status": status}
 
     checkpoint = lineage["training"]["checkpoint"]
+    signature = lineage_check(store, key, args.public_key)  # model.sig, with the public key given (#25)
     chain = [check("published_model", key, published.digest, published.created_at)]
     chain += [check(a["asset"], a["key"], a["digest"], a["created_at"]) for a in lineage["artifacts"]]
     chain.append(check("checkpoint", checkpoint["key"], checkpoint["digest"], None))
@@ -566,7 +568,8 @@ def cmd_lineage(args: argparse.Namespace, partial: dict) -> dict:
         "code_version": lineage["code_version"],
         "chain": chain,
         "files_rehashed": not args.fast,
-        "verified": all(link["status"] == "ok" for link in chain),
+        "signature": signature,
+        "verified": all(link["status"] == "ok" for link in chain) and signature["verified"],
     }
 
 
@@ -585,6 +588,7 @@ def print_lineage(report: dict) -> None:
         print(f"  GGUF {name}: sha256 {info['sha256'][:16]}…")
     ev = report["eval"]
     print(f"  eval {ev['metric_name']}: base {ev['base_metric']:.3f} → fine-tuned {ev['finetuned_metric']:.3f}; code {report['code_version']}")
+    print(f"  signature: {report['signature']['status']}")
     how = "every file re-hashed" if report["files_rehashed"] else "manifests only (--fast)"
     print(f"  lineage {'verified' if report['verified'] else 'NOT verified: see the statuses above'} ({how})")
 
@@ -666,6 +670,11 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
     lineage.add_argument("--fast", action="store_true", help="compare manifest digests only; do not re-hash every file")
+    lineage.add_argument(
+        "--public-key", metavar="PEM",
+        help="verify the model's signature (model.sig) with this public key, or the root certificate(s) of a certificate-signed "
+        "model (default: $FT_SIGNING_PUBLIC_KEY; neither: not checked)",
+    )  # fmt: skip
     lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
     plan = sub.add_parser("plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone")
     plan.add_argument("--model-config", required=True, help="a transformers config.json, or the model directory holding it")

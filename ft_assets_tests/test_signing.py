@@ -294,11 +294,18 @@ def test_a_key_that_cannot_sign_is_one_actionable_line(case, environ, error, key
     assert error in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
-def test_a_published_model_verifies_in_the_store_and_tampering_there_is_named(signed, keys, store, tmp_path):
-    prefix = "registry/acks/v1/run"
+def test_a_published_model_verifies_in_the_store_and_tampering_there_is_named(signed, published, keys, store):
+    prefix, unsigned = "registry/acks/v1/run", "registry/acks/v1/unsigned"
     publish_dir(store, prefix, signed)
+    publish_dir(store, unsigned, published)
     assert signing.verify_published(store, prefix, keys.public)["signed"]
+    assert signing.lineage_check(store, prefix, None, {})["status"] == "signed; not checked (give --public-key or FT_SIGNING_PUBLIC_KEY)"
+    assert signing.lineage_check(store, unsigned, None, {})["status"].startswith("unsigned; not checked")
+    from_env = signing.lineage_check(store, prefix, None, {signing.PUBLIC_KEY_ENV: str(keys.public)})
+    assert from_env["verified"] and from_env["status"].startswith("ok, signed (key sha256:")
+    refused = signing.lineage_check(store, unsigned, str(keys.public))
+    assert not refused["verified"] and "is unsigned (no model.sig)" in refused["status"]
     store.put_bytes(f"{prefix}/lineage.json", b'{"partition": "rewritten"}')
-    with pytest.raises(signing.SigningError) as refused:
-        signing.verify_published(store, prefix, keys.public)
-    assert "(changed: lineage.json)" in str(refused.value) and store.uri(prefix) in str(refused.value)
+    check = signing.lineage_check(store, prefix, str(keys.public))
+    assert not check["verified"] and check["status"].startswith("REFUSED: ") and "(changed: lineage.json)" in check["status"]
+    assert store.uri(prefix) in check["status"]

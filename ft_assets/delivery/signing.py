@@ -262,6 +262,21 @@ def verify_published(store: ObjectStore, prefix: str, trusted: Path) -> dict:
             raise SigningError(str(exc).replace(str(directory), store.uri(prefix))) from exc
 
 
+def lineage_check(store: ObjectStore, prefix: str, public_key: str | None, environ: Mapping[str, str] = os.environ) -> dict:
+    """``ft-assets lineage``'s signature check of the published model at ``prefix``: with ``public_key`` (else
+    ``FT_SIGNING_PUBLIC_KEY``) the signature must verify (``verified`` False otherwise, the status naming the file);
+    without one it is not checked, and the status says whether the model carries a signature."""
+    trusted = Path(public_key).expanduser() if public_key else trusted_key_from_env(environ)
+    if trusted is None:
+        carried = "signed" if store.exists(join_key(prefix, SIGNATURE_FILE)) else "unsigned"
+        return {"status": f"{carried}; not checked (give --public-key or {PUBLIC_KEY_ENV})", "verified": True, "signature": None}
+    try:
+        described = verify_published(store, prefix, trusted)
+    except SigningError as exc:
+        return {"status": f"REFUSED: {exc}", "verified": False, "signature": None}
+    return {"status": f"ok, {summary(described)}, verified with {trusted}", "verified": True, "signature": described}
+
+
 def recorded(store: ObjectStore, prefix: str, files: Mapping[str, dict]) -> dict:
     """The signature of an already published model, from its ``model.sig`` (``UNSIGNED`` when it has none)."""
     if SIGNATURE_FILE not in files:
