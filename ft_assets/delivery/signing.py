@@ -13,9 +13,11 @@ files are left out of the signature, and the signed statement itself says so (it
 honoured by the library's verifier): ``model.sig`` and the store's ``manifest.json``, which is
 written after the signature as the artifact's commit point.
 
-The trade-off is one more pass over every byte: sha256 of each file, in parallel threads, at disk
-speed (the store's manifest hashes them once more on upload). Verification reads every file again;
-on a failure the files are hashed a second time to name what changed.
+The trade-off is one more pass over every byte: sha256 of each file, in parallel threads (the store's
+manifest hashes them once more on upload). One 1 GB file on this 2-core machine, shared (load 6):
+signing 4.7 s including the library's import, verifying 2.7 s, ``storage.sha256_file`` alone 3.2 s;
+the demo's published directory is ~1 GB. On a failure the files are hashed a second time to name
+what changed.
 
 Verification takes a PEM public key (``FT_SIGNING_PUBLIC_KEY`` or ``ft-assets lineage --public-key``)
 or, for a certificate-signed model, the PEM root(s) of trust; a failure is one line naming the
