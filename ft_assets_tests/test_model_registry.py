@@ -29,14 +29,15 @@ def release(name: str, run_id: str, metric: float, passed: bool = True, metric_n
     return mr.release_of(f"{name}@v1", published, lineage, verdict.as_dict(), SIGNED, mlflow_run_id)
 
 
+CHAMPION_AT_07 = {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}  # a champion's tags
 ALIASES = [  # (case, new gate passed, new metric name and value, the champion's tags (None: none), alias)
     ("first version that passed", True, "exact_match", 0.5, None, mr.CHAMPION),
     ("first version, gate failed", False, "exact_match", 0.5, None, mr.CANDIDATE),
-    ("better on the same metric", True, "exact_match", 0.8, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CHAMPION),
-    ("a tie keeps the champion", True, "exact_match", 0.7, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
-    ("worse", True, "exact_match", 0.6, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
-    ("better but gate failed", False, "exact_match", 0.9, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
-    ("another metric", True, "token_f1", 0.9, {"ft.gate.metric_name": "exact_match", "ft.gate.finetuned_metric": "0.7"}, mr.CANDIDATE),
+    ("better on the same metric", True, "exact_match", 0.8, CHAMPION_AT_07, mr.CHAMPION),
+    ("a tie keeps the champion", True, "exact_match", 0.7, CHAMPION_AT_07, mr.CANDIDATE),
+    ("worse", True, "exact_match", 0.6, CHAMPION_AT_07, mr.CANDIDATE),
+    ("better but gate failed", False, "exact_match", 0.9, CHAMPION_AT_07, mr.CANDIDATE),
+    ("another metric", True, "token_f1", 0.9, CHAMPION_AT_07, mr.CANDIDATE),
 ]  # fmt: skip
 
 
@@ -91,7 +92,8 @@ def test_a_registry_that_fails_is_a_warning(mlflow_server, tmp_path):
     warnings = []
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert mr.register(dead, release("acks", "r1", 0.9), print, warnings.append) is None
-    assert warnings and warnings[0].startswith(f"MLflow Model Registry at {dead} did not register") and "published all the same" in warnings[0]
+    assert warnings and warnings[0].startswith(f"MLflow Model Registry at {dead} did not register")
+    assert "published all the same" in warnings[0]
     local = replace(release(f"acks-{uuid.uuid4().hex[:8]}", "r1", 0.9), source=str(tmp_path / "registry"))  # a local store's path
     assert mr.register(mlflow_server.uri, local, print, warnings.append) is None
     assert "Invalid model version source" in warnings[1] and "publish to an s3:// store (FT_STORE)" in warnings[1], warnings[1]

@@ -42,7 +42,8 @@ def key_pair(folder: Path) -> tuple[Path, Path]:
 
 def model_signing_verify(directory: Path, public: Path) -> subprocess.CompletedProcess:
     signature = directory / signing.SIGNATURE_FILE
-    command = [CLI, "verify", "key", str(directory), "--signature", str(signature), "--public_key", str(public), "--ignore-paths", str(signature)]
+    command = [CLI, "verify", "key", str(directory), "--signature", str(signature), "--public_key", str(public),
+               "--ignore-paths", str(signature)]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 

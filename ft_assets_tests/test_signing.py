@@ -152,7 +152,8 @@ def signed_files(directory: Path) -> list[str]:
 def test_the_signature_covers_every_published_file(signed, keys):
     described = signing.verify_directory(signed, keys.public)
     files = signed_files(signed)
-    assert {"merged/model.safetensors", "merged/tokenizer.json", "adapter/adapter_model.safetensors", "eval/report.json", "lineage.json"} <= set(files)
+    expected = {"merged/model.safetensors", "merged/tokenizer.json", "adapter/adapter_model.safetensors", "eval/report.json", "lineage.json"}
+    assert expected <= set(files)
     assert described["files"] == len(files) and described["method"] == "key" and described["signed"]
     public = serialization.load_pem_public_key(keys.public.read_bytes())
     pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -276,14 +277,17 @@ def _rsa_key(path: Path) -> Path:
 
 BAD_KEYS = [  # (case, environment from the test's paths, what the one-line error says)
     ("missing key file", lambda keys, tmp: {signing.KEY_ENV: str(tmp / "nope.pem")}, "cannot read the private key"),
-    ("encrypted key, no password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted)}, "is encrypted: set its password in FT_SIGNING_KEY_PASSWORD"),
-    ("wrong password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted), signing.PASSWORD_ENV: "wrong"}, "check FT_SIGNING_KEY_PASSWORD"),
+    ("encrypted key, no password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted)},
+     "is encrypted: set its password in FT_SIGNING_KEY_PASSWORD"),
+    ("wrong password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted), signing.PASSWORD_ENV: "wrong"},
+     "check FT_SIGNING_KEY_PASSWORD"),
     ("RSA key", lambda keys, tmp: {signing.KEY_ENV: str(_rsa_key(tmp / "rsa.pem"))}, "model-signing signs with an EC key"),
     ("certificate without key", lambda keys, tmp: {signing.CERT_ENV: str(keys.chain)}, "FT_SIGNING_CERT is set but FT_SIGNING_KEY is not"),
     ("certificate of another key", lambda keys, tmp: {signing.KEY_ENV: str(keys.private), signing.CERT_ENV: str(keys.other_ca)},
      "is not that of"),
-    ("certificate with encrypted key", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted), signing.PASSWORD_ENV: PASSWORD,
-                                                          signing.CERT_ENV: str(keys.chain)}, "loads a certificate's key without a password"),
+    ("certificate with encrypted key",
+     lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted), signing.PASSWORD_ENV: PASSWORD, signing.CERT_ENV: str(keys.chain)},
+     "loads a certificate's key without a password"),
 ]  # fmt: skip
 
 

@@ -19,7 +19,8 @@ digest of every artifact ``lineage.json`` names, and of the published directory)
 
 Publishing the same run again registers nothing twice (the ``ft.run_id`` tag finds the version). A
 registry that does not answer is a warning, never a failed publish, as for tracking: the client's
-retries are bounded to seconds (``tracking.CLIENT_LIMITS``).
+retries are bounded to seconds (``tracking.CLIENT_LIMITS``). MLflow is imported inside the calls: it is
+the optional ``mlflow`` extra.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class Release:
         return {**self.tags, RUN_TAG: self.run_id, **{f"ft.gate.{k}": str(v) for k, v in self.gate.items()}}
 
 
-def release_of(partition: str, published: Mapping, lineage: Mapping, gate: Mapping, signature: Mapping, mlflow_run_id: str | None) -> Release:
+def release_of(
+    partition: str, published: Mapping, lineage: Mapping, gate: Mapping, signature: Mapping, mlflow_run_id: str | None
+) -> Release:
     """The release of a published model: its reference, its ``lineage.json``, its eval gate and its signature."""
     digests = {a["asset"]: a["digest"] for a in lineage["artifacts"]}
     digests |= {"checkpoint": lineage["training"]["checkpoint"]["digest"], "published_model": published["digest"]}

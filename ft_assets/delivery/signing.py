@@ -19,6 +19,10 @@ signing 4.7 s including the library's import, verifying 2.7 s, ``storage.sha256_
 the demo's published directory is ~1 GB. On a failure the files are hashed a second time to name
 what changed.
 
+model-signing and cryptography are imported only when a key or a signature is at hand (function-local
+imports): without the ``signing`` extra ft-assets publishes unsigned, and importing model-signing pulls
+in sigstore (~0.7 s here).
+
 Verification takes a PEM public key (``FT_SIGNING_PUBLIC_KEY`` or ``ft-assets lineage --public-key``)
 or, for a certificate-signed model, the PEM root(s) of trust; a failure is one line naming the
 changed, missing or extra file, or the key that does not match.
@@ -80,8 +84,18 @@ def signing_key(environ: Mapping[str, str] = os.environ) -> SigningKey | None:
     """The key ``published_model`` signs with, loaded once to check it before any work; None: publish unsigned."""
     key = SigningKey.from_env(environ)
     if key is not None:
+        _library()
         _check_private_key(key)
     return key
+
+
+def _library():
+    """model-signing, or one line saying how to install it."""
+    try:
+        import model_signing
+    except ImportError as exc:
+        raise SigningError(f"signing or verifying a model needs model-signing: pip install 'ft-assets[signing]' ({exc})") from exc
+    return model_signing
 
 
 def trusted_key_from_env(environ: Mapping[str, str] = os.environ) -> Path | None:
@@ -151,8 +165,7 @@ def _split_chain(certificate: Path, work: Path) -> tuple[Path, list[Path]]:
 
 def sign_directory(directory: Path, key: SigningKey) -> dict:
     """Sign every file under ``directory`` but ``UNSIGNED_FILES`` into ``directory/model.sig``; returns ``describe(...)``."""
-    import model_signing
-
+    model_signing = _library()
     _check_private_key(key)
     hashing = model_signing.hashing.Config().set_ignored_paths(paths=list(UNSIGNED_FILES))
     config = model_signing.signing.Config().set_hashing_config(hashing)
@@ -178,11 +191,11 @@ def _bundle(signature: Path) -> tuple[dict, dict]:
 
 def describe(signature: Path) -> dict:
     """What a ``model.sig`` says about itself: key or certificate, who (key id or certificate subject), how many files."""
-    from cryptography import x509
-
     bundle, statement = _bundle(signature)
     material = bundle.get("verificationMaterial", {})
     if "x509CertificateChain" in material:
+        from cryptography import x509
+
         leaf = x509.load_der_x509_certificate(base64.b64decode(material["x509CertificateChain"]["certificates"][0]["rawBytes"]))
         method, signer = "certificate", leaf.subject.rfc4514_string()
     else:
@@ -193,8 +206,7 @@ def describe(signature: Path) -> dict:
 
 def _differences(directory: Path, statement: dict) -> str:
     """Changed, missing and extra files of ``directory`` against the signed statement; empty when they match."""
-    import model_signing
-
+    model_signing = _library()
     serialization = statement["predicate"]["serialization"]
     signed = {r["name"]: r["digest"] for r in statement["predicate"]["resources"]}
     hashing = model_signing.hashing.Config().set_ignored_paths(paths=serialization.get("ignore_paths", []))
@@ -214,8 +226,7 @@ def verify_directory(directory: Path, trusted: Path) -> dict:
     Returns ``describe(...)`` of the signature; raises ``SigningError`` with one line naming the changed,
     missing or extra file, or saying that the key does not match.
     """
-    import model_signing
-
+    model_signing = _library()
     signature = directory / SIGNATURE_FILE
     if not signature.is_file():
         raise SigningError(
@@ -292,4 +303,5 @@ def summary(signature: Mapping) -> str:
     """One line for metadata and logs: 'unsigned', or how and by whom, with the signature's sha256."""
     if not signature["signed"]:
         return "unsigned"
-    return f"signed ({signature['method']} {signature['signer']}), {signature['files']} files, {signature['file']} sha256 {signature['sha256']}"
+    who = f"{signature['method']} {signature['signer']}"
+    return f"signed ({who}), {signature['files']} files, {signature['file']} sha256 {signature['sha256']}"
