@@ -279,6 +279,8 @@ BAD_KEYS = [  # (case, environment from the test's paths, what the one-line erro
     ("missing key file", lambda keys, tmp: {signing.KEY_ENV: str(tmp / "nope.pem")}, "cannot read the private key"),
     ("encrypted key, no password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted)},
      "is encrypted: set its password in FT_SIGNING_KEY_PASSWORD"),
+    ("password for a plain key", lambda keys, tmp: {signing.KEY_ENV: str(keys.private), signing.PASSWORD_ENV: PASSWORD},
+     "is not encrypted: unset FT_SIGNING_KEY_PASSWORD"),
     ("wrong password", lambda keys, tmp: {signing.KEY_ENV: str(keys.encrypted), signing.PASSWORD_ENV: "wrong"},
      "check FT_SIGNING_KEY_PASSWORD"),
     ("RSA key", lambda keys, tmp: {signing.KEY_ENV: str(_rsa_key(tmp / "rsa.pem"))}, "model-signing signs with an EC key"),

@@ -75,10 +75,6 @@ class SigningKey:
             return None
         return cls(Path(key).expanduser(), environ.get(PASSWORD_ENV) or None, Path(cert).expanduser() if cert else None)
 
-    @property
-    def method(self) -> str:
-        return "certificate" if self.certificate else "key"
-
 
 def signing_key(environ: Mapping[str, str] = os.environ) -> SigningKey | None:
     """The key ``published_model`` signs with, loaded once to check it before any work; None: publish unsigned."""
