@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-from ft_assets.cli import main, register_dataset
+from ft_assets.cli import main
 from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
+from ft_assets.data.registration import register_dataset
 from ft_assets.data.rows import iter_records
 from ft_assets.data.sources import describe_source, stage
 from ft_assets.storage import LocalStore

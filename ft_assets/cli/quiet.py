@@ -1,0 +1,93 @@
+"""Library noise off for a command (kept with ``--verbose``): progress bars, deprecation warnings, import notices.
+
+Without it, one small ``ft-assets run`` (the 2-layer test model, 120 rows, through delivery) interleaves
+19 lines of its own log with 13 lines from libraries: transformers' "Loading weights" bar (8 times),
+"Writing model shards" and "Converting and de-quantizing GGUF tensors" bars, a FutureWarning from
+transformers on every adapter load (2 lines each), bitsandbytes' notice that an optional CPU kernel
+package is missing, and the sensor's Dagster INFO line that repeats the CLI's own. None of them says
+anything the run log does not; ``--verbose`` keeps them all.
+
+Three switches, because the libraries read theirs at different times:
+- ``TQDM_DISABLE=1`` in the environment: tqdm reads it once, when it is first imported, and it covers
+  every bar, plain-tqdm ones included (transformers' GGUF loader). The command line sets it before
+  it imports the command (which imports torch, which imports tqdm); child processes inherit it, as
+  they do ``PYTHONWARNINGS``.
+- transformers' and huggingface_hub's own progress-bar switches, for a caller of ``main`` in a process
+  where tqdm is already imported (the tests): they are flipped in-process and restored afterwards.
+- warning filters and logger levels, restored when the command returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+QUIET_ENV = {
+    "TQDM_DISABLE": "1",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+}
+QUIET_WARNINGS = (FutureWarning, DeprecationWarning)
+# Loggers whose notices are for library developers, at the level they keep: bitsandbytes warns at
+# import when an optional CPU kernel package is missing; Dagster's own INFO lines (the sensor's
+# "new dataset version(s)") repeat the command's.
+QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "dagster": logging.WARNING}
+TRANSFORMERS_LOGGING = "transformers.utils.logging"
+
+
+@contextmanager
+def quiet_environment() -> Iterator[None]:
+    """``QUIET_ENV`` set for the block (this process and the processes it starts), then restored."""
+    saved = {name: os.environ.get(name) for name in QUIET_ENV}
+    os.environ.update(QUIET_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """huggingface_hub's bars off, and transformers' when it is already imported (a later import reads
+    huggingface_hub's switch); both as they were afterwards."""
+    transformers_logging = sys.modules.get(TRANSFORMERS_LOGGING)
+    hub_was_on = not are_progress_bars_disabled()
+    transformers_was_on = transformers_logging is not None and transformers_logging.is_progress_bar_enabled()
+    disable_progress_bars()
+    if transformers_logging is not None:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hub_was_on:
+            enable_progress_bars()
+        if transformers_was_on:
+            sys.modules[TRANSFORMERS_LOGGING].enable_progress_bar()
+
+
+@contextmanager
+def library_noise(verbose: bool) -> Iterator[None]:
+    """Around a command: with ``verbose`` nothing changes; without, the switches above for the block."""
+    if verbose:
+        yield
+        return
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    with quiet_environment(), quiet_progress_bars(), warnings.catch_warnings():
+        for category in QUIET_WARNINGS:
+            warnings.simplefilter("ignore", category)
+        for name, level in QUIET_LOGGERS.items():
+            logging.getLogger(name).setLevel(level)
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
