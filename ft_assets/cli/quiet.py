@@ -34,9 +34,8 @@ QUIET_ENV = {
 }
 QUIET_WARNINGS = (FutureWarning, DeprecationWarning)
 # Loggers whose notices are for library developers, at the level they keep: bitsandbytes warns at
-# import when an optional CPU kernel package is missing; Dagster's own INFO lines (the sensor's
-# "new dataset version(s)") repeat the command's.
-QUIET_LOGGERS = {"bitsandbytes": logging.ERROR, "dagster": logging.WARNING}
+# import when an optional CPU kernel package is missing.
+QUIET_LOGGERS = {"bitsandbytes": logging.ERROR}
 TRANSFORMERS_LOGGING = "transformers.utils.logging"
 
 
