@@ -1,11 +1,12 @@
 """Library noise off for a command (kept with ``--verbose``): progress bars, deprecation warnings, import notices.
 
-Without it, one small ``ft-assets run`` (the 2-layer test model, 120 rows, through delivery) interleaves
-19 lines of its own log with 13 lines from libraries: transformers' "Loading weights" bar (8 times),
-"Writing model shards" and "Converting and de-quantizing GGUF tensors" bars, a FutureWarning from
-transformers on every adapter load (2 lines each), bitsandbytes' notice that an optional CPU kernel
-package is missing, and the sensor's Dagster INFO line that repeats the CLI's own. None of them says
-anything the run log does not; ``--verbose`` keeps them all.
+Without it, the eval-gate run of ``test_pipeline.py`` (the 2-layer test model, 120 rows, 2 steps,
+through delivery) printed 38 lines of its own log and 14 from libraries: transformers' "Loading
+weights" bar 7 times, one "Writing model shards" and one "Converting and de-quantizing GGUF tensors"
+bar, a FutureWarning from transformers on each of the 2 adapter loads (2 lines each), and
+bitsandbytes' notice that an optional CPU kernel package is missing. None of them says anything the
+run log does not; ``--verbose`` keeps them all. (The sensor's "new dataset version(s)" line, in
+Dagster's format, is the sensor's own log and stays.)
 
 Three switches, because the libraries read theirs at different times:
 - ``TQDM_DISABLE=1`` in the environment: tqdm reads it once, when it is first imported, and it covers
@@ -25,8 +26,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 QUIET_ENV = {
     "TQDM_DISABLE": "1",
@@ -58,6 +57,9 @@ def quiet_environment() -> Iterator[None]:
 def quiet_progress_bars() -> Iterator[None]:
     """huggingface_hub's bars off, and transformers' when it is already imported (a later import reads
     huggingface_hub's switch); both as they were afterwards."""
+    # Imported here, inside quiet_environment: huggingface_hub imports tqdm, which must read TQDM_DISABLE.
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     transformers_logging = sys.modules.get(TRANSFORMERS_LOGGING)
     hub_was_on = not are_progress_bars_disabled()
     transformers_was_on = transformers_logging is not None and transformers_logging.is_progress_bar_enabled()
