@@ -9,6 +9,11 @@ mistake at any depth is one line naming the asset or resource, the key path, and
 there with the closest match (``difflib``). Without it, a misspelled ``lora_adapter`` key surfaced
 minutes later as an "internal error" of the data plane's job (where ``training_plan`` got the copy),
 and a misspelled asset name under ``ops`` was silently ignored.
+
+The lines are made from the structure of Dagster's errors and schema: ``DagsterInvalidConfigError``'s
+``errors`` (reason, key path, offending field) and the job's ``run_config_schema`` (the keys accepted
+at a path). Those attributes are not marked public (no private module is imported); Dagster is pinned
+(1.13.27), and test_cli.py's table of mistakes fails if they change.
 """
 
 from __future__ import annotations
