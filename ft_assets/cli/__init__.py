@@ -24,7 +24,7 @@ from ft_assets.cli.quiet import library_noise
 from ft_assets.storage import StoreError
 
 # Imported once chosen, after library_noise has set TQDM_DISABLE (tqdm reads it when first imported, and
-# `run` imports torch, which imports tqdm), and so that `lineage` does not pay `run`'s ~5 s of imports.
+# `run` imports torch, which imports tqdm), and so that `lineage` does not pay `run`'s imports (parser.py: 6x its own).
 COMMANDS = {"run": "ft_assets.cli.run", "lineage": "ft_assets.cli.lineage", "plan": "ft_assets.cli.plan"}
 
 
