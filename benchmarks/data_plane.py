@@ -73,7 +73,7 @@ class Stopwatch:
 
 
 def data_files(corpus: Path) -> list[tuple[str, Path]]:
-    from ft_assets.data.readers import is_data_file
+    from ft_assets.data.formats import is_data_file
 
     return [(p.name, p) for p in sorted(corpus.iterdir()) if is_data_file(p.name)]
 
@@ -153,8 +153,7 @@ def write_rendered_texts(encoder, split_dir: Path, texts_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ft_assets.data.readers import RowError
-    from ft_assets.data.rows import iter_batches
+    from ft_assets.data.rows import RowError, iter_batches
 
     schema = pa.schema([("text", pa.large_string())])
     with pq.ParquetWriter(texts_path, schema) as writer:

@@ -64,8 +64,9 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     from transformers import AutoTokenizer
 
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
+    from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
-    from ft_assets.data.readers import is_data_file, read_dataset
+    from ft_assets.data.readers import read_dataset
     from ft_assets.data.rows import iter_records
     from ft_assets.shards import load_packed_rows, shard_files
 
@@ -169,7 +170,7 @@ def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int,
     import torch
 
     from ft_assets.training.config import TrainingConfig
-    from ft_assets.training.recipe import load_model, trainable_parameters
+    from ft_assets.training.model import load_model, trainable_parameters
 
     config = TrainingConfig(method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing)
     model = load_model(config, method, model_dir, device)

@@ -40,8 +40,9 @@ def build_shards(corpus: Path, work: Path, seq_len: int, model_dir: Path) -> Pat
 
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
+    from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
-    from ft_assets.data.readers import is_data_file, read_dataset
+    from ft_assets.data.readers import read_dataset
     from ft_assets.data.rows import iter_records
     from ft_assets.data.split import split_dataset
 

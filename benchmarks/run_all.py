@@ -212,7 +212,7 @@ def training_section(result: dict) -> tuple[list[str], list[list[str]]]:
     lines.append(table(["checkpoints", "upload", "steps", "s/step", "s/upload", "s blocked on uploads", "wall s",
                         "effective-training fraction"], rows))
     kill, term = resume["SIGKILL"], resume["SIGTERM"]
-    lines += ["", f"Resume: `python -m ft_assets.training.recipe` (checkpoints every {result['resume_save_steps']} steps, "
+    lines += ["", f"Resume: `python -m ft_assets.training.worker` (checkpoints every {result['resume_save_steps']} steps, "
               f"{resume['store']}) killed with SIGKILL at step {kill['last_step_before_kill']}, restarted, stopped with SIGTERM "
               f"at step {term['last_step_before_kill']}, restarted. Restart times include the interpreter and its imports.", ""]
     lines.append(table(

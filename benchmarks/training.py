@@ -7,7 +7,7 @@
    the final save included) with checkpoints every 10 and every 50 steps, uploads in the background
    (the recipe's ``BackgroundUploader``) or synchronous (the same uploader, waited on after every
    submit: what a trainer that uploads inline does), and with no checkpoint but the final one.
-2. **Resume cost** of ``python -m ft_assets.training.recipe`` (checkpoints every 10 steps) killed with
+2. **Resume cost** of ``python -m ft_assets.training.worker`` (checkpoints every 10 steps) killed with
    SIGKILL at step 25, restarted, then stopped with SIGTERM at step 37 and restarted again: for each
    restart, seconds from the process start to its first new step (interpreter, imports, model load and
    checkpoint download included) and steps lost (last step done before the kill - step resumed from).
@@ -72,8 +72,9 @@ def build_inputs(settings: Settings) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
+    from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
-    from ft_assets.data.readers import is_data_file, read_dataset
+    from ft_assets.data.readers import read_dataset
     from ft_assets.data.rows import iter_records
     from ft_assets_tests.tiny import build_tiny_model
 
@@ -201,7 +202,7 @@ def recipe_command(settings: Settings, model_dir: Path, shards: Path, store_url:
         settings, save_steps=settings.resume_save_steps, max_steps=RESUME_MAX_STEPS, logging_steps=1, save_total_limit=None
     )
     return [
-        sys.executable, "-m", "ft_assets.training.recipe", "--config", config.model_dump_json(),
+        sys.executable, "-m", "ft_assets.training.worker", "--config", config.model_dump_json(),
         "--base-model", str(model_dir), "--shards", str(shards), "--store", store_url,
         "--run-prefix", RUN_PREFIX, "--work-dir", str(work),
     ]  # fmt: skip
@@ -215,7 +216,7 @@ def step_of(line: str) -> int | None:
 
 
 class RecipeProcess:
-    """``python -m ft_assets.training.recipe`` in a child process, its output read line by line."""
+    """``python -m ft_assets.training.worker`` in a child process, its output read line by line."""
 
     def __init__(self, command: list[str], env: dict):
         self.started = time.monotonic()

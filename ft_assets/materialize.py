@@ -67,16 +67,18 @@ def table(rows: list[dict], columns: list[str] | None = None) -> dg.MetadataValu
 class Materialization:
     """One materialization of an artifact asset: store, scratch folder, fetched inputs, published output."""
 
-    def __init__(self, context: dg.AssetExecutionContext, store, what: str):
+    def __init__(self, context: dg.AssetExecutionContext, store, what: str, data_executor=None):
         self.context = context
         self.resource = store
         self.what = what
+        self.executor = data_executor.executor if data_executor is not None else None  # where a data asset's shards run
         self.partition: str = context.partition_key
         self.asset: str = context.asset_key.path[-1]
         self._stack = ExitStack()
 
     def __enter__(self) -> Materialization:
         self.started = time.perf_counter()
+        self.retried_before = self.executor.retried if self.executor is not None else 0
         self.store = self.resource.open()
         self.work: Path = self._stack.enter_context(self.resource.scratch(self.what))
         return self
@@ -108,7 +110,10 @@ class Materialization:
         )  # fmt: skip
 
     def output(self, ref: dict, **metadata) -> dg.Output:
-        """The asset's return value: its reference, with the artifact's metadata, the given figures and the duration."""
+        """The asset's return value: its reference, with the artifact's metadata, the given figures and the duration
+        (and for a data asset, where its shards ran and how many ran again after a worker died)."""
+        if self.executor is not None:
+            metadata.update(executor=self.executor.describe(), shard_retries=self.executor.retried - self.retried_before)
         return dg.Output(
             ref, metadata={**ref_metadata(ref), **metadata, "duration_s": round(time.perf_counter() - self.started, 3)}
         )

@@ -75,11 +75,6 @@ def pair_split(split: str) -> str:
     return f"{PAIRS}-{split}"
 
 
-def holds_pairs(shards_dir: Path) -> bool:
-    """Whether ``shards_dir`` holds preference-pair shards (else packed chat rows)."""
-    return bool(shard_files(shards_dir, pair_split("train")))
-
-
 # --- writer ----------------------------------------------------------------------------------------
 
 

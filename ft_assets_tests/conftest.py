@@ -114,9 +114,9 @@ def pair_shards(pair_model, tmp_path_factory) -> Path:
 
     from transformers import AutoTokenizer
 
+    from ft_assets.data.decoding import parse_line
     from ft_assets.data.packing import ChatEncoder
     from ft_assets.data.pair_packing import tokenize_and_pack_pairs
-    from ft_assets.data.readers import parse_line
     from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs
 
     out = tmp_path_factory.mktemp("pair-shards")
@@ -133,10 +133,11 @@ def dpo_reference(pair_model, pair_shards, tmp_path_factory):
     """An uninterrupted DPO run, to compare interrupted-and-resumed runs against."""
     from ft_assets.storage import LocalStore
     from ft_assets.training.recipe import train
+    from ft_assets.objectives import DPO
     from ft_assets_tests.support import DPO_RUN, dpo_config, final_weights
 
     tmp = tmp_path_factory.mktemp("dpo-reference")
-    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None))
+    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None, objective=DPO))
 
 
 @pytest.fixture(scope="module")

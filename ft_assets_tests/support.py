@@ -141,17 +141,20 @@ def wait_until(predicate, process, what: str, log_path: Path, timeout_s: float =
         time.sleep(0.01)
 
 
-def _slow_training(cfg_json: str, base: str, shards: str, store: str, run: str, work: str) -> None:
+def _slow_training(cfg_json: str, base: str, shards: str, store: str, run: str, work: str, objective: str) -> None:
     """Child process: the recipe, slowed by a sleeping metrics callback so the parent can kill it mid-run."""
+    from ft_assets.objectives import named
     from ft_assets.storage import LocalStore
     from ft_assets.training.recipe import train
 
     torch.set_num_threads(1)
     train(TrainingConfig.model_validate_json(cfg_json), Path(base), Path(shards), LocalStore(store), run, Path(work),
-          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15))  # fmt: skip
+          log=lambda line: None, on_metrics=lambda metrics: time.sleep(0.15), objective=named(objective))  # fmt: skip
 
 
-def sigkill_training_after_checkpoint(cfg: TrainingConfig, base: Path, shards: Path, store, run: str, step: int, work: Path) -> None:
+def sigkill_training_after_checkpoint(
+    cfg: TrainingConfig, base: Path, shards: Path, store, run: str, step: int, work: Path, objective: str = "sft"
+) -> None:
     """Train ``cfg`` in a spawned process (slowed down) and SIGKILL it once checkpoint ``step`` is in ``store``;
     fails unless the kill is what ended it, before its last step."""
     import multiprocessing
@@ -163,7 +166,7 @@ def sigkill_training_after_checkpoint(cfg: TrainingConfig, base: Path, shards: P
     from ft_assets.training.checkpoints import checkpoint_steps
 
     worker = multiprocessing.get_context("spawn").Process(
-        target=_slow_training, args=(cfg.model_dump_json(), str(base), str(shards), str(store.root), run, str(work))
+        target=_slow_training, args=(cfg.model_dump_json(), str(base), str(shards), str(store.root), run, str(work), objective)
     )
     worker.start()
     try:

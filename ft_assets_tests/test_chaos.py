@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound
 from ft_assets.storage import LocalStore, ObjectStore, open_store
 from ft_assets.training.checkpoints import checkpoint_steps, fetch_checkpoint
-from ft_assets.training.recipe import EXIT_PREEMPTED
+from ft_assets.training.preemption import EXIT_PREEMPTED
 from ft_assets_tests.support import RUN, assert_same_weights, record_figures, training_config as config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_cpu_thread")]
@@ -57,11 +57,11 @@ SETTLE_S = 0.3  # after a SIGKILL, a request the worker had already sent may sti
 
 
 def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """Child process: ``python -m ft_assets.training.recipe ARGV`` with slowed uploads, logging to a file."""
+    """Child process: ``python -m ft_assets.training.worker ARGV`` with slowed uploads, logging to a file."""
     os.environ.update(env)  # a forkserver child starts with the environment of the forkserver, not ours
     torch.set_num_threads(1)
     sys.stdout = sys.stderr = open(log_path, "a", buffering=1)
-    from ft_assets.training import recipe
+    from ft_assets.training import recipe, worker
 
     def slow_store(url: str) -> ObjectStore:
         store = open_store(url)
@@ -80,9 +80,9 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
         time.sleep(STEP_DELAY_S)
         return token_loss_sum(model, batch)
 
-    recipe.open_store = slow_store
+    worker.open_store = slow_store
     recipe.token_loss_sum = slow_step
-    sys.exit(recipe.main(argv))
+    sys.exit(worker.main(argv))
 
 
 def schedule(seed: int, count: int) -> list[tuple[str, int, float]]:

@@ -1,7 +1,7 @@
 import pytest
 
 from ft_assets.data.cleaning import CleaningRules, clean_messages, clean_text
-from ft_assets.data.readers import RowError
+from ft_assets.data.rows import RowError
 
 TEXT_CASES = [
     ("crlf", "a\r\nb\rc", "a\nb\nc"),

@@ -19,12 +19,14 @@ import yaml
 
 from ft_assets import layout
 from ft_assets.manifests import read_manifest
+from ft_assets.objectives import DPO
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows
 from ft_assets.storage import LocalStore
 from ft_assets.training.checkpoints import complete_checkpoints
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
-from ft_assets.training.recipe import EXIT_PREEMPTED, train
+from ft_assets.training.preemption import EXIT_PREEMPTED
+from ft_assets.training.recipe import train
 from ft_assets_tests.support import (
     DPO_RUN as RUN,
     ONE_THREAD,
@@ -152,7 +154,7 @@ def test_packed_pair_logps_equal_each_sequence_scored_alone(pair_model, pair_sha
 
 def test_full_fine_tuning_is_refused_for_dpo(pair_model, pair_shards, tmp_path):
     with pytest.raises(ValueError, match="DPO trains a LoRA or QLoRA adapter: its reference policy is the base model"):
-        train(dpo_config(method="full"), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+        train(dpo_config(method="full"), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None, objective=DPO)
 
 
 @pytest.mark.integration
@@ -165,7 +167,7 @@ def test_dpo_learns_the_preferences_with_one_copy_of_the_model(pair_model, pair_
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args) or original(*args, **kwargs))
     metrics, lines = [], []
     result = train(dpo_config(method=method, max_steps=24, eval_steps=12), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
-                   tmp_path / "work", log=lines.append, on_metrics=metrics.append)  # fmt: skip
+                   tmp_path / "work", log=lines.append, on_metrics=metrics.append, objective=DPO)  # fmt: skip
     assert len(loads) == 1  # the reference is the same model with its adapter disabled, not a second copy
     assert result.objective == "dpo" and result.method == method and result.steps == 24
     first, last = result.loss_history[0][1], result.loss_history[-1][1]
@@ -186,7 +188,7 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    result = train(dpo_config(max_steps=8), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
+    result = train(dpo_config(max_steps=8), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None, objective=DPO)
     rows = load_pair_rows(pair_shards, "eval", SEQ_LEN)
     batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pair_model), result.output_dir).eval()
@@ -204,8 +206,8 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, p
 def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
     cfg = dpo_config(logging_steps=1, save_steps=3)
     store = LocalStore(tmp_path / "store")
-    sigkill_training_after_checkpoint(cfg, pair_model, pair_shards, store, RUN, 6, tmp_path / "w1")
-    result = train(cfg.model_copy(update={"logging_steps": 4}), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    sigkill_training_after_checkpoint(cfg, pair_model, pair_shards, store, RUN, 6, tmp_path / "w1", objective="dpo")
+    result = train(cfg.model_copy(update={"logging_steps": 4}), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None, objective=DPO)
     assert result.objective == "dpo" and result.resumed_from_step is not None and 6 <= result.resumed_from_step < 16
     assert_same_weights(final_weights(result), dpo_reference)
 
@@ -214,8 +216,8 @@ def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(pair_model
 def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
     store = LocalStore(tmp_path / "store")
     cfg = dpo_config(logging_steps=1, save_steps=1000)
-    command = [sys.executable, "-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(pair_model),
-               "--shards", str(pair_shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1")]  # fmt: skip
+    command = [sys.executable, "-m", "ft_assets.training.worker", "--config", cfg.model_dump_json(), "--base-model", str(pair_model),
+               "--shards", str(pair_shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1"), "--objective", "dpo"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
     output = []
     try:
@@ -231,7 +233,7 @@ def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupte
     assert proc.returncode == EXIT_PREEMPTED, "".join(output)
     stopped = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")][-1]
     assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, stopped))]
-    result = train(dpo_config(), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    result = train(dpo_config(), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None, objective=DPO)
     assert result.resumed_from_step == stopped
     assert_same_weights(final_weights(result), dpo_reference)
 

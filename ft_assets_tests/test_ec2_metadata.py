@@ -24,7 +24,8 @@ from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training import ec2_metadata
 from ft_assets.training.ec2_metadata import WORKER_TAG, SpotNoticeWatcher, worker_instance_tag
-from ft_assets.training.recipe import Preempted, SigtermFlag, train
+from ft_assets.training.preemption import Preempted, SigtermFlag
+from ft_assets.training.recipe import train
 
 NOTICE = {"action": "terminate", "time": "2026-12-01T12:00:00Z"}
 

@@ -28,14 +28,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ft_assets.data import readers
+from ft_assets.data import formats
 from ft_assets.data.cleaning import CleaningRules, clean_dataset, clean_messages
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-from ft_assets.data.readers import DatasetFileError, RowError, normalize_record, read_dataset
-from ft_assets.data.rows import iter_records
+from ft_assets.data.layouts import normalize_record
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import DatasetFileError, RowError, iter_records
 from ft_assets_tests.support import record_figures
 
-LINE_LIMIT = 512  # readers.MAX_LINE_BYTES during the fuzz, so that "huge" lines stay cheap to generate
+LINE_LIMIT = 512  # formats.MAX_LINE_BYTES during the fuzz, so that "huge" lines stay cheap to generate
 DATASET_EXAMPLES = 400
 RECORD_EXAMPLES = 300
 CLEAN_EXAMPLES = 300
@@ -65,7 +66,7 @@ def tally():
 
 @pytest.fixture
 def short_line_limit(monkeypatch):
-    monkeypatch.setattr(readers, "MAX_LINE_BYTES", LINE_LIMIT)  # the same for every example of the test
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", LINE_LIMIT)  # the same for every example of the test
 
 
 # --- strategies: records, lines, files ---------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ft_assets.delivery.evaluate import gate
+from ft_assets.delivery.evaluate import Gate, gate
 from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf, write_modelfile
 from ft_assets.delivery.llamacpp import choose_shipped
 from ft_assets_tests.tiny import CHATML_TEMPLATE
@@ -39,16 +39,19 @@ GATE_CASES = [  # base, fine-tuned, gguf -> beats_base, gguf_within_drop
     ("gguf too much worse", 0.1, 0.9, 0.8, True, False),
     ("gguf better", 0.1, 0.9, 1.0, True, True),
     ("no improvement", 0.5, 0.52, 0.52, False, True),
+    ("no gguf shipped", 0.1, 0.9, None, True, True),
+    ("no gguf, no improvement", 0.5, 0.52, None, False, True),
 ]
 
 
 @pytest.mark.parametrize("case, base, tuned, gguf, beats_base, within", GATE_CASES, ids=[c[0] for c in GATE_CASES])
 def test_gate(case, base, tuned, gguf, beats_base, within):
-    stats = gate("exact_match", base, tuned, gguf, min_improvement=0.05, max_gguf_drop=0.05)
-    assert (stats["beats_base"], stats["gguf_within_drop"]) == (beats_base, within)
-    assert stats["passed"] == (beats_base and within)
-    assert stats["gguf_drop"] == pytest.approx(tuned - gguf)
-    assert stats["gguf_metric"] == gguf
+    verdict = gate("exact_match", base, tuned, gguf, min_improvement=0.05, max_gguf_drop=0.05)
+    assert (verdict.beats_base, verdict.gguf_within_drop) == (beats_base, within)
+    assert verdict.passed == (beats_base and within)
+    assert verdict.gguf_drop == (None if gguf is None else pytest.approx(tuned - gguf))
+    assert verdict.gguf_metric == gguf
+    assert Gate.of({**verdict.as_dict(), "examples": 3}) == verdict  # read back from eval_report's stats
 
 
 def test_modelfile_names_the_shipped_file(tmp_path):

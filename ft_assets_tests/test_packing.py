@@ -2,8 +2,7 @@ import numpy as np
 import pytest
 
 from ft_assets.data.packing import ChatEncoder, Example, pack_bins, pack_rows, tokenize_and_pack
-from ft_assets.data.readers import RowError
-from ft_assets.data.rows import iter_records
+from ft_assets.data.rows import RowError, iter_records
 from ft_assets_tests.tiny import build_tokenizer
 
 PACK_CASES = [

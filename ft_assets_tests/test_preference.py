@@ -13,14 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
+from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
 from ft_assets.data.preference import CHAT, PREFERENCE, clean_pair, dataset_kind
-from ft_assets.data.readers import DatasetFileError, parse_line, read_dataset
-from ft_assets.data.rows import iter_records
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import DatasetFileError, iter_records
 from ft_assets.data.split import split_dataset
-from ft_assets.shards import IGNORE_INDEX, holds_pairs, load_pair_rows, shard_files
+from ft_assets.shards import IGNORE_INDEX, load_pair_rows, pair_split, shard_files
 from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs, write_jsonl
 
 def turn(role: str, content: str) -> dict:
@@ -162,7 +163,7 @@ def test_pairs_flow_through_the_plane_with_every_row_accounted_for(encoder, tmp_
     duplicates = stats["dedup"]["exact_duplicates"] + stats["dedup"]["near_duplicates"]
     assert (kept, quarantined, duplicates) == (60, 3, 1)
     assert stats["raw"]["rows_in"] == kept + quarantined + duplicates == 64
-    assert holds_pairs(tmp_path / "shards") and not shard_files(tmp_path / "shards", "train")  # no packed chat shards
+    assert shard_files(tmp_path / "shards", pair_split("train")) and not shard_files(tmp_path / "shards", "train")  # no packed chat shards
 
 
 def test_pair_rows_learn_only_the_final_replies_and_keep_sequences_apart(encoder, tmp_path):

@@ -7,17 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ft_assets.data.readers import (
-    ColumnMapping,
-    DatasetFileError,
-    Rejected,
-    Row,
-    RowError,
-    iter_dataset_file,
-    normalize_record,
-    read_dataset,
-)
-from ft_assets.data.rows import iter_records
+from ft_assets.data import decoding, formats
+from ft_assets.data.formats import Rejected, Row, iter_dataset_file
+from ft_assets.data.layouts import ColumnMapping, normalize_record
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import DatasetFileError, RowError, iter_records
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -95,9 +89,7 @@ def test_jsonl_tolerates_bom_crlf_blank_lines_and_quarantines_bad_lines(tmp_path
 
 
 def test_huge_line_is_quarantined_without_breaking_the_next_line(tmp_path, monkeypatch):
-    import ft_assets.data.readers as readers
-
-    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 128)
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", 128)
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "x" * 500}]}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
     items = _lines(path, "d.jsonl")
@@ -188,9 +180,7 @@ def _summary(items):
 @pytest.mark.parametrize("chunk", [1 << 20, 5], ids=["one-chunk", "5-byte-chunks"])
 def test_json_array_streams_element_by_element(tmp_path, monkeypatch, chunk):
     """alpaca_data.json's layout (an indented array); 5-byte chunks cut every element, string and number."""
-    import ft_assets.data.readers as readers
-
-    monkeypatch.setattr(readers, "JSON_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(decoding, "JSON_CHUNK_BYTES", chunk)
     path = tmp_path / "a.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ALPACA, indent=4).encode())
     items = _lines(path, "a.json")

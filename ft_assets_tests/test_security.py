@@ -36,7 +36,8 @@ from ft_assets.manifests import MANIFEST, fetch_artifact, read_manifest
 from ft_assets.storage import LocalStore, StoreError, join_key, open_store, sha256_file
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import UntrustedCheckpoint
-from ft_assets.training.recipe import load_model, train
+from ft_assets.training.model import load_model
+from ft_assets.training.recipe import train
 from ft_assets_tests.support import RUN, record_figures, run_config, write_dataset
 from ft_assets_tests.support import training_config as config
 

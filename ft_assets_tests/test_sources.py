@@ -12,9 +12,10 @@ import json
 import pytest
 
 from ft_assets.cli import main
-from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
+from ft_assets.data.layouts import ColumnMapping
+from ft_assets.data.readers import read_dataset
 from ft_assets.data.registration import register_dataset
-from ft_assets.data.rows import iter_records
+from ft_assets.data.rows import DatasetFileError, iter_records
 from ft_assets.data.sources import describe_source, stage
 from ft_assets.storage import LocalStore
 from ft_assets_tests.support import MAIN, V1, add_hub_revision, qa_rows

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from ft_assets.objectives import DPO
 from ft_assets.storage import LocalStore
 from ft_assets.training.recipe import train
 from ft_assets.training.tracking import lineage_tags
@@ -27,7 +28,7 @@ def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow
     cfg = dpo_config(mlflow_tracking_uri=mlflow_server.uri, mlflow_experiment=experiment, eval_steps=8)
     tags = lineage_tags("timers@v1", {name: {"digest": digest} for name, digest in DIGESTS.items()})
     lines = []
-    result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w1", log=lines.append, tags=tags)
+    result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w1", log=lines.append, tags=tags, objective=DPO)
     client = mlflow_server.client()
     run = the_run(client, experiment)
     assert run.info.run_id == result.mlflow_run_id and run.info.run_name == "dpo" and run.info.status == "FINISHED"
@@ -51,7 +52,7 @@ def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow
     assert history("eval_reference_reward_accuracy")[-1][1] == pytest.approx(result.eval_metrics["eval_reference_reward_accuracy"])
 
     # Another attempt of the same run continues its MLflow run.
-    again = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w2", log=lines.append, tags=tags)
+    again = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w2", log=lines.append, tags=tags, objective=DPO)
     assert again.mlflow_run_id == run.info.run_id and the_run(client, experiment).info.status == "FINISHED"
     assert any("(resumed)" in line for line in lines)
 
@@ -60,7 +61,7 @@ def test_a_tracker_that_does_not_answer_is_a_warning(pair_model, pair_shards, tm
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     lines = []
     result = train(dpo_config(max_steps=4, mlflow_tracking_uri=dead), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
-                   tmp_path / "work", log=lines.append)  # fmt: skip
+                   tmp_path / "work", log=lines.append, objective=DPO)  # fmt: skip
     assert result.steps == 4 and result.mlflow_run_id is None
     assert any(line.startswith(f"WARNING: MLflow at {dead} did not answer") and "training goes on" in line for line in lines)
 
@@ -77,7 +78,7 @@ def test_a_tracker_that_dies_mid_run_is_a_warning(pair_model, pair_shards, tmp_p
                 server.stop()
 
         cfg = dpo_config(mlflow_tracking_uri=server.uri)
-        result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lines.append, on_metrics=on_metrics)
+        result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lines.append, on_metrics=on_metrics, objective=DPO)
     finally:
         server.stop()
     assert result.steps == 16 and result.mlflow_run_id is not None
@@ -93,7 +94,7 @@ def test_only_rank_0_of_a_data_parallel_run_tracks(mlflow_server, pair_model, pa
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                "-m", "ft_assets_tests.test_training", cfg.model_dump_json(), str(pair_model), str(pair_shards), str(store_dir),
-               str(tmp_path / "work")]  # fmt: skip
+               str(tmp_path / "work"), "dpo"]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

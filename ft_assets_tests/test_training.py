@@ -1,7 +1,7 @@
 """The training recipe on a tiny Llama: methods, packing isolation, exact resume, preemption, pruning, DDP.
 
 Everything runs on CPU against a ``LocalStore`` in ``tmp_path``. Runs that must be interrupted run in
-a child process (multiprocessing spawn, or ``python -m ft_assets.training.recipe``) so that SIGKILL
+a child process (multiprocessing spawn, or ``python -m ft_assets.training.worker``) so that SIGKILL
 and SIGTERM hit a real worker.
 """
 
@@ -37,7 +37,11 @@ from ft_assets.training.checkpoints import (
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training import recipe
 from ft_assets.training.loss import learned_tokens, token_loss_sum
-from ft_assets.training.recipe import EXIT_PREEMPTED, DataPlan, resolve_attention, train
+from ft_assets.training.data_order import DataPlan
+from ft_assets.training.model import resolve_attention
+from ft_assets.training.preemption import EXIT_PREEMPTED
+from ft_assets.objectives import named
+from ft_assets.training.recipe import train
 from ft_assets_tests.support import (
     ONE_THREAD,
     RUN,
@@ -331,7 +335,7 @@ def test_save_total_limit_prunes_checkpoints_in_the_store(tiny_model, shards, tm
 
 
 def recipe_command(cfg: TrainingConfig, tiny_model, shards, store_dir, work_dir, launcher: list[str]) -> list[str]:
-    return launcher + ["-m", "ft_assets.training.recipe", "--config", cfg.model_dump_json(), "--base-model", str(tiny_model),
+    return launcher + ["-m", "ft_assets.training.worker", "--config", cfg.model_dump_json(), "--base-model", str(tiny_model),
                        "--shards", str(shards), "--store", str(store_dir), "--run-prefix", RUN, "--work-dir", str(work_dir)]  # fmt: skip
 
 
@@ -382,9 +386,9 @@ class RecordingStore(LocalStore):
 
 def ddp_main(argv: list[str]) -> None:
     """Entry point of each rank under `accelerate launch -m ft_assets_tests.test_training ...`."""
-    cfg, base, shards_dir, store_dir, work = argv
+    cfg, base, shards_dir, store_dir, work, *objective = argv
     result = train(TrainingConfig.model_validate_json(cfg), Path(base), Path(shards_dir), RecordingStore(store_dir), RUN,
-                   Path(work), log=print)  # fmt: skip
+                   Path(work), log=print, objective=named(objective[0] if objective else "sft"))  # fmt: skip
     if os.environ.get("RANK") == "0":
         (Path(store_dir).parent / "result.json").write_text(json.dumps(result.to_json()))
 

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery.merge import load_full_precision, merge_adapter
+from ft_assets.objectives import SFT
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.recipe import train
@@ -64,13 +65,13 @@ def exact_match_after_training(small_task, name: str, settings: TrainingConfig) 
 
 def test_the_defaults_resolve_to_a_run_long_enough_for_a_small_dataset(small_task):
     _, _, _, packed_rows, _ = small_task
-    resolved = TrainingConfig().resolve(packed_rows, cuda_available=False)
+    resolved = TrainingConfig().resolve(packed_rows, False, SFT)
     assert resolved.steps_per_epoch == packed_rows // 4
     assert resolved.total_steps == 200 and resolved.epochs > 3  # min_steps outweighs 3 epochs of a small set
     assert (resolved.method, resolved.learning_rate, resolved.warmup_steps) == ("lora", 2e-4, 6)
-    assert TrainingConfig(method="full").resolve(packed_rows, False).learning_rate == 2e-5
-    assert TrainingConfig(max_steps=10).resolve(packed_rows, False).total_steps == 10
-    old = TrainingConfig(**OLD_DEFAULTS).resolve(packed_rows, False)
+    assert TrainingConfig(method="full").resolve(packed_rows, False, SFT).learning_rate == 2e-5
+    assert TrainingConfig(max_steps=10).resolve(packed_rows, False, SFT).total_steps == 10
+    old = TrainingConfig(**OLD_DEFAULTS).resolve(packed_rows, False, SFT)
     assert old.total_steps == packed_rows // 4 and old.warmup_steps == old.total_steps  # never leaves warmup
 
 

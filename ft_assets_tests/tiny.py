@@ -28,22 +28,28 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(extra_text: list[str] | None = None, vocab_size: int = 384):
+def train_bpe(special_tokens: list[str], vocab_size: int, extra_text: list[str] | None = None):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on the test corpus, special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS + (extra_text or []), trainer=trainer)
+    return tok
+
+
+def build_tokenizer(extra_text: list[str] | None = None, vocab_size: int = 384):
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=train_bpe(SPECIAL_TOKENS, vocab_size, extra_text),
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

@@ -24,8 +24,8 @@ from ft_assets.cli.run_config import config_mistakes, load_run_config, plane_run
 from ft_assets.cli.summaries import SUMMARIES, summary_lines
 from ft_assets.control.freshness import asset_parents, plane_is_current
 from ft_assets.control.jobs import DATA_PLANE, DELIVERY_PLANE, TRAINING_PLANE
-from ft_assets.data.readers import DatasetFileError
 from ft_assets.data.registration import RegistrationError, register_dataset
+from ft_assets.data.rows import DatasetFileError
 from ft_assets.definitions import defs
 from ft_assets.storage import open_store
 

@@ -19,7 +19,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
-from ft_assets import layout
+from ft_assets import layout, objectives
 from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
@@ -30,7 +30,6 @@ from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import has_ref, read_ref
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.training.config import OBJECTIVES
 from ft_assets.training.settings import TrainingSettings, training_config
 
 CONTROL = dict(partitions_def=dataset_version, group_name="control", io_manager_key="refs")
@@ -60,7 +59,7 @@ def training_plan(
     shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
     shards = tokenized_shards["stats"]
     try:
-        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available(), objective=OBJECTIVES[shards["kind"]])
+        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available(), objectives.of_stats(shards))
     except ValueError as exc:
         raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
     method, steps = resolved.method, resolved.total_steps

@@ -2,10 +2,11 @@
 
 Each asset downloads its input artifact, calls one plain function of this plane, publishes its
 output artifact under ``runs/<name>/<version>/data/<stage>/`` and returns a reference. The row
-accounting travels along in the references, so ``tokenized_shards`` can prove the invariant
-``rows_in = rows_kept + rows_quarantined + exact_duplicates + near_duplicates``. So does the kind
-of the version (``stats["kind"]``: chat rows or preference pairs, found by ``raw_dataset``), which
-picks the cleaning and the tokenization of pairs (``ft_assets.data.preference``, ``pair_packing``).
+accounting (``ft_assets.data.accounting.RowAccounting``) travels along in the references, so
+``tokenized_shards`` can prove ``rows_in = rows_kept + rows_quarantined + exact_duplicates +
+near_duplicates``. So does the objective (``ft_assets.objectives``: conversations train with SFT,
+preference pairs with DPO), which ``raw_dataset`` chooses from the rows and which picks the row
+cleaner and how the rows are tokenized and packed.
 """
 
 from collections import Counter
@@ -13,17 +14,19 @@ from pathlib import Path
 
 import dagster as dg
 
-from ft_assets import layout
-from ft_assets.data.cleaning import clean_dataset, clean_messages
+from ft_assets import layout, objectives
+from ft_assets.data.accounting import RowAccounting
+from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
+from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
+from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
-from ft_assets.data.packing import EXAMPLES, TokenizerFiles, tokenize_splits
-from ft_assets.data.pair_packing import PAIRS
-from ft_assets.data.preference import PREFERENCE, clean_pair, dataset_kind
-from ft_assets.data.readers import SUPPORTED_SUFFIXES, ColumnMapping, DatasetFileError, is_data_file, read_dataset
+from ft_assets.data.packing import TokenizerFiles, tokenize_splits
+from ft_assets.data.preference import dataset_kind
+from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ParquetSink, iter_records, sample_rows
+from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
 from ft_assets.materialize import STORE_KIND, Materialization, table
@@ -37,16 +40,6 @@ DATA = dict(partitions_def=dataset_version, group_name="data", io_manager_key="r
 def _reasons(reasons: dict[str, int]) -> dg.MetadataValue:
     ordered = sorted(reasons.items(), key=lambda kv: -kv[1])
     return table([{"reason": reason, "rows": count} for reason, count in ordered], columns=["reason", "rows"])
-
-
-def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return dict(Counter(a) + Counter(b))
-
-
-def _executor_metadata(data_executor: DataExecutorResource, retried_before: int) -> dict:
-    """Where the asset's shards ran, and how many ran again after a worker died (never part of the output)."""
-    executor = data_executor.executor
-    return {"executor": executor.describe(), "shard_retries": executor.retried - retried_before}
 
 
 def _fetch_inputs(m: Materialization, prefix: str, shown_as: str = "") -> list[tuple[str, Path]]:
@@ -87,49 +80,47 @@ def raw_dataset(
     context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource, data_executor: DataExecutorResource
 ) -> dg.Output[dict]:
     """Every input file of the dataset version (for a mixture, the rows drawn from its components),
-    normalized to one chat schema; bad rows quarantined. Where the version came from is in its stats."""
+    normalized to one chat schema; bad rows quarantined. The rows choose the objective (conversations:
+    sft, preference pairs: dpo); where the version came from is in its stats."""
     keys_of = layout.of(context.partition_key)
-    mapping = config.mapping()
-    executor, retried = data_executor.executor, data_executor.executor.retried
-    with Materialization(context, store, "raw") as m:
+    with Materialization(context, store, "raw", data_executor) as m:
         source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
         try:
-            if source is not None and source["kind"] == "mixture":
-                components = [_mixture_component(m, record, mapping) for record in source["components"]]
-                context.log.info(f"drawing {m.partition} from {len(components)} components (seed {source['seed']})")
-                stats = mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"], executor)
-            else:
-                files = _fetch_inputs(m, keys_of.inputs)
-                context.log.info(f"reading {len(files)} file(s) of {m.partition}")
-                stats = read_dataset(files, m.out, mapping, executor)
-                stats["source"] = source
-            stats["kind"] = dataset_kind(m.out / "rows.parquet")
+            stats = _read_version(m, source, config.mapping(), data_executor.executor)
+            objective = objectives.for_data_kind(dataset_kind(m.out / "rows.parquet"))
         except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
         if stats["rows_parsed"] == 0:
             raise dg.Failure(no_usable_rows(m.partition, stats, m.out / "quarantine.parquet"))
-        sample = sample_rows(m.out / "rows.parquet")
-        stats["accounting"] = {
-            "rows_in": stats["rows_in"],
-            "rows_quarantined": stats["rows_quarantined"],
-            "quarantine_reasons": stats["quarantine_reasons"],
-        }
+        stats["objective"] = objective.name
+        stats["accounting"] = RowAccounting(stats["rows_in"]).quarantined(stats["quarantine_reasons"]).as_dict()
+        sample = table(sample_rows(m.out / "rows.parquet"))
         ref = m.publish(keys_of.data("raw"), stats)
-    context.log.info(f"{stats['rows_in']} rows in ({stats['kind']}), {stats['rows_quarantined']} quarantined while parsing")
+    context.log.info(f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing")
     origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
     return m.output(
         ref,
         rows_in=stats["rows_in"],
-        kind=stats["kind"],
+        objective=objective.name,
         rows_parsed=stats["rows_parsed"],
         rows_quarantined=stats["rows_quarantined"],
         blank_lines=stats["blank_lines"],
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
         rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
-        sample=table(sample),
+        sample=sample,
         **origin,
-        **_executor_metadata(data_executor, retried),
     )
+
+
+def _read_version(m: Materialization, source: dict | None, mapping: ColumnMapping | None, executor) -> dict:
+    """Read the version's files (or draw a mixture from its components) into ``m.out``; the reader's stats."""
+    if source is not None and source["kind"] == "mixture":
+        components = [_mixture_component(m, record, mapping) for record in source["components"]]
+        m.context.log.info(f"drawing {m.partition} from {len(components)} components (seed {source['seed']})")
+        return mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"], executor)
+    files = _fetch_inputs(m, layout.of(m.partition).inputs)
+    m.context.log.info(f"reading {len(files)} file(s) of {m.partition}")
+    return {**read_dataset(files, m.out, mapping, executor), "source": source}
 
 
 def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
@@ -158,33 +149,25 @@ def cleaned_dataset(
     raw_dataset: dict,
 ) -> dg.Output[dict]:
     """Unicode/whitespace cleanup, length filters and role-order validation; failures quarantined with a reason."""
-    retried = data_executor.executor.retried
-    kind = raw_dataset["stats"]["kind"]
-    with Materialization(context, store, "clean") as m:
-        clean = clean_pair if kind == PREFERENCE else clean_messages
-        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor, clean)
-        stats["kind"] = kind
-        sample = sample_rows(m.out / "rows.parquet")
-        before = raw_dataset["stats"]["accounting"]
-        quarantined = before["rows_quarantined"] + stats["rows_quarantined"]
-        stats["accounting"] = {
-            "rows_in": before["rows_in"],
-            "rows_quarantined": quarantined,
-            "quarantine_reasons": _merge(before["quarantine_reasons"], stats["quarantine_reasons"]),
-        }
-        stats["quarantine_fraction"] = quarantined / max(before["rows_in"], 1)
-        stats["max_quarantine_fraction"] = config.max_quarantine_fraction
+    objective = objectives.of_stats(raw_dataset["stats"])
+    with Materialization(context, store, "clean", data_executor) as m:
+        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor, objective.clean_row)
+        accounting = RowAccounting.of(raw_dataset["stats"]).quarantined(stats["quarantine_reasons"])
+        stats.update(
+            objective=objective.name, accounting=accounting.as_dict(), quarantine_fraction=accounting.quarantine_fraction,
+            max_quarantine_fraction=config.max_quarantine_fraction,
+        )  # fmt: skip
+        sample = table(sample_rows(m.out / "rows.parquet"))
         ref = m.publish(layout.of(m.partition).data("cleaned"), stats, {"raw_dataset": raw_dataset})
     context.log.info(f"{stats['rows_kept']} rows kept, {stats['rows_quarantined']} quarantined by cleaning")
     return m.output(
         ref,
         rows_kept=stats["rows_kept"],
-        rows_quarantined=quarantined,
+        rows_quarantined=accounting.rows_quarantined,
         rows_modified_by_cleanup=stats["rows_modified"],
-        quarantine_fraction=dg.MetadataValue.float(round(stats["quarantine_fraction"], 4)),
-        quarantine_reasons=_reasons(stats["accounting"]["quarantine_reasons"]),
-        sample=table(sample),
-        **_executor_metadata(data_executor, retried),
+        quarantine_fraction=dg.MetadataValue.float(round(accounting.quarantine_fraction, 4)),
+        quarantine_reasons=_reasons(accounting.quarantine_reasons),
+        sample=sample,
     )
 
 
@@ -197,15 +180,10 @@ def deduplicated_dataset(
     cleaned_dataset: dict,
 ) -> dg.Output[dict]:
     """Exact dedup on normalized content, then MinHash-LSH near-dedup; every removed row recorded."""
-    retried = data_executor.executor.retried
-    with Materialization(context, store, "dedup") as m:
+    with Materialization(context, store, "dedup", data_executor) as m:
         stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules(), data_executor.executor)
-        stats["kind"] = cleaned_dataset["stats"]["kind"]
-        stats["accounting"] = {
-            **cleaned_dataset["stats"]["accounting"],
-            "exact_duplicates": stats["exact_duplicates"],
-            "near_duplicates": stats["near_duplicates"],
-        }
+        accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(stats["exact_duplicates"], stats["near_duplicates"])
+        stats.update(objective=cleaned_dataset["stats"]["objective"], accounting=accounting.as_dict())
         ref = m.publish(layout.of(m.partition).data("deduplicated"), stats, {"cleaned_dataset": cleaned_dataset})
     context.log.info(
         f"{stats['rows_kept']} unique rows; {stats['exact_duplicates']} exact and {stats['near_duplicates']} near duplicates"
@@ -217,7 +195,6 @@ def deduplicated_dataset(
         near_duplicates=stats["near_duplicates"],
         near_clusters=stats["near_clusters"],
         lsh_bands_x_rows=f"{stats['lsh_bands']} x {stats['lsh_rows_per_band']}",
-        **_executor_metadata(data_executor, retried),
     )
 
 
@@ -230,20 +207,15 @@ def train_eval_split(
     deduplicated_dataset: dict,
 ) -> dg.Output[dict]:
     """Deterministic train/eval split by a stable hash of each near-duplicate cluster."""
-    retried = data_executor.executor.retried
-    with Materialization(context, store, "split") as m:
+    with Materialization(context, store, "split", data_executor) as m:
         stats = split_dataset(m.fetch(deduplicated_dataset), m.out, config.eval_fraction, config.salt, data_executor.executor)
         if stats["train_rows"] == 0:
             raise dg.Failure(f"{m.partition}: no training rows left after cleaning and deduplication")
-        stats["eval_fraction"] = config.eval_fraction
-        stats["kind"] = deduplicated_dataset["stats"]["kind"]
-        stats["accounting"] = deduplicated_dataset["stats"]["accounting"]
-        sample = sample_rows(m.out / "eval.parquet")
+        before = deduplicated_dataset["stats"]
+        stats.update(eval_fraction=config.eval_fraction, objective=before["objective"], accounting=before["accounting"])
+        sample = table(sample_rows(m.out / "eval.parquet"))
         ref = m.publish(layout.of(m.partition).data("split"), stats, {"deduplicated_dataset": deduplicated_dataset})
-    return m.output(
-        ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=table(sample),
-        **_executor_metadata(data_executor, retried),
-    )  # fmt: skip
+    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample)
 
 
 def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
@@ -251,12 +223,36 @@ def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
     return TokenizerFiles.from_dir(m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors")))
 
 
-def _accounting_line(acc: dict) -> str:
-    return (
-        f"rows_in **{acc['rows_in']}** = kept {acc['rows_kept']} + quarantined {acc['rows_quarantined']} + exact "
-        f"duplicates {acc['exact_duplicates']} + near duplicates {acc['near_duplicates']} → "
-        f"{'holds' if acc['invariant_holds'] else '**DOES NOT HOLD**'}"
-    )
+def _quarantine_rejected(path: Path, rejected: list) -> dict[str, int]:
+    """The rows the tokenizer refused, into ``quarantine.parquet``; their count by reason."""
+    with ParquetSink(path, QUARANTINE_SCHEMA) as quarantine:
+        for source, err in rejected:
+            quarantine.write({"source": source, "stage": "tokenize", "reason": err.reason, "detail": err.detail, "raw": ""})
+    return dict(Counter(err.reason for _, err in rejected))
+
+
+def shard_stats(per_split: dict, seq_len: int, objective: str, accounting: RowAccounting) -> dict:
+    """tokenized_shards' stats: what was packed, per split and in all, and the final row accounting."""
+    train, evaluation = per_split["train"], per_split["eval"]
+    slots = train.slots + evaluation.slots
+    return {
+        "objective": objective,
+        "seq_len": seq_len,
+        "pad_token_id": train.pad_id,
+        "train_rows": train.examples,
+        "eval_rows": evaluation.examples,
+        "train_packed_rows": train.rows,
+        "eval_packed_rows": evaluation.rows,
+        "train_tokens": train.tokens,
+        "eval_tokens": evaluation.tokens,
+        "tokens": train.tokens + evaluation.tokens,
+        "loss_tokens": train.loss_tokens + evaluation.loss_tokens,
+        "packing_efficiency": (train.tokens + evaluation.tokens) / slots if slots else 0.0,
+        "train_packing_efficiency": train.packing_efficiency,
+        "train_files": train.files,
+        "eval_files": evaluation.files,
+        "accounting": accounting.as_dict(),
+    }
 
 
 @dg.asset(**DATA, kinds={"huggingface", "parquet", STORE_KIND})
@@ -269,75 +265,40 @@ def tokenized_shards(
     base_model: dict,
 ) -> dg.Output[dict]:
     """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest); preference pairs packed whole."""
-    retried = data_executor.executor.retried
-    kind = train_eval_split["stats"]["kind"]
-    with Materialization(context, store, "tokenize") as m:
-        split_dir = m.fetch(train_eval_split)
+    objective = objectives.of_stats(train_eval_split["stats"])
+    with Materialization(context, store, "tokenize", data_executor) as m:
         per_split = tokenize_splits(
-            split_dir, ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window, data_executor.executor,
-            kind=PAIRS if kind == PREFERENCE else EXAMPLES,
+            m.fetch(train_eval_split), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window,
+            data_executor.executor, kind=objective.pack_kind,
         )  # fmt: skip
         for split, packed in per_split.items():
             context.log.info(
-                f"{split}: {packed.examples} {'pairs' if kind == PREFERENCE else 'examples'}, {packed.tokens} tokens in "
-                f"{packed.rows} rows (packing efficiency {packed.packing_efficiency:.4f})"
+                f"{split}: {packed.examples} {objective.items}, {packed.tokens} tokens in {packed.rows} rows "
+                f"(packing efficiency {packed.packing_efficiency:.4f})"
             )
-        rejected = per_split["train"].rejected + per_split["eval"].rejected
-        reasons = Counter(err.reason for _, err in rejected)
-        with ParquetSink(m.out / "quarantine.parquet", QUARANTINE_SCHEMA) as quarantine:
-            for source, err in rejected:
-                quarantine.write({"source": source, "stage": "tokenize", "reason": err.reason, "detail": err.detail, "raw": ""})
-        before = train_eval_split["stats"]["accounting"]
-        train, evaluation = per_split["train"], per_split["eval"]
-        accounting = {
-            "rows_in": before["rows_in"],
-            "rows_kept": train.examples + evaluation.examples,
-            "rows_quarantined": before["rows_quarantined"] + len(rejected),
-            "quarantine_reasons": _merge(before["quarantine_reasons"], dict(reasons)),
-            "exact_duplicates": before["exact_duplicates"],
-            "near_duplicates": before["near_duplicates"],
-        }
-        balance = accounting["rows_kept"] + accounting["rows_quarantined"] + accounting["exact_duplicates"] + accounting["near_duplicates"]
-        accounting["invariant_holds"] = balance == accounting["rows_in"]
-        slots = train.slots + evaluation.slots
-        stats = {
-            "kind": kind,
-            "seq_len": config.seq_len,
-            "pad_token_id": train.pad_id,
-            "train_rows": train.examples,
-            "eval_rows": evaluation.examples,
-            "train_packed_rows": train.rows,
-            "eval_packed_rows": evaluation.rows,
-            "train_tokens": train.tokens,
-            "eval_tokens": evaluation.tokens,
-            "tokens": train.tokens + evaluation.tokens,
-            "loss_tokens": train.loss_tokens + evaluation.loss_tokens,
-            "packing_efficiency": (train.tokens + evaluation.tokens) / slots if slots else 0.0,
-            "train_packing_efficiency": train.packing_efficiency,
-            "train_files": train.files,
-            "eval_files": evaluation.files,
-            "accounting": accounting,
-        }
+        rejected = _quarantine_rejected(m.out / "quarantine.parquet", per_split["train"].rejected + per_split["eval"].rejected)
+        kept = per_split["train"].examples + per_split["eval"].examples
+        accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
+        stats = shard_stats(per_split, config.seq_len, objective.name, accounting)
         ref = m.publish(
             layout.of(m.partition).data("shards"), stats, {"train_eval_split": train_eval_split, "base_model": base_model}
         )
-    if not accounting["invariant_holds"]:
+    if not accounting.invariant_holds:
         context.log.error(f"row accounting does not balance: {accounting}")
     return m.output(
         ref,
         tokens=stats["tokens"],
         loss_tokens=stats["loss_tokens"],
         packing_efficiency=dg.MetadataValue.float(round(stats["packing_efficiency"], 5)),
-        train_packed_rows=train.rows,
-        eval_packed_rows=evaluation.rows,
+        train_packed_rows=stats["train_packed_rows"],
+        eval_packed_rows=stats["eval_packed_rows"],
         seq_len=config.seq_len,
-        kind=kind,
-        rows_in=accounting["rows_in"],
-        rows_kept=accounting["rows_kept"],
-        rows_quarantined=accounting["rows_quarantined"],
-        exact_duplicates=accounting["exact_duplicates"],
-        near_duplicates=accounting["near_duplicates"],
-        accounting=dg.MetadataValue.md(_accounting_line(accounting)),
-        quarantine_reasons=_reasons(accounting["quarantine_reasons"]),
-        **_executor_metadata(data_executor, retried),
+        objective=objective.name,
+        rows_in=accounting.rows_in,
+        rows_kept=accounting.rows_kept,
+        rows_quarantined=accounting.rows_quarantined,
+        exact_duplicates=accounting.exact_duplicates,
+        near_duplicates=accounting.near_duplicates,
+        accounting=dg.MetadataValue.md(accounting.line()),
+        quarantine_reasons=_reasons(accounting.quarantine_reasons),
     )

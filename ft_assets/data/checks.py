@@ -3,6 +3,7 @@
 
 import dagster as dg
 
+from ft_assets.data.accounting import RowAccounting
 from ft_assets.data.assets import cleaned_dataset, tokenized_shards
 
 
@@ -10,7 +11,7 @@ from ft_assets.data.assets import cleaned_dataset, tokenized_shards
 def quarantine_fraction_within_limit(cleaned_dataset: dict) -> dg.AssetCheckResult:
     stats = cleaned_dataset["stats"]
     fraction, limit = stats["quarantine_fraction"], stats["max_quarantine_fraction"]
-    reasons = stats["accounting"]["quarantine_reasons"]
+    reasons = RowAccounting.of(stats).quarantine_reasons
     top = ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:5]) or "none"
     return dg.AssetCheckResult(
         passed=fraction <= limit,
@@ -28,10 +29,9 @@ def quarantine_fraction_within_limit(cleaned_dataset: dict) -> dg.AssetCheckResu
     description="rows_in = rows_kept + rows_quarantined + exact_duplicates + near_duplicates",
 )
 def rows_accounted_for(tokenized_shards: dict) -> dg.AssetCheckResult:
-    acc = tokenized_shards["stats"]["accounting"]
-    parts = acc["rows_kept"] + acc["rows_quarantined"] + acc["exact_duplicates"] + acc["near_duplicates"]
+    accounting = RowAccounting.of(tokenized_shards["stats"])
     return dg.AssetCheckResult(
-        passed=parts == acc["rows_in"],
-        description=f"{acc['rows_in']} rows in; kept + quarantined + duplicates = {parts}",
-        metadata={k: v for k, v in acc.items() if isinstance(v, int)},
+        passed=accounting.invariant_holds,
+        description=f"{accounting.rows_in} rows in; kept + quarantined + duplicates = {accounting.accounted}",
+        metadata={k: v for k, v in accounting.as_dict().items() if isinstance(v, int) and not isinstance(v, bool)},
     )

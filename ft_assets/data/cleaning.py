@@ -19,16 +19,13 @@ import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import pyarrow as pa
 
 from ft_assets.data.parallel import Executor, InProcess
-from ft_assets.data.readers import RowError
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from ft_assets.data.rows import RowRange
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, RowError, RowRange, row_ranges
 
 ROLES = ("system", "user", "assistant")
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
@@ -113,10 +110,6 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
 def clean_shard(settings: tuple[CleaningRules, Callable], shard: RowRange) -> tuple:
     """One shard of raw rows through ``clean`` (``clean_messages``, or ``preference.clean_pair``): (kept rows,
     quarantined rows, reasons, rows modified)."""
-    import pyarrow as pa
-
-    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA
-
     rules, clean = settings
     kept, quarantined, reasons, changed = [], [], Counter(), 0
     table = shard.read()
@@ -144,8 +137,6 @@ def clean_dataset(
     """``raw_dir/rows.parquet`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
     version of preference pairs), in shards on ``executor`` (default: this process); failures go to the
     quarantine, rows keep their order."""
-    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, row_ranges
-
     executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()

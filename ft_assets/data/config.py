@@ -6,7 +6,7 @@ from pydantic import Field
 
 from ft_assets.data.cleaning import CleaningRules
 from ft_assets.data.dedup import DedupRules
-from ft_assets.data.readers import ColumnMapping
+from ft_assets.data.layouts import ColumnMapping
 
 
 class RawConfig(dg.Config):

@@ -45,14 +45,12 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 
 from ft_assets.data.parallel import Executor, FileRef, InProcess, read_all
-
-if TYPE_CHECKING:
-    from ft_assets.data.rows import RowRange
+from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, RowRange, iter_batches, row_ranges
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -292,7 +290,7 @@ class MinHasher:
     FALSE_POSITIVE_WEIGHT, FALSE_NEGATIVE_WEIGHT = 0.1, 0.9
 
     def __init__(self, rules: DedupRules):
-        from datasketch import MinHash
+        from datasketch import MinHash  # here, not at the top: ~2 s to import, for near deduplication only
         from datasketch.lsh import _optimal_param
 
         self.rules = rules
@@ -491,10 +489,6 @@ class FilterItem:
 
 def filter_shard(near_duplicates: str, item: FilterItem) -> tuple:
     """(kept rows with their cluster key, near-duplicate records) of one shard; rows filtered as Arrow."""
-    import pyarrow as pa
-
-    from ft_assets.data.rows import ROW_SCHEMA
-
     table = item.shard.read()
     clusters = [item.keys[at : at + 16].hex() for at in range(0, len(item.keys), 16)]
     kept = np.ones(table.num_rows, dtype=bool)
@@ -529,10 +523,6 @@ def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, exe
     ones (in row order, with the row kept for their cluster), as one process reading the rows in
     order would. Steps run on ``executor`` (default: this process); the result does not depend on it.
     """
-    import pyarrow as pa
-
-    from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches, row_ranges
-
     if rules.near_duplicates not in ("drop", "keep"):
         raise ValueError(f"near_duplicates must be 'drop' or 'keep', got {rules.near_duplicates!r}")
     executor = executor or InProcess()

@@ -40,12 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import yaml
 
 from ft_assets import layout
+from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.parallel import Executor
-from ft_assets.data.readers import ColumnMapping, DatasetFileError, read_dataset
-from ft_assets.data.sources import MIXTURE_SUFFIXES, Staged, dataset_name, stage
+from ft_assets.data.readers import read_dataset
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, ParquetSink, iter_batches
+from ft_assets.data.staging import MIXTURE_SUFFIXES, Staged, dataset_name, stage_source
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
 from ft_assets.storage import join_key, sha256_file
 
@@ -143,7 +146,7 @@ def stage_mixture(path: Path, work: Path, store) -> Staged:
             where = str(relative) if "://" not in origin and relative.exists() else origin
             if where.endswith(MIXTURE_SUFFIXES):
                 raise DatasetFileError(f"{path}: component {component['name']}: a mixture cannot be a component; list its components instead")
-            staged = stage(where, work / component["name"], store, component.get("split"))
+            staged = stage_source(where, work / component["name"], component.get("split"))
             files += [(join_key(component["name"], rel), local_file) for rel, local_file in staged.files]
             record["source"] = staged.source or {"kind": "files", "uri": origin}
             record["files"] = [rel for rel, _ in staged.files]
@@ -204,10 +207,6 @@ def mix_dataset(
 ) -> dict:
     """Read every component (in shards on ``executor``), draw the mixture's rows into ``rows.parquet``; returns
     ``read_dataset``'s counts for the drawn rows, plus ``source``: the records with each component's figures and digest."""
-    import pyarrow as pa
-
-    from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, iter_batches
-
     read = []
     for component in components:
         name = component.record["name"]

@@ -26,24 +26,21 @@ packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer it
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
-from ft_assets.data.readers import RowError
+from ft_assets.data.rows import RowError, RowRange, row_ranges
 from ft_assets.shards import ROWS_PER_SHARD, SCHEMA, ShardWriter
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-
-    from ft_assets.data.rows import RowRange
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
@@ -71,7 +68,7 @@ def template_inserts_content_verbatim(template: str) -> bool:
     as fixed text around the contents, so the text can be filled in per row instead of rendered.
     ChatML (SmolLM2, Qwen2.5) qualifies; Llama 3 (``| trim``, the date) does not.
     """
-    from jinja2 import nodes
+    from jinja2 import nodes  # here, not at the top: only tokenization reads chat templates (~0.15 s to import)
     from jinja2.exceptions import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -425,10 +422,7 @@ class TokenizerFiles:
         return cls(tuple((path.name, path.read_bytes()) for path in files))
 
     def encoder(self) -> ChatEncoder:
-        import hashlib
-        import tempfile
-
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here, not at the top: seconds to import, and only workers need it
 
         key = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in self.files)).hexdigest()
         if key not in _ENCODERS:
@@ -628,8 +622,6 @@ def tokenize_splits(
     kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
     """``pack_splits`` of ``split_dir/<split>.parquet`` for each split, in row ranges of ``executor.shard_rows``."""
-    from ft_assets.data.rows import row_ranges
-
     executor = executor or InProcess()
     return pack_splits(
         {split: row_ranges(split_dir / f"{split}.parquet", executor) for split in splits}, encoder, seq_len, out_dir, window,

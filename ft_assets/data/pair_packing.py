@@ -41,7 +41,7 @@ from ft_assets.data.packing import (
     tokenize_and_pack,
 )
 from ft_assets.data.preference import split_pair
-from ft_assets.data.readers import RowError
+from ft_assets.data.rows import RowError
 from ft_assets.shards import PAIR_SCHEMA, ROWS_PER_SHARD, pair_split
 
 

@@ -46,6 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+import pyarrow as pa
+
+# Ray (the optional `ray` extra, ~1.5 s to import) and grpc are imported inside the functions that use them,
+# so that in-process and pool runs never load them.
+
 MAX_ATTEMPTS = 3  # runs of a shard whose worker died before the stage gives up on it
 DEFAULT_SHARD_ROWS = 16_384  # rows a task works on: ~10 MB of chat rows, ~8 s of tokenizing on one core
 IN_FLIGHT_PER_WORKER = 2  # shards queued per worker: one running, one ready while the driver writes a part
@@ -103,8 +109,6 @@ def read_range(file: FileRef, start: int, stop: int) -> bytes:
 
 def arrow_file(file: FileRef):
     """The file as a pyarrow readable (memory-mapped on this machine), for Parquet and Arrow readers."""
-    import pyarrow as pa
-
     if isinstance(file, RayFile):
         import ray
 
@@ -439,7 +443,6 @@ class RayTasks(Executor):
         return f"Ray, {self.workers} tasks at a time"
 
     def share(self, path: Path) -> FileRef:
-        import numpy as np
         import ray
 
         return RayFile(ray.put(np.fromfile(path, dtype=np.uint8)), Path(path).name)

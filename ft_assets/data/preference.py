@@ -1,16 +1,7 @@
 """Preference pairs: a prompt (or a chat history), a chosen and a rejected reply, for DPO.
 
-Row layouts, recognised by ``raw_dataset`` from the keys of each row (a row with both ``chosen`` and
-``rejected`` is a pair; ``pair_messages`` normalizes it):
-
-- strings:            ``{"prompt": "...", "chosen": "...", "rejected": "...", "system": "..." (optional)}``
-- conversational (TRL): ``{"prompt": [{"role": "user", "content": "..."}, ...],
-  "chosen": [{"role": "assistant", "content": "..."}], "rejected": [{"role": "assistant", ...}]}``
-- implicit prompt (Anthropic HH as TRL ships it): ``{"chosen": [whole conversation], "rejected":
-  [whole conversation]}``: the prompt is the turns both share, then each side has one assistant reply
-- LLaMA-Factory: ``{"conversations": [{"from": "human", "value": "..."}], "chosen": {"from": "gpt",
-  "value": "..."}, "rejected": {...}, "system": "..." (optional)}`` and ``{"instruction": "...",
-  "input": "..." (optional), "chosen": "...", "rejected": "..."}``
+``raw_dataset`` recognises a pair by its keys (a row with both ``chosen`` and ``rejected``;
+``ft_assets.data.layouts`` lists the accepted layouts and parses them).
 
 A pair travels through the data plane as a chat row: the prompt's turns, then the chosen reply
 (role ``chosen``), then the rejected one (role ``rejected``). The shared stages need no preference
@@ -36,85 +27,17 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 
 from ft_assets.data.cleaning import CleaningRules, clean_messages
-from ft_assets.data.readers import (
-    SHAREGPT_ROLES,
-    DatasetFileError,
-    RowError,
-    _instruction_turns,
-    _message_list,
-    _optional_text,
-    _text,
-)
+from ft_assets.data.layouts import CHOSEN, REJECTED
+from ft_assets.data.rows import DatasetFileError, RowError, iter_batches
 
 CHAT, PREFERENCE = "chat", "preference"  # the two kinds of dataset version
-CHOSEN, REJECTED = "chosen", "rejected"  # roles of the two replies in a pair's row
 _ROW_NUMBER = re.compile(r"[:#]\d+$")  # a row source is "<file>:<line>" or "<file>#<row>"
 
 
-# --- layouts -> one row ----------------------------------------------------------------------------
-
-
-def _reply(value: object, side: str) -> str:
-    """One side of a pair: a string, one message (``{role, content}`` or ``{from, value}``) or a list of one."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list):
-        raise RowError("wrong_type", f"'{side}' must be a string or an assistant message, got {type(value).__name__}")
-    keys = ("from", "value") if value and isinstance(value[0], dict) and "from" in value[0] else ("role", "content")
-    messages = _message_list(value, side, *keys, SHAREGPT_ROLES)
-    if len(messages) != 1:
-        raise RowError("wrong_type", f"'{side}' must be one assistant reply, got {len(messages)} messages")
-    if messages[0]["role"] != "assistant":
-        raise RowError("bad_role_order", f"the {side} reply has role {messages[0]['role']!r}; a reply is the assistant's")
-    return messages[0]["content"]
-
-
-def _implicit_prompt(chosen: object, rejected: object) -> tuple[list[dict], str, str]:
-    """Two whole conversations: the turns they share are the prompt, the one reply after it each side's answer."""
-    sides = [_message_list(value, side, "role", "content", None) for value, side in ((chosen, CHOSEN), (rejected, REJECTED))]
-    shared = 0
-    while shared < min(map(len, sides)) - 1 and sides[0][shared] == sides[1][shared]:
-        shared += 1
-    tails = [side[shared:] for side in sides]
-    if any(len(tail) != 1 for tail in tails):
-        raise RowError(
-            "bad_role_order",
-            f"the chosen and rejected conversations share {shared} turns, then have {len(tails[0])} and "
-            f"{len(tails[1])}; each must end in one assistant reply after the shared prompt",
-        )
-    replies = [_reply(tail, side) for tail, side in zip(tails, (CHOSEN, REJECTED))]
-    return sides[0][:shared], replies[0], replies[1]
-
-
-def _prompt(obj: dict) -> list[dict]:
-    system = _optional_text(obj, "system")
-    if "instruction" in obj and "prompt" not in obj and "conversations" not in obj:  # alpaca: the same rules as for chat rows
-        return _instruction_turns(_text(obj["instruction"], "'instruction'"), _optional_text(obj, "input"), "", system, [])[:-1]
-    if "conversations" in obj:
-        turns = _message_list(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
-    elif isinstance(obj["prompt"], str):
-        turns = [{"role": "user", "content": obj["prompt"]}]
-    else:
-        turns = _message_list(obj["prompt"], "prompt", "role", "content", None)
-    if system.strip() and not (turns and turns[0]["role"] == "system"):
-        turns = [{"role": "system", "content": system}] + turns
-    return turns
-
-
-def pair_messages(obj: dict) -> list[dict]:
-    """One pair in any accepted layout -> its chat row (prompt turns, chosen, rejected); raises RowError."""
-    if any(key in obj for key in ("prompt", "conversations", "instruction")):
-        prompt, chosen, rejected = _prompt(obj), _reply(obj[CHOSEN], CHOSEN), _reply(obj[REJECTED], REJECTED)
-    elif isinstance(obj[CHOSEN], list) and isinstance(obj[REJECTED], list):
-        prompt, chosen, rejected = _implicit_prompt(obj[CHOSEN], obj[REJECTED])
-    else:
-        keys = ", ".join(sorted(map(str, obj))[:8])
-        raise RowError("unknown_format", f"a pair needs a 'prompt' (or two whole conversations as chosen/rejected); found keys: {keys}")
-    return prompt + [{"role": CHOSEN, "content": chosen}, {"role": REJECTED, "content": rejected}]
+# --- a pair's row ------------------------------------------------------------------------------------
 
 
 def split_pair(messages: list[dict]) -> tuple[list[dict], str, str]:
@@ -131,8 +54,6 @@ def is_pair(messages: list[dict]) -> bool:
 
 def _ends_in_rejected(messages) -> np.ndarray:
     """Whether each row's last turn is a rejected reply, from the Arrow column without converting rows to Python."""
-    import pyarrow.compute as pc
-
     offsets = messages.offsets.to_numpy()
     rejected = pc.equal(messages.values.field("role"), REJECTED).to_numpy(zero_copy_only=False)
     ends = offsets[1:]
@@ -148,8 +69,6 @@ def dataset_kind(rows_path: Path) -> str:
     A file that holds both, or a version whose files are of both kinds, is refused with a
     ``DatasetFileError`` naming a row of each kind.
     """
-    from ft_assets.data.rows import iter_batches
-
     first: dict[str, dict[str, str]] = {}  # file -> kind -> its first row's source
     for batch in iter_batches(rows_path, columns=["source", "messages"]):
         kinds = np.where(_ends_in_rejected(batch.column("messages")), PREFERENCE, CHAT)

@@ -1,4 +1,8 @@
-"""Row files shared by the data-plane stages: chat rows and quarantine records as streamed Parquet.
+"""Rows as the data-plane stages share them: the two errors, and chat rows and quarantine records as Parquet.
+
+A bad *row* raises ``RowError(reason, detail)``, which every stage turns into a quarantine record
+(``QUARANTINE_SCHEMA``), so no row is dropped unaccounted; a bad *file* raises ``DatasetFileError``,
+which fails the dataset version, because rows that cannot be read cannot be counted.
 
 Every stage reads its input row by row and writes its outputs through ``ParquetSink``, which
 flushes every ``FLUSH_ROWS`` rows, so memory stays flat however large the dataset version is.
@@ -20,6 +24,20 @@ import pyarrow.parquet as pq
 from ft_assets.data.parallel import Executor, FileRef, arrow_file
 
 FLUSH_ROWS = 8192  # rows buffered per Parquet row group
+
+
+class DatasetFileError(ValueError):
+    """A whole input file (or dataset version) cannot be read; the message names the file and what to do."""
+
+
+class RowError(ValueError):
+    """One row cannot be used: ``reason`` is the quarantine's reason code, ``detail`` says what and where."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROW_SCHEMA = pa.schema(

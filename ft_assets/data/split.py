@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ft_assets.data.parallel import Executor, InProcess
-
-if TYPE_CHECKING:
-    from ft_assets.data.rows import RowRange
+from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, RowRange, row_ranges
 
 TRAIN, EVAL = "train", "eval"
 
@@ -29,9 +29,6 @@ def split_of(cluster_key: str, eval_fraction: float, salt: str = "ft-assets") ->
 
 def split_shard(settings: tuple[float, str], shard: RowRange) -> tuple:
     """(train rows, eval rows) of one shard; only the cluster column is read into Python."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     eval_fraction, salt = settings
     table = shard.read()
     to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_())
@@ -43,8 +40,6 @@ def split_dataset(
 ) -> dict:
     """``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``, in shards on ``executor``
     (default: this process); the rows are filtered as Arrow tables, never converted."""
-    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, row_ranges
-
     executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)
     with ParquetSink(out_dir / "train.parquet", ROW_SCHEMA) as train, ParquetSink(

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from ft_assets import layout
-from ft_assets.data.preference import PREFERENCE
-from ft_assets.data.rows import iter_records
+from ft_assets import layout, objectives
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig
@@ -159,82 +157,75 @@ def eval_report(
     tokenized_shards: dict,
     lora_adapter: dict,
 ) -> dg.Output[dict]:
-    """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split: loss, perplexity, the task metric, answers;
-    for a preference run, reward accuracy and margin on the held-out pairs (``_preference_report``)."""
-    if tokenized_shards["stats"]["kind"] == PREFERENCE:
-        return _preference_report(context, config, store, merged_model, base_model, gguf_model, tokenized_shards, lora_adapter)
-    if config.metric not in ev.METRICS:
-        raise dg.Failure(f"eval_report config metric={config.metric!r}: choose one of {', '.join(ev.METRICS)}")
-    from transformers import AutoTokenizer
-
+    """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split, scored as the objective says
+    (``ft_assets.delivery.scoring``: the task metric on answers, or reward accuracy on held-out pairs), then gated."""
+    objective = objectives.of_stats(tokenized_shards["stats"])
+    try:
+        scorer = objective.scorer(config.metric, config.max_examples, config.max_new_tokens, lora_adapter["training_config"])
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from exc
     shipped = gguf_model["stats"]["shipped"]
-    qtype = gguf_model["stats"]["files"][shipped]["qtype"]
     with Materialization(context, store, "eval") as m:
-        split_dir = m.fetch(train_eval_split, "split", include=lambda rel: rel == "eval.parquet")
-        shards_dir = m.fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("eval-"))
-        examples = ev.eval_examples(list(iter_records(split_dir / "eval.parquet")), config.max_examples)
-        if not examples:
-            raise dg.Failure(f"{m.partition}: the eval split is empty; raise train_eval_split.eval_fraction")
+        try:
+            size = scorer.load(m.fetch, train_eval_split, tokenized_shards)
+        except ValueError as exc:
+            raise dg.Failure(f"{m.partition}: {exc}") from exc
         scores = {}
         for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
-            model_dir = m.fetch(ref, label)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-            model = load_full_precision(model_dir)
-            context.log.info(f"scoring the {label} model on {len(examples)} eval conversations ({config.metric})")
-            scores[label] = ev.score_model(model, tokenizer, examples, shards_dir, config.metric, config.max_new_tokens, context.log.info)
-            del model
-        gguf_path = m.fetch(gguf_model, "gguf", include=lambda rel: rel == shipped) / shipped
-        context.log.info(f"scoring the shipped {shipped} through llama.cpp on the same {len(examples)} conversations")
-        try:
-            gguf_answers = llamacpp.chat_answers(gguf_path, [e.prompt for e in examples], config.max_new_tokens, context.log.info)
-        except llamacpp.LlamaCppError as exc:
-            raise dg.Failure(str(exc)) from exc
-        base, tuned = scores["base"], scores["fine-tuned"]
-        gguf_metric = ev.task_metric(gguf_answers, examples, config.metric)
-        stats = ev.gate(config.metric, base.metric, tuned.metric, gguf_metric, config.min_improvement, config.max_gguf_drop)
-        stats.update({
-            "gguf_file": shipped,
-            "gguf_qtype": qtype,
-            "base_eval_loss": base.eval_loss,
-            "finetuned_eval_loss": tuned.eval_loss,
-            "base_perplexity": base.perplexity,
-            "finetuned_perplexity": tuned.perplexity,
-            "examples": len(examples),
-        })  # fmt: skip
-        samples = [
-            {"source": e.source, "reference": e.reference, "base": a, "fine-tuned": b, f"gguf {qtype}": c}
-            for e, a, b, c in zip(examples, base.answers, tuned.answers, gguf_answers)
-        ]
-        (m.out / "report.json").write_text(json.dumps({"stats": stats, "answers": samples}, indent=2))
+            context.log.info(f"scoring the {label} model on {size} {scorer.unit} ({scorer.metric})")
+            scores[label] = scorer.score(m.fetch(ref, label), context.log.info)
+        gguf = _score_shipped(context, m, scorer, gguf_model, size)
+        qtype = gguf_model["stats"]["files"][shipped]["qtype"] if shipped else None
+        gguf_label = f"GGUF {qtype} (llama.cpp)" if shipped else "GGUF (none shipped)"
+        report = scorer.report(scores["base"], scores["fine-tuned"], gguf, gguf_label)
+        verdict = ev.gate(scorer.metric, scores["base"].metric, scores["fine-tuned"].metric, gguf.metric if gguf else None,
+                          config.min_improvement, config.max_gguf_drop)  # fmt: skip
+        stats = {**verdict.as_dict(), **report.stats, "gguf_file": shipped, "gguf_qtype": qtype, "examples": size}
+        (m.out / "report.json").write_text(json.dumps({"stats": stats, "samples": report.samples}, indent=2))
         ref = m.publish(
             _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
-            {"merged_model": merged_model, "base_model": base_model, "gguf_model": gguf_model, "train_eval_split": train_eval_split},
+            {"merged_model": merged_model, "base_model": base_model, "gguf_model": gguf_model, "train_eval_split": train_eval_split,
+             "tokenized_shards": tokenized_shards},
         )  # fmt: skip
-    gguf_label = f"GGUF {qtype} (llama.cpp)"
+    shipped_figure = f" → shipped {qtype} {verdict.gguf_metric:.3f}" if gguf else " (no GGUF shipped)"
     context.log.info(
-        f"{config.metric}: base {base.metric:.3f} → fine-tuned {tuned.metric:.3f} → shipped {qtype} {stats['gguf_metric']:.3f}; "
-        f"eval loss {base.eval_loss:.4f} → {tuned.eval_loss:.4f}"
+        f"{scorer.metric}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}{shipped_figure}; {report.summary}"
     )
-    _track(context, lora_adapter, {config.metric: tuned.metric, f"base_{config.metric}": base.metric, f"gguf_{config.metric}": stats["gguf_metric"]})
-    comparison = [
-        {"": config.metric, "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3), gguf_label: round(stats["gguf_metric"], 3)},
-        {"": "eval loss", "base": round(base.eval_loss, 4), "fine-tuned": round(tuned.eval_loss, 4), gguf_label: None},
-        {"": "perplexity", "base": round(base.perplexity, 2), "fine-tuned": round(tuned.perplexity, 2), gguf_label: None},
-    ]
-    bars = {"base": base.metric, "fine-tuned": tuned.metric, f"GGUF {qtype}": stats["gguf_metric"]}
-    chart = bar_chart({config.metric: bars}, f"{config.metric} on {len(examples)} eval prompts", config.metric)
-    return m.output(
-        ref,
-        comparison=table(comparison),
+    _track(context, lora_adapter, report.tracked)
+    return m.output(ref, gguf_file=shipped or "none shipped", **eval_metadata(verdict, report, size, scorer.unit))
+
+
+def _score_shipped(context, m: Materialization, scorer, gguf_model: dict, size: int):
+    """The shipped GGUF scored through llama.cpp on the eval set; None when no GGUF ships."""
+    shipped = gguf_model["stats"]["shipped"]
+    if shipped is None:
+        context.log.info(f"no GGUF shipped ({gguf_model['stats'].get('reason', 'none exported')}): scoring the merged model only")
+        return None
+    path = m.fetch(gguf_model, "gguf", include=lambda rel: rel == shipped) / shipped
+    context.log.info(f"scoring the shipped {shipped} through llama.cpp on the same {size} {scorer.unit}")
+    try:
+        return scorer.score_gguf(path, context.log.info)
+    except llamacpp.LlamaCppError as exc:
+        raise dg.Failure(str(exc)) from exc
+
+
+def eval_metadata(verdict: ev.Gate, report, size: int, unit: str) -> dict:
+    """eval_report's metadata: the headline figures, the comparison, the chart and the samples."""
+    bars = {"base": verdict.base_metric, "fine-tuned": verdict.finetuned_metric}
+    if verdict.gguf_metric is not None:
+        bars["shipped GGUF"] = verdict.gguf_metric
+    chart = bar_chart({verdict.metric_name: bars}, f"{verdict.metric_name} on {size} {unit}", verdict.metric_name)
+    nan = float("nan")
+    return dict(
+        comparison=table(report.comparison),
         chart=dg.MetadataValue.md(chart),
-        answers=dg.MetadataValue.md(ev.comparison_table(examples, base, tuned, gguf_answers, gguf_label)),
-        base_metric=dg.MetadataValue.float(base.metric),
-        finetuned_metric=dg.MetadataValue.float(tuned.metric),
-        gguf_metric=dg.MetadataValue.float(stats["gguf_metric"]),
-        gguf_drop=dg.MetadataValue.float(stats["gguf_drop"]),
-        gguf_file=shipped,
-        base_eval_loss=dg.MetadataValue.float(base.eval_loss),
-        finetuned_eval_loss=dg.MetadataValue.float(tuned.eval_loss),
+        samples=table(report.samples),
+        base_metric=dg.MetadataValue.float(verdict.base_metric),
+        finetuned_metric=dg.MetadataValue.float(verdict.finetuned_metric),
+        gguf_metric=dg.MetadataValue.float(nan if verdict.gguf_metric is None else verdict.gguf_metric),
+        gguf_drop=dg.MetadataValue.float(nan if verdict.gguf_drop is None else verdict.gguf_drop),
+        base_eval_loss=dg.MetadataValue.float(report.stats["base_eval_loss"]),
+        finetuned_eval_loss=dg.MetadataValue.float(report.stats["finetuned_eval_loss"]),
     )
 
 
@@ -246,113 +237,22 @@ def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict)
         record(uri, run_id, context.log.warning, metrics=metrics, step=lora_adapter["stats"]["steps"])
 
 
-def _preference_report(
-    context, config: EvalConfig, store, merged_model: dict, base_model: dict, gguf_model: dict, tokenized_shards: dict, lora_adapter: dict
-):
-    """eval_report for a preference run: base, tuned and the shipped GGUF (through llama.cpp) scored on the same held-out
-    pairs (``evaluate.preference_scores``), gated by reward accuracy like a chat run by its task metric."""
-    from transformers import AutoTokenizer
-
-    training = lora_adapter["training_config"]
-    beta, loss_type = training["dpo_beta"], training["dpo_loss"]
-    shipped = gguf_model["stats"]["shipped"]
-    qtype = gguf_model["stats"]["files"][shipped]["qtype"]
-    with Materialization(context, store, "eval") as m:
-        shards_dir = m.fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("pairs-eval-"))
-        try:
-            rows = ev.eval_pairs(shards_dir, config.max_examples)
-        except FileNotFoundError as exc:
-            raise dg.Failure(f"{m.partition}: the eval split holds no pairs; raise train_eval_split.eval_fraction") from exc
-        scores = {}
-        for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
-            model_dir = m.fetch(ref, label)
-            context.log.info(f"scoring the {label} model on {rows.pairs} eval pairs")
-            scores[label] = ev.pair_scores(load_full_precision(model_dir), rows)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        gguf_path = m.fetch(gguf_model, "gguf", include=lambda rel: rel == shipped) / shipped
-        context.log.info(f"scoring the shipped {shipped} through llama.cpp on the same {rows.pairs} pairs")
-        try:
-            gguf_scores = ev.gguf_pair_scores(gguf_path, rows)
-        except llamacpp.LlamaCppError as exc:
-            raise dg.Failure(str(exc)) from exc
-        figures = ev.preference_scores(scores["fine-tuned"], scores["base"], rows, beta, loss_type)
-        gguf = ev.preference_scores(gguf_scores, scores["base"], rows, beta, loss_type)
-        stats = ev.gate(
-            ev.PREFERENCE_METRIC, figures["base_reward_accuracy"], figures["finetuned_reward_accuracy"],
-            gguf["finetuned_reward_accuracy"], config.min_improvement, config.max_gguf_drop,
-        )  # fmt: skip
-        stats.update({
-            "gguf_file": shipped,
-            "gguf_qtype": qtype,
-            "base_eval_loss": figures["base_eval_loss"],
-            "finetuned_eval_loss": figures["finetuned_eval_loss"],
-            "base_reward_margin": figures["base_reward_margin"],
-            "finetuned_reward_margin": figures["finetuned_reward_margin"],
-            "gguf_reward_margin": gguf["finetuned_reward_margin"],
-            "examples": figures["pairs"],
-            "dpo_beta": beta,
-            "dpo_loss": loss_type,
-        })  # fmt: skip
-        pairs = ev.pair_table(tokenizer, rows, scores["base"], scores["fine-tuned"], beta)
-        (m.out / "report.json").write_text(json.dumps({"stats": stats}, indent=2))
-        ref = m.publish(
-            _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
-            {"merged_model": merged_model, "base_model": base_model, "gguf_model": gguf_model, "tokenized_shards": tokenized_shards},
-        )  # fmt: skip
-    context.log.info(
-        f"reward accuracy: base {stats['base_metric']:.3f} → fine-tuned {stats['finetuned_metric']:.3f} → shipped {qtype} "
-        f"{stats['gguf_metric']:.3f}; reward margin {stats['base_reward_margin']:+.3f} → {stats['finetuned_reward_margin']:+.3f} "
-        f"on {stats['examples']} pairs"
-    )
-    _track(context, lora_adapter, {
-        "reward_accuracy": stats["finetuned_metric"], "reward_margin": stats["finetuned_reward_margin"],
-        "base_reward_accuracy": stats["base_metric"], "base_reward_margin": stats["base_reward_margin"],
-        "gguf_reward_accuracy": stats["gguf_metric"],
-    })  # fmt: skip
-    gguf_label = f"GGUF {qtype} (llama.cpp)"
-    comparison = [
-        {"": "reward accuracy", "base": round(stats["base_metric"], 3), "fine-tuned": round(stats["finetuned_metric"], 3),
-         gguf_label: round(stats["gguf_metric"], 3)},
-        {"": "reward margin", "base": round(stats["base_reward_margin"], 4), "fine-tuned": round(stats["finetuned_reward_margin"], 4),
-         gguf_label: round(stats["gguf_reward_margin"], 4)},
-        {"": f"DPO loss ({loss_type})", "base": round(stats["base_eval_loss"], 4), "fine-tuned": round(stats["finetuned_eval_loss"], 4),
-         gguf_label: None},
-    ]  # fmt: skip
-    bars = {"base": stats["base_metric"], "fine-tuned": stats["finetuned_metric"], f"GGUF {qtype}": stats["gguf_metric"]}
-    chart = bar_chart({"reward accuracy": bars}, f"reward accuracy on {stats['examples']} eval pairs", "reward accuracy")
-    return m.output(
-        ref,
-        comparison=table(comparison),
-        chart=dg.MetadataValue.md(chart),
-        pairs=dg.MetadataValue.md(pairs),
-        base_metric=dg.MetadataValue.float(stats["base_metric"]),
-        finetuned_metric=dg.MetadataValue.float(stats["finetuned_metric"]),
-        gguf_metric=dg.MetadataValue.float(stats["gguf_metric"]),
-        gguf_drop=dg.MetadataValue.float(stats["gguf_drop"]),
-        gguf_file=shipped,
-        base_reward_margin=dg.MetadataValue.float(stats["base_reward_margin"]),
-        finetuned_reward_margin=dg.MetadataValue.float(stats["finetuned_reward_margin"]),
-        base_eval_loss=dg.MetadataValue.float(stats["base_eval_loss"]),
-        finetuned_eval_loss=dg.MetadataValue.float(stats["finetuned_eval_loss"]),
-    )
-
-
 @dg.asset(**DELIVERY, kinds={"huggingface", "llama", STORE_KIND}, deps=["gguf_model"])
 def published_model(
     context: dg.AssetExecutionContext, config: PublishConfig, store: ObjectStoreResource, eval_report: dict, lora_adapter: dict
 ) -> dg.Output[dict]:
     """The gated model in the registry with its lineage manifest; a published run is never overwritten."""
-    stats = eval_report["stats"]
-    if not stats["beats_base"]:
+    verdict = ev.Gate.of(eval_report["stats"])
+    if not verdict.beats_base:
         raise dg.Failure(
-            f"not publishing {context.partition_key}: fine-tuned {stats['metric_name']} {stats['finetuned_metric']:.3f} does not beat "
-            f"base {stats['base_metric']:.3f} by {stats['min_improvement']:.3f} (see eval_report)"
+            f"not publishing {context.partition_key}: fine-tuned {verdict.metric_name} {verdict.finetuned_metric:.3f} does not beat "
+            f"base {verdict.base_metric:.3f} by {verdict.min_improvement:.3f} (see eval_report)"
         )
-    if not stats["gguf_within_drop"]:
+    if not verdict.gguf_within_drop:
         raise dg.Failure(
-            f"not publishing {context.partition_key}: the shipped {stats['gguf_file']} scores {stats['metric_name']} {stats['gguf_metric']:.3f} "
-            f"in llama.cpp, {stats['gguf_drop']:.3f} below the merged model's {stats['finetuned_metric']:.3f} (at most "
-            f"{stats['max_gguf_drop']:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
+            f"not publishing {context.partition_key}: the shipped {eval_report['stats']['gguf_file']} scores {verdict.metric_name} "
+            f"{verdict.gguf_metric:.3f} in llama.cpp, {verdict.gguf_drop:.3f} below the merged model's {verdict.finetuned_metric:.3f} "
+            f"(at most {verdict.max_gguf_drop:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
         )
     objects = store.open()
     prefix = layout.of(context.partition_key).registry(lora_adapter["stats"]["run_id"])

@@ -3,7 +3,7 @@
 import dagster as dg
 
 from ft_assets.delivery.assets import eval_report
-from ft_assets.delivery.evaluate import PREFERENCE_METRIC
+from ft_assets.delivery.evaluate import Gate
 
 
 @dg.asset_check(
@@ -13,18 +13,15 @@ from ft_assets.delivery.evaluate import PREFERENCE_METRIC
     "held-out pairs) by at least min_improvement.",
 )
 def finetuned_beats_base(eval_report: dict) -> dg.AssetCheckResult:
-    stats = eval_report["stats"]
-    margins = ""
-    if stats["metric_name"] == PREFERENCE_METRIC:
-        margins = f"; reward margin {stats['base_reward_margin']:+.4f} → {stats['finetuned_reward_margin']:+.4f} (DPO {stats['dpo_loss']})"
+    stats, verdict = eval_report["stats"], Gate.of(eval_report["stats"])
     return dg.AssetCheckResult(
-        passed=stats["beats_base"],
+        passed=verdict.beats_base,
         description=(
-            f"{stats['metric_name']}: base {stats['base_metric']:.3f}, fine-tuned {stats['finetuned_metric']:.3f} "
-            f"(improvement {stats['improvement']:+.3f}, required {stats['min_improvement']:+.3f}); "
-            f"eval loss {stats['base_eval_loss']:.4f} → {stats['finetuned_eval_loss']:.4f}{margins}"
+            f"{verdict.metric_name}: base {verdict.base_metric:.3f}, fine-tuned {verdict.finetuned_metric:.3f} "
+            f"(improvement {verdict.improvement:+.3f}, required {verdict.min_improvement:+.3f}); "
+            f"eval loss {stats['base_eval_loss']:.4f} → {stats['finetuned_eval_loss']:.4f}"
         ),
-        metadata={k: stats[k] for k in ("base_metric", "finetuned_metric", "improvement", "min_improvement")},
+        metadata={k: getattr(verdict, k) for k in ("base_metric", "finetuned_metric", "improvement", "min_improvement")},
     )
 
 
@@ -34,12 +31,15 @@ def finetuned_beats_base(eval_report: dict) -> dg.AssetCheckResult:
     description="The shipped GGUF, answering through llama.cpp, scores at most max_gguf_drop below the merged model.",
 )
 def shipped_gguf_keeps_the_metric(eval_report: dict) -> dg.AssetCheckResult:
-    stats = eval_report["stats"]
+    stats, verdict = eval_report["stats"], Gate.of(eval_report["stats"])
+    if verdict.gguf_metric is None:
+        return dg.AssetCheckResult(passed=True, description="no GGUF ships for this run (see gguf_model): nothing to compare")
     return dg.AssetCheckResult(
-        passed=stats["gguf_within_drop"],
+        passed=verdict.gguf_within_drop,
         description=(
-            f"{stats['metric_name']}: merged model {stats['finetuned_metric']:.3f}, {stats['gguf_file']} in llama.cpp "
-            f"{stats['gguf_metric']:.3f} (drop {stats['gguf_drop']:+.3f}, allowed {stats['max_gguf_drop']:.3f})"
+            f"{verdict.metric_name}: merged model {verdict.finetuned_metric:.3f}, {stats['gguf_file']} in llama.cpp "
+            f"{verdict.gguf_metric:.3f} (drop {verdict.gguf_drop:+.3f}, allowed {verdict.max_gguf_drop:.3f})"
         ),
-        metadata={k: stats[k] for k in ("finetuned_metric", "gguf_metric", "gguf_drop", "max_gguf_drop", "gguf_file")},
+        metadata={"finetuned_metric": verdict.finetuned_metric, "gguf_metric": verdict.gguf_metric, "gguf_drop": verdict.gguf_drop,
+                  "max_gguf_drop": verdict.max_gguf_drop, "gguf_file": stats["gguf_file"]},
     )

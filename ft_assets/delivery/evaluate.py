@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 METRICS = ("exact_match", "token_f1", "rouge_l")
@@ -155,40 +155,50 @@ def task_metric(answers: list[str], examples: list[EvalExample], metric: str) ->
     return sum(scorer(a, e.reference) for a, e in zip(answers, examples, strict=True)) / max(len(examples), 1)
 
 
+@dataclass(frozen=True)
+class Gate:
+    """The eval gate's verdict: the fine-tuned model beats its base by ``min_improvement``, and the shipped GGUF
+    stays within ``max_gguf_drop`` of it (same prompts, same metric; vacuous when no GGUF ships); ``passed``
+    when both hold. Its fields are eval_report's stats, read back by the checks, publish and the CLI."""
+
+    metric_name: str
+    base_metric: float
+    finetuned_metric: float
+    gguf_metric: float | None  # None: no GGUF shipped (gguf_model.qtypes empty, or an architecture llama.cpp lacks)
+    improvement: float
+    min_improvement: float
+    gguf_drop: float | None
+    max_gguf_drop: float
+    beats_base: bool
+    gguf_within_drop: bool
+    passed: bool
+
+    @classmethod
+    def of(cls, stats: dict) -> Gate:
+        """The gate's fields of an eval_report's stats."""
+        return cls(**{name: stats[name] for name in cls.__dataclass_fields__})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 def gate(
-    metric: str, base_metric: float, finetuned_metric: float, gguf_metric: float, min_improvement: float, max_gguf_drop: float
-) -> dict:
-    """The eval gate: the fine-tuned model beats its base by ``min_improvement``, and the shipped GGUF stays
-    within ``max_gguf_drop`` of the fine-tuned model (same prompts, same metric); ``passed`` when both hold."""
+    metric: str, base_metric: float, finetuned_metric: float, gguf_metric: float | None, min_improvement: float, max_gguf_drop: float
+) -> Gate:
+    """Judge the fine-tuned model against its base and the shipped GGUF (if any) against the fine-tuned model."""
     improvement = finetuned_metric - base_metric
-    gguf_drop = finetuned_metric - gguf_metric
-    return {
-        "metric_name": metric,
-        "base_metric": base_metric,
-        "finetuned_metric": finetuned_metric,
-        "gguf_metric": gguf_metric,
-        "improvement": improvement,
-        "min_improvement": min_improvement,
-        "gguf_drop": gguf_drop,
-        "max_gguf_drop": max_gguf_drop,
-        "beats_base": improvement >= min_improvement,
-        "gguf_within_drop": gguf_drop <= max_gguf_drop,
-        "passed": improvement >= min_improvement and gguf_drop <= max_gguf_drop,
-    }
+    gguf_drop = None if gguf_metric is None else finetuned_metric - gguf_metric
+    beats_base = improvement >= min_improvement
+    within = gguf_drop is None or gguf_drop <= max_gguf_drop
+    return Gate(
+        metric, base_metric, finetuned_metric, gguf_metric, improvement, min_improvement, gguf_drop, max_gguf_drop,
+        beats_base, within, beats_base and within,
+    )  # fmt: skip
 
 
-def comparison_table(
-    examples: list[EvalExample], base: ModelScore, tuned: ModelScore, gguf: list[str], gguf_label: str, n: int = 5, width: int = 90
-) -> str:
-    def cell(text: str) -> str:
-        text = text.replace("|", "\\|").replace("\n", " ")
-        return text[:width] + ("…" if len(text) > width else "")
-
-    lines = [f"| prompt | reference | base | fine-tuned | {gguf_label} |", "| --- | --- | --- | --- | --- |"]
-    for example, a, b, c in list(zip(examples, base.answers, tuned.answers, gguf))[:n]:
-        prompt = next((m["content"] for m in reversed(example.prompt) if m["role"] == "user"), "")
-        lines.append(f"| {cell(prompt)} | {cell(example.reference)} | {cell(a)} | {cell(b)} | {cell(c)} |")
-    return "\n".join(lines)
+def last_user_turn(prompt: list[dict]) -> str:
+    """The last user message of a prompt: what a table of answers shows as the question."""
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
 
 
 # --- preference pairs --------------------------------------------------------------------------------
@@ -262,20 +272,22 @@ def preference_scores(tuned, base, rows, beta: float, loss_type: str) -> dict:
     }
 
 
-def pair_table(tokenizer, rows, base, tuned, beta: float, n: int = 5, width: int = 70) -> str:
+def pair_rows(tokenizer, rows, base, tuned, beta: float, n: int = 10) -> list[dict]:
     """The first ``n`` eval pairs, decoded from the shards: both replies and each model's margin on them."""
     from ft_assets.shards import IGNORE_INDEX
 
-    def cell(tokens) -> str:
-        text = tokenizer.decode(tokens, skip_special_tokens=True).replace("|", "\\|").replace("\n", " ").strip()
-        return text[:width] + ("…" if len(text) > width else "")
-
-    lines = ["| chosen | rejected | base margin | fine-tuned margin |", "| --- | --- | --- | --- |"]
+    table = []
     for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
-        if len(lines) - 2 >= n:
+        if len(table) >= n:
             break
         learned = rows.labels[row] != IGNORE_INDEX
         chosen, rejected = (rows.input_ids[row][learned & (rows.segment_ids[row] == 2 * k + side)] for side in (0, 1))
         margins = [beta * float(scores.chosen[row, k] - scores.rejected[row, k]) for scores in (base, tuned)]
-        lines.append(f"| {cell(chosen)} | {cell(rejected)} | {margins[0]:+.3f} | {margins[1]:+.3f} |")
-    return "\n".join(lines)
+        table.append({
+            "chosen": tokenizer.decode(chosen, skip_special_tokens=True).strip(),
+            "rejected": tokenizer.decode(rejected, skip_special_tokens=True).strip(),
+            "base margin": round(margins[0], 4),
+            "fine-tuned margin": round(margins[1], 4),
+            "prefers chosen": margins[1] > 0,
+        })  # fmt: skip
+    return table

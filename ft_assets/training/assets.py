@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from ft_assets import layout
+from ft_assets import layout, objectives
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
 from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
@@ -25,11 +25,13 @@ from ft_assets.refs import make_ref, read_ref
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
 from ft_assets.training.checkpoints import run_id
+from ft_assets.objectives import Objective
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.ec2_metadata import worker_instance_tag
 from ft_assets.training.gpu_monitor import GpuUtilization
-from ft_assets.training.recipe import EXIT_PREEMPTED, Preempted, train
+from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
+from ft_assets.training.recipe import train
 from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record
 
 PREEMPTED_TAG = "ft/preempted"
@@ -112,18 +114,19 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
 
 
 def _train_distributed(
-    context, training: TrainingConfig, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path, tags: dict[str, str]
+    context, training: TrainingConfig, objective: Objective, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path,
+    tags: dict[str, str],
 ) -> dict:
-    """``accelerate launch`` of the recipe, driven with dagster-pipes; rank 0 alone reports and uploads."""
+    """``accelerate launch`` of the training worker, driven with dagster-pipes; rank 0 alone reports and uploads."""
     result_path = work / "result.json"
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", str(training.num_processes), "--num_machines", "1",
         "--main_process_port", str(free_port()),
-        "-m", "ft_assets.training.recipe",
+        "-m", "ft_assets.training.worker",
         "--config", training.model_dump_json(), "--base-model", str(base_dir), "--shards", str(shards_dir),
         "--store", objects.url, "--run-prefix", prefix, "--work-dir", str(work / "run"),
-        "--result", str(result_path), "--pipes", "--tags", json.dumps(tags),
+        "--result", str(result_path), "--pipes", "--tags", json.dumps(tags), "--objective", objective.name,
     ]  # fmt: skip
     try:
         dg.PipesSubprocessClient().run(command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -131,9 +134,7 @@ def _train_distributed(
         if f"exit code {EXIT_PREEMPTED}" in str(exc) or f"code {EXIT_PREEMPTED}" in str(exc):
             raise Preempted(-1, None) from exc
         raise
-    result = json.loads(result_path.read_text())
-    result["output_dir"] = Path(result["output_dir"])
-    return result
+    return json.loads(result_path.read_text())
 
 
 def final_checkpoint(store, prefix: str, step: int) -> dict:
@@ -150,6 +151,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+RESULT_STATS = (
+    "method", "objective", "device", "steps", "train_loss", "eval_loss", "eval_metrics", "tokens_seen", "wall_seconds",
+    "step_seconds", "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
+    "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id",
+)  # the TrainingResult fields lora_adapter publishes in its stats; loss_history goes to the loss curve only
+
+
+def _train(context, training: TrainingConfig, objective: Objective, m: Materialization, inputs: tuple[dict, dict], prefix: str, started: float) -> dict:
+    """Fetch the base and the shards, run the recipe in this process (or launch it on ``num_processes``); its result."""
+    tokenized_shards, base_model = inputs
+    context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
+    base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
+    tags = {}
+    if training.mlflow_tracking_uri:
+        chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
+        tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
+    try:
+        if training.num_processes > 1:
+            return _train_distributed(context, training, objective, base_dir, shards_dir, m.store, prefix, m.work, tags)
+        return train(
+            training, base_dir, shards_dir, m.store, prefix, m.work / "run", log=context.log.info, started_at=started, tags=tags,
+            objective=objective,
+        ).to_json()  # fmt: skip
+    except Preempted as exc:
+        context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
+        raise dg.Failure(
+            description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
+            metadata={"preempted": True, "run_prefix": m.store.uri(prefix)},
+            allow_retries=True,
+        ) from exc
+    except (ValueError, FileNotFoundError) as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+
+
 @dg.asset(
     partitions_def=dataset_version,
     group_name="training",
@@ -164,70 +199,43 @@ def lora_adapter(
     tokenized_shards: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
-    """LoRA / QLoRA / full fine-tune on the packed shards (DPO on preference pairs); checkpoints to the store,
-    resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
+    """LoRA / QLoRA / full fine-tune on the packed shards, with the objective the data chose (SFT; DPO on preference
+    pairs); checkpoints to the store, resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
     started = time.monotonic()
     worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
     if worker:
         context.instance.add_run_tags(context.run.run_id, worker)
     training = training_config(config, "lora_adapter")
+    objective = objectives.of_stats(tokenized_shards["stats"])
     run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])
     with Materialization(context, store, "train") as m:
         prefix = layout.of(m.partition).train(run)
-        context.log.info(f"fetching base model and shards for run {run}")
-        base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
-        tags = {}
-        if training.mlflow_tracking_uri:
-            chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
-            tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
-        try:
-            with GpuUtilization() as utilization:
-                if training.num_processes > 1:
-                    result = _train_distributed(context, training, base_dir, shards_dir, m.store, prefix, m.work, tags)
-                else:
-                    result = train(
-                        training, base_dir, shards_dir, m.store, prefix, m.work / "run",
-                        log=context.log.info, started_at=started, tags=tags,
-                    ).to_json()  # fmt: skip
-                    result["output_dir"] = Path(result["output_dir"])
-        except Preempted as exc:
-            context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
-            raise dg.Failure(
-                description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
-                metadata={"preempted": True, "run_prefix": m.store.uri(prefix)},
-                allow_retries=True,
-            ) from exc
-        except (ValueError, FileNotFoundError) as exc:
-            raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
-        stats = {
-            key: result[key]
-            for key in (
-                "method", "objective", "device", "steps", "train_loss", "eval_loss", "eval_metrics", "tokens_seen",
-                "wall_seconds", "step_seconds", "effective_training_fraction", "resumed_from_step", "checkpoints",
-                "bytes_uploaded", "restarts", "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id",
-            )
-        }  # fmt: skip
-        stats["run_id"] = run
-        stats["seq_len"] = tokenized_shards["stats"]["seq_len"]
-        stats["gpu_utilization"] = utilization.mean
+        with GpuUtilization() as utilization:
+            result = _train(context, training, objective, m, (tokenized_shards, base_model), prefix, started)
+        stats = {key: result[key] for key in RESULT_STATS}
+        stats.update(run_id=run, seq_len=tokenized_shards["stats"]["seq_len"], gpu_utilization=utilization.mean)
         ref = m.publish(
             layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
-            folder=result["output_dir"], training_config=training.model_dump(), run_prefix=prefix,
+            folder=Path(result["output_dir"]), training_config=training.model_dump(), run_prefix=prefix,
             checkpoint=final_checkpoint(m.store, prefix, result["steps"]),
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
     if stats["mlflow_run_id"]:
         record(training.mlflow_tracking_uri, stats["mlflow_run_id"], context.log.warning, tags={f"{LINEAGE_TAG}lora_adapter": ref["digest"]})
-    history = [tuple(point) for point in result["loss_history"]]
-    return m.output(
-        ref,
+    return m.output(ref, **adapter_metadata(stats, [tuple(point) for point in result["loss_history"]]))
+
+
+def adapter_metadata(stats: dict, history: list[tuple[int, float]]) -> dict:
+    """lora_adapter's metadata: the run's figures, settings and loss curve."""
+    nan = float("nan")
+    return dict(
         method=stats["method"],
         objective=stats["objective"],
         settings=dg.MetadataValue.json(stats["resolved"]),
         device=stats["device"],
         steps=stats["steps"],
-        train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else float("nan")),
-        eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else float("nan")),
+        train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else nan),
+        eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else nan),
         eval_metrics=dg.MetadataValue.json(stats["eval_metrics"]),
         tokens_seen=stats["tokens_seen"],
         tokens_per_second=dg.MetadataValue.float(round(stats["tokens_per_second"], 1)),
@@ -237,5 +245,5 @@ def lora_adapter(
         resumed_from_step=stats["resumed_from_step"] or 0,
         checkpoints=dg.MetadataValue.json(stats["checkpoints"]),
         loss_curve=dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
-        run_id=run,
+        run_id=stats["run_id"],
     )

@@ -16,12 +16,12 @@ today's defaults reach exact match 0.92 on held-out prompts; the old ones (1 epo
 ``resolve`` turns the empty fields into the values a run uses (method, learning rate, warmup, steps),
 which the plan, the run log and the training result all show.
 
-The objective is not a setting: the shards decide it. Preference-pair shards train with DPO
-(``dpo_beta``, ``dpo_loss``), chat shards with supervised fine-tuning; a setting could only
-contradict the data. ``method`` keeps meaning which weights train, so a DPO run is ``method: lora``
-or ``qlora`` (its reference policy is the base with the adapter disabled, no second copy of the
-model; ``full`` would need that copy and is refused), and the planner, the merge and the run log
-read it as they always did.
+The objective is not a setting: the data decides it (``ft_assets.objectives``; preference pairs train
+with DPO, ``dpo_beta`` and ``dpo_loss``, conversations with supervised fine-tuning); a setting could
+only contradict the data. ``resolve`` takes it to fill in what depends on it (the default learning
+rate; DPO refuses ``method: full``, since its reference is the base with the adapter disabled).
+``method`` keeps meaning which weights train, so the planner, the merge and the run log read it as
+they always did.
 
 Fields split in two: those that change the trained weights (``RESULT_FIELDS``, hashed into the run
 id, so changing one starts a new run) and those that only change how the run is operated (how often
@@ -31,13 +31,14 @@ to checkpoint, log or evaluate, where to report), which may differ between the a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+if TYPE_CHECKING:
+    from ft_assets.objectives import Objective  # which imports this module (the training step reads the settings)
+
 Method = Literal["qlora", "lora", "full"]
-Objective = Literal["sft", "dpo"]
-OBJECTIVES: dict[str, Objective] = {"chat": "sft", "preference": "dpo"}  # the shards' kind (tokenized_shards stats) -> objective
 DpoLoss = Literal["sigmoid", "ipo", "hinge"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
@@ -56,7 +57,6 @@ OPERATIONAL_FIELDS = frozenset(
 )  # fmt: skip
 
 DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
-DPO_LEARNING_RATE = 5e-6  # LoRA/QLoRA DPO recipes (alignment-handbook's zephyr-7b-dpo-qlora): 40x below SFT's
 
 # accelerate trackers; MLflow has its own setting (mlflow_tracking_uri), which also logs the lineage
 REPORTERS = ("tensorboard", "wandb", "comet_ml", "aim", "clearml", "dvclive")
@@ -67,7 +67,7 @@ class ResolvedTraining:
     """What a run does, with every default filled in (shown by the plan, the run log and the result)."""
 
     method: Method
-    objective: Objective
+    objective: str  # the objective's name (ft_assets.objectives)
     learning_rate: float
     warmup_steps: int
     total_steps: int
@@ -79,9 +79,8 @@ class ResolvedTraining:
         return self.total_steps / self.steps_per_epoch
 
     def describe(self) -> str:
-        what = self.method if self.objective == "sft" else f"{self.objective} ({self.method})"
         return (
-            f"{what}, {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
+            f"{self.objective} ({self.method}), {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
             f"{self.rows_per_step} rows a step), learning rate {self.learning_rate:g}, warmup {self.warmup_steps} steps"
         )
 
@@ -109,7 +108,7 @@ class TrainingConfig(BaseModel):
     learning_rate: float | None = Field(
         default=None,
         description=f"Peak learning rate of AdamW. Empty: {DEFAULT_LEARNING_RATES['lora']:g} for lora and qlora, "
-        f"{DEFAULT_LEARNING_RATES['full']:g} for full fine-tuning, {DPO_LEARNING_RATE:g} for DPO (preference shards).",
+        f"{DEFAULT_LEARNING_RATES['full']:g} for full fine-tuning; 5e-6 for DPO (preference pairs).",
     )
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="Learning-rate decay after warmup: 'cosine', 'linear' or 'constant'."
@@ -267,24 +266,17 @@ class TrainingConfig(BaseModel):
         per_epoch = self.steps_per_epoch(train_rows, world_size)
         return self.max_steps or max(self.epochs * per_epoch, self.min_steps)
 
-    def resolve(
-        self, train_rows: int, cuda_available: bool, world_size: int | None = None, objective: Objective = "sft"
-    ) -> ResolvedTraining:
-        """The values a run on ``train_rows`` packed rows uses for every field left empty; ``objective`` is the
-        shards': ``dpo`` for preference pairs. DPO trains an adapter (``method`` full is refused)."""
+    def resolve(self, train_rows: int, cuda_available: bool, objective: Objective, world_size: int | None = None) -> ResolvedTraining:
+        """The values a run of ``objective`` on ``train_rows`` packed rows uses for every field left empty."""
         method = self.resolved_method(cuda_available)
-        if objective == "dpo" and method == "full":
-            raise ValueError(
-                "DPO trains a LoRA or QLoRA adapter: its reference policy is the base model with the adapter disabled "
-                "(no second copy of the model), which method 'full' does not have; set method lora or qlora"
-            )
+        if method == "full" and objective.full_refused:
+            raise ValueError(objective.full_refused)
         steps = self.total_steps(train_rows, world_size)
         warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * steps)
-        default_rate = DPO_LEARNING_RATE if objective == "dpo" else DEFAULT_LEARNING_RATES[method]
         return ResolvedTraining(
             method=method,
-            objective=objective,
-            learning_rate=self.learning_rate or default_rate,
+            objective=objective.name,
+            learning_rate=self.learning_rate or objective.learning_rate or DEFAULT_LEARNING_RATES[method],
             warmup_steps=min(warmup, steps),
             total_steps=steps,
             steps_per_epoch=self.steps_per_epoch(train_rows, world_size),

@@ -94,7 +94,7 @@ def worker_instance_tag(timeout_s: float = IMDS_TIMEOUT_S) -> dict[str, str]:
 class SpotNoticeWatcher:
     """While entered, polls the spot ``instance-action`` notice; on a notice, SIGTERMs this process once.
 
-    The recipe's SIGTERM handler (``recipe.SigtermFlag``) then checkpoints at the next step boundary,
+    The recipe's SIGTERM handler (``preemption.SigtermFlag``) then checkpoints at the next step boundary,
     waits for the upload and exits with ``EXIT_PREEMPTED``, which the run retry resumes elsewhere.
     """
 

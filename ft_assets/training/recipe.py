@@ -7,13 +7,12 @@ runs them. Packed rows come from ``ft_assets.shards`` and the loss from ``ft_ass
 which the data and delivery planes share. No Dagster here: the ``lora_adapter`` asset calls
 ``train`` and turns ``Preempted`` into a retry.
 
-The shards pick the objective. Packed chat rows train with the token loss (supervised fine-tuning);
-preference-pair shards train with DPO, a variant of the step and of the eval only: the step's loss is
-the summed DPO loss of its pairs over their count (as SFT's is the summed token loss over the learned
-tokens), the policy is the model and the reference the same model under peft's ``disable_adapter()``
-(no second copy; without gradients). Everything else — data order, checkpoints, resume, SIGTERM, DDP
-— is the same code, so DPO has the same guarantees. The reference's log-probabilities are recomputed
-every step (one forward without gradients, ~1/3 more compute) instead of precomputed and stored.
+The objective (``ft_assets.objectives``, chosen by the data plane and passed in) brings the part that
+differs: its ``step`` (``ft_assets.training.steps``) loads the rows and gives each micro-batch's loss,
+what that loss is a mean over, and the eval figures. Packed chat rows train with the token loss
+(SFT); packed preference pairs with DPO against the base with the adapter disabled. Everything else —
+data order, checkpoints, resume, SIGTERM, DDP — is this one loop, so every objective has the same
+guarantees.
 
 With ``mlflow_tracking_uri`` set, rank 0 logs the run to MLflow (``ft_assets.training.tracking``).
 
@@ -26,7 +25,7 @@ Workers are stateless and often spot instances, so the recipe assumes it can die
   run killed at any step and resumed ends with the same weights as an uninterrupted one (exactly on
   CPU; on CUDA up to the usual non-determinism of its kernels).
 - SIGTERM (the spot reclaim notice) sets a flag; at the next step boundary the worker checkpoints,
-  waits for the upload and raises ``Preempted``. ``python -m ft_assets.training.recipe`` exits with
+  waits for the upload and raises ``Preempted``. ``python -m ft_assets.training.worker`` exits with
   ``EXIT_PREEMPTED`` (75, EX_TEMPFAIL) then. After a SIGKILL at most ``save_steps`` steps are lost.
 
 Packed rows carry several chat examples each. Attention must not cross example boundaries:
@@ -41,8 +40,8 @@ On a GPU the loop does not wait for it between steps: AdamW is fused, the learne
 from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
 reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
-Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.recipe ...``
-(or ``torchrun --nproc_per_node N -m ...``). Without a GPU the same command forms a gloo group,
+Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.worker ...``
+(or ``torchrun --nproc_per_node N -m ft_assets.training.worker ...``). Without a GPU the same command forms a gloo group,
 because the recipe asks accelerate for ``cpu=True`` then; accelerate's own ``--cpu`` flag would
 start a single process. Only rank 0 writes checkpoints and logs; all ranks restore their own RNG.
 FSDP is refused: a checkpoint holds rank 0's trainable weights and optimizer state, one shard of them.
@@ -54,29 +53,22 @@ tokens/s. QLoRA dequantizes every weight on every forward, a fixed cost that bat
 
 from __future__ import annotations
 
-import argparse
-import functools
-import importlib.util
-import json
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 
 from ft_assets import layout
-from ft_assets.shards import holds_pairs, load_packed_rows, load_pair_rows
-from ft_assets.storage import ObjectStore, open_store
+from ft_assets.objectives import SFT, Objective
+from ft_assets.storage import ObjectStore
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
     Checkpoint,
@@ -89,42 +81,24 @@ from ft_assets.training.checkpoints import (
     restore_rng_state,
     write_checkpoint,
 )
-from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.data_order import DataPlan
 from ft_assets.training.ec2_metadata import SpotNoticeWatcher
-from ft_assets.training.loss import (
-    all_pair_logps,
-    dpo_loss_sum,
-    eval_loss_sum,
-    learned_tokens,
-    pair_count,
-    pair_logps,
-    preference_metrics,
-    token_loss_sum,
-)
+from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
+from ft_assets.training.preemption import Preempted, SigtermFlag
 from ft_assets.training.tracking import MlflowTracker
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
-FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 Log = Callable[[str], None]
 OnMetrics = Callable[[dict], None]
 
 
-class Preempted(RuntimeError):
-    """The worker got SIGTERM, saved a checkpoint at ``step`` and stopped; rerun to resume."""
-
-    def __init__(self, step: int, checkpoint_uri: str | None):
-        super().__init__(f"preempted by SIGTERM at step {step}; the run resumes from {checkpoint_uri or 'scratch'}")
-        self.step = step
-        self.checkpoint_uri = checkpoint_uri
-
-
 @dataclass
 class TrainingResult:
     output_dir: Path  # final adapter (lora/qlora) or model (full) with tokenizer files, written by rank 0
     method: str
-    objective: str  # "sft" (chat shards) or "dpo" (preference-pair shards)
+    objective: str  # the objective's name (ft_assets.objectives): "sft", "dpo"
     device: str
     steps: int
     train_loss: float | None  # mean of the last `logging_steps` step losses
@@ -148,193 +122,6 @@ class TrainingResult:
         raw = asdict(self)
         raw["output_dir"] = str(self.output_dir)
         return raw
-
-
-# --- data order ----------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=2)  # the current epoch's order, computed once rather than every step
-def _permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
-    order.flags.writeable = False
-    return order
-
-
-@dataclass(frozen=True)
-class DataPlan:
-    """Which rows every process reads at every step: a pure function of (seed, epoch, step, rank).
-
-    The step arithmetic (rows per step, steps per epoch, total steps) is the training settings' own
-    (``TrainingConfig``), so the plan and the recipe count the same steps.
-    """
-
-    num_rows: int
-    config: TrainingConfig
-    world_size: int
-
-    @property
-    def rows_per_step(self) -> int:
-        return self.config.rows_per_step(self.world_size)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.config.steps_per_epoch(self.num_rows, self.world_size)
-
-    @property
-    def total_steps(self) -> int:
-        return self.config.total_steps(self.num_rows, self.world_size)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        return _permutation(self.num_rows, self.config.seed, epoch)
-
-    def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
-        """Row indices of each micro-batch this rank runs for optimizer step ``step`` (0-based)."""
-        epoch, position = divmod(step, self.steps_per_epoch)
-        order = self.epoch_order(epoch)
-        batches = []
-        batch, accumulation = self.config.per_device_batch_size, self.config.gradient_accumulation_steps
-        for micro in range(accumulation):
-            start = ((position * accumulation + micro) * self.world_size + rank) * batch
-            batches.append(order[start : start + batch])
-        return batches
-
-
-# --- model -----------------------------------------------------------------------------------------
-
-
-def resolve_attention(requested: str, device: torch.device) -> str:
-    """The attention backend a run uses; ``auto`` picks the fastest this device has.
-
-    Every backend keeps packed examples apart through the position_ids that restart at 0 (transformers
-    5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
-    into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
-    mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
-    support backward on CPU"; and its first call after a change of sequence length returns wrong values)
-    and flash-attn does not exist, so ``auto`` is sdpa there.
-    """
-    cuda = device.type == "cuda"
-    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if requested == "auto":
-        if cuda and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        if cuda and torch_version >= FLEX_ATTENTION_TORCH:
-            return "flex_attention"
-        return "sdpa"
-    if requested == "flash_attention_2" and not cuda:
-        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
-    if requested == "flex_attention" and not (cuda and torch_version >= FLEX_ATTENTION_TORCH):
-        raise ValueError(
-            f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
-            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
-        )
-    return requested
-
-
-def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
-    """The base model from safetensors (no pickle, no remote code), wrapped for the chosen method."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    if not any(base_model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"{base_model_dir} holds no *.safetensors weights; the recipe loads safetensors only (no pickled "
-            ".bin), convert the base model with save_pretrained(safe_serialization=True)"
-        )
-    compute_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    kwargs = {
-        "use_safetensors": True,
-        "trust_remote_code": False,
-        "attn_implementation": resolve_attention(config.attn_implementation, device),
-    }
-    if method == "qlora":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
-        kwargs["device_map"] = {"": device}
-    kwargs["dtype"] = compute_dtype if method in ("lora", "qlora") else torch.float32  # full: fp32 master weights
-    model = AutoModelForCausalLM.from_pretrained(base_model_dir, **kwargs)
-
-    gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs and DDP
-    if method == "qlora":
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=config.gradient_checkpointing,
-            gradient_checkpointing_kwargs=gc_kwargs,
-        )
-    elif config.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
-        if method == "lora":
-            model.enable_input_require_grads()
-    if method in ("lora", "qlora"):
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=list(config.target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
-    return model
-
-
-def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """Name -> parameter of what the optimizer updates (tied weights appear once)."""
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable(model, weights: dict[str, torch.Tensor], source: str) -> None:
-    params = trainable_parameters(model)
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {source} does not match this model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
-            "it was written by a different method or target_modules, delete it or change the run"
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(weights[name])
-
-
-def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining):
-    from transformers import get_scheduler
-
-    name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)
-
-
-# --- preemption ------------------------------------------------------------------------------------
-
-
-class SigtermFlag:
-    """While entered, SIGTERM only sets ``requested``; the loop acts on it at the next step boundary.
-
-    Signal handlers can only be installed from the main thread; elsewhere this is a no-op flag.
-    The previous handler (Dagster's, in a run worker) is restored on exit.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._installed = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True  # nothing else here: a handler that prints can hit a reentrant print
-
-    def __enter__(self) -> SigtermFlag:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self._installed:
-            # None means a handler installed outside Python; the default action is the closest match.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
-            self._installed = False
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -379,8 +166,9 @@ class FineTuneRecipe:
         sigterm: SigtermFlag,
         started: float,
         tags: dict[str, str],
+        objective: Objective,
     ):
-        self.config = config
+        self.config, self.objective = config, objective
         self.base_model_dir, self.shards_dir, self.work_dir = Path(base_model_dir), Path(shards_dir), Path(work_dir)
         self.store, self.run_prefix = store, run_prefix
         self.log, self.on_metrics = log, on_metrics
@@ -427,7 +215,7 @@ class FineTuneRecipe:
         if self.world != config.num_processes:
             raise ValueError(
                 f"config.num_processes={config.num_processes} but {self.world} process(es) were started; launch with "
-                f"`accelerate launch --num_processes {config.num_processes} -m ft_assets.training.recipe ...` "
+                f"`accelerate launch --num_processes {config.num_processes} -m ft_assets.training.worker ...` "
                 "or set num_processes to match"
             )
         self.device = accelerator.device
@@ -439,24 +227,23 @@ class FineTuneRecipe:
             accelerator.init_trackers(self.run_prefix.replace("/", "-"), config=config.model_dump())
 
     def _setup_data(self) -> None:
-        """The train and eval rows: packed chat rows (objective sft) or packed preference pairs (dpo)."""
-        config = self.config
-        self.objective = "dpo" if holds_pairs(self.shards_dir) else "sft"
-        load = load_pair_rows if self.objective == "dpo" else load_packed_rows
-        self.train_rows = load(self.shards_dir, "train", config.max_seq_len)
+        """The train and eval rows, as the objective's step loads them (packed chat rows, packed pairs)."""
+        config, step = self.config, self.objective.step
+        self.train_rows = step.load_rows(self.shards_dir, "train", config.max_seq_len)
         if self.train_rows is None:
             raise FileNotFoundError(
-                f"{self.shards_dir} has no train-*.parquet (or pairs-train-*.parquet) shards; materialize tokenized_shards first"
+                f"{self.shards_dir} has no {self.objective.name} training shards ({self.objective.items}): materialize "
+                "tokenized_shards first, or pass the objective the data plane recorded"
             )
-        self.eval_rows = load(self.shards_dir, "eval", config.max_seq_len)
+        self.eval_rows = step.load_rows(self.shards_dir, "eval", config.max_seq_len)
         self.plan = DataPlan(len(self.train_rows), config, self.world)
         try:
-            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.world, self.objective)
+            self.resolved = config.resolve(len(self.train_rows), torch.cuda.is_available(), self.objective, self.world)
         except ValueError as exc:
             raise ValueError(f"{self.shards_dir}: {exc}") from exc
         self.total_steps = self.resolved.total_steps
         self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
-        pairs = f" ({self.train_rows.pairs} pairs; beta {config.dpo_beta:g}, {config.dpo_loss} loss)" if self.objective == "dpo" else ""
+        pairs = step.describe_rows(self.train_rows, config)
         self.say(
             f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens{pairs}, "
             f"{len(self.eval_rows) if self.eval_rows else 0} eval rows; {self.resolved.describe()}"
@@ -492,7 +279,7 @@ class FineTuneRecipe:
             return
         run_id = self.run_prefix.rsplit("/", 1)[-1]
         params = {**config.result_fields(torch.cuda.is_available()), **self.resolved.as_dict()}
-        tags = {**self.tags, "ft.run_id": run_id, "ft.run_prefix": self.run_prefix, "ft.objective": self.objective,
+        tags = {**self.tags, "ft.run_id": run_id, "ft.run_prefix": self.run_prefix, "ft.objective": self.objective.name,
                 "ft.method": self.method}  # fmt: skip
         self.tracker = MlflowTracker.start(config.mlflow_tracking_uri, config.mlflow_experiment, run_id, params, tags, self.log)
 
@@ -628,17 +415,12 @@ class FineTuneRecipe:
         self.step_seconds += time.monotonic() - step_started
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """What the step's loss is a mean over: learned tokens (sft) or pairs (dpo)."""
-        return pair_count(batch) if self.objective == "dpo" else learned_tokens(batch)
+        """What the step's loss is a mean over (the objective's): learned tokens, pairs."""
+        return self.objective.step.count(batch)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The summed loss of a micro-batch: token loss (sft), or DPO loss against the base with the adapter disabled."""
-        if self.objective == "sft":
-            return token_loss_sum(self.model, batch)
-        policy = pair_logps(self.model, batch)
-        with torch.no_grad(), self.unwrapped.disable_adapter():
-            reference = pair_logps(self.unwrapped, batch)
-        return dpo_loss_sum(policy, reference, batch["pair_mask"], self.config.dpo_beta, self.config.dpo_loss)
+        """The objective's summed loss of a micro-batch (DPO's reference: the base with the adapter disabled)."""
+        return self.objective.step.loss_sum(self.model, self.unwrapped, batch, self.config)
 
     def read_losses(self) -> None:
         """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
@@ -708,22 +490,13 @@ class FineTuneRecipe:
         self.last_saved = state.step
 
     def evaluate(self) -> dict[str, float]:
-        """``eval_loss`` over every eval row, each process taking every world_size-th row: the mean token loss
-        (sft), or the mean DPO loss of the eval pairs with the reward accuracy and margin of the model and of
-        its reference, the base with the adapter disabled (dpo; ``ft_assets.training.loss.preference_metrics``)."""
-        batch, device, rank, world = self.config.per_device_batch_size, self.device, self.rank, self.world
-        if self.objective == "sft":
-            loss_sum, count = eval_loss_sum(self.unwrapped, self.eval_rows, batch, device, rank, world)
-            total = self.accelerator.reduce(torch.tensor([loss_sum, count], device=device), "sum")
-            return {"eval_loss": float(total[0] / max(total[1], 1))}
-        policy, pair_mask = all_pair_logps(self.unwrapped, self.eval_rows, batch, device, rank, world)
-        with self.unwrapped.disable_adapter():
-            reference, _ = all_pair_logps(self.unwrapped, self.eval_rows, batch, device, rank, world)
-        sums = preference_metrics(policy, reference, pair_mask, self.config.dpo_beta, self.config.dpo_loss)
-        names = list(sums)
-        total = self.accelerator.reduce(torch.tensor([sums[name] for name in names], device=device), "sum").tolist()
-        pairs = max(total[names.index("pairs")], 1)
-        return {f"eval_{name}": value / pairs for name, value in zip(names, total) if name != "pairs"}
+        """The objective's eval figures over every eval row (``eval_loss`` first), each process taking every
+        world_size-th row, summed over the processes."""
+
+        def reduce(values: list[float]) -> torch.Tensor:
+            return self.accelerator.reduce(torch.tensor(values, device=self.device), "sum")
+
+        return self.objective.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
 
     # --- finish ---
 
@@ -768,7 +541,7 @@ class FineTuneRecipe:
         result = TrainingResult(
             output_dir=self.output_dir,
             method=self.method,
-            objective=self.objective,
+            objective=self.objective.name,
             device=f"{self.device.type} x{self.world}",
             steps=state.step,
             train_loss=sum(recent) / len(recent) if recent else None,
@@ -808,18 +581,20 @@ def train(
     on_metrics: OnMetrics | None = None,
     started_at: float | None = None,
     tags: dict[str, str] | None = None,
+    objective: Objective = SFT,
 ) -> TrainingResult:
     """Train (or resume) the run at ``run_prefix`` and return the final weights and figures.
 
     ``started_at`` is a ``time.monotonic()`` value from before the caller's downloads, so that wall
     time covers them; default now. ``tags`` go to the MLflow run (dataset version, lineage digests).
+    ``objective`` is the one the data plane recorded for the shards (``tokenized_shards``' stats).
     """
     started = time.monotonic() if started_at is None else started_at
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
     # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
     with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
         recipe = FineTuneRecipe(
-            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started, tags or {}
+            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started, tags or {}, objective
         )
         recipe.setup()
         recipe.resume()
@@ -829,59 +604,3 @@ def train(
         finally:
             recipe.cleanup(failed=sys.exc_info()[0] is not None)
     return recipe.result()
-
-
-# --- command line: `python -m ft_assets.training.recipe` / `accelerate launch -m ...` -------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the training recipe (one process, or one rank of accelerate launch).")
-    parser.add_argument("--config", default="{}", help="TrainingConfig as JSON, or a path to a JSON file")
-    parser.add_argument("--base-model", required=True, type=Path, help="local HF model directory (safetensors)")
-    parser.add_argument("--shards", required=True, type=Path, help="local directory of packed Parquet shards")
-    parser.add_argument("--store", required=True, help="object store URL: a local path or s3://bucket/prefix")
-    parser.add_argument("--run-prefix", required=True, help="runs/<name>/<version>/train/<run_id>")
-    parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
-    parser.add_argument("--result", type=Path, help="write the TrainingResult here as JSON (rank 0)")
-    parser.add_argument("--pipes", action="store_true", help="report to Dagster through dagster-pipes (rank 0 only)")
-    parser.add_argument("--tags", default="{}", help="tags of the MLflow run as a JSON object (dataset version, lineage digests)")
-    args = parser.parse_args(argv)
-
-    raw = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
-    config = TrainingConfig.model_validate_json(raw)
-    # Rank from the launcher's environment: creating accelerate's PartialState here would fix the
-    # process group before train() asks for a CPU (gloo) one.
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    pipes = nullcontext(None)
-    if args.pipes:
-        if is_main:
-            from dagster_pipes import open_dagster_pipes
-
-            pipes = open_dagster_pipes()
-        else:  # only rank 0 talks to Dagster: the other ranks drop the Pipes channel they inherited
-            for name in [n for n in os.environ if n.startswith("DAGSTER_PIPES_")]:
-                del os.environ[name]
-
-    with pipes as channel:
-
-        def log(line: str) -> None:
-            if channel is not None:
-                channel.log.info(line)
-            else:
-                print(line, flush=True)
-
-        try:
-            result = train(
-                config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log,
-                tags=json.loads(args.tags),
-            )  # fmt: skip
-        except Preempted as exc:
-            log(str(exc))
-            return EXIT_PREEMPTED
-    if args.result and is_main:
-        args.result.write_text(json.dumps(result.to_json(), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,185 @@
+"""How ``eval_report`` scores one objective's models: the eval set, each model's figures, the report.
+
+``eval_report`` is one body for every objective: load the eval set, score the base, the fine-tuned
+model and the shipped GGUF (through llama.cpp) on it, gate, publish. What differs is a ``Scorer``,
+which the objective carries (``ft_assets.objectives``):
+
+- ``ChatScorer`` (SFT): the task metric (exact match, token F1 or ROUGE-L) on greedy answers to the
+  eval conversations cut before their last reply, plus eval loss and perplexity on the packed eval
+  shards (``ft_assets.delivery.evaluate``);
+- ``PairScorer`` (DPO): reward accuracy and margin on the held-out pairs, no generation, and the DPO
+  loss of the tuned model against the base with the run's beta and loss variant.
+
+A scorer is made for one report (``Objective.scorer(eval config, training config)``), loads the eval
+set once, scores each model to a ``Scored`` and turns the three into a ``Report``: the stats to publish
+beside the gate's, the comparison and samples tables, and the figures logged to MLflow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ft_assets.data.rows import iter_records
+from ft_assets.delivery import evaluate as ev
+from ft_assets.delivery import llamacpp
+from ft_assets.delivery.merge import load_full_precision
+
+Fetch = Callable[..., Path]  # Materialization.fetch: (ref, name, include=None) -> local folder
+Log = Callable[[str], None]
+
+
+@dataclass
+class Scored:
+    """One model's figures on the eval set."""
+
+    metric: float  # the gate's metric
+    figures: dict[str, float] = field(default_factory=dict)  # the objective's other figures (perplexity, reward margin)
+    answers: list[str] = field(default_factory=list)  # generated answers (chat), in eval-set order
+    detail: Any = None  # what the report needs beyond figures (pairs: the log-probabilities)
+
+
+@dataclass
+class Report:
+    """What the objective adds to the gate's stats, and how the asset shows it."""
+
+    stats: dict  # published in eval_report's stats beside the gate's figures (base/finetuned_eval_loss included)
+    comparison: list[dict]  # rows of the base / fine-tuned / GGUF comparison table
+    samples: list[dict]  # rows of the answers (or pairs) table
+    tracked: dict[str, float]  # figures logged to the training run's MLflow run
+    summary: str  # the log line's tail after the metric
+
+
+class Scorer(Protocol):
+    metric: str  # the gate's metric
+    unit: str  # what the eval set holds, for logs: "eval conversations", "eval pairs"
+
+    def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int: ...
+
+    def score(self, model_dir: Path, log: Log) -> Scored: ...
+
+    def score_gguf(self, path: Path, log: Log) -> Scored: ...
+
+    def report(self, base: Scored, tuned: Scored, gguf: Scored | None, gguf_label: str) -> Report: ...
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer  # seconds to import; only eval_report's process needs it
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+
+
+class ChatScorer:
+    """SFT: the task metric on greedy answers, eval loss and perplexity on the packed eval shards."""
+
+    unit = "eval conversations"
+
+    def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
+        if metric not in ev.METRICS:
+            raise ValueError(f"eval_report config metric={metric!r}: choose one of {', '.join(ev.METRICS)}")
+        self.metric, self.max_examples, self.max_new_tokens = metric, max_examples, max_new_tokens
+
+    def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int:
+        split_dir = fetch(train_eval_split, "split", include=lambda rel: rel == "eval.parquet")
+        self.shards_dir = fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("eval-"))
+        self.examples = ev.eval_examples(list(iter_records(split_dir / "eval.parquet")), self.max_examples)
+        if not self.examples:
+            raise ValueError("the eval split is empty; raise train_eval_split.eval_fraction")
+        return len(self.examples)
+
+    def score(self, model_dir: Path, log: Log) -> Scored:
+        model = load_full_precision(model_dir)
+        score = ev.score_model(model, _tokenizer(model_dir), self.examples, self.shards_dir, self.metric, self.max_new_tokens, log)
+        return Scored(score.metric, {"eval_loss": score.eval_loss, "perplexity": score.perplexity}, score.answers)
+
+    def score_gguf(self, path: Path, log: Log) -> Scored:
+        answers = llamacpp.chat_answers(path, [e.prompt for e in self.examples], self.max_new_tokens, log)
+        return Scored(ev.task_metric(answers, self.examples, self.metric), answers=answers)
+
+    def report(self, base: Scored, tuned: Scored, gguf: Scored | None, gguf_label: str) -> Report:
+        b, t = base.figures, tuned.figures
+        comparison = [
+            {"": self.metric, "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3),
+             gguf_label: _rounded(gguf.metric if gguf else None, 3)},
+            {"": "eval loss", "base": round(b["eval_loss"], 4), "fine-tuned": round(t["eval_loss"], 4), gguf_label: None},
+            {"": "perplexity", "base": round(b["perplexity"], 2), "fine-tuned": round(t["perplexity"], 2), gguf_label: None},
+        ]  # fmt: skip
+        gguf_answers = gguf.answers if gguf else [None] * len(self.examples)
+        scorer = ev.SCORERS[self.metric]
+        samples = [
+            {"prompt": ev.last_user_turn(e.prompt), "reference": e.reference, "base": a, "fine-tuned": b_,
+             gguf_label: c, self.metric: round(scorer(b_, e.reference), 3), "source": e.source}
+            for e, a, b_, c in zip(self.examples, base.answers, tuned.answers, gguf_answers)
+        ]  # fmt: skip
+        tracked = {self.metric: tuned.metric, f"base_{self.metric}": base.metric}
+        if gguf:
+            tracked[f"gguf_{self.metric}"] = gguf.metric
+        stats = {
+            "base_eval_loss": b["eval_loss"], "finetuned_eval_loss": t["eval_loss"],
+            "base_perplexity": b["perplexity"], "finetuned_perplexity": t["perplexity"],
+        }  # fmt: skip
+        return Report(stats, comparison, samples, tracked, f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}")
+
+
+class PairScorer:
+    """DPO: reward accuracy and margin on the held-out pairs; the DPO loss against the base, as in training."""
+
+    metric = ev.PREFERENCE_METRIC
+    unit = "eval pairs"
+
+    def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
+        self.max_examples = max_examples
+        self.beta, self.loss_type = training["dpo_beta"], training["dpo_loss"]
+
+    def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int:
+        shards_dir = fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("pairs-eval-"))
+        try:
+            self.rows = ev.eval_pairs(shards_dir, self.max_examples)
+        except FileNotFoundError as exc:
+            raise ValueError("the eval split holds no pairs; raise train_eval_split.eval_fraction") from exc
+        return self.rows.pairs
+
+    def score(self, model_dir: Path, log: Log) -> Scored:
+        self.tokenizer = _tokenizer(model_dir)  # decodes the pairs table
+        return self._scored(ev.pair_scores(load_full_precision(model_dir), self.rows))
+
+    def score_gguf(self, path: Path, log: Log) -> Scored:
+        return self._scored(ev.gguf_pair_scores(path, self.rows))
+
+    def _scored(self, logps) -> Scored:
+        """A model's own reward accuracy and margin (its DPO loss needs the base: ``report``)."""
+        alone = ev.preference_scores(logps, logps, self.rows, self.beta, self.loss_type)
+        return Scored(alone["finetuned_reward_accuracy"], {"reward_margin": alone["finetuned_reward_margin"]}, detail=logps)
+
+    def report(self, base: Scored, tuned: Scored, gguf: Scored | None, gguf_label: str) -> Report:
+        against_base = ev.preference_scores(tuned.detail, base.detail, self.rows, self.beta, self.loss_type)
+        losses = {"base": against_base["base_eval_loss"], "fine-tuned": against_base["finetuned_eval_loss"]}
+        margins = {"base": base.figures["reward_margin"], "fine-tuned": tuned.figures["reward_margin"]}
+        gguf_margin = gguf.figures["reward_margin"] if gguf else None
+        comparison = [
+            {"": "reward accuracy", "base": round(base.metric, 3), "fine-tuned": round(tuned.metric, 3),
+             gguf_label: _rounded(gguf.metric if gguf else None, 3)},
+            {"": "reward margin", "base": round(margins["base"], 4), "fine-tuned": round(margins["fine-tuned"], 4),
+             gguf_label: _rounded(gguf_margin, 4)},
+            {"": f"DPO loss ({self.loss_type})", "base": round(losses["base"], 4), "fine-tuned": round(losses["fine-tuned"], 4),
+             gguf_label: None},
+        ]  # fmt: skip
+        samples = ev.pair_rows(self.tokenizer, self.rows, base.detail, tuned.detail, self.beta)
+        tracked = {
+            "reward_accuracy": tuned.metric, "reward_margin": margins["fine-tuned"],
+            "base_reward_accuracy": base.metric, "base_reward_margin": margins["base"],
+        }  # fmt: skip
+        if gguf:
+            tracked["gguf_reward_accuracy"] = gguf.metric
+        stats = {
+            "base_eval_loss": losses["base"], "finetuned_eval_loss": losses["fine-tuned"],
+            "base_reward_margin": margins["base"], "finetuned_reward_margin": margins["fine-tuned"],
+            "gguf_reward_margin": gguf_margin, "dpo_beta": self.beta, "dpo_loss": self.loss_type,
+        }  # fmt: skip
+        return Report(stats, comparison, samples, tracked, f"reward margin {margins['base']:+.3f} → {margins['fine-tuned']:+.3f}")

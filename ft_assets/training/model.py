@@ -1,0 +1,123 @@
+"""The model a run trains: the base from safetensors, the attention backend, LoRA/QLoRA wrapping, the scheduler.
+
+Everything here is loading, not training: ``load_model`` returns the model ready for the chosen
+method (a 4-bit NF4 base with LoRA for qlora, a full-precision base with LoRA for lora, every weight
+trainable for full), ``trainable_parameters`` is what the optimizer and the checkpoints hold, and
+``load_trainable`` puts a checkpoint's weights back. Only safetensors are loaded (no pickle, no
+remote code): ``base_model`` converted the source once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
+
+FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """The attention backend a run uses; ``auto`` picks the fastest this device has.
+
+    Every backend keeps packed examples apart through the position_ids that restart at 0 (transformers
+    5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
+    into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
+    mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
+    support backward on CPU"; and its first call after a change of sequence length returns wrong values)
+    and flash-attn does not exist, so ``auto`` is sdpa there.
+    """
+    cuda = device.type == "cuda"
+    torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if requested == "auto":
+        if cuda and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        if cuda and torch_version >= FLEX_ATTENTION_TORCH:
+            return "flex_attention"
+        return "sdpa"
+    if requested == "flash_attention_2" and not cuda:
+        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
+    if requested == "flex_attention" and not (cuda and torch_version >= FLEX_ATTENTION_TORCH):
+        raise ValueError(
+            f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
+            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
+        )
+    return requested
+
+
+def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
+    """The base model from safetensors (no pickle, no remote code), wrapped for the chosen method."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if not any(base_model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{base_model_dir} holds no *.safetensors weights; the recipe loads safetensors only (no pickled "
+            ".bin), convert the base model with save_pretrained(safe_serialization=True)"
+        )
+    compute_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    kwargs = {
+        "use_safetensors": True,
+        "trust_remote_code": False,
+        "attn_implementation": resolve_attention(config.attn_implementation, device),
+    }
+    if method == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+        kwargs["device_map"] = {"": device}
+    kwargs["dtype"] = compute_dtype if method in ("lora", "qlora") else torch.float32  # full: fp32 master weights
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir, **kwargs)
+
+    gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs and DDP
+    if method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=config.gradient_checkpointing,
+            gradient_checkpointing_kwargs=gc_kwargs,
+        )
+    elif config.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
+        if method == "lora":
+            model.enable_input_require_grads()
+    if method in ("lora", "qlora"):
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """Name -> parameter of what the optimizer updates (tied weights appear once)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable(model, weights: dict[str, torch.Tensor], source: str) -> None:
+    params = trainable_parameters(model)
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source} does not match this model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "it was written by a different method or target_modules, delete it or change the run"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(weights[name])
+
+
+def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining):
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)

@@ -1,0 +1,79 @@
+"""The training worker's command line: ``python -m ft_assets.training.worker`` / ``accelerate launch -m ft_assets.training.worker``.
+
+One process, or one rank of a data-parallel launch, runs the recipe (``ft_assets.training.recipe.train``)
+and exits 0, or ``EXIT_PREEMPTED`` (75) after SIGTERM once its checkpoint is in the store. Rank 0
+reports to Dagster through dagster-pipes when ``--pipes`` is given (the ``lora_adapter`` asset's
+launch); the other ranks drop the Pipes channel they inherited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from ft_assets.objectives import OBJECTIVES, SFT, named
+from ft_assets.storage import open_store
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
+from ft_assets.training.recipe import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the training recipe (one process, or one rank of accelerate launch).")
+    parser.add_argument("--config", default="{}", help="TrainingConfig as JSON, or a path to a JSON file")
+    parser.add_argument("--base-model", required=True, type=Path, help="local HF model directory (safetensors)")
+    parser.add_argument("--shards", required=True, type=Path, help="local directory of packed Parquet shards")
+    parser.add_argument("--store", required=True, help="object store URL: a local path or s3://bucket/prefix")
+    parser.add_argument("--run-prefix", required=True, help="runs/<name>/<version>/train/<run_id>")
+    parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
+    parser.add_argument("--result", type=Path, help="write the TrainingResult here as JSON (rank 0)")
+    parser.add_argument("--pipes", action="store_true", help="report to Dagster through dagster-pipes (rank 0 only)")
+    parser.add_argument("--tags", default="{}", help="tags of the MLflow run as a JSON object (dataset version, lineage digests)")
+    parser.add_argument(
+        "--objective", default=SFT.name, choices=sorted(OBJECTIVES),
+        help="what the shards teach, as the data plane recorded it (tokenized_shards' stats): sft (chat rows), dpo (pairs)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+
+    raw = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
+    config = TrainingConfig.model_validate_json(raw)
+    # Rank from the launcher's environment: creating accelerate's PartialState here would fix the
+    # process group before train() asks for a CPU (gloo) one.
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    pipes = nullcontext(None)
+    if args.pipes:
+        if is_main:
+            from dagster_pipes import open_dagster_pipes
+
+            pipes = open_dagster_pipes()
+        else:  # only rank 0 talks to Dagster: the other ranks drop the Pipes channel they inherited
+            for name in [n for n in os.environ if n.startswith("DAGSTER_PIPES_")]:
+                del os.environ[name]
+
+    with pipes as channel:
+
+        def log(line: str) -> None:
+            if channel is not None:
+                channel.log.info(line)
+            else:
+                print(line, flush=True)
+
+        try:
+            result = train(
+                config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log,
+                tags=json.loads(args.tags), objective=named(args.objective),
+            )  # fmt: skip
+        except Preempted as exc:
+            log(str(exc))
+            return EXIT_PREEMPTED
+    if args.result and is_main:
+        args.result.write_text(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
