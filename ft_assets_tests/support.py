@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ft_assets.cli import main
 from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
-from ft_assets.delivery.publish import LINEAGE_CHAIN
+from ft_assets.delivery.lineage import LINEAGE_CHAIN
 from ft_assets.training.config import TrainingConfig
 
 # --- a dataset the tiny model learns in a few dozen LoRA steps (the end-to-end pipeline tests) -------
@@ -117,7 +117,7 @@ FIGURES = Path(__file__).resolve().parents[1] / "test-artifacts" / "reliability.
 # What the forkserver imports once, so that every worker forked from it starts in a second or two.
 PRELOAD = [
     "torch", "transformers", "transformers.models.llama.modeling_llama", "peft", "accelerate",
-    "ft_assets.training.recipe", "ft_assets.cli", "ft_assets.definitions",
+    "ft_assets.training.recipe", "ft_assets.cli.run", "ft_assets.definitions",
 ]  # fmt: skip
 
 

@@ -298,7 +298,7 @@ def test_two_partitions_train_side_by_side(forkserver, project):
 
 def test_a_partition_added_by_a_concurrent_run_is_not_an_error():
     """Two ``ft-assets run``s see the same new versions; the slower insert hits the unique constraint."""
-    from ft_assets.cli import add_partitions
+    from ft_assets.cli.planes import add_partitions
 
     with dg.instance_for_test() as instance:
         real_add = instance.add_dynamic_partitions

@@ -5,7 +5,8 @@ import torch
 
 from ft_assets.delivery.evaluate import EvalExample, eval_examples, exact_match, rouge_l, token_f1
 from ft_assets.delivery.merge import merge_adapter
-from ft_assets.delivery.publish import LINEAGE_CHAIN, build_lineage, hub_upload_plan, push_to_hub
+from ft_assets.delivery.lineage import LINEAGE_CHAIN, build_lineage
+from ft_assets.delivery.publish import hub_upload_plan, push_to_hub
 from ft_assets_tests.support import lineage_refs
 
 METRIC_CASES = [

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ft_assets.cli import main, register_dataset
+from ft_assets.cli import main
 from ft_assets.data.mixture import Component, MixtureError, draw_counts, mix_dataset, parse_spec
+from ft_assets.data.registration import register_dataset
 from ft_assets.data.rows import iter_records
 from ft_assets.data.sources import describe_source
 from ft_assets.manifests import publish_dir
@@ -178,7 +179,7 @@ def minimal_lineage(partition: str, source: dict, checkpoint: dict) -> dict:
     }
 
 def test_the_lineage_manifest_carries_the_dataset_source():
-    from ft_assets.delivery.publish import build_lineage
+    from ft_assets.delivery.lineage import build_lineage
     from ft_assets_tests.support import lineage_refs
 
     refs = lineage_refs()

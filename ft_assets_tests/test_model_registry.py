@@ -11,7 +11,7 @@ import pytest
 
 from ft_assets.delivery import model_registry as mr
 from ft_assets.delivery.evaluate import gate
-from ft_assets.delivery.publish import LINEAGE_CHAIN, build_lineage
+from ft_assets.delivery.lineage import LINEAGE_CHAIN, build_lineage
 from ft_assets_tests.pg import free_port
 from ft_assets_tests.support import lineage_refs
 

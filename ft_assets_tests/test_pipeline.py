@@ -19,7 +19,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from ft_assets.cli import main
-from ft_assets.delivery.publish import LINEAGE_CHAIN
+from ft_assets.delivery.lineage import LINEAGE_CHAIN
 from ft_assets.manifests import read_manifest
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore

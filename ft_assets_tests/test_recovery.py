@@ -94,7 +94,7 @@ def test_a_rerun_right_after_a_sigkill_skips_the_data_plane_and_takes_the_dead_l
 def test_a_live_holder_makes_the_cli_wait_and_say_why(home, monkeypatch, capsys):
     import dagster as dg
 
-    from ft_assets.cli import wait_for_partition
+    from ft_assets.cli.planes import wait_for_partition
 
     store = LocalStore(home / "store")
     lease = locks.acquire(store, "acks@v1", "run-a", lambda run_id: None)

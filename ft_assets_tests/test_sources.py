@@ -11,9 +11,10 @@ import json
 
 import pytest
 
-from ft_assets.cli import main, register_dataset
+from ft_assets.cli import main
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.readers import read_dataset
+from ft_assets.data.registration import register_dataset
 from ft_assets.data.rows import DatasetFileError, iter_records
 from ft_assets.data.sources import describe_source, stage
 from ft_assets.storage import LocalStore

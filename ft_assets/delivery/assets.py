@@ -30,7 +30,8 @@ from ft_assets.delivery.gguf_export import (
     write_modelfile,
 )
 from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
-from ft_assets.delivery.publish import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, push_to_hub
+from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage
+from ft_assets.delivery.publish import push_to_hub
 from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata, table
 from ft_assets.partitions import DatasetVersion, dataset_version

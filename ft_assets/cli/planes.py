@@ -1,0 +1,133 @@
+"""Running the planes on the Dagster instance as the daemon would: the sensor once, then each plane's job.
+
+The command line stands in for the daemon: it evaluates ``dataset_version_sensor`` once (which adds
+the partition), waits while another live run holds the partition's lease, executes a plane's job
+in this process, and reruns a preempted training run as the daemon's run retries would (it
+resumes from its checkpoint). A failed run becomes one line: the failed blocking check's own
+explanation, else the innermost cause of the first failed step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import dagster as dg
+
+from ft_assets import locks
+from ft_assets.cli.output import CliError, PlaneFailed, log
+from ft_assets.control.sensors import dataset_version_sensor
+from ft_assets.storage import ObjectStore
+from ft_assets.training.assets import PREEMPTED_TAG
+
+
+def add_partitions(instance: dg.DagsterInstance, partitions_def_name: str, keys: list[str], attempts: int = 3) -> None:
+    """Add dynamic partitions, tolerating another ``ft-assets run`` adding the same ones at the same moment.
+
+    Two runs started together both see every new version and both insert them; the instance checks for
+    existing keys before inserting, so the slower one can hit a unique-constraint error. What matters is
+    that the keys exist afterwards.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            instance.add_dynamic_partitions(partitions_def_name, keys)
+            return
+        except Exception:  # the storage's own IntegrityError (SQLite, PostgreSQL): look before judging
+            missing = set(keys) - set(instance.get_dynamic_partitions(partitions_def_name))
+            if not missing:
+                return
+            if attempt == attempts:
+                raise
+            keys = sorted(missing)
+
+
+def run_sensor(instance: dg.DagsterInstance, defs: dg.Definitions, partition_key: str) -> list[str]:
+    """Evaluate the dataset sensor once, apply its partition requests; returns the keys it requested runs for."""
+    context = dg.build_sensor_context(
+        instance=instance,
+        definitions=defs,
+        sensor_name=dataset_version_sensor.name,
+        resources={"store": defs.resources["store"]},
+    )
+    result = dataset_version_sensor(context)
+    for request in result.dynamic_partitions_requests or []:
+        add_partitions(instance, request.partitions_def_name, list(request.partition_keys))
+    requested = [r.partition_key for r in result.run_requests or []]
+    if partition_key not in instance.get_dynamic_partitions("dataset_version"):
+        raise CliError(f"the sensor did not register {partition_key}")
+    return requested
+
+
+def error_line(error) -> str:
+    """One line for a Dagster error: the innermost cause, a ``Failure``'s own text without its class name."""
+    while error.cause is not None and error.cls_name not in ("Failure", "CliError"):
+        error = error.cause
+    message = error.message.strip()
+    if error.cls_name == "Failure":
+        message = message.split(": ", 1)[-1]
+    return message
+
+
+def failure_reason(result) -> str:
+    """The most useful line of a failed run: a failed blocking check's description, else the first failure."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            evaluation = event.event_specific_data
+            if not evaluation.passed:
+                return f"blocking check {evaluation.check_name} failed: {evaluation.description}"
+    for event in result.all_events:
+        if event.is_step_failure:
+            error = event.step_failure_data.error
+            return f"{event.step_key}: {error_line(error) if error else event.message}"
+    for event in result.all_events:  # failed before any step: a resource that could not start (a Ray address)
+        if event.is_run_failure and event.event_specific_data.error is not None:
+            return error_line(event.event_specific_data.error)
+    return f"see run {result.run_id} in the Dagster UI (make ui)"
+
+
+def wait_for_partition(store: ObjectStore, instance: dg.DagsterInstance, key: str, poll_seconds: float = 2.0) -> None:
+    """Wait while another live run holds the partition's lease, saying why, up to the takeover time.
+
+    A lease whose holder is known dead (its run failed or was canceled, or its process is gone from
+    this host) is free at once; ``locks`` then lets this run take it over.
+    """
+
+    def run_status(run_id: str) -> str | None:
+        record = instance.get_run_by_id(run_id)
+        return None if record is None else record.status.value
+
+    said = None
+    deadline = time.monotonic() + locks.EXPIRY_SECONDS + 2 * poll_seconds
+    while (state := locks.read_lease(store, key)) is not None and (busy := locks.busy_reason(state, run_status, time.time())):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CliError(f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first")
+        if (state.generation, state.owner["run_id"]) != said:
+            log(f"{busy.message}; waiting up to {min(busy.frees_in, left):.0f} s for it to free")
+            said = (state.generation, state.owner["run_id"])
+        time.sleep(poll_seconds)
+
+
+def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, key: str, run_config: dict) -> list[str]:
+    """Execute one plane's job for a partition; like the daemon's run retries, a preempted run is rerun.
+
+    Returns the run ids (more than one when a preempted run was retried and resumed).
+    """
+    retries = int(job.tags.get("dagster/max_retries", 0))
+    run_ids = []
+    while True:
+        log(f"running {job.name} for {key} ...")
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=key,
+            run_config=run_config,
+            tags={"ft/dataset": key, "ft/launched-by": "ft-assets-cli"},
+            raise_on_error=False,
+        )
+        run_ids.append(result.run_id)
+        if result.success:
+            return run_ids
+        preempted = instance.get_run_by_id(result.run_id).tags.get(PREEMPTED_TAG) == "true"
+        if preempted and len(run_ids) <= retries:
+            log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
+            continue
+        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}", plane, result.run_id)

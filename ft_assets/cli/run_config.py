@@ -1,0 +1,171 @@
+"""The run config of ``ft-assets run``: one YAML for the whole pipeline, checked up front, split per plane.
+
+A user writes one run config (``ops:`` keyed by asset name, ``resources:``, ...); each plane's job
+accepts only its own assets, so ``plane_run_config`` hands each job its part (and copies
+``lora_adapter``'s training settings to ``training_plan``, so the plan is made for the run that will
+happen). ``config_mistakes`` checks the whole config against every plane's job before anything is
+registered or run, with Dagster's own validation (``dagster.validate_run_config``) as the judge: a
+mistake at any depth is one line naming the asset or resource, the key path, and the keys accepted
+there with the closest match (``difflib``). Without it, a misspelled ``lora_adapter`` key surfaced
+minutes later as an "internal error" of the data plane's job (where ``training_plan`` got the copy),
+and a misspelled asset name under ``ops`` was silently ignored.
+
+The lines are made from the structure of Dagster's errors and schema: ``DagsterInvalidConfigError``'s
+``errors`` (reason, key path, offending field) and the job's ``run_config_schema`` (the keys accepted
+at a path). Those attributes are not marked public (no private module is imported); Dagster is pinned
+(1.13.27), and test_cli.py's table of mistakes fails if they change.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+
+import dagster as dg
+import yaml
+
+from ft_assets.cli.output import CliError
+
+TRAINING = "lora_adapter"  # whose settings...
+PLAN = "training_plan"  # ...the plan is made with, unless it sets them itself (the same fields)
+
+
+def load_run_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise CliError(f"cannot read run config {path}: {exc}") from exc
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("ops", {}), dict):
+        raise CliError(f"run config {path} must be a mapping with an 'ops:' section mapping asset names to their settings")
+    return loaded
+
+
+def set_data_executor(run_config: dict, workers: int | None, ray_address: str | None) -> None:
+    """``--data-workers`` and ``--ray-address`` into the run config's ``data_executor`` resource, over the config file's."""
+    settings = {name: value for name, value in (("workers", workers), ("ray_address", ray_address)) if value is not None}
+    if settings:
+        resource = run_config.setdefault("resources", {}).setdefault("data_executor", {})
+        resource.setdefault("config", {}).update(settings)
+
+
+def select_ops(job: dg.JobDefinition, run_config: dict) -> dict:
+    """``run_config`` with only the ops ``job`` has (every other section as it is)."""
+    config = {k: v for k, v in run_config.items() if k != "ops"}
+    names = set(accepted_keys(job, ["ops"]))
+    selected = {k: v for k, v in run_config.get("ops", {}).items() if k in names}
+    if selected:
+        config["ops"] = selected
+    return config
+
+
+def plane_run_config(job: dg.JobDefinition, run_config: dict) -> dict:
+    """The part of a whole-pipeline run config that one plane's job accepts.
+
+    The training plan is made for the run that will happen: the training settings given to
+    lora_adapter are copied to training_plan (which has the same fields) unless it sets them itself.
+    """
+    whole = copy.deepcopy(run_config)
+    ops = whole.setdefault("ops", {})
+    training = (ops.get(TRAINING) or {}).get("config") or {}
+    plan_op = ops[PLAN] = ops.get(PLAN) or {}
+    plan = plan_op["config"] = plan_op.get("config") or {}
+    for name, value in training.items():
+        plan.setdefault(name, value)
+    return select_ops(job, whole)
+
+
+def config_type_at(job: dg.JobDefinition, path: list[str]):
+    """The config type of ``job``'s run config schema at ``path`` (``[i]`` steps into a list or map)."""
+    config_type = job.run_config_schema.config_type
+    for step in path:
+        config_type = config_type.fields[step].config_type if not step.startswith("[") else unwrap(config_type).inner_type
+        config_type = unwrap(config_type)
+    return config_type
+
+
+def unwrap(config_type):
+    """The type inside ``Noneable`` (an optional setting)."""
+    while config_type.kind.value == "NONEABLE":
+        config_type = config_type.inner_type
+    return config_type
+
+
+def accepted_keys(job: dg.JobDefinition, path: list[str]) -> list[str]:
+    return sorted(config_type_at(job, path).fields)
+
+
+def stack_path(stack) -> list[str]:
+    """A Dagster evaluation stack as a key path: field names, ``[i]`` for a list item or a map entry."""
+    path = []
+    for entry in stack.entries:
+        if hasattr(entry, "field_name"):
+            path.append(entry.field_name)
+        elif hasattr(entry, "list_index"):
+            path.append(f"[{entry.list_index}]")
+        elif hasattr(entry, "map_key"):
+            path.append(f"[{entry.map_key}]")
+    return path
+
+
+def dotted(path: list[str]) -> str:
+    return ".".join(path).replace(".[", "[") or "the top level"
+
+
+def subject(path: list[str]) -> str:
+    """What a key path belongs to, in the user's words: ``asset lora_adapter``, ``resource store``, ..."""
+    kinds = {"ops": "asset", "resources": "resource", "loggers": "logger"}
+    if len(path) >= 2 and path[0] in kinds:
+        return f"{kinds[path[0]]} {path[1]}"
+    return path[0] if path else "run config"
+
+
+def unknown_key(path: list[str], name: str, accepted: list[str]) -> str:
+    kinds = {(): "top-level key", ("ops",): "asset", ("resources",): "resource", ("loggers",): "logger"}
+    what = kinds.get(tuple(path))
+    line = f"no {what} '{name}'" if what else f"{subject(path)}: unknown key '{name}' at {dotted(path)}"
+    close = difflib.get_close_matches(name, accepted, n=1)
+    if close:
+        line += f"; did you mean '{close[0]}'?"
+    return f"{line} (accepted: {', '.join(accepted)})"
+
+
+def expected_type(snap) -> str:
+    """What Dagster expected where a value had the wrong type: ``Int``, ``a list``, ``a mapping``, ..."""
+    kinds = {"ARRAY": "a list", "MAP": "a mapping", "STRICT_SHAPE": "a mapping", "PERMISSIVE_SHAPE": "a mapping", "SELECTOR": "a mapping"}
+    if snap.kind.value == "ENUM":
+        return f"one of {', '.join(v.config_value for v in snap.enum_values)}"
+    return snap.given_name or kinds.get(snap.kind.value, snap.kind.value.lower())
+
+
+def describe(job: dg.JobDefinition, error) -> list[str]:
+    """One line per mistake in one of Dagster's evaluation errors."""
+    path, reason, data = stack_path(error.stack), error.reason.value, error.error_data
+    if reason in ("FIELD_NOT_DEFINED", "FIELDS_NOT_DEFINED"):
+        names = [data.field_name] if reason == "FIELD_NOT_DEFINED" else data.field_names
+        return [unknown_key(path, name, accepted_keys(job, path)) for name in names]
+    if reason in ("MISSING_REQUIRED_FIELD", "MISSING_REQUIRED_FIELDS"):
+        names = [data.field_name] if reason == "MISSING_REQUIRED_FIELD" else data.field_names
+        return [f"{subject(path)}: missing required key {dotted([*path, name])}" for name in names]
+    if reason == "RUNTIME_TYPE_MISMATCH":
+        return [f"{subject(path)}: {dotted(path)} is {data.value_rep}; expected {expected_type(data.config_type_snap)}"]
+    return [f"{subject(path)}: {error.message}"]
+
+
+def config_mistakes(jobs: list[dg.JobDefinition], run_config: dict) -> list[str]:
+    """Every mistake in a whole-pipeline run config, one line each; none when each plane accepts its part.
+
+    An asset under ``ops`` is unknown only when no plane has it; every other key is judged by the plane
+    that owns it, as the user wrote it (``training_plan`` accepts every ``lora_adapter`` setting, so
+    the copy ``plane_run_config`` makes cannot fail where the original passed).
+    """
+    assets = sorted({name for job in jobs for name in accepted_keys(job, ["ops"])})
+    mistakes = [unknown_key(["ops"], name, assets) for name in run_config.get("ops", {}) if name not in assets]
+    for job in jobs:
+        try:
+            dg.validate_run_config(job, select_ops(job, run_config))
+        except dg.DagsterInvalidConfigError as exc:
+            mistakes += [line for error in exc.errors for line in describe(job, error)]
+    return list(dict.fromkeys(mistakes))  # the sections every plane shares (resources, loggers) fail in each

@@ -1,0 +1,150 @@
+"""What ``ft-assets run`` reports for each plane it completes: figures read from the assets' references.
+
+Each plane's summary is a flat dict merged into the run's summary (the ``--json`` object, also on
+failure for the planes that completed); ``print_summary`` renders it. All reads of the references'
+stats for the command line are in this module.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ft_assets.control.assets import measured_throughput
+from ft_assets.control.cost_model import load_cost_model
+from ft_assets.delivery.evaluate import PREFERENCE_METRIC
+from ft_assets.refs import read_ref
+from ft_assets.storage import ObjectStore, join_key
+
+DATA_ARTIFACTS = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model")
+
+
+def data_summary(store: ObjectStore, partition_key: str) -> dict:
+    shards = read_ref(store, partition_key, "tokenized_shards")
+    acc = shards["stats"]["accounting"]
+    return {
+        "rows_in": acc["rows_in"],
+        "rows_kept": acc["rows_kept"],
+        "rows_quarantined": acc["rows_quarantined"],
+        "quarantine_reasons": acc["quarantine_reasons"],
+        "exact_duplicates": acc["exact_duplicates"],
+        "near_duplicates": acc["near_duplicates"],
+        "accounting_invariant_holds": acc["invariant_holds"],
+        "train_rows": shards["stats"]["train_rows"],
+        "eval_rows": shards["stats"]["eval_rows"],
+        "tokens": shards["stats"]["tokens"],
+        "packing_efficiency": round(shards["stats"]["packing_efficiency"], 6),
+        "artifacts": {asset: read_ref(store, partition_key, asset)["uri"] for asset in DATA_ARTIFACTS},
+        **plan_summary(store, partition_key),
+    }
+
+
+def plan_summary(store: ObjectStore, partition_key: str) -> dict:
+    plan = read_ref(store, partition_key, "training_plan")["stats"]
+    return {
+        "gpu_tier": plan["gpu_tier"],
+        "rental_mode": plan["rental_mode"],
+        "estimated_vram_gib": round(plan["vram_gib"], 2),
+        "estimated_hours": round(plan["est_hours"], 4),
+        "estimated_cost_usd": round(plan["estimated_cost_usd"], 4),
+    }
+
+
+def training_summary(store: ObjectStore, partition_key: str) -> dict:
+    adapter = read_ref(store, partition_key, "lora_adapter")
+    stats = adapter["stats"]
+    speed = measured_throughput(adapter, read_ref(store, partition_key, "training_plan"), load_cost_model(os.environ.get("FT_COST_MODEL")))
+    return {
+        **speed.as_dict(),  # tokens_per_second, mfu (None off CUDA), usd_per_million_tokens
+        "train_loss": stats["train_loss"],
+        "eval_loss": stats["eval_loss"],
+        "steps": stats["steps"],
+        "resumed_from_step": stats["resumed_from_step"],
+        "effective_training_fraction": round(stats["effective_training_fraction"], 4),
+        "checkpoints": stats["checkpoints"],
+        "training_wall_seconds": round(stats["wall_seconds"], 1),
+        "training_method": stats["method"],
+        "adapter_uri": adapter["uri"],
+    }
+
+
+def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
+    cost = read_ref(store, partition_key, "training_cost")["stats"]
+    evaluation = read_ref(store, partition_key, "eval_report")["stats"]
+    gguf = read_ref(store, partition_key, "gguf_model")
+    published = read_ref(store, partition_key, "published_model")
+    adapter = read_ref(store, partition_key, "lora_adapter")
+    return {
+        "metric_name": evaluation["metric_name"],
+        "base_metric": evaluation["base_metric"],
+        "finetuned_metric": evaluation["finetuned_metric"],
+        "base_eval_loss": evaluation["base_eval_loss"],
+        "finetuned_eval_loss": evaluation["finetuned_eval_loss"],
+        **preference_figures(evaluation),
+        "gguf_metric": evaluation["gguf_metric"],
+        "gguf_drop": evaluation["gguf_drop"],
+        "gguf_file": evaluation["gguf_file"],
+        "gguf_qtype": evaluation["gguf_qtype"],
+        "gguf_uri": store.uri(join_key(gguf["prefix"], gguf["stats"]["shipped"])),
+        "published_uri": published["uri"],
+        "run_id": adapter["stats"]["run_id"],
+        "actual_cost_usd": round(cost["total_usd"], 6),
+        "eth_usd": None if cost["eth_usd_per_hour"] is None else round(cost["eth_usd_per_hour"], 4),
+        "idle_share": round(cost["idle_share"], 4),
+    }
+
+
+def preference_figures(evaluation: dict) -> dict:
+    """Reward accuracy and margin of the tuned model and of its base on the held-out pairs; None for a chat run."""
+    if evaluation["metric_name"] != PREFERENCE_METRIC:
+        return dict.fromkeys(("reward_accuracy", "reward_margin", "base_reward_accuracy", "base_reward_margin"))
+    return {
+        "reward_accuracy": evaluation["finetuned_metric"],
+        "reward_margin": evaluation["finetuned_reward_margin"],
+        "base_reward_accuracy": evaluation["base_metric"],
+        "base_reward_margin": evaluation["base_reward_margin"],
+    }
+
+
+SUMMARIES = {"data": data_summary, "training": training_summary, "delivery": delivery_summary}
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The run's summary as text: the lines of each plane that completed."""
+    lines = [f"dataset version {summary['partition']} (store: {summary['store']})"]
+    if "rows_in" in summary:
+        lines += [
+            f"  rows in {summary['rows_in']}: kept {summary['rows_kept']}, quarantined {summary['rows_quarantined']}, "
+            f"exact duplicates {summary['exact_duplicates']}, near duplicates {summary['near_duplicates']} "
+            f"(invariant {'holds' if summary['accounting_invariant_holds'] else 'BROKEN'})",
+            f"  quarantine reasons: {summary['quarantine_reasons']}",
+            f"  train/eval rows {summary['train_rows']}/{summary['eval_rows']}, tokens {summary['tokens']}, "
+            f"packing efficiency {summary['packing_efficiency']:.4f}",
+            f"  token shards: {summary['artifacts']['tokenized_shards']}",
+        ]
+    if "estimated_cost_usd" in summary:
+        lines.append(
+            f"  training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
+            f"~{summary['estimated_hours']} h, estimated ${summary['estimated_cost_usd']}"
+        )
+    if "steps" in summary:
+        lines += [
+            f"  training ({summary['training_method']}): {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
+            f"eval loss {summary['eval_loss']:.4f}, resumed from step {summary['resumed_from_step'] or 0}",
+            f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
+            f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
+        ]
+    if "actual_cost_usd" in summary:
+        eth = "n/a" if summary["eth_usd"] is None else f"${summary['eth_usd']:.2f}"
+        lines.append(
+            f"  training cost: ${summary['actual_cost_usd']:.4f} actual, ETH {eth} per effective training hour "
+            f"(idle share {summary['idle_share']:.1%})"
+        )
+    if "published_uri" in summary:
+        lines += [
+            f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "
+            f"eval loss {summary['base_eval_loss']:.4f} → {summary['finetuned_eval_loss']:.4f}",
+            f"  GGUF: {summary['gguf_uri']} ({summary['gguf_qtype']}, {summary['metric_name']} {summary['gguf_metric']:.3f} in llama.cpp)",
+            f"  published: {summary['published_uri']} (lineage.json inside)",
+        ]
+    lines.append(f"  Dagster instance: {summary['dagster_home']} — open the UI with `make ui` (http://127.0.0.1:3000)")
+    return lines

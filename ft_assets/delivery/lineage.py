@@ -1,0 +1,142 @@
+"""The lineage manifest of a published model: built by ``published_model``, verified by ``ft-assets lineage``.
+
+``lineage.json`` names every artifact the model came from — dataset version (and its origin), each
+data-plane artifact, base model, checkpoint, adapter, merged weights, GGUF files — with its manifest
+digest, plus the training config, eval figures and the code version. Artifacts are named by
+store-relative keys, never URIs, so a store copied to another path or bucket verifies the same.
+
+Verifying walks the chain from the store alone (no Dagster instance): each link must still have the
+manifest digest the lineage recorded and, unless ``rehash`` is off, every file its manifest lists is
+re-hashed in the store, so one flipped byte anywhere is named. Re-hashing reads every byte of the
+chain, GGUF files and merged weights included; comparing manifests alone (``rehash=False``) reads one
+small JSON file per link (12), but cannot see a file changed under an intact manifest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+
+from ft_assets.manifests import changed_files, read_manifest
+from ft_assets.delivery.signing import lineage_check
+from ft_assets.storage import ObjectStore, StoreError, join_key
+
+LINEAGE_FILE = "lineage.json"
+LINEAGE_CHAIN = (
+    "raw_dataset",
+    "cleaned_dataset",
+    "deduplicated_dataset",
+    "train_eval_split",
+    "tokenized_shards",
+    "base_model",
+    "lora_adapter",
+    "merged_model",
+    "gguf_model",
+    "eval_report",
+)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# eval_report's figures a lineage keeps: the gate's inputs, the shipped GGUF's score among them.
+EVAL_FIGURES = (
+    "metric_name", "base_metric", "finetuned_metric", "base_eval_loss", "finetuned_eval_loss", "improvement",
+    "gguf_file", "gguf_qtype", "gguf_metric", "gguf_drop",
+)  # fmt: skip
+OK = "ok"  # the status of a link that verifies
+
+
+def code_version() -> str:
+    """The git commit of this checkout (with '-dirty' if it has local changes), else the package version."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return f"ft-assets {version('ft-assets')}"
+
+
+def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> dict:
+    """The lineage manifest from the references of every asset of the partition."""
+    missing = [name for name in LINEAGE_CHAIN if name not in refs]
+    if missing:
+        raise ValueError(f"cannot build lineage for {partition}: no reference for {', '.join(missing)}")
+    adapter, base, evaluation, gguf = refs["lora_adapter"], refs["base_model"], refs["eval_report"], refs["gguf_model"]
+    return {
+        "partition": partition,
+        "dataset_source": refs["raw_dataset"]["stats"].get("source"),  # Hub commit, S3 prefix, mixture components
+        "published_key": published_key,
+        "code_version": code_version(),
+        "base_model": {
+            "model_id": base["stats"]["model_id"],
+            "source": base["stats"]["source"],
+            "source_sha256": base["stats"]["source_sha256"],
+            "digest": base["digest"],
+        },
+        "training": {
+            "run_id": adapter["stats"]["run_id"],
+            "method": adapter["stats"]["method"],
+            "config": adapter["training_config"],
+            "checkpoint": adapter["checkpoint"],  # {"key", "digest"} of the checkpoint the adapter was exported from
+            "steps": adapter["stats"]["steps"],
+            "resumed_from_step": adapter["stats"]["resumed_from_step"],
+        },
+        "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
+        "gguf": gguf["stats"]["files"],
+        "artifacts": [
+            {
+                "asset": name,
+                "key": refs[name]["prefix"],
+                "digest": refs[name]["digest"],
+                "created_at": refs[name]["created_at"],
+                "upstream": {k: v["digest"] for k, v in refs[name].get("upstream", {}).items()},
+            }
+            for name in LINEAGE_CHAIN
+        ],
+    }
+
+
+def check_link(store: ObjectStore, asset: str, prefix: str, digest: str, created_at: float | None, rehash: bool) -> dict:
+    """One link of the chain: ``ok``, ``DIGEST MISMATCH``, ``missing from the store`` or ``CHANGED: <keys>``."""
+    try:
+        manifest = read_manifest(store, prefix)
+        status = OK if manifest.digest == digest else "DIGEST MISMATCH"
+        changed = changed_files(store, manifest) if rehash and status == OK else []
+    except StoreError:  # ArtifactNotFound, an unreadable manifest, an object gone mid-read
+        status, changed = "missing from the store", []
+    if changed:
+        status = "CHANGED: " + ", ".join(join_key(prefix, rel) for rel in changed)
+    when = datetime.fromtimestamp(created_at, UTC).isoformat(timespec="seconds") if created_at else ""
+    return {"asset": asset, "digest": digest, "created_at": when, "key": prefix, "uri": store.uri(prefix), "status": status}
+
+
+def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key: str | None = None) -> dict:
+    """The chain behind the published model at ``key``, every link checked (``check_link``), and its signature
+    (``signing.lineage_check``: with ``public_key``, else ``FT_SIGNING_PUBLIC_KEY``); ``verified`` is true when all
+    links are ``ok`` and the signature, if checked, verifies. Raises ``ArtifactNotFound`` when nothing is published there."""
+    published = read_manifest(store, key)
+    signature = lineage_check(store, key, public_key)
+    lineage = store.get_json(join_key(key, LINEAGE_FILE))
+    checkpoint = lineage["training"]["checkpoint"]
+    chain = [check_link(store, "published_model", key, published.digest, published.created_at, rehash)]
+    chain += [check_link(store, a["asset"], a["key"], a["digest"], a["created_at"], rehash) for a in lineage["artifacts"]]
+    chain.append(check_link(store, "checkpoint", checkpoint["key"], checkpoint["digest"], None, rehash))
+    return {
+        "published_uri": store.uri(lineage["published_key"]),
+        "dataset_version": lineage["partition"],
+        "dataset_source": lineage.get("dataset_source"),
+        "base_model": lineage["base_model"],
+        "checkpoint": store.uri(checkpoint["key"]),
+        "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
+        "gguf": lineage["gguf"],
+        "eval": lineage["eval"],
+        "code_version": lineage["code_version"],
+        "chain": chain,
+        "files_rehashed": rehash,
+        "signature": signature,
+        "verified": all(link["status"] == OK for link in chain) and signature["verified"],
+    }
+

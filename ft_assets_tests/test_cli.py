@@ -1,0 +1,134 @@
+"""The command line itself: run-config mistakes as one-line user errors, a quiet run log, the packaged instance config.
+
+- A run-config mistake at any depth (an asset name, a key inside an asset's or a resource's config,
+  a value of the wrong type) is refused before anything is registered: exit 2, one line naming the
+  asset or resource, the key path and the closest accepted key; with ``--json`` the failure object.
+- ``ft-assets run`` prints its own lines only; ``--verbose`` keeps the libraries' progress bars and
+  warnings (checked in a subprocess, as a user runs it: tqdm reads its switch when first imported).
+- ``dagster.yaml`` ships in the package, and the repository's top-level file is the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ft_assets.cli.run import ensure_home
+from ft_assets.cli.run_config import accepted_keys, plane_run_config
+from ft_assets.control.jobs import DATA_PLANE, TRAINING_PLANE
+from ft_assets.definitions import defs
+from ft_assets_tests.support import run_cli, run_config, write_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (case, run config, what the one line must say); each is the only mistake in an otherwise valid config.
+MISTAKES = [
+    ("asset name", {"ops": {"lora_adaptr": {"config": {"max_steps": 3}}}},
+     "no asset 'lora_adaptr'; did you mean 'lora_adapter'?"),
+    ("key in lora_adapter", {"ops": {"lora_adapter": {"config": {"max_stepz": 3}}}},
+     "asset lora_adapter: unknown key 'max_stepz' at ops.lora_adapter.config; did you mean 'max_steps'?"),
+    ("key in raw_dataset", {"ops": {"raw_dataset": {"config": {"column": {"prompt": "question"}}}}},
+     "asset raw_dataset: unknown key 'column' at ops.raw_dataset.config; did you mean 'columns'? (accepted: columns)"),
+    ("key above config", {"ops": {"eval_report": {"confg": {"max_examples": 3}}}},
+     "asset eval_report: unknown key 'confg' at ops.eval_report; did you mean 'config'? (accepted: config)"),
+    ("value type", {"ops": {"tokenized_shards": {"config": {"seq_len": "long"}}}},
+     "asset tokenized_shards: ops.tokenized_shards.config.seq_len is 'long'; expected Int"),
+    ("list item type", {"ops": {"gguf_model": {"config": {"qtypes": [8]}}}},
+     "asset gguf_model: ops.gguf_model.config.qtypes[0] is 8; expected String"),
+    ("resource name", {"resources": {"data_executr": {"config": {"workers": 1}}}},
+     "no resource 'data_executr'; did you mean 'data_executor'?"),
+    ("key in a resource", {"resources": {"data_executor": {"config": {"workerz": 1}}}},
+     "resource data_executor: unknown key 'workerz' at resources.data_executor.config; did you mean 'workers'?"),
+    ("top-level key", {"op": {}}, "no top-level key 'op'; did you mean 'ops'? (accepted: execution, loggers, ops, resources)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, config, said", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_run_config_mistake_is_one_line_naming_the_closest_key(home, capsys, tiny_model_dir, case, config, said):
+    whole = run_config(tiny_model_dir, steps=2, lr=0.01)
+    for section, entries in config.items():
+        merged = whole.setdefault(section, {})
+        for name, value in entries.items():
+            merged.setdefault(name, {}).update(value)
+    path = home / "run_config.yaml"
+    path.write_text(yaml.safe_dump(whole))
+    data = write_dataset(home / "data", rows=3)
+    code, failure, err = run_cli(capsys, "run", "--dataset", str(data), "--config", str(path), "--json")
+    assert code == 2
+    assert err.splitlines() == [f"ft-assets: error: {failure['error']}"]
+    assert failure["error"].startswith(f"run config {path}: ") and said in failure["error"]
+    assert failure == {"completed": [], "error": failure["error"], "failed_plane": None, "run_id": None}
+    store = home / "home" / "store"
+    assert not store.exists() or not [p for p in store.rglob("*") if p.is_file()]  # refused before registering
+
+
+def test_every_mistake_of_a_config_is_named_in_the_one_line(home, capsys):
+    path = home / "run_config.yaml"
+    path.write_text(yaml.safe_dump({"ops": {"lora_adapter": {"config": {"max_stepz": 3, "lr": 0.1}}},
+                                    "resources": {"store": {"config": {"uri": "s3://b"}}}}))  # fmt: skip
+    code, _, err = run_cli(capsys, "run", "--dataset", str(home / "missing.jsonl"), "--config", str(path))
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "unknown key 'max_stepz' at ops.lora_adapter.config; did you mean 'max_steps'?" in err and "unknown key 'lr' at ops.lora_adapter.config (accepted:" in err
+    assert "resource store: unknown key 'uri' at resources.store.config; did you mean 'url'? (accepted: url)" in err
+
+
+def test_the_plan_gets_the_training_settings_and_accepts_every_one_of_them():
+    """config_mistakes judges lora_adapter's settings where the user wrote them; the copy to training_plan
+    cannot fail because training_plan accepts every one of them."""
+    data, training = defs.resolve_job_def(DATA_PLANE), defs.resolve_job_def(TRAINING_PLANE)
+    settings = set(accepted_keys(training, ["ops", "lora_adapter", "config"]))
+    assert settings and settings <= set(accepted_keys(data, ["ops", "training_plan", "config"]))
+    whole = {"ops": {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}, "training_plan": {"config": {"lora_r": 2}},
+                     "raw_dataset": {"config": {}}}, "resources": {"store": {"config": {"url": "x"}}}}  # fmt: skip
+    assert plane_run_config(data, whole) == {
+        "ops": {"training_plan": {"config": {"max_steps": 7, "lora_r": 2}}, "raw_dataset": {"config": {}}},
+        "resources": {"store": {"config": {"url": "x"}}},
+    }
+    assert plane_run_config(training, whole)["ops"] == {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}}
+
+
+def test_the_instance_config_ships_in_the_package_and_is_the_top_level_file(home):
+    packaged = files("ft_assets.control") / "dagster.yaml"
+    assert (REPO / "dagster.yaml").read_bytes() == packaged.read_bytes()
+    assert yaml.safe_load(packaged.read_text())["run_coordinator"]["class"] == "PoolRunCoordinator"
+    dagster_home = ensure_home()
+    assert dagster_home == home / "home" / "dagster_home"
+    assert (dagster_home / "dagster.yaml").read_bytes() == packaged.read_bytes()
+
+
+# --- the run log: the command's own lines, the libraries' with --verbose ---------------------------
+
+OURS = ("[ft-assets] ", "ft-assets: error: ")
+SENSOR = re.compile(r".* - dagster - INFO - new dataset version\(s\): acks@v1")  # dataset_version_sensor's own log line
+
+
+def cli(home: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "ft_assets.cli", *argv], env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.integration
+def test_the_run_log_holds_the_commands_lines_only_and_verbose_keeps_the_libraries(home, tiny_model_dir):
+    config = home / "run_config.yaml"
+    config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
+    data = write_dataset(home / "data", rows=60)
+    argv = ["run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config)]
+
+    quiet = cli(home, *argv)  # every plane; the gate then fails (2 steps learn nothing), after every model load
+    assert quiet.returncode == 2, quiet.stderr[-3000:]
+    assert "blocking check finetuned_beats_base failed" in quiet.stderr.splitlines()[-1]
+    assert "eval_report: scoring the shipped" in quiet.stderr  # the GGUF was loaded back and run
+    foreign = [line for line in quiet.stderr.splitlines() if not line.startswith(OURS) and not SENSOR.fullmatch(line)]
+    assert foreign == [], foreign
+
+    verbose = cli(home, *argv, "--until", "training", "--force", "--verbose")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "Loading weights" in verbose.stderr and "it/s]" in verbose.stderr  # transformers' bar
+    assert "FutureWarning" in verbose.stderr
