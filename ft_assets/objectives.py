@@ -72,3 +72,11 @@ def named(name: str) -> Objective:
 def of_stats(stats: dict) -> Objective:
     """The objective a data asset recorded in its stats (``raw_dataset`` chose it)."""
     return named(stats["objective"])
+
+
+def summary_figures(eval_stats: dict) -> dict:
+    """The objective-specific keys of ``ft-assets run --json`` from eval_report's stats: the run's objective's
+    filled in, every other objective's present as None, so the keys are the same whatever the objective."""
+    own = of_stats(eval_stats).scorer.summary
+    keys = {key for objective in OBJECTIVES.values() for key in objective.scorer.summary}
+    return {key: eval_stats[own[key]] if key in own else None for key in sorted(keys)}

@@ -11,7 +11,7 @@ import os
 
 from ft_assets.control.assets import measured_throughput
 from ft_assets.control.cost_model import load_cost_model
-from ft_assets.delivery.evaluate import PREFERENCE_METRIC
+from ft_assets import objectives
 from ft_assets.refs import read_ref
 from ft_assets.storage import ObjectStore, join_key
 
@@ -79,7 +79,7 @@ def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
         "finetuned_metric": evaluation["finetuned_metric"],
         "base_eval_loss": evaluation["base_eval_loss"],
         "finetuned_eval_loss": evaluation["finetuned_eval_loss"],
-        **preference_figures(evaluation),
+        **objectives.summary_figures(evaluation),
         "gguf_metric": evaluation["gguf_metric"],
         "gguf_drop": evaluation["gguf_drop"],
         "gguf_file": evaluation["gguf_file"],
@@ -90,18 +90,6 @@ def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
         "actual_cost_usd": round(cost["total_usd"], 6),
         "eth_usd": None if cost["eth_usd_per_hour"] is None else round(cost["eth_usd_per_hour"], 4),
         "idle_share": round(cost["idle_share"], 4),
-    }
-
-
-def preference_figures(evaluation: dict) -> dict:
-    """Reward accuracy and margin of the tuned model and of its base on the held-out pairs; None for a chat run."""
-    if evaluation["metric_name"] != PREFERENCE_METRIC:
-        return dict.fromkeys(("reward_accuracy", "reward_margin", "base_reward_accuracy", "base_reward_margin"))
-    return {
-        "reward_accuracy": evaluation["finetuned_metric"],
-        "reward_margin": evaluation["finetuned_reward_margin"],
-        "base_reward_accuracy": evaluation["base_metric"],
-        "base_reward_margin": evaluation["base_reward_margin"],
     }
 
 

@@ -181,7 +181,9 @@ def eval_report(
         report = scorer.report(scores["base"], scores["fine-tuned"], gguf, gguf_label)
         verdict = ev.gate(scorer.metric, scores["base"].metric, scores["fine-tuned"].metric, gguf.metric if gguf else None,
                           config.min_improvement, config.max_gguf_drop)  # fmt: skip
-        stats = {**verdict.as_dict(), **report.stats, "gguf_file": shipped, "gguf_qtype": qtype, "examples": size}
+        stats = {
+            **verdict.as_dict(), **report.stats, "objective": objective.name, "gguf_file": shipped, "gguf_qtype": qtype, "examples": size,
+        }  # fmt: skip
         (m.out / "report.json").write_text(json.dumps({"stats": stats, "samples": report.samples}, indent=2))
         ref = m.publish(
             _delivery_prefix(m.partition, lora_adapter, "eval"), stats,

@@ -55,6 +55,7 @@ class Report:
 class Scorer(Protocol):
     metric: str  # the gate's metric
     unit: str  # what the eval set holds, for logs: "eval conversations", "eval pairs"
+    summary: dict[str, str]  # the objective's own keys of `ft-assets run --json` -> the eval_report stat they show
 
     def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int: ...
 
@@ -79,6 +80,7 @@ class ChatScorer:
     """SFT: the task metric on greedy answers, eval loss and perplexity on the packed eval shards."""
 
     unit = "eval conversations"
+    summary: dict[str, str] = {}  # the gate's keys say it all
 
     def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
         if metric not in ev.METRICS:
@@ -132,6 +134,10 @@ class PairScorer:
 
     metric = ev.PREFERENCE_METRIC
     unit = "eval pairs"
+    summary = {
+        "reward_accuracy": "finetuned_metric", "reward_margin": "finetuned_reward_margin",
+        "base_reward_accuracy": "base_metric", "base_reward_margin": "base_reward_margin",
+    }  # fmt: skip
 
     def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
         self.max_examples = max_examples
