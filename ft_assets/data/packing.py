@@ -27,6 +27,7 @@ packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer it
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -141,7 +142,8 @@ class ChatEncoder:
             raise ValueError("tokenized_shards needs a fast (Rust) tokenizer with offset mappings")
         if not tokenizer.chat_template:
             raise ValueError(
-                "the base model's tokenizer has no chat template; set one in its tokenizer_config.json"
+                "the base model's tokenizer has no chat template (a pretrained, non-instruct base?): set base_model's "
+                "chat_template to a named template (chatml, llama3, gemma, mistral, phi3) or the path of a Jinja file"
             )
         self.tokenizer = tokenizer
         self.special = [t for t in tokenizer.all_special_tokens if t]
@@ -151,12 +153,13 @@ class ChatEncoder:
         self.end_of_turn = self._probe_end_of_turn()
 
     def _probe_end_of_turn(self) -> str:
-        reply = "PROBE-REPLY-7f3a"
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "probe"}, {"role": "assistant", "content": reply}], tokenize=False
-        )
-        tail = text[text.index(reply) + len(reply) :]
-        return tail.rstrip()
+        """What the template writes after every reply: the text after a reply that both a last reply and one
+        followed by another turn start with (Phi-3 ends the conversation with eos after ``<|end|>``), stripped."""
+        reply, user = "PROBE-REPLY-7f3a", {"role": "user", "content": "probe"}
+        last = self._apply([user, {"role": "assistant", "content": reply}], False)
+        followed = self._apply([user, {"role": "assistant", "content": reply}, {"role": "user", "content": "PROBE-NEXT"}], False)
+        tails = [text[text.index(reply) + len(reply) :] for text in (last, followed)]
+        return os.path.commonprefix(tails).rstrip()
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
