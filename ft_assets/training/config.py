@@ -146,8 +146,9 @@ class TrainingConfig(BaseModel):
     attn_implementation: AttentionImplementation = Field(
         default="auto",
         description="Attention backend: 'auto' (flash_attention_2 if flash-attn is installed on a CUDA GPU, else "
-        "flex_attention on CUDA, else sdpa), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows "
-        "stay apart in all of them; flash and flex never build the per-head seq x seq score matrices of sdpa/eager.",
+        "flex_attention on CUDA, else sdpa; each only if the model's architecture accepts it, so Gemma 2 gets eager on "
+        "a CPU), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows stay apart in all of them; flash "
+        "and flex never build the per-head seq x seq score matrices of sdpa/eager.",
     )
     compile: bool = Field(
         default=False,

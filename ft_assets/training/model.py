@@ -93,33 +93,32 @@ def resolve_attention(requested: str, device: torch.device, model_class: type | 
     if requested == "flex_attention" and not usable[requested]:
         raise ValueError(
             f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
-            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
+            f"on {device.type}, torch {torch.__version__}); use 'auto'"
         )
     return requested
 
 
-def projection_names(model) -> list[str]:
-    """The names of the model's linear layers, its output head excepted, in module order: what LoRA adapts by default."""
+def linear_layers(model) -> list[str]:
+    """Full names of the model's linear layers, its output head (lm_head) excepted."""
     head = model.get_output_embeddings()
-    names: list[str] = []
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear) and module is not head and leaf not in names:
-            names.append(leaf)
-    return names
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head]
+
+
+def projection_names(model) -> list[str]:
+    """The distinct last names of ``linear_layers``, in module order: what LoRA adapts by default."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_layers(model)))
 
 
 def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
-    """The modules LoRA adapts: ``requested``, checked against the model's projections, or all of them when empty."""
-    available = projection_names(model)
+    """The modules LoRA adapts: ``requested`` (names or dotted suffixes, as peft matches them), or every projection when empty."""
     if not requested:
-        return available
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not model.get_output_embeddings()]
+        return projection_names(model)
+    linear = linear_layers(model)
     unknown = [target for target in requested if not any(name == target or name.endswith("." + target) for name in linear)]
     if unknown:
         raise ValueError(
             f"target_modules {unknown}: {type(model).__name__} has no such projection; its projections are "
-            f"{', '.join(available)}. List some of those, or leave target_modules empty to adapt all of them"
+            f"{', '.join(projection_names(model))}. List some of those, or leave target_modules empty to adapt all of them"
         )
     return list(requested)
 
