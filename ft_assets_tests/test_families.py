@@ -39,8 +39,7 @@ from ft_assets.training.model import (
     supported_attention,
 )
 from ft_assets.training.recipe import train
-from ft_assets_tests.families import FAMILIES
-from ft_assets_tests.families import build_family
+from ft_assets_tests.families import FAMILIES, build_family
 from ft_assets_tests.support import RUN, SEQ_LEN, chat_examples, write_shards
 from ft_assets_tests.support import training_config as config
 
@@ -203,6 +202,33 @@ def test_planner_reads_the_familys_config_json(family_dir, name):
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     assert shape.layer_linear_params == linear
     assert shape.tied_embeddings == (head.weight is model.get_input_embeddings().weight)
+
+
+# config.json excerpts of released models of each family, with the parameter count transformers builds from them
+RELEASED = {
+    "Llama-3.2-1B": ("LlamaConfig", 1_235_814_400, dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "Qwen2.5-0.5B": ("Qwen2Config", 494_032_768, dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "Qwen3-0.6B": ("Qwen3Config", 596_049_920, dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)),
+    "Mistral-7B-v0.3": ("MistralConfig", 7_248_023_552, dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=32768, tie_word_embeddings=False)),
+    "Gemma-2-2B": ("Gemma2Config", 2_614_341_888, dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True)),
+    "Phi-3-mini-4k": ("Phi3Config", 3_821_079_552, dict(hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_planner_counts_released_shapes_as_transformers_builds_them(name):
+    """The same at full size: the model is built on the meta device (no memory), from the config the planner reads."""
+    config_class, params, excerpt = RELEASED[name]
+    config = getattr(transformers, config_class)(**excerpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config.to_dict()).params == model.num_parameters() == params
 
 
 @pytest.mark.parametrize("name", NAMES)
