@@ -279,7 +279,8 @@ def lineage_refs() -> dict[str, dict]:
     for i, name in enumerate(LINEAGE_CHAIN):
         refs[name] = {"asset": name, "prefix": f"runs/t/v1/{name}", "uri": f"/store/runs/t/v1/{name}", "digest": f"{i:064x}", "created_at": 1000.0 + i,
                       "upstream": {LINEAGE_CHAIN[i - 1]: {"digest": f"{i - 1:064x}"}} if i else {}, "stats": {}}  # fmt: skip
-    refs["base_model"]["stats"] = {"model_id": "tiny", "source": "/m", "source_sha256": "ab" * 32}
+    refs["base_model"]["stats"] = {"model_id": "tiny", "source": "/m", "source_sha256": "ab" * 32,
+                                   "chat_template": {"setting": "gemma", "kind": "named", "sha256": "12" * 32}}  # fmt: skip
     refs["lora_adapter"].update({"training_config": {"lora_r": 16}, "checkpoint": {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}})
     refs["lora_adapter"]["stats"] = {"run_id": "r1", "method": "lora", "steps": 8, "resumed_from_step": None}
     refs["eval_report"]["stats"] = {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 0.9,

@@ -71,6 +71,7 @@ def test_lineage_names_every_upstream_artifact_and_hash():
     assert all(len(a["digest"]) == 64 for a in lineage["artifacts"])
     assert lineage["artifacts"][1]["upstream"] == {"raw_dataset": f"{0:064x}"}
     assert lineage["base_model"]["source_sha256"] == "ab" * 32
+    assert lineage["base_model"]["chat_template"] == {"setting": "gemma", "kind": "named", "sha256": "12" * 32}  # base_model.chat_template
     assert lineage["training"]["checkpoint"] == {"key": "runs/t/v1/train/r1/checkpoint-00000008", "digest": "ef" * 32}
     assert lineage["gguf"]["m-f16.gguf"]["sha256"] == "cd" * 32
     assert (lineage["eval"]["gguf_file"], lineage["eval"]["gguf_metric"]) == ("m-q8_0.gguf", 0.85)  # what ships, as scored

@@ -64,7 +64,7 @@ def test_lora_params_are_r_times_in_plus_out_per_projection():
     # Llama-2-7B, all seven projections: 4 x (4096 + 4096) + 3 x (4096 + 11008) = 78,080 per rank and layer
     assert lora_params(LLAMA7, 16) == 78_080 * 16 * 32 == 39_976_960
     assert lora_params(LLAMA7, 8, ("q_proj", "v_proj")) == 2 * 8192 * 8 * 32  # PEFT's Llama default targets
-    with pytest.raises(ValueError, match="subset of"):
+    with pytest.raises(ValueError, match=r"target_modules \['c_attn'\]: Llama-2-7B has no such projection; its projections are q_proj, "):
         lora_params(LLAMA7, 8, ("c_attn",))
 
 

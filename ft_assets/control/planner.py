@@ -1,7 +1,7 @@
 """training_plan: how much GPU memory a fine-tune needs, which rented GPU to run it on, how long, what cost.
 
 Before a training run rents anything, the planner estimates peak VRAM from the base model's shape
-(``ModelShape``, read from its config.json), picks the cheapest GPU offering of the cost model that
+(``ModelShape``, read from its config.json by ``model_shape.py``), picks the cheapest GPU offering of the cost model that
 fits, chooses spot or on-demand from the run's purpose, and prices the run from the token count.
 
 Peak VRAM (``estimate_vram``), bytes, for N parameters, L layers, hidden h, query width q = heads x
@@ -70,18 +70,17 @@ delivery rents no GPU (merge and export run on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from ft_assets.control.cost_model import GIB, CostModel, GpuOffering, RentalMode
-from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS, AttentionImplementation, Method
+from ft_assets.control.model_shape import ModelShape, lora_params, lora_targets_of
+from ft_assets.training.config import AttentionImplementation, Method
 from ft_assets.training.loss import chunk_tokens
 
 Purpose = Literal["experiment", "validation", "delivery"]
 METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
-
-LORA_TARGETS = tuple(ATTENTION_AND_MLP_PROJECTIONS)  # the training default: every projection
 
 BF16_BYTES = 2  # frozen LoRA base and every activation
 FP32_BYTES = 4  # full FT's master weights and grads; LoRA adapters (PEFT upcasts them to fp32) and their grads;
@@ -95,111 +94,6 @@ CUDA_CONTEXT_GIB = 0.6  # measured on the H200 (CUDA 13 driver, lazy module load
 ALLOCATOR_SLACK = 0.04  # reserved over allocated (block rounding, fragmentation), fitted on the H200 run
 DENSE_SCORE_ATTENTION = ("sdpa", "eager")  # packed rows get a dense block mask: per-head seq x seq scores
 LossPath = Literal["chunked", "full"]
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a Llama-style decoder (Llama, Mistral, Qwen2/3, Gemma: gated SwiGLU MLP).
-
-    ``params`` is computed from the dimensions when not given; for the reference models it matches
-    the published counts exactly (Llama-2-7B 6,738,415,616; Qwen2.5-0.5B 494,032,768).
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    intermediate: int
-    head_dim: int | None = None  # hidden // heads unless the config says otherwise
-    tied_embeddings: bool = False  # lm_head shares the input embedding matrix
-    qkv_bias: bool = False  # Qwen2 has biases on q/k/v (a 0.01% effect, counted for exact params)
-    params: int | None = None  # total parameters; computed from the dimensions when None
-    name: str = ""
-
-    def __post_init__(self):
-        for attr in ("layers", "hidden", "heads", "kv_heads", "vocab", "intermediate"):
-            if not isinstance(getattr(self, attr), int) or getattr(self, attr) < 1:
-                raise ValueError(f"ModelShape.{attr} must be a positive integer (got {getattr(self, attr)!r})")
-        if self.head_dim is None:
-            if self.hidden % self.heads:
-                raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}; give head_dim")
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-        if self.params is None:
-            object.__setattr__(self, "params", self._count_params())
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer of one decoder layer."""
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    @property
-    def layer_linear_params(self) -> int:
-        """Weights of the decoder layers' linear projections: what QLoRA quantizes to NF4."""
-        return self.layers * sum(a * b for a, b in self.projections().values())
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (the input embedding is a lookup)."""
-        return self.params - (0 if self.tied_embeddings else self.embedding_params)
-
-    def _count_params(self) -> int:
-        per_layer = sum(a * b for a, b in self.projections().values()) + 2 * self.hidden  # + 2 RMSNorms
-        if self.qkv_bias:
-            per_layer += self.q_dim + 2 * self.kv_dim
-        embeddings = self.embedding_params * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + embeddings + self.hidden  # + final norm
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], name: str = "", params: int | None = None) -> ModelShape:
-        """Build from a transformers config.json (as a dict). Multimodal configs: their ``text_config``."""
-        if isinstance(config.get("text_config"), Mapping):
-            config = config["text_config"]
-        moe = [key for key in MOE_KEYS if config.get(key)]
-        if moe:
-            raise ValueError(f"mixture-of-experts config ({', '.join(moe)}): the estimate covers dense models only")
-        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        missing = [key for key in required if key not in config]
-        if missing:
-            raise ValueError(
-                f"config.json of {name or 'the base model'} lacks {', '.join(missing)}: the estimate needs a "
-                f"Llama-style decoder config with {', '.join(required)}"
-            )
-        heads = int(config["num_attention_heads"])
-        return cls(
-            layers=int(config["num_hidden_layers"]),
-            hidden=int(config["hidden_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            vocab=int(config["vocab_size"]),
-            intermediate=int(config["intermediate_size"]),
-            head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            params=params,
-            name=name or str(config.get("_name_or_path") or config.get("model_type") or ""),
-        )
-
 
 @dataclass(frozen=True)
 class VramEstimate:
@@ -236,15 +130,6 @@ class VramEstimate:
         return f"{self.total_gib:.1f} GiB ({shown})"
 
 
-def lora_params(shape: ModelShape, lora_r: int, lora_targets: Sequence[str] = LORA_TARGETS) -> int:
-    """Trainable LoRA parameters: r x (in + out) per adapted projection per layer."""
-    projections = shape.projections()
-    unknown = sorted(set(lora_targets) - set(projections))
-    if unknown or not lora_targets:
-        raise ValueError(f"lora_targets {sorted(lora_targets)} must be a non-empty subset of {list(projections)}")
-    return shape.layers * sum(lora_r * sum(projections[name]) for name in lora_targets)
-
-
 def estimate_vram(
     shape: ModelShape,
     method: Method,
@@ -252,7 +137,7 @@ def estimate_vram(
     micro_batch: int,
     grad_checkpointing: bool,
     lora_r: int = 16,
-    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_targets: Sequence[str] = (),
     lora_dropout: float = 0.05,
     attention: AttentionImplementation = "auto",
     loss: LossPath = "chunked",
@@ -291,7 +176,9 @@ def estimate_vram(
         optimizer = ADAMW_STATE_BYTES * trainable
         saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if lora_dropout > 0 else 0)
         projections = shape.projections()
-        per_layer_token += sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets)
+        per_layer_token += sum(
+            saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets)
+        )
 
     layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
@@ -470,7 +357,7 @@ def plan_training(
     data_region: str | None = None,
     *,
     lora_r: int = 16,
-    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_targets: Sequence[str] = (),
     lora_dropout: float = 0.05,
     resumable: bool = True,
     attention: AttentionImplementation = "auto",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import re
 import tempfile
 from collections import deque
@@ -138,22 +139,35 @@ class ChatEncoder:
             raise ValueError("tokenized_shards needs a fast (Rust) tokenizer with offset mappings")
         if not tokenizer.chat_template:
             raise ValueError(
-                "the base model's tokenizer has no chat template; set one in its tokenizer_config.json"
+                "the base model's tokenizer has no chat template (a pretrained, non-instruct base?): set base_model's "
+                "chat_template to a named template (chatml, llama3, gemma, mistral, phi3) or the path of a Jinja file"
             )
         self.tokenizer = tokenizer
-        self.special = [t for t in tokenizer.all_special_tokens if t]
+        # bos/eos/pad/… and every added token marked special (Llama 3's header tokens, Phi-3's role tokens): text
+        # holding one would be encoded as that token, forging a turn
+        added = [str(t) for t in tokenizer.added_tokens_decoder.values() if t.special]
+        self.special = sorted({t for t in [*tokenizer.all_special_tokens, *added] if t})
         self._special_starts = {t[0] for t in self.special}  # a text holding none of these holds no special token
         self._verbatim = template_inserts_content_verbatim(tokenizer.chat_template)
         self._layouts: dict[tuple[tuple[str, ...], bool], _Layout | None] = {}
         self.end_of_turn = self._probe_end_of_turn()
 
     def _probe_end_of_turn(self) -> str:
-        reply = "PROBE-REPLY-7f3a"
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "probe"}, {"role": "assistant", "content": reply}], tokenize=False
-        )
-        tail = text[text.index(reply) + len(reply) :]
-        return tail.rstrip()
+        """What the template writes after every reply: the text that follows both a last reply and one followed
+        by another turn, cut before any special token it would split, stripped. (Phi-3 ends a conversation
+        with ``<|end|>\n`` + eos, a middle reply with ``<|end|>\n<|user|>``: the marker is ``<|end|>``.)"""
+        reply, user = "PROBE-REPLY-7f3a", {"role": "user", "content": "probe"}
+        last = self._apply([user, {"role": "assistant", "content": reply}], False)
+        followed = self._apply([user, {"role": "assistant", "content": reply}, {"role": "user", "content": "PROBE-NEXT"}], False)
+        tails = [text[text.index(reply) + len(reply) :] for text in (last, followed)]
+        common = os.path.commonprefix(tails)
+        for tail, token in itertools.product(tails, self.special):
+            start = tail.find(token) if token else -1
+            while 0 <= start < len(common):
+                if start + len(token) > len(common):
+                    common = common[:start]
+                start = tail.find(token, start + 1)
+        return common.rstrip()
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

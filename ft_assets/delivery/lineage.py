@@ -74,6 +74,7 @@ def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> 
             "model_id": base["stats"]["model_id"],
             "source": base["stats"]["source"],
             "source_sha256": base["stats"]["source_sha256"],
+            "chat_template": base["stats"].get("chat_template"),  # the base's own, or base_model.chat_template's (named / file)
             "digest": base["digest"],
         },
         "training": {

@@ -24,6 +24,8 @@ from ft_assets.plots import line_chart
 from ft_assets.refs import make_ref, read_ref
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
+from ft_assets.training import chat_templates
+from ft_assets.training.chat_templates import ChatTemplateError
 from ft_assets.training.checkpoints import run_id
 from ft_assets.objectives import Objective
 from ft_assets.training.config import TrainingConfig
@@ -49,6 +51,13 @@ class BaseModelConfig(dg.Config):
     trust_remote_code: bool = Field(
         default=False, description="Allow model code from the source repository to run (off unless you trust it)."
     )
+    chat_template: str = Field(
+        default="",
+        description="Chat template for a base that ships none (a pretrained, non-instruct base; a GGUF without one): "
+        "chatml, llama3, gemma, mistral, phi3, or the path of a Jinja file. Written into the base model's tokenizer, "
+        "so training, the merged model, the GGUF and the published tokenizer use it; recorded in the lineage. Empty: the "
+        "base's own template (a base without one is refused, naming the templates its vocabulary fits).",
+    )
 
 
 @dg.asset(
@@ -63,11 +72,12 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     started = time.perf_counter()
     try:
         source = bm.resolve_source(config.source)
+        template = chat_templates.choose(config.chat_template) if config.chat_template else None
         fingerprint = bm.source_fingerprint(source)
-    except bm.BaseModelError as exc:
+    except (bm.BaseModelError, ChatTemplateError) as exc:
         raise dg.Failure(str(exc)) from exc
     objects = store.open()
-    prefix = layout.base_model(bm.model_slug(source), fingerprint)
+    prefix = layout.base_model(bm.model_slug(source), bm.artifact_digest(fingerprint, template))
     try:
         manifest = read_manifest(objects, prefix)
         verify_artifact(objects, manifest)
@@ -84,10 +94,12 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
                     log=context.log.info,
                     trust_remote_code=config.trust_remote_code,
                 )
-            except bm.BaseModelError as exc:
+                chat_template = bm.settle_chat_template(work / "model", template, source.model_id, log=context.log.info)
+            except (bm.BaseModelError, ChatTemplateError) as exc:
                 raise dg.Failure(str(exc)) from exc
             summary = bm.describe(work / "model")
-            manifest = publish_dir(objects, prefix, work / "model", meta={"model_id": source.model_id, **summary})
+            meta = {"model_id": source.model_id, "chat_template": chat_template, **summary}
+            manifest = publish_dir(objects, prefix, work / "model", meta=meta)
     summary = {k: v for k, v in manifest.meta.items() if k != "config"}
     ref = make_ref(
         objects,
@@ -107,6 +119,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
             "parameters": dg.MetadataValue.int(summary.get("parameters") or 0),
             "architecture": str(summary.get("architecture")),
             "source_sha256": fingerprint,
+            "chat_template": dg.MetadataValue.json(summary.get("chat_template") or {}),
             "cached": cached,
             "duration_s": round(time.perf_counter() - started, 3),
         },

