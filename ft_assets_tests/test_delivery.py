@@ -1,9 +1,10 @@
 import json
+import types
 
 import pytest
 import torch
 
-from ft_assets.delivery.evaluate import EvalExample, eval_examples, exact_match, rouge_l, token_f1
+from ft_assets.delivery.evaluate import EvalExample, eval_examples, exact_match, rouge_l, stop_tokens, token_f1
 from ft_assets.delivery.merge import merge_adapter
 from ft_assets.delivery.lineage import LINEAGE_CHAIN, build_lineage
 from ft_assets.delivery.publish import hub_upload_plan, push_to_hub
@@ -92,3 +93,16 @@ def test_hub_dry_run_lists_files_and_never_needs_a_token(tmp_path):
     assert hub_upload_plan(tmp_path) == ["gguf/m.gguf", "lineage.json"]
     with pytest.raises(ValueError, match="HF_TOKEN"):
         push_to_hub(tmp_path, "me/model", token=None, dry_run=False)
+
+
+STOP_CASES = [  # generation config's eos ids -> where eval answers stop (the tokenizer's eos is 4)
+    ("none configured", None, [4]),
+    ("the same eos", 4, [4]),
+    ("an end-of-turn token beside eos (Gemma, Phi-3)", [7, 4], [4, 7]),
+]
+
+
+@pytest.mark.parametrize("case, configured, expected", STOP_CASES, ids=[c[0] for c in STOP_CASES])
+def test_eval_answers_stop_at_every_end_of_turn_token(case, configured, expected):
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=configured))
+    assert stop_tokens(model, types.SimpleNamespace(eos_token_id=4)) == expected

@@ -86,6 +86,14 @@ def eval_examples(rows: list[dict], limit: int) -> list[EvalExample]:
     return examples
 
 
+def stop_tokens(model, tokenizer) -> list[int]:
+    """Where an answer ends: the tokenizer's eos and every end-of-turn id of the model's generation config
+    (Gemma's <end_of_turn> beside <eos>, Phi-3's <|end|> beside <|endoftext|>)."""
+    configured = model.generation_config.eos_token_id
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({token for token in [tokenizer.eos_token_id, *configured] if token is not None})
+
+
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
     """Greedy answers for chat prompts, in left-padded batches."""
     import torch
@@ -107,7 +115,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, l
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stop_tokens(model, tokenizer),
             )
         new_tokens = output[:, batch["input_ids"].shape[1] :]
         answers.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
