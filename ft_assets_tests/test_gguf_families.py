@@ -1,0 +1,63 @@
+"""GGUF for every family of the matrix, in llama.cpp itself: one table, one test body.
+
+Each family of ``ft_assets_tests.families`` (Llama 3 untied and tied with llama3 RoPE, Qwen2.5, Qwen3,
+Mistral, Gemma 2, Gemma 3, Phi-3) is written as F16 and Q8_0 by llama.cpp's converter
+(``ft_assets.delivery.converter``; one child process for all of them, ~10 s to import torch there)
+and as Q4_K_M by llama.cpp's quantizer on the F16 file, as ``gguf_model`` makes them. Every file is
+then loaded in llama.cpp (llama-cpp-python) and must give the HF tokenizer's token ids on the hard
+strings (digits, whitespace runs, emoji, code, special tokens, chat-rendered prompts), logits within
+``LLAMACPP_TOLERANCES`` of transformers', and (F16) greedy continuations equal token for token except
+where transformers' own top two logits were a near-tie (``llamacpp.check_file``). The tiny models have
+hidden 128 and feed-forward 256: only ``ffn_down`` (rows of 256) can hold K blocks, so Q4_K_M holds real
+Q4_K/Q6_K blocks there and llama.cpp's fallbacks (Q5_0, Q8_0) elsewhere; the test asserts the K blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ft_assets.delivery import llamacpp
+from ft_assets.delivery.converter import convert_many
+from ft_assets.delivery.gguf_export import file_entry, tensor_types
+from ft_assets_tests.families import FAMILIES, build_family
+
+CONVERTED = ("f16", "q8_0")
+K_QUANT = "q4_k_m"
+QTYPES = (*CONVERTED, K_QUANT)
+# Bound on llama.cpp's relative logit error against transformers, per type, on these tiny models. F16 also
+# carries llama.cpp's F16 KV cache (measured 0.6e-3 - 2.8e-3); Q8_0 measured up to ~1.5e-2; Q4_K_M ~0.1.
+LLAMACPP_TOLERANCES = {"f16": 5e-3, "q8_0": 4e-2, "q4_k_m": 0.25}
+# A name without "phi3": llama.cpp gives Phi-3 SentencePiece token attributes by general.name (converter.py).
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, dict]:
+    """family -> {"dir": model dir, "files": qtype -> file_entry}, every family converted in one child process."""
+    root = tmp_path_factory.mktemp("gguf-families")
+    dirs = {family.name: build_family(family.name, root / family.name) for family in FAMILIES}
+    convert_many([(dirs[f], NAME, qtype, root / f"{f}-{qtype}.gguf") for f in dirs for qtype in CONVERTED])
+    result = {}
+    for name, model_dir in dirs.items():
+        files = {qtype: file_entry(root / f"{name}-{qtype}.gguf", qtype, tensor_types(root / f"{name}-{qtype}.gguf")) for qtype in CONVERTED}
+        files[K_QUANT] = llamacpp.quantize(files["f16"]["path"], root / f"{name}-{K_QUANT}.gguf", K_QUANT)
+        result[name] = {"dir": model_dir, "files": files}
+    return result
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_family_gguf_loads_in_llamacpp_and_answers_like_transformers(exported, family):
+    ref = llamacpp.reference(exported[family]["dir"])
+    files = exported[family]["files"]
+    for qtype in QTYPES:
+        check = llamacpp.check_file(files[qtype]["path"], ref)
+        assert check["tokens_match"], (qtype, check["token_mismatches"])
+        assert check["rel_error"] <= LLAMACPP_TOLERANCES[qtype], (qtype, check)
+        if qtype == "f16":
+            assert check["top1_agreement"] >= 0.95, check
+            assert check["greedy_match"] + check["greedy_near_ties"] == check["greedy_prompts"], check
+            assert check["greedy_match"] >= check["greedy_prompts"] - 1, check
+    assert all(len(set(c)) > 3 for c in ref.continuations), "continuations that repeat a token would prove little"
+    k_types = files[K_QUANT]["tensor_types"]
+    assert k_types.get("Q4_K", 0) + k_types.get("Q6_K", 0) == 2, k_types  # ffn_down of both layers
+    assert files[K_QUANT]["bytes"] < files["q8_0"]["bytes"] < files["f16"]["bytes"]
