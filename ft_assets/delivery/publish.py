@@ -4,8 +4,9 @@ A published run lives at ``registry/<name>/<version>/<run>/`` and is never overw
 is a hash of the data, base model and training config, so the same id always means the same model,
 and a second publish of it is a no-op. ``lineage.json`` names every artifact the model came from —
 dataset version, each data-plane artifact, base model, checkpoint, adapter, merged weights, GGUF
-files — with its manifest digest, plus the training config, eval figures and the code version, so
-the chain can be checked from the store alone (``ft-assets lineage``).
+files (or, in ``gguf_reason``, why there are none) — with its manifest digest, plus the training
+config, eval figures and the code version, so the chain can be checked from the store alone
+(``ft-assets lineage``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> 
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
         },
         "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
-        "gguf": gguf["stats"]["files"],
+        "gguf": gguf["stats"]["files"],  # {} when none was made
+        "gguf_reason": gguf["stats"].get("reason"),  # why not, in one line (qtypes: [], a model llama.cpp cannot take)
         "artifacts": [
             {
                 "asset": name,
