@@ -24,9 +24,11 @@ from ft_assets_tests.families import FAMILIES, build_family
 CONVERTED = ("f16", "q8_0")
 K_QUANT = "q4_k_m"
 QTYPES = (*CONVERTED, K_QUANT)
-# Bound on llama.cpp's relative logit error against transformers, per type, on these tiny models. F16 also
-# carries llama.cpp's F16 KV cache (measured 0.6e-3 - 2.8e-3); Q8_0 measured up to ~1.5e-2; Q4_K_M ~0.1.
-LLAMACPP_TOLERANCES = {"f16": 5e-3, "q8_0": 4e-2, "q4_k_m": 0.25}
+# Bound on llama.cpp's relative logit error against transformers, per type, on these tiny models (random weights of
+# std 0.2: sharp logits that magnify rounding). Measured maxima over the 8 families (python -m benchmarks.gguf_families):
+# F16 2.8e-3 (it also carries llama.cpp's F16 KV cache), Q8_0 5.5e-2, Q4_K_M 0.36 (mostly Q5_0 fallbacks, rows of 128).
+# F16 and Q8_0 are held to what gguf_model holds them to (gguf_export.TOLERANCES); a mis-laid tensor lands near 1.
+LLAMACPP_TOLERANCES = {"f16": 5e-3, "q8_0": 8e-2, "q4_k_m": 0.5}
 # A name without "phi3": llama.cpp gives Phi-3 SentencePiece token attributes by general.name (converter.py).
 NAME = "tiny"
 
@@ -49,14 +51,15 @@ def exported(tmp_path_factory) -> dict[str, dict]:
 def test_family_gguf_loads_in_llamacpp_and_answers_like_transformers(exported, family):
     ref = llamacpp.reference(exported[family]["dir"])
     files = exported[family]["files"]
-    for qtype in QTYPES:
-        check = llamacpp.check_file(files[qtype]["path"], ref)
+    checks = {qtype: llamacpp.check_file(files[qtype]["path"], ref) for qtype in QTYPES}
+    for qtype, check in checks.items():
         assert check["tokens_match"], (qtype, check["token_mismatches"])
         assert check["rel_error"] <= LLAMACPP_TOLERANCES[qtype], (qtype, check)
-        if qtype == "f16":
-            assert check["top1_agreement"] >= 0.95, check
-            assert check["greedy_match"] + check["greedy_near_ties"] == check["greedy_prompts"], check
-            assert check["greedy_match"] >= check["greedy_prompts"] - 1, check
+    assert [checks[q]["rel_error"] for q in QTYPES] == sorted(checks[q]["rel_error"] for q in QTYPES)  # fewer bits, more error
+    f16 = checks["f16"]
+    assert f16["top1_agreement"] >= 0.95, f16
+    assert f16["greedy_match"] + f16["greedy_near_ties"] == f16["greedy_prompts"], f16  # any parting is at a near-tie
+    assert f16["greedy_match"] >= f16["greedy_prompts"] - 1, f16
     assert all(len(set(c)) > 3 for c in ref.continuations), "continuations that repeat a token would prove little"
     k_types = files[K_QUANT]["tensor_types"]
     assert k_types.get("Q4_K", 0) + k_types.get("Q6_K", 0) == 2, k_types  # ffn_down of both layers
