@@ -8,7 +8,8 @@ hard strings, logits and greedy continuations of chat prompts) and ``check_file`
 file with it, through llama.cpp: a wrong ``tokenizer.ggml.pre``, a missing key or a mis-laid tensor
 shows up here even when transformers' own GGUF reader, which ignores those keys, loads the file fine.
 
-K-quants (Q4_K_M, Q5_K_M, Q6_K) are written by ``llama_model_quantize`` from the f16 file, with
+Q4_0 and the K-quants (Q4_K_M, Q5_K_M, Q6_K) are written by ``llama_model_quantize`` from the f16 file
+(which llama.cpp's converter writes, ``ft_assets.delivery.converter``), with
 ``llama_model_quantize_default_params()``, as ``llama-quantize`` does. Their 256-value super-blocks
 need rows whose length is a multiple of 256: for a tensor whose rows are not, llama.cpp falls back per
 tensor (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; ``tensor_type_fallback`` in its
@@ -20,7 +21,8 @@ runtimes" table; llama-cpp-python 0.3.36, llama.cpp built from source on this 2-
 (F16, Q8_0, Q4_K_M, Q5_K_M, Q6_K) loads and gives the HF tokenizer's ids on all 15 strings; F16's logits
 are within 1.9e-3 (relative) of transformers' and its greedy output equal on 5 of 5 prompts, Q8_0's
 within 4.8e-2 (3 of 5 equal, the others parting at near-ties); the K-quants of this model, mostly
-fallbacks (rows of 576), 0.07-0.27.
+fallbacks (rows of 576), 0.07-0.27. Per family (``python -m benchmarks.gguf_families``): the README's
+"GGUF by family".
 """
 
 from __future__ import annotations
