@@ -6,7 +6,8 @@ For every family of ``ft_assets_tests.families`` (2 layers, hidden 128, random w
 F16 and Q8_0 written by llama.cpp's converter, Q4_0 and the three K-quants by its quantizer from the F16
 file (as ``gguf_model`` makes them), each loaded in llama.cpp and checked against transformers with
 ``llamacpp.check_file``: token ids on the hard strings, relative logit error, top-1 agreement, greedy
-continuations equal (and the ones that part at a near-tie of transformers' own top two logits). Writes
+continuations equal (and the ones that part at a near-tie of transformers' own top two logits); and the
+F16 file through transformers' own GGUF reader, the second reader ``gguf_model`` records. Writes
 ``benchmarks/results/gguf_families.json``; the README's "GGUF by family" table quotes it, and
 ``ft_assets_tests/test_gguf_families.py`` holds F16, Q8_0 and Q4_K_M to the tolerances it set.
 """
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ft_assets.delivery import llamacpp
     from ft_assets.delivery.converter import convert_many
-    from ft_assets.delivery.gguf_export import file_entry, tensor_types
+    from ft_assets.delivery.gguf_export import file_entry, tensor_types, verify_gguf
     from ft_assets_tests.families import FAMILIES, build_family
 
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -53,17 +54,25 @@ def main(argv: list[str] | None = None) -> dict:
                 "token_mismatches": len(check["token_mismatches"]),
             }  # fmt: skip
             print(f"{name} {qtype}: {results[name]['files'][qtype]}", file=sys.stderr, flush=True)
+        try:  # the second reader gguf_model records: transformers' own GGUF loader, on the F16 file
+            report = verify_gguf(dirs[name], files["f16"]["path"], "f16")
+            results[name]["transformers_f16"] = {k: report[k] for k in ("rel_error", "tokens_match", "ok")}
+        except (ValueError, KeyError, RuntimeError, NotImplementedError, OSError) as exc:
+            results[name]["transformers_f16"] = {"error": " ".join(str(exc).split())[:200]}
         r = results[name]["files"]
+        second = results[name]["transformers_f16"]
         rows.append(
             [name, f"{len(ref.strings) - r['f16']['token_mismatches']}/{len(ref.strings)}"]
             + [f"{r[q]['rel_error']:.1e}" for q in ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")]
             + [f"{r['f16']['greedy_match']}/{r['f16']['greedy_prompts']} (+{r['f16']['greedy_near_ties']} near-tie)"]
             + [str(all(f["tokens_match"] for f in r.values()))]
+            + [f"{second['rel_error']:.1e}" if "rel_error" in second else "cannot load"]
         )
     print(f"llama-cpp-python {llama_cpp.__version__}; converter for all families in one process: {convert_s:.1f} s")
     print(
         table(
-            ["family", "token ids equal (F16)", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "F16 greedy equal", "all types: ids equal"],
+            ["family", "token ids equal (F16)", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "F16 greedy equal", "all types: ids equal",
+             "transformers' reader, F16"],
             rows,
         )
     )

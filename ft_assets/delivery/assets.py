@@ -160,20 +160,30 @@ def _checked_gguf(context, merged_dir: Path, path: Path, written: dict, referenc
         "qtype": written["qtype"], "bytes": written["bytes"], "sha256": written["sha256"], "tensor_types": written["tensor_types"],
         "llamacpp": {k: v for k, v in check.items() if k != "token_mismatches"},
     }  # fmt: skip
-    if verify and written["qtype"] in SUPPORTED_QTYPES:  # a second reader: transformers' own GGUF loader
-        report = verify_gguf(merged_dir, path, written["qtype"])
-        entry["transformers"] = {k: report[k] for k in ("rel_error", "top1_agreement", "tolerance", "tokens_match", "ok")}
-        if not report["ok"]:
-            raise dg.Failure(
-                f"{path.name} does not reproduce the merged model under transformers: rel_error {report['rel_error']:.4f} (tolerance "
-                f"{report['tolerance']}), tokens match {report['tokens_match']}, chat template {report['chat_template_match']}",
-                metadata={k: str(v) for k, v in report.items()},
-            )
+    if verify and written["qtype"] in SUPPORTED_QTYPES:
+        entry["transformers"] = _second_reader(context, merged_dir, path, written["qtype"], check["rel_error"])
     context.log.info(
         f"{path.name}: {written['bytes'] / 1e6:.1f} MB {written['tensor_types']}; llama.cpp rel. logit error {check['rel_error']:.2e}, "
         f"greedy equal on {check['greedy_match']}/{check['greedy_prompts']} prompts ({check['greedy_near_ties']} more part at a near-tie)"
     )
     return entry
+
+
+def _second_reader(context, merged_dir: Path, path: Path, qtype: str, llamacpp_rel_error: float) -> dict:
+    """transformers' own GGUF reader on the file, recorded beside llama.cpp's check but not a gate: it reads Llama 3's
+    RoPE scaling, Gemma 2/3 and Qwen3 files differently from llama.cpp (python -m benchmarks.gguf_families), and
+    llama.cpp is the runtime the file ships to."""
+    try:
+        report = verify_gguf(merged_dir, path, qtype)
+    except (ValueError, KeyError, RuntimeError, NotImplementedError, OSError) as exc:  # an architecture its reader lacks
+        context.log.warning(f"{path.name}: transformers' GGUF reader cannot load it: {' '.join(str(exc).split())[:300]}")
+        return {"error": " ".join(str(exc).split())[:300]}
+    if not report["ok"]:
+        context.log.warning(
+            f"{path.name}: transformers' GGUF reader gives rel. logit error {report['rel_error']:.2e} (tolerance {report['tolerance']}), "
+            f"tokens match {report['tokens_match']}; llama.cpp gives {llamacpp_rel_error:.2e}"
+        )
+    return {k: report[k] for k in ("rel_error", "top1_agreement", "tolerance", "tokens_match", "ok")}
 
 
 @dg.asset(**DELIVERY, kinds={"pytorch", "llama", "json", STORE_KIND})

@@ -18,7 +18,9 @@ class GgufConfig(dg.Config):
         ),
     )
     verify: bool = Field(
-        default=True, description="Also load each f32/f16/q8_0 file back with transformers' GGUF reader and compare logits with the merged model."
+        default=True,
+        description="Also load each f32/f16/q8_0 file with transformers' GGUF reader and record its logit error against the merged "
+        "model (a second reader, not a gate: llama.cpp's check is).",
     )
     ship: str = Field(
         default="auto",
