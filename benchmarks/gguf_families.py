@@ -7,7 +7,8 @@ F16 and Q8_0 written by llama.cpp's converter, Q4_0 and the three K-quants by it
 file (as ``gguf_model`` makes them), each loaded in llama.cpp and checked against transformers with
 ``llamacpp.check_file``: token ids on the hard strings, relative logit error, top-1 agreement, greedy
 continuations equal (and the ones that part at a near-tie of transformers' own top two logits); and the
-F16 file through transformers' own GGUF reader, the second reader ``gguf_model`` records. Writes
+F16 file through transformers' own GGUF reader, the second reader ``gguf_model`` records; and the Gemma 3
+F16 file without the layer pattern ``converter.py`` writes. Writes
 ``benchmarks/results/gguf_families.json``; the README's "GGUF by family" table quotes it, and
 ``ft_assets_tests/test_gguf_families.py`` holds F16, Q8_0 and Q4_K_M to the tolerances it set.
 """
@@ -21,6 +22,23 @@ from benchmarks.common import cache_dir, table, write_result
 
 CONVERTED = ("f16", "q8_0")
 QUANTIZED = ("q4_0", "q4_k_m", "q5_k_m", "q6_k")
+
+
+def without_layer_pattern(path, ref) -> dict:
+    """llama.cpp's check of a Gemma 3 file with ``attention.sliding_window_pattern`` removed (converter.py's fix 3 undone)."""
+    import os
+    import subprocess
+
+    from ft_assets.delivery import converter, llamacpp
+
+    where, stripped = converter.location(), path.with_name("gemma3-f16-no-pattern.gguf")
+    subprocess.run(
+        [sys.executable, str(where / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"), "--force",
+         "--remove-metadata", "gemma3.attention.sliding_window_pattern", str(path), str(stripped)],
+        env={**os.environ, "PYTHONPATH": str(where / "gguf-py")}, check=True, capture_output=True,
+    )  # fmt: skip
+    check = llamacpp.check_file(stripped, ref)
+    return {k: check[k] for k in ("rel_error", "top1_agreement", "greedy_match")}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
             + [str(all(f["tokens_match"] for f in r.values()))]
             + [f"{second['rel_error']:.1e}" if "rel_error" in second else "cannot load"]
         )
+    results["gemma3"]["f16_without_layer_pattern"] = without_layer_pattern(work / "gemma3-f16.gguf", llamacpp.reference(dirs["gemma3"]))
     print(f"llama-cpp-python {llama_cpp.__version__}; converter for all families in one process: {convert_s:.1f} s")
+    print(f"gemma3 F16 without its layer pattern: {results['gemma3']['f16_without_layer_pattern']}")
     print(
         table(
             ["family", "token ids equal (F16)", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "F16 greedy equal", "all types: ids equal",
