@@ -73,8 +73,9 @@ LLAMA3_REGEX = (
 QWEN2_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 SPLIT_NAMES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 IGNORE_MERGES = {"llama-bpe"}  # names under which llama.cpp takes a whole word found in the vocabulary before merging
-# Qwen2's tokenizer NFC-normalizes; llama.cpp does not normalize at all, and is trusted to for Qwen (whose hash it
-# lists): text already in NFC, nearly all text, tokenizes the same. Any other normalizer is refused.
+# Qwen2's tokenizer NFC-normalizes; llama.cpp does not normalize, and its converter lists Qwen's hash all the same:
+# text already in NFC, nearly all text, tokenizes the same. Any other normalizer is refused.
+NORMALIZER_IGNORED = "NFC"
 # tokenizer.json model options of the tokenizers library that llama.cpp's BPE does not implement.
 BPE_OPTIONS_LLAMACPP_LACKS = ("dropout", "continuing_subword_prefix", "end_of_word_suffix")
 
@@ -184,7 +185,7 @@ def pre_tokenizer_name(tokenizer: dict) -> str:
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         problems.append(f"model {model.get('type')} (byte_fallback={model.get('byte_fallback')}) is not a byte-level BPE")
     problems += [f"model.{key} = {model[key]!r}" for key in BPE_OPTIONS_LLAMACPP_LACKS if model.get(key)]
-    if (tokenizer.get("normalizer") or {"type": "NFC"}).get("type") != "NFC":  # NFC: see the note on Qwen above
+    if (tokenizer.get("normalizer") or {"type": NORMALIZER_IGNORED}).get("type") != NORMALIZER_IGNORED:
         problems.append(f"a normalizer ({tokenizer['normalizer'].get('type')})")
     if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
         problems.append(f"decoder {(tokenizer.get('decoder') or {}).get('type')} is not ByteLevel")
