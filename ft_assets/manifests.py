@@ -63,8 +63,13 @@ def publish_dir(store: ObjectStore, prefix: str, local_dir: str | Path, meta: di
     Files already published at this prefix by an earlier attempt are overwritten; a reader never sees
     them as an artifact until the new manifest lands (the old manifest is removed first).
     """
-    local_dir = Path(local_dir)
     store.delete(join_key(prefix, MANIFEST))
+    return write_manifest(store, prefix, upload_files(store, prefix, local_dir), meta)
+
+
+def upload_files(store: ObjectStore, prefix: str, local_dir: str | Path) -> dict[str, dict]:
+    """Upload every file under ``local_dir`` to ``prefix`` (no manifest); their manifest entries by relative path."""
+    local_dir = Path(local_dir)
     files = {}
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(local_dir).as_posix()
@@ -72,6 +77,11 @@ def publish_dir(store: ObjectStore, prefix: str, local_dir: str | Path, meta: di
             continue
         files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
         store.put_file(join_key(prefix, rel), path)
+    return files
+
+
+def write_manifest(store: ObjectStore, prefix: str, files: dict[str, dict], meta: dict | None = None) -> Manifest:
+    """Commit the artifact at ``prefix``: the manifest of ``files`` (already in the store), written last."""
     manifest = Manifest(prefix=prefix, files=files, meta=meta or {}, created_at=time.time())
     store.put_json(join_key(prefix, MANIFEST), manifest.to_json())
     return manifest

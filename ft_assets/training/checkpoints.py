@@ -17,6 +17,14 @@ One checkpoint holds everything needed to continue bit-for-bit:
 | rng_state.pt          | python, numpy, torch CPU (+CUDA) RNG, one entry per rank | torch.save         |
 | trainer_state.json    | step, epoch, samples/tokens seen, loss history, timings | json               |
 
+Under FSDP (``parallelism: fsdp``) ``weights.safetensors`` and ``optimizer.pt`` are replaced by
+``sharded/``, a ``torch.distributed.checkpoint`` folder of the trainable weights and AdamW state
+(``.metadata`` + one ``__<rank>_0.distcp`` a rank), which loads back on any number of processes.
+Every rank uploads its own shard and leaves a receipt (``shards/rank-<r>.json``: its files, sizes and
+sha256); rank 0 writes the manifest, listing every rank's files, only once every receipt of this
+attempt is in the store. So a checkpoint whose shards are not all complete never looks complete,
+on one node or many (each node uploads from its own disk).
+
 Torch files are read back with ``torch.load(weights_only=True)``: a tampered checkpoint cannot run
 code, it is refused with ``UntrustedCheckpoint``. Weights never go through pickle at all.
 
@@ -50,7 +58,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ft_assets import layout
-from ft_assets.manifests import MANIFEST, ArtifactCorrupt, ArtifactNotFound, Manifest, fetch_artifact, publish_dir
+from ft_assets.manifests import (
+    MANIFEST,
+    ArtifactCorrupt,
+    ArtifactNotFound,
+    Manifest,
+    fetch_artifact,
+    publish_dir,
+    upload_files,
+    write_manifest,
+)
 from ft_assets.storage import ObjectStore, StoreError, join_key
 from ft_assets.training.config import TrainingConfig
 
@@ -59,6 +76,10 @@ OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG_STATE = "rng_state.pt"
 TRAINER_STATE = "trainer_state.json"
+SHARDED = "sharded"  # FSDP: the torch.distributed.checkpoint folder of the trainable weights and optimizer state
+RECEIPTS = "shards"  # FSDP: shards/rank-<r>.json, what rank r uploaded; rank 0 commits once all are there
+SHARD_WAIT_S = 1800.0  # how long rank 0 waits for the other ranks' shards before it gives the checkpoint up
+SHARD_POLL_S = 0.2
 
 Log = Callable[[str], None]
 
@@ -223,15 +244,40 @@ def write_checkpoint(
 ) -> Path:
     """Write one checkpoint to a local folder (the uploader publishes it); ``rng_states[rank]``."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+
+    def write() -> None:
+        save_file(tensors, local_dir / WEIGHTS)
+        _torch_save(optimizer_state, local_dir / OPTIMIZER)
+        write_run_state(local_dir, scheduler_state, rng_states, trainer_state)
+
+    return _write_fresh(local_dir, write)
+
+
+def write_sharded_checkpoint(local_dir: Path, write_shard: Callable[[Path], None], run_state: tuple | None) -> Path:
+    """One rank's part of an FSDP checkpoint: ``write_shard(local_dir / SHARDED)`` (the collective
+    torch.distributed.checkpoint save), and on rank 0 ``run_state`` = (scheduler state, RNG states, TrainerState)."""
+
+    def write() -> None:
+        write_shard(local_dir / SHARDED)
+        if run_state is not None:
+            write_run_state(local_dir, *run_state)
+
+    return _write_fresh(local_dir, write)
+
+
+def write_run_state(local_dir: Path, scheduler_state: dict, rng_states: list[dict], trainer_state: TrainerState) -> None:
+    _torch_save(scheduler_state, local_dir / SCHEDULER)
+    _torch_save(rng_states, local_dir / RNG_STATE)
+    (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
+
+
+def _write_fresh(local_dir: Path, write: Callable[[], None]) -> Path:
+    """Run ``write`` into an emptied ``local_dir``; a full or read-only disk becomes ``CheckpointWriteFailed``."""
     try:
         if local_dir.exists():
             shutil.rmtree(local_dir)
         local_dir.mkdir(parents=True)
-        save_file(tensors, local_dir / WEIGHTS)
-        _torch_save(optimizer_state, local_dir / OPTIMIZER)
-        _torch_save(scheduler_state, local_dir / SCHEDULER)
-        _torch_save(rng_states, local_dir / RNG_STATE)
-        (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
+        write()
     except (OSError, SafetensorError) as exc:
         shutil.rmtree(local_dir, ignore_errors=True)
         try:
@@ -286,6 +332,11 @@ class Checkpoint:
     def trainer_state(self) -> TrainerState:
         return TrainerState.from_json((self.local_dir / TRAINER_STATE).read_text())
 
+    @property
+    def sharded_dir(self) -> Path | None:
+        """The torch.distributed.checkpoint folder of an FSDP checkpoint; None for a DDP one."""
+        return self.local_dir / SHARDED if (self.local_dir / SHARDED).is_dir() else None
+
 
 def fetch_checkpoint(store: ObjectStore, prefix: str, step: int, dest: Path) -> Checkpoint:
     """Download and verify one checkpoint.
@@ -332,6 +383,11 @@ def find_latest_checkpoint(
     return None, skipped
 
 
+def receipt_key(checkpoint_prefix: str, rank: int) -> str:
+    """Where rank ``rank`` notes the files it uploaded for an FSDP checkpoint."""
+    return join_key(checkpoint_prefix, RECEIPTS, f"rank-{rank:05d}.json")
+
+
 def delete_checkpoint(store: ObjectStore, prefix: str, step: int) -> None:
     """Delete one checkpoint, manifest first: a half-deleted checkpoint never looks complete."""
     key = layout.checkpoint(prefix, step)
@@ -375,11 +431,16 @@ class BackgroundUploader:
     ``drain_log``), so ``log`` need not be thread-safe.
     """
 
-    def __init__(self, store: ObjectStore, run: str, keep: int | None = None, log: Log = print):
+    def __init__(
+        self, store: ObjectStore, run: str, keep: int | None = None, log: Log = print, shards: int = 1, rank: int = 0, attempt: str = ""
+    ):
+        """``shards`` > 1 (FSDP): each of that many ranks uploads its own part of every checkpoint and leaves a
+        receipt tagged ``attempt`` (the same on every rank of this attempt); rank 0 commits and prunes."""
         self.store = store
         self.run = run
         self.keep = keep
         self.log = log
+        self.shards, self.rank, self.attempt = shards, rank, attempt
         self.bytes_uploaded = 0
         self.upload_seconds = 0.0  # time the uploads took, in the background
         self.wait_seconds = 0.0  # time the caller was blocked waiting for an upload
@@ -402,16 +463,48 @@ class BackgroundUploader:
     def _upload(self, local_dir: Path, prefix: str, meta: dict | None) -> None:
         started = time.monotonic()
         try:
-            manifest = publish_dir(self.store, prefix, local_dir, meta=meta)
+            if self.shards == 1:
+                manifest = publish_dir(self.store, prefix, local_dir, meta=meta)
+                uploaded = manifest.total_bytes
+            elif self.rank:
+                files = upload_files(self.store, prefix, local_dir)
+                self.store.put_json(receipt_key(prefix, self.rank), {"attempt": self.attempt, "files": files})
+                uploaded = sum(info["size"] for info in files.values())
+            else:
+                self.store.delete(join_key(prefix, MANIFEST))
+                files = upload_files(self.store, prefix, local_dir)
+                uploaded = sum(info["size"] for info in files.values())
+                manifest = write_manifest(self.store, prefix, {**self._other_shards(prefix), **files}, meta)
             seconds = time.monotonic() - started
-            self.bytes_uploaded += manifest.total_bytes
+            self.bytes_uploaded += uploaded
             self.upload_seconds += seconds
-            self._messages.append(f"published {self.store.uri(prefix)} ({manifest.total_bytes / 1e6:,.1f} MB in {seconds:.1f}s)")
-            if self.keep is not None:
-                prune_checkpoints(self.store, self.run, self.keep, log=self._messages.append)
+            if self.rank == 0:
+                self._messages.append(f"published {self.store.uri(prefix)} ({manifest.total_bytes / 1e6:,.1f} MB in {seconds:.1f}s)")
+                if self.keep is not None:
+                    prune_checkpoints(self.store, self.run, self.keep, log=self._messages.append)
             shutil.rmtree(local_dir, ignore_errors=True)
         except BaseException as exc:  # surfaced in the training thread by wait()
             self._error = exc
+
+    def _other_shards(self, prefix: str) -> dict[str, dict]:
+        """Rank 0: the manifest entries of ranks 1.. from their receipts of this attempt, waiting for them to land."""
+        deadline = time.monotonic() + SHARD_WAIT_S
+        files: dict[str, dict] = {}
+        waiting = set(range(1, self.shards))
+        while waiting:
+            for rank in sorted(waiting):
+                key = receipt_key(prefix, rank)
+                if self.store.exists(key) and (receipt := self.store.get_json(key)).get("attempt") == self.attempt:
+                    files.update(receipt["files"])
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank(s) {sorted(waiting)} did not upload their shards of {self.store.uri(prefix)} within "
+                    f"{SHARD_WAIT_S:.0f}s; the checkpoint stays uncommitted and the run resumes from the previous one"
+                )
+            if waiting:
+                time.sleep(SHARD_POLL_S)
+        return files
 
     def drain_log(self) -> None:
         while self._messages:

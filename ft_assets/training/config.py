@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 Method = Literal["qlora", "lora", "full"]
 DpoLoss = Literal["sigmoid", "ipo", "hinge"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
+Parallelism = Literal["ddp", "fsdp"]
 
 # Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
 # and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
@@ -54,6 +55,10 @@ OPERATIONAL_FIELDS = frozenset(
         "attn_implementation", "compile", "mlflow_tracking_uri", "mlflow_experiment",
     }
 )  # fmt: skip
+
+# How the global batch is split over processes, nodes and micro-batches: the same rows in the same steps and the
+# same math (only the dropout draws differ), so the run id hashes their product instead (``result_fields``).
+SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
 
 DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
 
@@ -161,7 +166,20 @@ class TrainingConfig(BaseModel):
     )
     seed: int = Field(default=42, description="Seed of weight init, dropout and data order; same seed, same result.")
     num_processes: int = Field(
-        default=1, description="Data-parallel processes (GPUs); >1 needs `accelerate launch --num_processes N`."
+        default=1,
+        description="Processes (GPUs) per node; >1 launches `torchrun --nproc_per_node N` (lora_adapter does it). The "
+        "global batch is per_device_batch_size x gradient_accumulation_steps x num_processes x num_nodes.",
+    )
+    num_nodes: int = Field(
+        default=1,
+        description="Machines (nodes) of num_processes GPUs each; >1 launches torchrun on every node with one rendezvous "
+        "(static, on a c10d store hosted by node 0): on Kubernetes, lora_adapter starts nodes 1..M-1 as an indexed Job.",
+    )
+    parallelism: Parallelism = Field(
+        default="ddp",
+        description="'ddp': every process holds the whole model (checkpoints from rank 0). 'fsdp': FSDP2 shards weights, "
+        "gradients and optimizer state over the processes (what does not fit one GPU), every rank writes its shard of "
+        "each checkpoint (torch.distributed.checkpoint), and a run may resume on another number of processes.",
     )
     report_to: list[str] = Field(
         default_factory=list,
@@ -222,7 +240,7 @@ class TrainingConfig(BaseModel):
     def _check_ranges(self) -> TrainingConfig:
         problems = []
         positive = ["lora_r", "lora_alpha", "epochs", "per_device_batch_size", "gradient_accumulation_steps"]
-        positive += ["save_steps", "num_processes", "logging_steps"]
+        positive += ["save_steps", "num_processes", "num_nodes", "logging_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -249,9 +267,14 @@ class TrainingConfig(BaseModel):
             raise ValueError("invalid training config: " + "; ".join(problems))
         return self
 
+    @property
+    def world_size(self) -> int:
+        """Processes of the run over all nodes."""
+        return self.num_processes * self.num_nodes
+
     def rows_per_step(self, world_size: int | None = None) -> int:
-        """Packed rows one optimizer step consumes over all processes."""
-        return self.per_device_batch_size * self.gradient_accumulation_steps * (world_size or self.num_processes)
+        """Packed rows one optimizer step consumes over all processes (the global batch)."""
+        return self.per_device_batch_size * self.gradient_accumulation_steps * (world_size or self.world_size)
 
     def steps_per_epoch(self, train_rows: int, world_size: int | None = None) -> int:
         """Optimizer steps in one pass over ``train_rows`` packed rows (the incomplete tail batch is dropped)."""
@@ -290,8 +313,14 @@ class TrainingConfig(BaseModel):
         return self.method or ("qlora" if cuda_available else "lora")
 
     def result_fields(self, cuda_available: bool) -> dict:
-        """The fields that change the trained weights, with ``method`` resolved (hashed into the run id)."""
-        fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS))
+        """The fields that change the trained weights, with ``method`` resolved (hashed into the run id).
+
+        The global batch counts, not how it is split: per-device batch, accumulation, processes and nodes
+        become ``rows_per_step`` (``SPLIT_FIELDS``), so a run resumes on another number of GPUs when the
+        global batch stays the same. ``parallelism`` stays: DDP and FSDP checkpoints differ in format.
+        """
+        fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS) | set(SPLIT_FIELDS))
+        fields["rows_per_step"] = self.rows_per_step()
         fields["method"] = self.resolved_method(cuda_available)
         if fields["method"] == "full":
             for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules"):

@@ -40,11 +40,14 @@ On a GPU the loop does not wait for it between steps: AdamW is fused, the learne
 from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
 reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
-Data parallel: ``accelerate launch --multi_gpu --num_processes N -m ft_assets.training.worker ...``
-(or ``torchrun --nproc_per_node N -m ft_assets.training.worker ...``). Without a GPU the same command forms a gloo group,
-because the recipe asks accelerate for ``cpu=True`` then; accelerate's own ``--cpu`` flag would
-start a single process. Only rank 0 writes checkpoints and logs; all ranks restore their own RNG.
-FSDP is refused: a checkpoint holds rank 0's trainable weights and optimizer state, one shard of them.
+Several processes: ``torchrun --nproc_per_node N -m ft_assets.training.worker ...`` (``ft_assets.training.launch``
+builds the command, for M nodes too; ``accelerate launch --multi_gpu`` works as well). Without a GPU the
+same command forms a gloo group, because the recipe asks accelerate for ``cpu=True`` then; accelerate's
+own ``--cpu`` flag would start a single process. ``parallelism`` picks how the model is spread
+(``ft_assets.training.parallelism``): DDP (rank 0 writes checkpoints) or FSDP2 (every rank writes its
+shard; rank 0 commits the checkpoint once all shards are in the store). Only rank 0 logs; all ranks
+restore their own RNG. A run resumes on another number of processes when its global batch is the same
+(``TrainingConfig.result_fields``): the same rows in the same steps; only dropout draws differ.
 
 On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
 optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
@@ -57,6 +60,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -80,11 +84,13 @@ from ft_assets.training.checkpoints import (
     find_latest_checkpoint,
     restore_rng_state,
     write_checkpoint,
+    write_sharded_checkpoint,
 )
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.data_order import DataPlan
 from ft_assets.training.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
+from ft_assets.training.parallelism import consolidated_state, for_config, load_shards, save_shards
 from ft_assets.training.preemption import Preempted, SigtermFlag
 from ft_assets.training.tracking import MlflowTracker
 
@@ -189,7 +195,10 @@ class FineTuneRecipe:
         self._setup_processes()
         self._setup_data()
         self._setup_model()
-        self.uploader = BackgroundUploader(self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say)
+        shards = self.world if self.parallel.name == "fsdp" else 1  # FSDP: every rank uploads its shard
+        self.uploader = BackgroundUploader(
+            self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say, shards=shards, rank=self.rank, attempt=self.attempt_id
+        )
         self._setup_tracking()
 
     def _setup_processes(self) -> None:
@@ -204,21 +213,26 @@ class FineTuneRecipe:
         )
         accelerator = self.accelerator
         if accelerator.distributed_type == DistributedType.FSDP:
-            # Checkpoints hold rank 0's trainable weights and optimizer state: under FSDP that is one shard.
+            # accelerate's own FSDP plugin would wrap the model behind the recipe's back: sharding is the recipe's.
             raise ValueError(
-                "FSDP is not supported: checkpoints would hold only rank 0's shard of the weights and optimizer "
-                "state, so a resumed run would not continue the same run. Launch data parallel "
-                "(`accelerate launch --multi_gpu`, DDP); for a model that does not fit one GPU use method qlora"
+                "accelerate's FSDP plugin is not used: launch without --use_fsdp (and without ACCELERATE_USE_FSDP) "
+                "and set the training setting parallelism: fsdp, which shards with FSDP2 and writes sharded checkpoints"
             )
         self.rank, self.world, self.is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
         self.say: Log = self.log if self.is_main else (lambda line: None)
-        if self.world != config.num_processes:
+        if self.world != config.world_size:
             raise ValueError(
-                f"config.num_processes={config.num_processes} but {self.world} process(es) were started; launch with "
-                f"`accelerate launch --num_processes {config.num_processes} -m ft_assets.training.worker ...` "
-                "or set num_processes to match"
+                f"config.num_processes={config.num_processes} x num_nodes={config.num_nodes} but {self.world} process(es) "
+                f"were started; launch with `torchrun --nproc_per_node {config.num_processes} --nnodes {config.num_nodes} "
+                "-m ft_assets.training.worker ...` or set num_processes and num_nodes to match"
             )
         self.device = accelerator.device
+        self.parallel = for_config(config, self.world, self.device)
+        # One id for this attempt on every rank: the shard receipts of an earlier attempt at the same step are not ours.
+        attempt = [uuid.uuid4().hex]
+        if self.world > 1:
+            broadcast_object_list(attempt)
+        self.attempt_id = attempt[0]
         self.method = config.resolved_method(cuda)
         if self.device.type == "cpu":
             self.say("WARNING: no CUDA or MPS device found, training on CPU (fine for tests, ~100x slower than a GPU)")
@@ -255,14 +269,14 @@ class FineTuneRecipe:
         set_seed(config.seed)
         model = load_model(config, self.method, self.base_model_dir, self.device)
         self.attention = model.config._attn_implementation
-        self.model = self.accelerator.prepare_model(model)
+        self.model = self.parallel.wrap(model, self.accelerator)
         self.unwrapped = self.accelerator.unwrap_model(self.model)
         if config.compile:
             self.model.compile()  # in place: parameter names (and so checkpoints) stay the same
         self.params = trainable_parameters(self.unwrapped)
         self.say(
             f"{sum(p.numel() for p in self.params.values()):,} trainable parameters, attention {self.attention}"
-            f"{', torch.compile' if config.compile else ''}"
+            f"{', torch.compile' if config.compile else ''}{', sharded with FSDP2' if self.parallel.name == 'fsdp' and self.world > 1 else ''}"
         )
         self.optimizer = torch.optim.AdamW(
             self.params.values(),
@@ -304,16 +318,7 @@ class FineTuneRecipe:
         self.state = TrainerState(total_steps=self.total_steps, world_size=self.world, method=self.method)
         rng_state = None
         if checkpoint is not None:
-            self.state = checkpoint.trainer_state()
-            self.state.total_steps = self.total_steps
-            load_trainable(self.unwrapped, checkpoint.weights(), checkpoint.uri)
-            self.optimizer.load_state_dict(checkpoint.optimizer_state())
-            self.scheduler.load_state_dict(checkpoint.scheduler_state())
-            rng_states = checkpoint.rng_states()
-            if len(rng_states) != self.world:
-                raise ValueError(f"checkpoint {checkpoint.uri} was written by {len(rng_states)} processes, not {self.world}")
-            rng_state = rng_states[self.rank]
-            self.say(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{self.total_steps})")
+            rng_state = self.load_checkpoint(checkpoint)
         else:
             self.say(f"no complete checkpoint under {self.store.uri(self.run_prefix)}: starting from the base model")
         shutil.rmtree(resume_dir, ignore_errors=True)
@@ -328,6 +333,38 @@ class FineTuneRecipe:
         self.grad_norms: list[float] = []  # the gradient norms of the steps since the last log line
         if rng_state is not None:
             restore_rng_state(rng_state)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> dict:
+        """Trainer state, weights, optimizer and scheduler from ``checkpoint``; returns this rank's RNG state to restore.
+
+        A checkpoint of another number of processes continues the run when the global batch is the same (DDP
+        checkpoints hold everything; FSDP ones are resharded by torch.distributed.checkpoint).
+        """
+        self.state = checkpoint.trainer_state()
+        self.state.total_steps = self.total_steps
+        sharded = checkpoint.sharded_dir is not None
+        if sharded != (self.parallel.name == "fsdp"):
+            raise ValueError(
+                f"checkpoint {checkpoint.uri} was written under parallelism {'fsdp' if sharded else 'ddp'} but this run is "
+                f"{self.parallel.name}: set parallelism back, or delete the run's checkpoints to start over"
+            )
+        if self.state.step and self.state.samples_seen != self.state.step * self.plan.rows_per_step:
+            raise ValueError(
+                f"checkpoint {checkpoint.uri} took {self.state.samples_seen // self.state.step} rows a step, this run takes "
+                f"{self.plan.rows_per_step}; keep per_device_batch_size x gradient_accumulation_steps x processes equal to "
+                "resume on another number of processes"
+            )
+        if sharded:
+            load_shards(self.model, self.optimizer, set(self.params), checkpoint.sharded_dir)
+        else:
+            load_trainable(self.unwrapped, checkpoint.weights(), checkpoint.uri)
+            self.optimizer.load_state_dict(checkpoint.optimizer_state())
+        self.scheduler.load_state_dict(checkpoint.scheduler_state())
+        rng_states = checkpoint.rng_states()
+        written_by = f"; written by {len(rng_states)} process(es), resumed on {self.world}" if len(rng_states) != self.world else ""
+        self.say(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{self.total_steps}){written_by}")
+        self.state.world_size = self.world
+        return rng_states[self.rank % len(rng_states)]  # on another world size, dropout draws differ from here on
 
     # --- train loop ---
 
@@ -398,7 +435,7 @@ class FineTuneRecipe:
                 accelerator.backward(loss_sum * (world / items))
             step_loss += loss_sum.detach().float() / items
         # The norm before clipping, for the logs; max_grad_norm 0 measures it without clipping (scaled by 1.0).
-        grad_norm = accelerator.clip_grad_norm_(self.params.values(), self.config.max_grad_norm or float("inf"))
+        grad_norm = self.parallel.clip_grad_norm(accelerator, list(self.params.values()), self.config.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -468,7 +505,8 @@ class FineTuneRecipe:
     # --- checkpoint and eval ---
 
     def save_checkpoint(self) -> None:
-        """All processes: gather RNG states; rank 0: write locally and hand to the uploader."""
+        """All processes: gather RNG states; rank 0 (DDP) or every rank (FSDP, its shard): write locally and
+        hand to the uploader."""
         self.read_losses()
         rng_states = gather_object([capture_rng_state()]) if self.world > 1 else [capture_rng_state()]
         state = self.state
@@ -478,15 +516,26 @@ class FineTuneRecipe:
                 wall_seconds=round(time.monotonic() - self.started, 3),
                 step_seconds=round(self.step_seconds, 3),
             )
+        meta = {"step": state.step, "method": self.method, "parallelism": self.parallel.name, "world_size": self.world}
+        name = f"checkpoint-{state.step:08d}"
+        if self.parallel.name == "fsdp":
+            run_state = (self.scheduler.state_dict(), rng_states, state) if self.is_main else None
+            local = write_sharded_checkpoint(
+                self.work_dir / "checkpoints" / f"rank-{self.rank}" / name,
+                lambda folder: save_shards(self.model, self.optimizer, set(self.params), folder),
+                run_state,
+            )
+            self.uploader.submit(local, state.step, meta=meta)
+        elif self.is_main:
             local = write_checkpoint(
-                self.work_dir / "checkpoints" / f"checkpoint-{state.step:08d}",
+                self.work_dir / "checkpoints" / name,
                 weights=dict(self.params),
                 optimizer_state=self.optimizer.state_dict(),
                 scheduler_state=self.scheduler.state_dict(),
                 rng_states=rng_states,
                 trainer_state=state,
             )
-            self.uploader.submit(local, state.step, meta={"step": state.step, "method": self.method})
+            self.uploader.submit(local, state.step, meta=meta)
         self.last_saved = state.step
 
     def evaluate(self) -> dict[str, float]:
@@ -496,6 +545,8 @@ class FineTuneRecipe:
         def reduce(values: list[float]) -> torch.Tensor:
             return self.accelerator.reduce(torch.tensor(values, device=self.device), "sum")
 
+        if self.parallel.lockstep_eval:  # FSDP: every forward gathers weights from all ranks, so each runs every row
+            return self.objective.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, 0, 1, torch.tensor)
         return self.objective.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
 
     # --- finish ---
@@ -509,9 +560,12 @@ class FineTuneRecipe:
             self.eval_loss = self.eval_metrics["eval_loss"]
             self.say(f"final {_figures(self.eval_metrics)} on {len(self.eval_rows)} rows")
             self.report({"step": self.state.step, **self.eval_metrics})
+        weights = None  # save_pretrained reads the model, unless it is sharded: then rank 0 gets the gathered weights
+        if self.parallel.name == "fsdp" and self.world > 1:
+            weights = consolidated_state(self.model, None if self.method == "full" else set(self.params))
         if self.is_main:
             shutil.rmtree(self.output_dir, ignore_errors=True)
-            self.unwrapped.save_pretrained(self.output_dir, safe_serialization=True)
+            self.unwrapped.save_pretrained(self.output_dir, safe_serialization=True, state_dict=weights)
             for name in TOKENIZER_FILES:
                 if (self.base_model_dir / name).is_file():
                     shutil.copyfile(self.base_model_dir / name, self.output_dir / name)
