@@ -9,7 +9,6 @@ checkpoints, then fails with ``ft/preempted`` so that Dagster's run retry starts
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,9 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.ec2_metadata import worker_instance_tag
 from ft_assets.training.gpu_monitor import GpuUtilization
-from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
+from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
+from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
+from ft_assets.training.preemption import Preempted
 from ft_assets.training.recipe import train
 from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record
 
@@ -126,27 +127,27 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     )
 
 
-def _train_distributed(
-    context, training: TrainingConfig, objective: Objective, base_dir: Path, shards_dir: Path, objects, prefix: str, work: Path,
-    tags: dict[str, str],
-) -> dict:
-    """``accelerate launch`` of the training worker, driven with dagster-pipes; rank 0 alone reports and uploads."""
+def _train_distributed(context, job: WorkerJob, base_dir: Path, shards_dir: Path, work: Path) -> dict:
+    """torchrun of the training worker on this node (node 0), driven with dagster-pipes; rank 0 alone reports.
+
+    With ``num_nodes`` > 1 the other nodes start as an indexed Kubernetes Job (``ft_assets.training.nodes``) and
+    join this node's rendezvous; they are deleted when torchrun here ends, whatever the outcome.
+    """
     result_path = work / "result.json"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", str(training.num_processes), "--num_machines", "1",
-        "--main_process_port", str(free_port()),
-        "-m", "ft_assets.training.worker",
-        "--config", training.model_dump_json(), "--base-model", str(base_dir), "--shards", str(shards_dir),
-        "--store", objects.url, "--run-prefix", prefix, "--work-dir", str(work / "run"),
-        "--result", str(result_path), "--pipes", "--tags", json.dumps(tags), "--objective", objective.name,
-    ]  # fmt: skip
+    training = job.config
+    endpoint = rendezvous_endpoint() if training.num_nodes > 1 else f"127.0.0.1:{free_port()}"
+    command = torchrun_command(training, 0, endpoint, worker_args(job, base_dir, shards_dir, work / "run", result=result_path, pipes=True))
+    peers = PeerNodes(job, endpoint, context.log.info) if training.num_nodes > 1 else None
     try:
         dg.PipesSubprocessClient().run(command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     except dg.DagsterPipesExecutionError as exc:
-        if f"exit code {EXIT_PREEMPTED}" in str(exc) or f"code {EXIT_PREEMPTED}" in str(exc):
-            raise Preempted(-1, None) from exc
+        preempted = json.loads(result_path.read_text()).get("preempted") if result_path.is_file() else None
+        if preempted is not None:
+            raise Preempted(preempted["step"], preempted["checkpoint"]) from exc
         raise
+    finally:
+        if peers is not None:
+            peers.delete()
     return json.loads(result_path.read_text())
 
 
@@ -172,7 +173,7 @@ RESULT_STATS = (
 
 
 def _train(context, training: TrainingConfig, objective: Objective, m: Materialization, inputs: tuple[dict, dict], prefix: str, started: float) -> dict:
-    """Fetch the base and the shards, run the recipe in this process (or launch it on ``num_processes``); its result."""
+    """Fetch the base and the shards, run the recipe in this process (or torchrun it on ``num_processes`` x ``num_nodes``); its result."""
     tokenized_shards, base_model = inputs
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
@@ -181,8 +182,9 @@ def _train(context, training: TrainingConfig, objective: Objective, m: Materiali
         chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
         tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
     try:
-        if training.num_processes > 1:
-            return _train_distributed(context, training, objective, base_dir, shards_dir, m.store, prefix, m.work, tags)
+        if training.world_size > 1:
+            job = WorkerJob(training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
+            return _train_distributed(context, job, base_dir, shards_dir, m.work)
         return train(
             training, base_dir, shards_dir, m.store, prefix, m.work / "run", log=context.log.info, started_at=started, tags=tags,
             objective=objective,

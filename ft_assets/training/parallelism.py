@@ -83,6 +83,11 @@ class FullySharded:
         bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         # bf16 compute as accelerate's autocast does under DDP; gradients reduced and AdamW stepped in fp32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                # bitsandbytes repacks a 4-bit weight in place for its CPU inference kernel at the first eval forward:
+                # under FSDP that rewrites the gathered copy and corrupts the next steps (loss 7.46 instead of 5.94)
+                module.support_avx512bf16_for_cpu = False
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

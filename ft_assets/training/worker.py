@@ -1,7 +1,9 @@
 """The training worker's command line: ``python -m ft_assets.training.worker`` / ``accelerate launch -m ft_assets.training.worker``.
 
-One process, or one rank of a data-parallel launch, runs the recipe (``ft_assets.training.recipe.train``)
-and exits 0, or ``EXIT_PREEMPTED`` (75) after SIGTERM once its checkpoint is in the store. Rank 0
+One process, or one rank of a torchrun launch (``ft_assets.training.launch``), runs the recipe
+(``ft_assets.training.recipe.train``) and exits 0, or ``EXIT_PREEMPTED`` (75) after SIGTERM once its
+checkpoint is in the store; rank 0 then also writes ``{"preempted": ...}`` to ``--result``, since
+torchrun turns any worker's non-zero exit into its own exit code 1. Rank 0
 reports to Dagster through dagster-pipes when ``--pipes`` is given (the ``lora_adapter`` asset's
 launch); the other ranks drop the Pipes channel they inherited.
 """
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         except Preempted as exc:
             log(str(exc))
+            if args.result and is_main:  # torchrun reports any worker's non-zero exit as 1: the caller reads this
+                args.result.write_text(json.dumps({"preempted": {"step": exc.step, "checkpoint": exc.checkpoint_uri}}))
             return EXIT_PREEMPTED
     if args.result and is_main:
         args.result.write_text(json.dumps(result.to_json(), indent=2))

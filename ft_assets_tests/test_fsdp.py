@@ -1,0 +1,300 @@
+"""FSDP2 on 2 CPU processes (gloo) and 2 "nodes" on loopback: sharded checkpoints, kill and resume, resharding.
+
+The reference is one process with twice the gradient accumulation: the same global batch, the same rows
+in the same steps (``DataPlan``), so a 2-process run must give the same losses and weights up to float
+summation order. LoRA dropout is 0: with dropout each process would draw its own masks. Every
+multi-process run is the worker under torchrun, killed for real (SIGKILL to the whole process group,
+SIGTERM to one rank). Figures measured here (2 shared cores): see the README's training plane.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ft_assets import layout
+from ft_assets.manifests import MANIFEST, publish_dir, read_manifest
+from ft_assets.storage import LocalStore, join_key
+from ft_assets.training.checkpoints import RECEIPTS, complete_checkpoints, find_latest_checkpoint
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.launch import WorkerJob, node_command, torchrun_command, worker_args
+from ft_assets.training.parallelism import decoder_layers
+from ft_assets.training.recipe import train
+from ft_assets_tests.families import build_family
+from ft_assets_tests.support import ONE_THREAD, RUN, chat_examples, final_weights, training_config, write_shards
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+STEPS = 8
+KILL_AFTER = 4  # the checkpoint the SIGKILL waits for
+STEP_DELAY_S = 0.3  # slowed steps in the run that is killed: it is still training when the kill lands
+TIMEOUT_S = 300
+
+
+def fsdp_config(world: int, **overrides) -> TrainingConfig:
+    """Global batch 2 rows: 1 row x 1 micro-batch on each of 2 processes, or 1 row x 2 micro-batches on one."""
+    return training_config(
+        lora_dropout=0.0, per_device_batch_size=1, gradient_accumulation_steps=2 // world, num_processes=world,
+        parallelism="fsdp", max_steps=STEPS, save_steps=2, logging_steps=1, **overrides,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(cfg: TrainingConfig, model: Path, shards: Path, store: Path, work: Path, slow: bool = False) -> subprocess.Popen:
+    """The worker on 2 local processes, as lora_adapter launches it (``launch.torchrun_command``), in its own session."""
+    job = WorkerJob(cfg, str(store), RUN, "", "", "sft", {})
+    command = torchrun_command(cfg, 0, f"127.0.0.1:{free_port()}", worker_args(job, model, shards, work, result=work / "result.json"))
+    if slow:  # the same worker, with slowed steps: python -m ft_assets_tests.test_fsdp
+        command[command.index("ft_assets.training.worker")] = "ft_assets_tests.test_fsdp"
+    log = open(work.parent / f"{work.name}.log", "w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ONE_THREAD, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return log.read_text()
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the workers torchrun started (read from /proc)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        if "RANK" in environ:
+            pids[int(environ["RANK"])] = int(entry.name)
+    return pids
+
+
+def wait_for(predicate, proc: subprocess.Popen, log: Path, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate():
+        assert proc.poll() is None, f"torchrun exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def shard_files(store: LocalStore, step: int) -> list[str]:
+    return sorted(name for name in read_manifest(store, layout.checkpoint(RUN, step)).files if name.startswith("sharded/"))
+
+
+def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=atol), (name, (a[name] - b[name]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model, shards, tmp_path_factory):
+    """The reference: one process, two micro-batches a step, FSDP's checkpoint format (nothing to shard)."""
+    tmp = tmp_path_factory.mktemp("fsdp-one")
+    return train(fsdp_config(1), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tiny_model, shards, tmp_path_factory):
+    """A 2-process FSDP run killed with SIGKILL (every process) once checkpoint KILL_AFTER is complete; a copy of that
+    checkpoint is kept aside for the resume on 1 process."""
+    tmp = tmp_path_factory.mktemp("fsdp-killed")
+    store = LocalStore(tmp / "store")
+    proc = torchrun(fsdp_config(2), tiny_model, shards, store.root, tmp / "w1", slow=True)
+    manifest = join_key(layout.checkpoint(RUN, KILL_AFTER), MANIFEST)
+    try:
+        wait_for(lambda: store.exists(manifest), proc, tmp / "w1.log", f"checkpoint {KILL_AFTER}")
+        shutil.copytree(store.root / layout.checkpoint(RUN, KILL_AFTER), tmp / "aside" / layout.checkpoint(RUN, KILL_AFTER))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert max(int(k.split("checkpoint-")[1][:8]) for k in store.list(RUN)) < STEPS, "the run finished before the kill"
+    return store, LocalStore(tmp / "aside"), tmp
+
+
+@pytest.mark.integration
+def test_every_rank_writes_its_shard_and_rank_0_commits_after_all(killed_run):
+    store, _, _ = killed_run
+    assert shard_files(store, KILL_AFTER) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    assert store.exists(join_key(layout.checkpoint(RUN, KILL_AFTER), RECEIPTS, "rank-00001.json"))
+    latest, _ = find_latest_checkpoint(store, RUN, killed_run[2] / "check", log=lambda line: None)
+    assert latest.step >= KILL_AFTER and latest.trainer_state().world_size == 2
+
+
+@pytest.mark.integration
+def test_two_process_fsdp_killed_and_rerun_matches_one_process(killed_run, one_process, tiny_model, shards):
+    """kill -9 mid-run, rerun: resumes from the newest complete sharded checkpoint; losses and adapter = 1 process."""
+    store, _, tmp = killed_run
+    started = time.monotonic()
+    log = finish(torchrun(fsdp_config(2), tiny_model, shards, store.root, tmp / "w2"), tmp / "w2.log")
+    result = json.loads((tmp / "w2" / "result.json").read_text())
+    assert result["device"] == "cpu x2" and result["steps"] == STEPS, log[-3000:]
+    assert result["resumed_from_step"] >= KILL_AFTER and "sharded with FSDP2" in log
+    losses = [loss for _, loss in result["loss_history"]]
+    assert losses == pytest.approx([loss for _, loss in one_process.loss_history], rel=1e-5)
+    assert result["eval_loss"] == pytest.approx(one_process.eval_loss, rel=1e-5)
+    assert_close_weights(load_file(Path(result["output_dir"]) / "adapter_model.safetensors"), final_weights(one_process))
+    assert shard_files(store, STEPS) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    print(f"resumed 2-process run: {time.monotonic() - started:.1f}s; max loss difference to 1 process "
+          f"{max(abs(a - b) for a, (_, b) in zip(losses, one_process.loss_history)):.2e}")  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_two_process_checkpoint_resumes_on_one_process(killed_run, one_process, tiny_model, shards):
+    _, aside, tmp = killed_run
+    lines = []
+    result = train(fsdp_config(1), tiny_model, shards, aside, RUN, tmp / "w-one", log=lines.append)
+    assert result.resumed_from_step == KILL_AFTER and result.device == "cpu x1"
+    assert any("written by 2 process(es), resumed on 1" in line for line in lines)
+    assert [step for step, _ in result.loss_history] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in result.loss_history] == pytest.approx([loss for _, loss in one_process.loss_history], rel=1e-5)
+    assert_close_weights(final_weights(result), final_weights(one_process))
+
+
+@pytest.mark.integration
+def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(tiny_model, shards, tmp_path):
+    cfg = fsdp_config(2, max_steps=100_000, save_steps=1000)
+    store = LocalStore(tmp_path / "store")
+    proc = torchrun(cfg, tiny_model, shards, store.root, tmp_path / "w", slow=True)
+    log = tmp_path / "w.log"
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, "step 3")
+    os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only: rank 0 never gets the signal
+    text = finish(proc, log)
+    preempted = json.loads((tmp_path / "w" / "result.json").read_text())["preempted"]
+    step = preempted["step"]
+    assert proc.returncode != 0 and f"preempted by SIGTERM at step {step}" in text, text[-3000:]
+    assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, step))] == [preempted["checkpoint"]]
+    assert shard_files(store, step) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    latest, _ = find_latest_checkpoint(store, RUN, tmp_path / "check", log=lambda line: None)
+    assert latest.trainer_state().step == step
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_fsdp_trains_qlora_and_full_like_one_process(method, tiny_model, shards, tmp_path):
+    """QLoRA's 4-bit base and full fine-tuning shard too; their final weights are consolidated on rank 0."""
+    cfg = {"method": method, "learning_rate": 5e-3, "max_steps": 3, "save_steps": 3}
+    one = train(fsdp_config(1, **cfg), tiny_model, shards, LocalStore(tmp_path / "s1"), RUN, tmp_path / "w1", log=lambda line: None)
+    log = finish(torchrun(fsdp_config(2, **cfg), tiny_model, shards, tmp_path / "s2", tmp_path / "w2"), tmp_path / "w2.log")
+    result = json.loads((tmp_path / "w2" / "result.json").read_text())
+    assert result["steps"] == 3 and result["method"] == method, log[-3000:]
+    assert [loss for _, loss in result["loss_history"]] == pytest.approx([loss for _, loss in one.loss_history], rel=1e-5)
+    name = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    assert_close_weights(load_file(Path(result["output_dir"]) / name), final_weights(one), atol=1e-5)
+
+
+@pytest.mark.integration
+def test_two_nodes_on_loopback_through_the_launchers_command(tmp_path):
+    """Node 0 as lora_adapter runs it (local inputs), node 1 as the Kubernetes Job's pods do (``launch.node_command``:
+    fetch the inputs from the store, then torchrun with its node rank); a Qwen2 model; each node its own disk."""
+    model = build_family("qwen2.5", tmp_path / "model")
+    examples = chat_examples(24)
+    write_shards(model, tmp_path / "shards", "train", examples, rows_per_shard=8)
+    store = LocalStore(tmp_path / "store")
+    publish_dir(store, "inputs/base", model)
+    publish_dir(store, "inputs/shards", tmp_path / "shards")
+    cfg = fsdp_config(1, num_nodes=2, max_steps=4)
+    job = WorkerJob(cfg, str(store.root), RUN, "inputs/base", "inputs/shards", "sft", {})
+    endpoint = f"127.0.0.1:{free_port()}"
+    node0 = torchrun_command(cfg, 0, endpoint, worker_args(job, model, tmp_path / "shards", tmp_path / "n0", result=tmp_path / "result.json"))
+    node1 = node_command(job, endpoint, str(tmp_path / "n1"))
+    node1[0] = sys.executable
+    started = time.monotonic()
+    procs = [subprocess.Popen(cmd, stdout=open(tmp_path / f"n{i}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env=ONE_THREAD | {"JOB_COMPLETION_INDEX": "0"}) for i, cmd in enumerate((node0, node1))]  # fmt: skip
+    logs = [finish(proc, tmp_path / f"n{i}.log") for i, proc in enumerate(procs)]
+    assert [proc.returncode for proc in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["device"] == "cpu x2" and result["steps"] == 4
+    assert result["loss_history"][-1][1] < result["loss_history"][0][1]
+    assert shard_files(store, 4) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+    assert (tmp_path / "n1" / "base" / "config.json").is_file()  # node 1 fetched its own inputs
+    assert (Path(result["output_dir"]) / "adapter_model.safetensors").is_file()
+    print(f"2 nodes on loopback: {time.monotonic() - started:.1f}s")
+
+
+FAMILY_LAYERS = [("llama3", "LlamaDecoderLayer"), ("qwen2.5", "Qwen2DecoderLayer"), ("gemma2", "Gemma2DecoderLayer"), ("phi3", "Phi3DecoderLayer")]
+
+
+@pytest.mark.parametrize("family,layer", FAMILY_LAYERS, ids=[f for f, _ in FAMILY_LAYERS])
+def test_fsdp_shards_each_decoder_layer_of_every_family(family, layer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_family(family, tmp_path / family))
+    targets = ["qkv_proj"] if family == "phi3" else ["q_proj", "v_proj"]
+    for wrapped in (model, get_peft_model(model, LoraConfig(r=4, target_modules=targets))):
+        assert [type(m).__name__ for m in decoder_layers(wrapped)] == [layer, layer]
+
+
+def test_a_model_without_known_layers_is_refused_for_fsdp():
+    with pytest.raises(ValueError, match="parallelism fsdp: cannot find the decoder layers of Linear .*use parallelism ddp"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_the_run_id_counts_the_global_batch_not_how_it_is_split():
+    from ft_assets.training.checkpoints import run_id
+
+    def rid(**fields):
+        return run_id("timers@v1", TrainingConfig(**fields), "b" * 64, "d" * 64, cuda_available=False)
+
+    two_gpus = rid(num_processes=2, per_device_batch_size=2, parallelism="fsdp")
+    assert rid(num_processes=1, gradient_accumulation_steps=2, per_device_batch_size=2, parallelism="fsdp") == two_gpus
+    assert rid(num_nodes=2, per_device_batch_size=2, parallelism="fsdp") == two_gpus
+    assert rid(num_processes=1, per_device_batch_size=2, parallelism="fsdp") != two_gpus  # half the global batch
+    assert rid(num_processes=2, per_device_batch_size=2, parallelism="ddp") != two_gpus  # another checkpoint format
+
+
+def test_torchrun_command_names_the_node_and_the_rendezvous():
+    cfg = TrainingConfig(num_processes=4, num_nodes=3)
+    command = torchrun_command(cfg, 2, "10.0.0.7:29400", ["--config", "{}"])
+    flags = dict(zip(command[3:-4:2], command[4:-4:2]))
+    assert flags["--nnodes"] == "3" and flags["--nproc_per_node"] == "4" and flags["--node_rank"] == "2"
+    assert flags["--rdzv_backend"] == "static" and flags["--rdzv_endpoint"] == "10.0.0.7:29400"
+    assert command[-4:] == ["-m", "ft_assets.training.worker", "--config", "{}"]
+    with pytest.raises(ValueError, match="node rank 3 is outside 0..2"):
+        torchrun_command(cfg, 3, "10.0.0.7:29400", [])
+
+
+def slowed_worker(argv: list[str]) -> int:
+    """``python -m ft_assets_tests.test_fsdp ARGS``: the worker with every training step slowed by STEP_DELAY_S."""
+    from ft_assets.training import steps, worker
+
+    token_loss_sum = steps.token_loss_sum
+
+    def slow(model, batch):
+        time.sleep(STEP_DELAY_S)
+        return token_loss_sum(model, batch)
+
+    steps.token_loss_sum = slow
+    return worker.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(slowed_worker(sys.argv[1:]))
