@@ -43,9 +43,10 @@ TIMEOUT_S = 300
 
 def fsdp_config(world: int, **overrides) -> TrainingConfig:
     """Global batch 2 rows: 1 row x 1 micro-batch on each of 2 processes, or 1 row x 2 micro-batches on one."""
+    settings = dict(max_steps=STEPS, save_steps=2, logging_steps=1) | overrides
     return training_config(
-        lora_dropout=0.0, per_device_batch_size=1, gradient_accumulation_steps=2 // world, num_processes=world,
-        parallelism="fsdp", max_steps=STEPS, save_steps=2, logging_steps=1, **overrides,
+        lora_dropout=0.0, per_device_batch_size=1, gradient_accumulation_steps=2 // world, num_processes=world, parallelism="fsdp",
+        **settings,
     )  # fmt: skip
 
 

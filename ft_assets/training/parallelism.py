@@ -144,6 +144,11 @@ def load_shards(model, optimizer, names: set[str], folder) -> None:
 
 
 def consolidated_state(model, names: set[str] | None) -> dict[str, torch.Tensor]:
-    """Collective: the whole (unsharded) weights on rank 0's CPU, ``names`` only if given; other ranks get {}."""
+    """Collective: the whole (unsharded) weights on rank 0's CPU, ``names`` only if given; other ranks get {}.
+
+    Without ``names``: every parameter and buffer once, so a tied lm_head is not saved as a copy of the embedding
+    (the state dict names both; ``named_parameters`` one).
+    """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: value for name, value in full.items() if names is None or name in names}
+    keep = names or {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {name: value for name, value in full.items() if name in keep}
