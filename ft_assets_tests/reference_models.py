@@ -38,4 +38,14 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 32000,
         "tie_word_embeddings": False,
     },
+    "Llama-2-70B": {  # grouped-query attention: 8 KV heads
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
 }

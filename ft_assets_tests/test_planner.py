@@ -11,20 +11,19 @@ import pytest
 from ft_assets.control import planner
 from ft_assets.control.cost_model import CostModel, GpuOffering
 from ft_assets.training.loss import chunk_tokens
+from ft_assets.control.gpu_plan import NoGpuFits, plan_training
 from ft_assets.control.planner import (
     ModelShape,
-    NoGpuFits,
     estimate_vram,
     flops_per_token,
     lora_params,
-    plan_training,
     tokens_per_second,
 )
 from ft_assets_tests.reference_models import REFERENCE_CONFIGS
 from scripts import planner_tables
 
 SHAPES = {name: ModelShape.from_config(config, name) for name, config in REFERENCE_CONFIGS.items()}
-QWEN05, LLAMA7, LLAMA13 = SHAPES["Qwen2.5-0.5B"], SHAPES["Llama-2-7B"], SHAPES["Llama-2-13B"]
+QWEN05, LLAMA7, LLAMA13, LLAMA70 = SHAPES["Qwen2.5-0.5B"], SHAPES["Llama-2-7B"], SHAPES["Llama-2-13B"], SHAPES["Llama-2-70B"]
 # The path of the published runs: Hugging Face's loss over every token's logits, FlashAttention-2 on
 # unpacked rows (no score matrices). The recipe's own default (chunked loss, flash/flex) needs less.
 HF_PATH = dict(attention="flash_attention_2", loss="full")
@@ -36,6 +35,7 @@ HF_PATH = dict(attention="flash_attention_2", loss="full")
         ("Qwen2.5-0.5B", 494_032_768),  # model card: 0.49B; sum of its safetensors shapes
         ("Llama-2-7B", 6_738_415_616),  # transformers LlamaForCausalLM(config).num_parameters()
         ("Llama-2-13B", 13_015_864_320),
+        ("Llama-2-70B", 68_976_648_192),  # model card: 69B; the sum of its safetensors shapes
     ],
 )
 def test_parameter_count_from_config_matches_the_published_models(name, params):
@@ -234,6 +234,13 @@ def test_docstring_vram_table_is_what_planner_tables_prints(capsys):
         gib = r"\d+\.\d / \d+\.\d"
         assert re.findall(gib, quoted.split(name)[1]) == re.findall(gib, row.split("params")[1]), name
 
+def test_docstring_multi_gpu_table_is_what_planner_tables_prints(capsys):
+    planner_tables.main()
+    printed = [line.strip() for line in capsys.readouterr().out.splitlines() if "fsdp 2:" in line]
+    quoted = [line.strip() for line in planner.__doc__.splitlines() if "fsdp 2:" in line]
+    assert len(printed) == 2 and printed == quoted
+
+
 # A cost model small enough to check tier choice by hand: 4 tiers, round numbers, no startup.
 def offering(name, vram, on_demand, spot, tflops, region="us-east-1"):
     return GpuOffering(
@@ -349,3 +356,91 @@ def test_default_cost_model_plans_a_7b_qlora_experiment_on_a_24gb_card():
     assert math.isfinite(plan.as_dict()["vram"]["total_gib"])
     assert [row["tier"] for row in plan.candidate_rows() if row["note"] == "chosen"] == [plan.tier]
 
+
+
+# --- several GPUs: DDP and FSDP memory per GPU, GPU counts, the cost of N GPUs -------------------------
+
+GIB = 2**30
+
+
+def test_fsdp_shards_weights_gradients_and_adamw_and_adds_what_it_gathers():
+    one = estimate_vram(LLAMA13, "full", 2048, 1, True)
+    four = estimate_vram(LLAMA13, "full", 2048, 1, True, gpus=4, parallelism="fsdp")
+    root = 2 * 32000 * 5120 + 5120  # untied embeddings + lm_head + final norm
+    layer = (LLAMA13.params - root) / 40
+    assert four.weights_gib == pytest.approx(one.weights_gib / 4 + 2 * (root + 2 * layer) / GIB)  # bf16 gathered
+    assert four.gradients_gib == pytest.approx(one.gradients_gib / 4 + 4 * 2 * layer / GIB)  # 2 layers' fp32 grads
+    assert four.optimizer_gib == pytest.approx(one.optimizer_gib / 4)
+    assert (four.activations_gib, four.logits_gib) == (one.activations_gib, one.logits_gib)  # a micro-batch per GPU
+    assert (four.gpus, four.parallelism) == (4, "fsdp") and four.as_dict()["gpus"] == 4
+    lora = estimate_vram(LLAMA13, "lora", 2048, 1, True, gpus=2, parallelism="fsdp")
+    assert lora.adapter_gib == pytest.approx(estimate_vram(LLAMA13, "lora", 2048, 1, True).adapter_gib / 2)
+
+
+def test_ddp_keeps_the_whole_model_on_every_gpu_plus_gradient_buckets():
+    one = estimate_vram(LLAMA7, "full", 1024, 1, True)
+    two = estimate_vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="ddp")
+    assert (two.weights_gib, two.optimizer_gib) == (one.weights_gib, one.optimizer_gib)
+    assert two.gradients_gib == pytest.approx(2 * one.gradients_gib)
+    with pytest.raises(ValueError, match="unknown parallelism 'zero3'"):
+        estimate_vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="zero3")
+
+
+MULTI = CostModel(
+    offerings=(
+        GpuOffering(name="card24", gpu="CARD24", vram_gib=24, on_demand_usd_per_h=0.5, spot_usd_per_h=0.25, region="us-east-1",
+                    bf16_tflops=150, max_gpus=1),
+        GpuOffering(name="a80", gpu="A80", vram_gib=80, on_demand_usd_per_h=2.0, spot_usd_per_h=1.0, region="us-east-1",
+                    bf16_tflops=300, max_gpus=64),
+    ),
+    startup_minutes=0,
+    spot_restart_overhead=0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, method, gpus, tier, chosen_gpus, parallelism",
+    [
+        (LLAMA13, "full", None, "a80", 4, "fsdp"),  # 203.8 GiB on one, 107.3 per GPU on 2, 56.8 on 4 (72 usable)
+        (LLAMA13, "lora", None, "a80", 1, "ddp"),  # fits one 80 GB card: one GPU is the cheapest that fits
+        (LLAMA7, "qlora", None, "card24", 1, "ddp"),
+        (LLAMA70, "lora", None, "a80", 4, "fsdp"),  # 70B LoRA: 4 x 80 GB under FSDP ...
+        (LLAMA70, "qlora", None, "a80", 1, "ddp"),  # ... or QLoRA on one
+        (LLAMA13, "full", 8, "a80", 8, "fsdp"),  # a count given: that count
+        (LLAMA7, "lora", 2, "a80", 2, "ddp"),  # card24 rents one at most; DDP asked for
+    ],
+)
+def test_plan_picks_the_fewest_gpus_that_fit(shape, method, gpus, tier, chosen_gpus, parallelism):
+    ask = "ddp" if (gpus, method) == (2, "lora") else None
+    plan = plan_training(shape, method, 2048, 1, True, 10_000_000, cost_model=MULTI, gpus=gpus, parallelism=ask)
+    assert (plan.tier, plan.gpus, plan.parallelism) == (tier, chosen_gpus, parallelism), plan.candidate_rows()
+    assert plan.vram.gpus == chosen_gpus and plan.nodes == (chosen_gpus + 7) // 8
+    single = tokens_per_second(shape, method, 2048, True, MULTI.offering(tier), MULTI)
+    assert plan.tokens_per_second == pytest.approx(single * (1 if chosen_gpus == 1 else 0.9 * chosen_gpus))
+    rate = MULTI.offering(tier).spot_usd_per_h * chosen_gpus  # N GPUs: N times the price a GPU
+    assert plan.usd_per_hour == pytest.approx(rate) and plan.est_cost_usd == pytest.approx(rate * plan.est_hours)
+    chosen = [row for row in plan.candidate_rows() if row["note"] == "chosen"]
+    assert [(row["tier"], row["gpus"]) for row in chosen] == [(tier, chosen_gpus)]
+
+
+def test_a_gpu_count_an_offering_cannot_rent_is_refused_with_the_reason():
+    plan = plan_training(LLAMA7, "qlora", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=2)
+    card = next(c for c in plan.candidates if c.name == "card24")
+    assert not card.fits and card.reason == "rents at most 1 GPU(s) a run"
+    assert (plan.tier, plan.gpus, plan.parallelism) == ("a80", 2, "fsdp")
+
+
+def test_more_than_a_node_of_gpus_spans_nodes_at_a_lower_scaling():
+    plan = plan_training(LLAMA70, "full", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=None)
+    assert plan.gpus == 32 and plan.nodes == 4 and plan.vram.total_gib <= 72
+    single = tokens_per_second(LLAMA70, "full", 2048, True, MULTI.offering("a80"), MULTI)
+    assert plan.tokens_per_second == pytest.approx(32 * 0.8 * single)
+    assert "32 x a80 (A80), fsdp over 4 nodes, spot" == plan.describe()
+
+
+def test_nothing_fits_one_gpu_says_how_many_sharded_would():
+    with pytest.raises(NoGpuFits) as caught:
+        plan_training(LLAMA70, "lora", 2048, 1, True, 1_000_000, cost_model=MULTI)
+    message = str(caught.value)
+    assert "needs ~141.4 GiB" in message
+    assert "  - or lora as it is, parallelism fsdp on 4 x a80: ~" in message and message.endswith("add a larger offering to the cost model")

@@ -72,3 +72,40 @@ def test_plan_command_reads_a_config_file_and_says_what_is_wrong(llama7b_dir, tm
     huge.write_text(json.dumps({**REFERENCE_CONFIGS["Llama-2-13B"], "num_hidden_layers": 400}))
     assert main(["plan", "--model-config", str(huge), "--method", "full", "--seq-len", "512"]) == 2
     assert "no GPU offering fits full" in capsys.readouterr().err
+
+
+@pytest.fixture
+def llama70b_dir(tmp_path):
+    (tmp_path / "llama2-70b").mkdir()
+    (tmp_path / "llama2-70b" / "config.json").write_text(json.dumps(REFERENCE_CONFIGS["Llama-2-70B"]))
+    return tmp_path / "llama2-70b"
+
+
+@pytest.mark.parametrize(
+    "gpus, parallelism, chosen, shown",
+    [
+        ("auto", [], 4, "4 x h100-80gb (NVIDIA H100 80GB SXM), fsdp, spot"),  # 70B LoRA: 141 GiB on one GPU
+        ("8", ["--parallelism", "fsdp"], 8, "8 x h100-80gb (NVIDIA H100 80GB SXM), fsdp, spot"),
+    ],
+)
+def test_plan_command_plans_several_gpus_and_shows_the_qlora_alternative(llama70b_dir, capsys, monkeypatch, gpus, parallelism, chosen, shown):
+    monkeypatch.delenv("FT_COST_MODEL", raising=False)
+    argv = ["plan", "--model-config", str(llama70b_dir), "--method", "lora", "--seq-len", "2048", "--gradient-checkpointing",
+            "--gpus", gpus, *parallelism, "--json"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    plan = json.loads(lines[-1])
+    shape = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-70B"])
+    per_gpu = estimate_vram(shape, "lora", 2048, 1, True, gpus=chosen, parallelism="fsdp")
+    assert (plan["gpus"], plan["nodes"], plan["parallelism"]) == (chosen, 1, "fsdp")
+    assert plan["total_gib"] == pytest.approx(per_gpu.total_gib) and lines[1].rstrip().endswith("per GPU")
+    assert lines[2].strip().startswith(f"tier {shown}, ${chosen * 1.75:.2f}/h")  # N GPUs at $1.75 each
+    assert plan["mfu"] == pytest.approx(plan["tokens_per_second"] * plan["flops_per_token"] / (chosen * 989e12))
+    assert plan["alternative"]["describe"] == "h100-80gb (NVIDIA H100 80GB SXM), spot" and plan["alternative"]["gpus"] == 1
+    assert lines[4].strip().startswith("or qlora: h100-80gb")
+
+
+def test_plan_command_refuses_a_bad_gpu_count(llama7b_dir, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model-config", str(llama7b_dir), "--method", "lora", "--seq-len", "512", "--gpus", "0"])
+    assert "--gpus takes a count >= 1 or 'auto', not '0'" in capsys.readouterr().err

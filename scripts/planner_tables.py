@@ -2,7 +2,7 @@
 
 ``python -m scripts.planner_tables`` prints what ``ft_assets/control/planner.py``'s docstring quotes:
 peak VRAM of each reference model (``ft_assets_tests/reference_models.py``) per method at seq 512
-and 2048, and Llama-2-7B LoRA tokens/s on each default GPU offering.
+and 2048, Llama-2-13B's per GPU under FSDP, and Llama-2-7B LoRA tokens/s on each default GPU offering.
 """
 
 from ft_assets.control.cost_model import CostModel
@@ -27,6 +27,12 @@ def main() -> None:
             short, long = (estimate_vram(shape, method, s, 1, True).total_gib for s in (512, 2048))
             cells.append(f"{method} {short:.1f} / {long:.1f}")
         print(f"  {name:<14} {shape.params:>14,} params   " + "   ".join(cells))
+    print("VRAM GiB per GPU, seq 2048, batch 1, gradient checkpointing, LoRA r=16: 1 GPU, then FSDP on 2 / 4 / 8")
+    llama13b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-13B"], "Llama-2-13B")
+    for method in ("full", "lora"):
+        one = estimate_vram(llama13b, method, 2048, 1, True).total_gib
+        sharded = [estimate_vram(llama13b, method, 2048, 1, True, gpus=n, parallelism="fsdp").total_gib for n in (2, 4, 8)]
+        print(f"  Llama-2-13B {method:<5} 1 GPU {one:5.1f}   fsdp 2: {sharded[0]:5.1f}   4: {sharded[1]:5.1f}   8: {sharded[2]:5.1f}")
     llama7b = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
     gflops = flops_per_token(llama7b, "lora", 2048, True) / 1e9
     print(f"Llama-2-7B LoRA at seq 2048 with checkpointing: {gflops:.1f} GFLOP/token; tokens/s by tier:")

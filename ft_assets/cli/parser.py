@@ -63,6 +63,15 @@ def add_lineage(sub) -> None:
     lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
 
 
+def gpu_count(text: str) -> int | None:
+    """``--gpus``: a positive count, or 'auto' (None: the planner tries 1, 2, 4, ... 64)."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--gpus takes a count >= 1 or 'auto', not {text!r}")
+    return int(text)
+
+
 def add_plan(sub) -> None:
     plan = sub.add_parser("plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone")
     plan.add_argument("--model-config", required=True, help="a transformers config.json, or the model directory holding it")
@@ -71,6 +80,14 @@ def add_plan(sub) -> None:
     plan.add_argument("--batch", type=int, default=1, help="packed rows per forward pass (default 1)")
     plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     plan.add_argument("--attn-implementation", default="auto", choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"))
+    plan.add_argument(
+        "--gpus", type=gpu_count, default=1,
+        help="GPUs to spread the run over (default 1); 'auto': the fewest of 1, 2, 4, 8, ... 64 that fit, cheapest",
+    )  # fmt: skip
+    plan.add_argument(
+        "--parallelism", choices=("ddp", "fsdp"),
+        help="how the GPUs share the model: ddp (a copy each) or fsdp (sharded; the default above one GPU)",
+    )  # fmt: skip
     plan.add_argument("--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)")
     plan.add_argument("--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON, the last line of stdout")

@@ -23,7 +23,8 @@ from ft_assets import layout, objectives
 from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
-from ft_assets.control.planner import ModelShape, NoGpuFits, Throughput, flops_per_token, plan_training, throughput
+from ft_assets.control.gpu_plan import NoGpuFits, plan_training
+from ft_assets.control.planner import ModelShape, Throughput, flops_per_token, throughput
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, table
 from ft_assets.partitions import dataset_version
@@ -71,7 +72,7 @@ def training_plan(
             train_tokens=steps * resolved.rows_per_step * shards["seq_len"],
             cost_model=cost_model, purpose=config.purpose, data_region=region,
             lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
-            attention=training.attn_implementation,
+            attention=training.attn_implementation, gpus=training.world_size, parallelism=training.parallelism,
         )  # fmt: skip
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
@@ -80,13 +81,13 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan for {resolved.describe()} at {shards['seq_len']} tokens a row: needs {plan.vram.total_gib:.1f} GiB → "
-        f"{plan.tier} ({plan.mode}), ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
+        f"plan for {resolved.describe()} at {shards['seq_len']} tokens a row: needs {plan.vram.total_gib:.1f} GiB"
+        f"{' per GPU' if plan.gpus > 1 else ''} → {plan.describe()}, ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
     flops = flops_per_token(shape, method, shards["seq_len"], training.gradient_checkpointing)
     planned = None  # delivery rents no GPU
     if plan.tier is not None:
-        planned = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour)
+        planned = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour, plan.gpus)
     with Materialization(context, store, "plan") as m:
         (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
         stats = {
@@ -95,6 +96,7 @@ def training_plan(
             "total_tokens": plan.total_tokens, "warnings": list(plan.warnings), "data_region": region,
             "resolved": resolved.as_dict(), "training_config": training.model_dump(), "flops_per_token": flops,
             "throughput": planned.as_dict() if planned else None,
+            "gpus": plan.gpus, "nodes": plan.nodes, "parallelism": plan.parallelism,
         }  # fmt: skip
         ref = m.publish(layout.of(m.partition).control("plan"), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model})
     return m.output(
@@ -134,9 +136,10 @@ def measured_throughput(adapter: dict, plan: dict, cost_model) -> Throughput:
     CUDA) and the tier's price per million tokens at that speed."""
     tier, mode = billed_tier(plan)
     offering = cost_model.offering(tier) if tier else None
-    on_gpu = adapter["stats"]["device"].startswith("cuda")
-    price = offering.usd_per_hour(mode) if offering else None
-    return throughput(adapter["stats"]["tokens_per_second"], plan["stats"]["flops_per_token"], offering if on_gpu else None, price)
+    device = adapter["stats"]["device"]
+    on_gpu, gpus = device.startswith("cuda"), processes(device)
+    price = offering.usd_per_hour(mode) * gpus if offering and offering.usd_per_hour(mode) is not None else None
+    return throughput(adapter["stats"]["tokens_per_second"], plan["stats"]["flops_per_token"], offering if on_gpu else None, price, gpus)
 
 
 def measurements(adapter: dict, plan: dict, store, retention_days: float) -> tuple[RunMeasurements, list[str]]:
@@ -158,8 +161,14 @@ def measurements(adapter: dict, plan: dict, store, retention_days: float) -> tup
         gpu_tier=tier, rental_mode=mode, wall_seconds=wall, step_seconds=min(steps, wall), restarts=len(attempts),
         tokens_trained=stats["tokens_seen"], checkpoint_bytes=checkpoint_bytes,
         checkpoint_retention_hours=retention_days * 24, egress_bytes=egress, gpu_utilization=stats.get("gpu_utilization"),
+        gpus=processes(stats["device"]) if stats["device"].startswith("cuda") else 1,
     )  # fmt: skip
     return measured, notes
+
+
+def processes(device: str) -> int:
+    """The training processes (one GPU each, over all nodes) of a TrainingResult's device: 'cuda x4' -> 4."""
+    return int(device.rsplit("x", 1)[-1])
 
 
 @dg.asset(**CONTROL, kinds={"python", "json", STORE_KIND}, tags={"ft/pool": "cpu"})

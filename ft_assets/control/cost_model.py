@@ -64,6 +64,12 @@ class GpuOffering(BaseModel):
         description="Multiplies the cost model's per-method MFU for this card: below 1 for cards that cannot "
         "sustain their datasheet TFLOPS (power- or bandwidth-limited), from measured throughput.",
     )
+    max_gpus: int = Field(
+        default=1,
+        ge=1,
+        description="The most GPUs of this offering one run may rent: GPUs a host x hosts linked by a fast fabric "
+        "(NVLink within a host, InfiniBand/EFA between hosts). 1: single-GPU runs only.",
+    )
     note: str = Field(default="", description="Where the numbers come from; shown next to the plan.")
 
     def usd_per_hour(self, mode: RentalMode) -> float | None:

@@ -63,6 +63,7 @@ class RunMeasurements(BaseModel):
         description="Mean NVML GPU utilization over the whole wall time, idle periods included (0-1); empty "
         "when no NVML / torch.cuda was available.",
     )
+    gpus: int = Field(default=1, ge=1, description="GPUs the run rented at once, over all nodes: each is billed the tier's rate.")
 
     @model_validator(mode="after")
     def _steps_inside_wall(self) -> RunMeasurements:
@@ -80,7 +81,7 @@ class EthReport:
 
     gpu_tier: str
     rental_mode: RentalMode
-    usd_per_hour: float  # the rate billed for the tier in that mode
+    usd_per_hour: float  # the rate billed for the tier in that mode, times the run's GPUs
     wall_hours: float
     step_hours: float
     restarts: int
@@ -129,6 +130,7 @@ def compute_eth(
     rate = offering.usd_per_hour(mode)
     if rate is None:
         raise ValueError(f"offering {offering.name} has no spot price; add spot_usd_per_h to the cost model")
+    rate *= measured.gpus
 
     wall_hours = measured.wall_seconds / 3600
     step_fraction = measured.step_seconds / measured.wall_seconds if measured.wall_seconds else 0.0

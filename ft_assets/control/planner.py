@@ -1,8 +1,9 @@
-"""training_plan: how much GPU memory a fine-tune needs, which rented GPU to run it on, how long, what cost.
+"""What a fine-tune needs from a GPU: peak memory per GPU, FLOPs per token and tokens/s, from the model's shape.
 
 Before a training run rents anything, the planner estimates peak VRAM from the base model's shape
-(``ModelShape``, read from its config.json by ``model_shape.py``), picks the cheapest GPU offering of the cost model that
-fits, chooses spot or on-demand from the run's purpose, and prices the run from the token count.
+(``ModelShape``, read from its config.json by ``model_shape.py``) and its speed on a GPU offering;
+``ft_assets.control.gpu_plan`` then picks the cheapest offering and GPU count that fit, the rental
+mode, and prices the run.
 
 Peak VRAM (``estimate_vram``), bytes, for N parameters, L layers, hidden h, query width q = heads x
 head_dim, key/value width kv = kv_heads x head_dim, MLP width i, vocabulary V and T = seq_len x batch
@@ -52,6 +53,7 @@ flash or flex attention; batch 1, gradient checkpointing, LoRA r=16 on all seven
     Qwen2.5-0.5B            1.8 / 2.0      2.0 / 2.2      8.6 / 8.7
     Llama-2-7B              6.0 / 6.8     14.8 / 15.6    105.5 / 106.1
     Llama-2-13B             9.8 / 10.9    27.4 / 28.5    202.9 / 203.8
+    Llama-2-70B            41.2 / 44.1   138.6 / 141.4  1070.6 / 1073.1
 
 With a full-logit loss the 0.5B column would be mostly logits: Qwen's 151,936-token vocabulary costs
 2.3 GiB per 1k tokens; chunked, one 64 MiB chunk's worth.
@@ -63,9 +65,24 @@ PaLM's appendix B, halved for the causal mask. tokens/s = bf16 TFLOPS x MFU(meth
 / FLOPs per token, with the assumptions of the cost model. For Llama-2-7B LoRA at 2048 tokens
 (41.8 GFLOP/token) that is ~2,990 tokens/s on an A100, ~670 on an A10G and ~1,580 on an RTX 4090.
 
-Cost: hours = startup + tokens x epochs / tokens/s (x 1.1 on spot for restarts); cost = $/h x hours.
-Rental mode follows the purpose: experiments that checkpoint run on spot, validation runs on-demand,
-delivery rents no GPU (merge and export run on CPU).
+On W GPUs (``gpus``, ``parallelism``; the recipe's ``ft_assets.training.parallelism``):
+
+    ddp   every GPU holds all of the above, plus DDP's gradient buckets: a second copy of the
+          gradients (the reducer's flat buckets; LoRA: megabytes, full: 4 N)
+    fsdp  weights, adapter, gradients and AdamW state / W (FSDP2 shards every parameter, frozen
+          ones too), plus what is gathered at the peak: the root's parameters (embeddings, lm_head,
+          final norm; not resharded between forward and backward) and two decoder layers (the one
+          computing and the one prefetched), in compute precision, and for full fine-tuning those
+          two layers' unsharded fp32 gradients before their reduce-scatter. Activations, scores and
+          logits do not shrink: each GPU runs its own micro-batches.
+
+    GiB per GPU, seq 2048, batch 1, checkpointing, LoRA r=16 (python -m scripts.planner_tables)
+    Llama-2-13B full  1 GPU 203.8   fsdp 2: 107.3   4:  56.8   8:  31.6
+    Llama-2-13B lora  1 GPU  28.5   fsdp 2:  17.3   4:  10.7   8:   7.5
+
+Tokens/s on W GPUs: W x one GPU's x ``SCALING_EFFICIENCY`` (0.9 within a node, 0.8 across nodes:
+assumptions for gradient all-reduce / FSDP all-gathers overlapping compute on NVLink / InfiniBand,
+not measured here).
 """
 
 from __future__ import annotations
@@ -74,12 +91,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from ft_assets.control.cost_model import GIB, CostModel, GpuOffering, RentalMode
+from ft_assets.control.cost_model import GIB, CostModel, GpuOffering
 from ft_assets.control.model_shape import ModelShape, lora_params, lora_targets_of
-from ft_assets.training.config import AttentionImplementation, Method
+from ft_assets.training.config import AttentionImplementation, Method, Parallelism
 from ft_assets.training.loss import chunk_tokens
 
-Purpose = Literal["experiment", "validation", "delivery"]
 METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
 
 BF16_BYTES = 2  # frozen LoRA base and every activation
@@ -94,10 +110,13 @@ CUDA_CONTEXT_GIB = 0.6  # measured on the H200 (CUDA 13 driver, lazy module load
 ALLOCATOR_SLACK = 0.04  # reserved over allocated (block rounding, fragmentation), fitted on the H200 run
 DENSE_SCORE_ATTENTION = ("sdpa", "eager")  # packed rows get a dense block mask: per-head seq x seq scores
 LossPath = Literal["chunked", "full"]
+GPUS_PER_NODE = 8  # the largest GPU host (8 x H100/A100 per node): more GPUs are more nodes
+FSDP_GATHERED_LAYERS = 2  # decoder layers unsharded at once under FSDP: the one computing and the one prefetched
+SCALING_EFFICIENCY = {"node": 0.9, "nodes": 0.8}  # throughput per GPU on several GPUs (an assumption, not measured)
 
 @dataclass(frozen=True)
 class VramEstimate:
-    """Peak GPU memory of one training process, by component (GiB)."""
+    """Peak GPU memory of one training process (one GPU), by component (GiB)."""
 
     method: Method
     seq_len: int
@@ -105,8 +124,10 @@ class VramEstimate:
     grad_checkpointing: bool
     attention: str  # the attention backend planned for
     loss: LossPath
+    gpus: int  # GPUs the run is spread over; every figure is per GPU
+    parallelism: Parallelism
     trainable_params: int
-    weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest)
+    weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest); FSDP: the shard + what is gathered
     adapter_gib: float  # LoRA adapter weights (0 for full)
     gradients_gib: float
     optimizer_gib: float  # AdamW exp_avg + exp_avg_sq
@@ -141,8 +162,10 @@ def estimate_vram(
     lora_dropout: float = 0.05,
     attention: AttentionImplementation = "auto",
     loss: LossPath = "chunked",
+    gpus: int = 1,
+    parallelism: Parallelism = "ddp",
 ) -> VramEstimate:
-    """Peak VRAM of fine-tuning ``shape`` (formula in the module docstring).
+    """Peak VRAM of one GPU fine-tuning ``shape`` on ``gpus`` GPUs (formula in the module docstring).
 
     ``attention`` and ``loss`` name the path: the recipe's default (``auto``: flash or flex attention
     on a GPU, and the chunked loss of ``ft_assets.training.loss``), or e.g. sdpa and the full-logits
@@ -152,8 +175,10 @@ def estimate_vram(
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
         raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
-    if seq_len < 1 or micro_batch < 1 or lora_r < 1:
-        raise ValueError(f"seq_len, micro_batch and lora_r must be >= 1 (got {seq_len}, {micro_batch}, {lora_r})")
+    if seq_len < 1 or micro_batch < 1 or lora_r < 1 or gpus < 1:
+        raise ValueError(f"seq_len, micro_batch, lora_r and gpus must be >= 1 (got {seq_len}, {micro_batch}, {lora_r}, {gpus})")
+    if parallelism not in get_args(Parallelism):
+        raise ValueError(f"unknown parallelism {parallelism!r}: use one of {', '.join(get_args(Parallelism))}")
     tokens = seq_len * micro_batch
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     per_layer_token = BF16_BYTES * (2 * h + 3 * q + 2 * kv) + BF16_BYTES * (2 * h + 4 * i)  # attention + MLP
@@ -180,6 +205,7 @@ def estimate_vram(
             saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets)
         )
 
+    weights, adapter, gradients, optimizer = _per_gpu(shape, method, (weights, adapter, gradients, optimizer), gpus, parallelism)
     layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
         activations = shape.layers * BF16_BYTES * h * tokens + per_layer_token * tokens
@@ -198,6 +224,8 @@ def estimate_vram(
         grad_checkpointing=grad_checkpointing,
         attention=attention,
         loss=loss,
+        gpus=gpus,
+        parallelism=parallelism,
         trainable_params=trainable,
         weights_gib=weights / GIB,
         adapter_gib=adapter / GIB,
@@ -209,6 +237,23 @@ def estimate_vram(
         slack_gib=ALLOCATOR_SLACK * tensors / GIB,
         overhead_gib=CUDA_CONTEXT_GIB,
     )
+
+
+def _per_gpu(shape: ModelShape, method: Method, whole: tuple[float, ...], gpus: int, parallelism: Parallelism) -> tuple[float, ...]:
+    """Weights, adapter, gradients and AdamW bytes of the whole model -> what one of ``gpus`` GPUs holds (docstring)."""
+    weights, adapter, gradients, optimizer = whole
+    if gpus == 1:
+        return whole
+    if parallelism == "ddp":
+        return weights, adapter, 2 * gradients, optimizer  # + the reducer's buckets, a copy of every gradient
+    root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + shape.hidden
+    layer = (shape.params - root) / shape.layers
+    if method == "qlora":  # 4-bit layers gathered as they are stored; the root upcast to fp32, cast to bf16 for compute
+        gathered = FSDP_GATHERED_LAYERS * shape.layer_linear_params / shape.layers * NF4_BYTES_PER_PARAM + BF16_BYTES * root
+    else:
+        gathered = BF16_BYTES * (root + FSDP_GATHERED_LAYERS * layer)
+    unsharded_grads = FSDP_GATHERED_LAYERS * layer * FP32_BYTES if method == "full" else 0
+    return weights / gpus + gathered, adapter / gpus, gradients / gpus + unsharded_grads, optimizer / gpus
 
 
 def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool) -> float:
@@ -227,10 +272,13 @@ def tokens_per_second(
     grad_checkpointing: bool,
     offering: GpuOffering,
     cost_model: CostModel,
+    gpus: int = 1,
 ) -> float:
-    """Assumed training throughput of ``offering``: its bf16 peak x MFU over FLOPs per token."""
+    """Assumed training throughput of ``gpus`` x ``offering``: bf16 peak x MFU over FLOPs per token, per GPU,
+    times the GPUs at ``SCALING_EFFICIENCY``."""
     sustained = offering.bf16_tflops * 1e12 * cost_model.mfu(method) * offering.mfu_scale
-    return sustained / flops_per_token(shape, method, seq_len, grad_checkpointing)
+    scaling = 1.0 if gpus == 1 else SCALING_EFFICIENCY["node" if gpus <= GPUS_PER_NODE else "nodes"]
+    return gpus * scaling * sustained / flops_per_token(shape, method, seq_len, grad_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -246,253 +294,13 @@ class Throughput:
 
 
 def throughput(
-    tokens_per_second: float, flops: float, offering: GpuOffering | None, usd_per_hour: float | None
+    tokens_per_second: float, flops: float, offering: GpuOffering | None, usd_per_hour: float | None, gpus: int = 1
 ) -> Throughput:
     """MFU and $ per million tokens of ``tokens_per_second`` at ``flops`` per token (``flops_per_token``).
 
-    ``offering`` is the GPU the tokens ran on (None for a CPU or an unknown device: no MFU); the price
-    is that of the tier the run is billed as.
+    ``offering`` is the GPU the tokens ran on (None for a CPU or an unknown device: no MFU), ``gpus`` how many
+    of them made the tokens; the price is that of all of them, as the run is billed.
     """
-    mfu = tokens_per_second * flops / (offering.bf16_tflops * 1e12) if offering is not None else None
+    mfu = tokens_per_second * flops / (gpus * offering.bf16_tflops * 1e12) if offering is not None else None
     price = usd_per_hour / (tokens_per_second * 3600) * 1e6 if usd_per_hour is not None and tokens_per_second > 0 else None
     return Throughput(tokens_per_second=tokens_per_second, mfu=mfu, usd_per_million_tokens=price)
-
-
-@dataclass(frozen=True)
-class TierCandidate:
-    """One offering considered by the planner, fitting or not, priced in the plan's rental mode."""
-
-    name: str
-    gpu: str
-    region: str
-    vram_gib: float
-    usable_gib: float  # vram x (1 - headroom)
-    fits: bool
-    usd_per_hour: float | None  # None: no price in this rental mode
-    tokens_per_second: float
-    hours: float
-    cost_usd: float | None
-    reason: str = ""  # why it cannot be chosen; empty when it can
-
-
-@dataclass(frozen=True)
-class TrainingPlan:
-    """training_plan of one dataset version: where and how the run rents its GPU, and what it costs."""
-
-    purpose: Purpose
-    method: Method
-    mode: RentalMode | Literal["none"]
-    tier: str | None  # offering name; None when no GPU is rented (delivery)
-    gpu: str | None
-    region: str | None
-    vram: VramEstimate
-    total_tokens: int  # train tokens x epochs
-    tokens_per_second: float | None
-    est_hours: float
-    est_cost_usd: float
-    usd_per_hour: float | None
-    warnings: tuple[str, ...] = ()
-    candidates: tuple[TierCandidate, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (asset metadata); the VRAM breakdown and candidates nested."""
-        data = asdict(self)
-        data["vram"] = self.vram.as_dict()
-        return data
-
-    def candidate_rows(self) -> list[dict[str, Any]]:
-        """Every offering considered, cheapest first, with the chosen one marked (for the UI's table)."""
-        return [
-            {
-                "tier": c.name,
-                "gpu": c.gpu,
-                "region": c.region,
-                "usable_gib": round(c.usable_gib, 1),
-                "fits": c.fits,
-                "usd_per_hour": c.usd_per_hour,
-                "tokens_per_second": round(c.tokens_per_second),
-                "hours": round(c.hours, 2),
-                "cost_usd": None if c.cost_usd is None else round(c.cost_usd, 2),
-                "note": "chosen" if c.name == self.tier else c.reason,
-            }
-            for c in sorted(self.candidates, key=lambda c: (c.cost_usd is None, c.cost_usd or 0.0, c.name))
-        ]
-
-
-class NoGpuFits(ValueError):
-    """No offering of the cost model has the VRAM the run needs; the message says what would fit."""
-
-    def __init__(self, message: str, vram: VramEstimate, candidates: tuple[TierCandidate, ...]):
-        super().__init__(message)
-        self.vram = vram
-        self.candidates = candidates
-
-
-def rental_mode_for(purpose: Purpose, resumable: bool) -> tuple[RentalMode | Literal["none"], list[str]]:
-    """Spot for experiments that resume from checkpoints, on-demand for validation, none for delivery."""
-    if purpose == "delivery":
-        return "none", []
-    if purpose == "validation":
-        return "on_demand", []
-    if purpose != "experiment":
-        raise ValueError(f"unknown purpose {purpose!r}: use 'experiment', 'validation' or 'delivery'")
-    if resumable:
-        return "spot", []
-    return "on_demand", [
-        "experiment does not resume from checkpoints: renting on-demand, since a spot preemption would "
-        "lose all progress"
-    ]
-
-
-def plan_training(
-    shape: ModelShape,
-    method: Method,
-    seq_len: int,
-    micro_batch: int,
-    grad_checkpointing: bool,
-    train_tokens: int,
-    epochs: float = 1,
-    cost_model: CostModel | None = None,
-    purpose: Purpose = "experiment",
-    data_region: str | None = None,
-    *,
-    lora_r: int = 16,
-    lora_targets: Sequence[str] = (),
-    lora_dropout: float = 0.05,
-    resumable: bool = True,
-    attention: AttentionImplementation = "auto",
-    loss: LossPath = "chunked",
-) -> TrainingPlan:
-    """Cheapest fitting GPU, rental mode, hours and cost of one training run.
-
-    ``train_tokens`` is the token count of the train shards (one epoch); ``data_region`` where they
-    are stored. Raises NoGpuFits, with what would fit instead, when no offering has enough memory.
-    """
-    cost_model = cost_model or CostModel()
-    if train_tokens < 1 or epochs <= 0:
-        raise ValueError(f"train_tokens must be >= 1 and epochs > 0 (got {train_tokens}, {epochs})")
-    vram = estimate_vram(
-        shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, lora_targets, lora_dropout, attention, loss
-    )
-    total_tokens = round(train_tokens * epochs)
-    mode, warnings = rental_mode_for(purpose, resumable)
-    if mode == "none":
-        return TrainingPlan(purpose, method, "none", None, None, None, vram, total_tokens, None, 0.0, 0.0, None)
-
-    def price_all(rental_mode: RentalMode) -> tuple[TierCandidate, ...]:
-        return tuple(
-            _candidate(o, rental_mode, vram, shape, method, seq_len, grad_checkpointing, total_tokens, cost_model)
-            for o in cost_model.offerings
-        )
-
-    candidates = price_all(mode)
-    if not any(c.fits for c in candidates):
-        message = _no_fit_message(shape, vram, candidates, cost_model, lora_r, lora_targets, lora_dropout)
-        raise NoGpuFits(message, vram, candidates)
-    eligible = [c for c in candidates if not c.reason]
-    if not eligible:  # only possible on spot: nothing that fits has a spot price
-        warnings.append("no offering that fits has a spot price: falling back to on-demand")
-        mode = "on_demand"
-        candidates = price_all(mode)
-        eligible = [c for c in candidates if not c.reason]
-    chosen = min(eligible, key=lambda c: (c.cost_usd, c.region != data_region, c.name))
-    if data_region is not None and chosen.region != data_region:
-        warnings.append(
-            f"data is in {data_region} but the worker ({chosen.name}) runs in {chosen.region}: every shard "
-            f"download and checkpoint upload crosses regions, billed as egress at ${cost_model.egress_usd_per_gb}/GB "
-            f"and slower; store the data in {chosen.region} or add an offering in {data_region}"
-        )
-    return TrainingPlan(
-        purpose=purpose,
-        method=method,
-        mode=mode,
-        tier=chosen.name,
-        gpu=chosen.gpu,
-        region=chosen.region,
-        vram=vram,
-        total_tokens=total_tokens,
-        tokens_per_second=chosen.tokens_per_second,
-        est_hours=chosen.hours,
-        est_cost_usd=chosen.cost_usd,
-        usd_per_hour=chosen.usd_per_hour,
-        warnings=tuple(warnings),
-        candidates=candidates,
-    )
-
-
-def _candidate(
-    offering: GpuOffering,
-    mode: RentalMode,
-    vram: VramEstimate,
-    shape: ModelShape,
-    method: Method,
-    seq_len: int,
-    grad_checkpointing: bool,
-    total_tokens: int,
-    cost_model: CostModel,
-) -> TierCandidate:
-    usable = offering.vram_gib * (1 - cost_model.vram_headroom)
-    fits = vram.total_gib <= usable
-    rate = offering.usd_per_hour(mode)
-    speed = tokens_per_second(shape, method, seq_len, grad_checkpointing, offering, cost_model)
-    train_hours = total_tokens / speed / 3600 * (1 + (cost_model.spot_restart_overhead if mode == "spot" else 0))
-    hours = cost_model.startup_minutes / 60 + train_hours
-    if not fits:
-        reason = f"needs {vram.total_gib:.1f} GiB"
-    elif rate is None:
-        reason = "no spot price"
-    else:
-        reason = ""
-    return TierCandidate(
-        name=offering.name,
-        gpu=offering.gpu,
-        region=offering.region,
-        vram_gib=offering.vram_gib,
-        usable_gib=usable,
-        fits=fits,
-        usd_per_hour=rate,
-        tokens_per_second=speed,
-        hours=hours,
-        cost_usd=None if rate is None else rate * hours,
-        reason=reason,
-    )
-
-
-def _no_fit_message(
-    shape: ModelShape,
-    vram: VramEstimate,
-    candidates: tuple[TierCandidate, ...],
-    cost_model: CostModel,
-    lora_r: int,
-    lora_targets: Sequence[str],
-    lora_dropout: float,
-) -> str:
-    largest = max(candidates, key=lambda c: c.usable_gib)
-    what = f"{vram.method} of {shape.name or 'the model'} ({shape.params / 1e9:.2f}B params)"
-    shape_of_run = f"seq {vram.seq_len} x batch {vram.micro_batch}"
-    lines = [
-        f"no GPU offering fits {what} at {shape_of_run}: it needs ~{vram.breakdown()}; the largest, "
-        f"{largest.name}, has {largest.usable_gib:.1f} GiB usable ({largest.vram_gib:g} GiB less "
-        f"{cost_model.vram_headroom:.0%} headroom). Options:"
-    ]
-    # Each option adds to the ones above it: first those that keep the math, then 4-bit quantization.
-    method, checkpointing, batch = vram.method, vram.grad_checkpointing, vram.micro_batch
-    options = []
-    if not checkpointing:
-        checkpointing = True
-        options.append(("gradient checkpointing", method, checkpointing, batch))
-    if batch > 1:
-        batch = 1
-        options.append(("micro batch 1 (same global batch via gradient accumulation)", method, checkpointing, batch))
-    if method != "qlora":
-        method = "qlora"
-        options.append(("method qlora", method, checkpointing, batch))
-    for number, (label, method, checkpointing, batch) in enumerate(options):
-        estimate = estimate_vram(
-            shape, method, vram.seq_len, batch, checkpointing, lora_r, lora_targets, lora_dropout, vram.attention, vram.loss
-        )
-        fitting = [c.name for c in candidates if estimate.total_gib <= c.usable_gib]
-        verdict = f"fits {', '.join(fitting)}" if fitting else "still too big"
-        lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB, {verdict}")
-    lines.append("  - add a larger (or multi-GPU sharded) offering to the cost model")
-    return "\n".join(lines)
