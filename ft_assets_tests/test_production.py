@@ -206,11 +206,11 @@ def job_origin(job_name: str) -> JobPythonOrigin:
     return JobPythonOrigin(job_name, RepositoryPythonOrigin(sys.executable, pointer, container_image=IMAGE))
 
 
-def launch(instance, job_name: str, tags: dict, asset: str | None = None) -> dg.DagsterRun:
+def launch(instance, job_name: str, tags: dict, asset: str | None = None, run_config: dict | None = None) -> dg.DagsterRun:
     """Create a run like the queue daemon would hand it over and send it through PoolRunLauncher."""
     run = create_run_for_test(
         instance, job_name=job_name, job_code_origin=job_origin(job_name), tags=tags,
-        asset_selection=frozenset({dg.AssetKey(asset)}) if asset else None,
+        asset_selection=frozenset({dg.AssetKey(asset)}) if asset else None, run_config=run_config,
     )
     instance.run_launcher.launch_run(LaunchRunContext(run, None))
     return instance.get_run_by_id(run.run_id)
@@ -389,3 +389,65 @@ def test_k8s_example_puts_training_on_a_spot_gpu_node(kube_api):
     assert "nvidia.com/gpu" not in json.dumps(cpu_pod["containers"][0]["resources"])
     assert "nodeSelector" not in cpu_pod and "tolerations" not in cpu_pod
     assert cpu_job["metadata"]["labels"]["ft/pool"] == "cpu"
+
+
+def training_settings(**settings) -> dict:
+    return {"ops": {"lora_adapter": {"config": settings}}}
+
+
+def test_ecs_gpu_pool_asks_for_the_gpus_of_the_training_settings(aws):
+    import boto3
+
+    block = launcher_block("ecs")
+    ecs_account(block)
+    with dg.instance_for_test(overrides={"run_launcher": block}) as instance:
+        run = launch(instance, "training_plane", {"dagster/partition": "toolcalls@v1"}, asset="lora_adapter",
+                     run_config=training_settings(num_processes=4, parallelism="fsdp"))  # fmt: skip
+    task = boto3.client("ecs").describe_tasks(cluster="ft-assets", tasks=[run.tags["ecs/task_arn"]])["tasks"][0]
+    assert task["overrides"]["containerOverrides"][0]["resourceRequirements"] == [{"type": "GPU", "value": "4"}]
+
+
+def test_k8s_gpu_pool_asks_for_the_settings_gpus_and_the_other_nodes_copy_the_run_pod(kube_api):
+    """num_processes=4, num_nodes=2: the run's Job asks for 4 GPUs; lora_adapter's Job of node 1, rendered from that
+    pod, asks for the same 4 and runs launch.node_command; every field is one the Kubernetes API knows (a round trip
+    through the client's models loses nothing), and the API server takes it."""
+    from kubernetes import client, config
+
+    from ft_assets.training.config import TrainingConfig
+    from ft_assets.training.launch import WorkerJob, node_command
+    from ft_assets.training.nodes import peer_job
+
+    kubeconfig, created = kube_api
+    block = launcher_block("k8s")
+    for pool in block["config"]["pools"].values():
+        pool["config"].update(load_incluster_config=False, kubeconfig_file=str(kubeconfig))
+    settings = dict(num_processes=4, num_nodes=2, parallelism="fsdp", method="lora")
+    with dg.instance_for_test(overrides={"run_launcher": block}) as instance:
+        launch(instance, "training_plane", {"dagster/partition": "toolcalls@v1"}, asset="lora_adapter", run_config=training_settings(**settings))
+    ((_, run_job),) = created
+    template = run_job["spec"]["template"]
+    run_container = template["spec"]["containers"][0]
+    assert run_container["resources"]["limits"]["nvidia.com/gpu"] == "4" == run_container["resources"]["requests"]["nvidia.com/gpu"]
+    pod_ip = next(e for e in run_container["env"] if e["name"] == "FT_POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+    run_pod = {"metadata": {**template["metadata"], "name": "dagster-run-abc-x7k2p", "namespace": "ft-assets", "uid": "1234"},
+               "spec": template["spec"]}  # fmt: skip
+    job = WorkerJob(TrainingConfig(**settings), "s3://bucket/ft", "runs/t/v1/train/abc", "base/x/y", "runs/t/v1/data/shards", "sft", {})
+    manifest = peer_job(run_pod, "dagster-run-abc-x7k2p-nodes", node_command(job, "10.1.2.3:29400", "/tmp/ft-node"), nodes=2)
+    api = client.ApiClient()
+    model = api.deserialize(type("Response", (), {"data": json.dumps(manifest)})(), "V1Job")  # as if the server sent it
+    assert api.sanitize_for_serialization(model) == manifest  # no field the API does not know, none of the wrong type
+    spec, pod = manifest["spec"], manifest["spec"]["template"]["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 1, 1, 0)
+    node = pod["containers"][0]
+    assert node["resources"] == run_container["resources"] and node["image"] == run_container["image"] == IMAGE
+    assert node["command"][:3] == ["python", "-m", "ft_assets.training.launch"] and node["command"][-1] == "JOB_COMPLETION_INDEX"
+    assert WorkerJob.from_json(node["command"][node["command"].index("--job") + 1]) == job
+    assert node["envFrom"] == run_container["envFrom"] and node["env"] == run_container["env"]  # store keys, Dagster settings
+    assert pod["tolerations"] == template["spec"]["tolerations"] and pod["nodeSelector"] == template["spec"]["nodeSelector"]
+    assert pod["terminationGracePeriodSeconds"] == 120 and pod["restartPolicy"] == "Never"
+    assert manifest["metadata"]["ownerReferences"][0]["uid"] == "1234"  # deleted with the run's pod
+    config.load_kube_config(str(kubeconfig))
+    client.BatchV1Api().create_namespaced_job("ft-assets", manifest)
+    assert created[-1] == ("/apis/batch/v1/namespaces/ft-assets/jobs", manifest)

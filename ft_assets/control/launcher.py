@@ -12,6 +12,14 @@ Two pieces, both configured in ``dagster.yaml``:
   for both; in production ``EcsRunLauncher`` with a GPU task definition or ``K8sRunLauncher`` with
   ``nvidia.com/gpu`` limits for ``gpu``) and hands each run to the launcher of its pool.
 
+A training run asks its pool for the GPUs its training settings need: ``num_processes`` per node
+(``gpus_per_node``), the count ``training_plan`` planned for. ``PoolRunLauncher`` writes it as the inner
+launcher's own per-run override before handing the run over (``gpu_request_tags``): ``dagster-k8s/config``
+container resources ``nvidia.com/gpu`` for K8sRunLauncher, ``ecs/container_overrides``
+``resourceRequirements`` GPU for EcsRunLauncher; an override already on the run wins. With
+``num_nodes`` > 1 the run's pod is node 0 and ``lora_adapter`` starts the other nodes itself, as
+copies of that pod (``ft_assets.training.nodes``), so they ask for the same GPUs.
+
 Why not just tag the training job: asset tags do not become run tags, so a training asset
 materialized ad hoc from the UI arrives as an anonymous asset job. The routing therefore looks at,
 in order: an explicit ``ft/pool`` run tag, the run's asset selection, the ``ft/plane`` job tag.
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import json
 
 import yaml
 
@@ -36,6 +46,8 @@ PLANE_TAG = "ft/plane"
 GPU, CPU, ANY = "gpu", "cpu", "any"
 DEFAULT_GPU_ASSETS = ("lora_adapter",)  # the only step that needs an accelerator
 DEFAULT_ANY_ASSETS = ("base_model", "training_plan")  # cheap, needed by both sides: never force a pool
+TRAINING_OP = "lora_adapter"  # whose settings say how many GPUs a node of the run needs
+K8S_CONFIG_TAG, ECS_OVERRIDES_TAG = "dagster-k8s/config", "ecs/container_overrides"  # the inner launchers' per-run overrides
 
 
 class MixedPoolRun(ValueError):
@@ -72,6 +84,25 @@ def _asset_names(run: DagsterRun) -> list[str] | None:
     if not run.asset_selection:
         return None
     return ["/".join(key.path) for key in run.asset_selection]
+
+
+def gpus_per_node(run_config: Mapping[str, Any]) -> int:
+    """GPUs one node of a training run needs: the run config's ``num_processes`` for lora_adapter (default 1)."""
+    settings = ((run_config.get("ops") or {}).get(TRAINING_OP) or {}).get("config") or {}
+    return int(settings.get("num_processes", 1))
+
+
+def gpu_request_tags(launcher: str, gpus: int, tags: Mapping[str, str]) -> dict[str, str]:
+    """The run tags that make ``launcher`` (its class name) ask for ``gpus`` GPUs; {} if it has no such override,
+    the run already carries one, or one GPU is what the pool's launcher asks for anyway."""
+    if gpus == 1:
+        return {}
+    if launcher == "K8sRunLauncher" and K8S_CONFIG_TAG not in tags:
+        count = {"nvidia.com/gpu": str(gpus)}  # an extended resource: requests = limits
+        return {K8S_CONFIG_TAG: json.dumps({"container_config": {"resources": {"requests": count, "limits": count}}})}
+    if launcher == "EcsRunLauncher" and ECS_OVERRIDES_TAG not in tags:
+        return {ECS_OVERRIDES_TAG: json.dumps({"resourceRequirements": [{"type": "GPU", "value": str(gpus)}]})}
+    return {}
 
 
 class PoolRunCoordinator(QueuedRunCoordinator):
@@ -149,7 +180,10 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
         run = context.dagster_run
         pool = self._pool_of(run)
         inner = self.launcher(pool)
-        self._instance.add_run_tags(run.run_id, {POOL_TAG: pool})
+        tags = {POOL_TAG: pool}
+        if pool == GPU:
+            tags.update(gpu_request_tags(type(inner).__name__, gpus_per_node(run.run_config), run.tags))
+        self._instance.add_run_tags(run.run_id, tags)
         self._instance.report_engine_event(
             f"ft-assets routed this run to the {pool} pool ({type(inner).__name__})", run, cls=self.__class__
         )
