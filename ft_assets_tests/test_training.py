@@ -310,8 +310,8 @@ def test_compiled_model_trains_like_the_eager_one(tiny_model, shards, tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-def test_fsdp_is_refused_with_what_to_do_instead(tiny_model, shards, tmp_path, monkeypatch):
-    """Checkpoints hold rank 0's trainable state: under FSDP that is a shard, so FSDP runs are refused."""
+def test_accelerates_fsdp_plugin_is_refused_for_the_parallelism_setting(tiny_model, shards, tmp_path, monkeypatch):
+    """Sharding is the recipe's (parallelism: fsdp, test_fsdp.py): accelerate's own FSDP plugin would wrap the model."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -321,7 +321,7 @@ def test_fsdp_is_refused_with_what_to_do_instead(tiny_model, shards, tmp_path, m
             return DistributedType.FSDP
 
     monkeypatch.setattr(recipe, "Accelerator", FsdpAccelerator)
-    with pytest.raises(ValueError, match="FSDP is not supported: checkpoints would hold only rank 0's shard"):
+    with pytest.raises(ValueError, match="accelerate's FSDP plugin is not used: launch without --use_fsdp .* parallelism: fsdp"):
         train(config(), tiny_model, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None)
 
 

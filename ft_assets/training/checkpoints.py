@@ -338,6 +338,26 @@ class Checkpoint:
         return self.local_dir / SHARDED if (self.local_dir / SHARDED).is_dir() else None
 
 
+def check_resumable(checkpoint: Checkpoint, parallelism: str, rows_per_step: int) -> None:
+    """Refuse a checkpoint this run cannot continue: another format (DDP's files vs FSDP's shards) or global batch.
+
+    Another number of processes is fine when the global batch is the same: the same rows in the same steps.
+    """
+    sharded = checkpoint.sharded_dir is not None
+    if sharded != (parallelism == "fsdp"):
+        raise ValueError(
+            f"checkpoint {checkpoint.uri} was written under parallelism {'fsdp' if sharded else 'ddp'} but this run is "
+            f"{parallelism}: set parallelism back, or delete the run's checkpoints to start over"
+        )
+    state = checkpoint.trainer_state()
+    if state.step and state.samples_seen != state.step * rows_per_step:
+        raise ValueError(
+            f"checkpoint {checkpoint.uri} took {state.samples_seen // state.step} rows a step, this run takes "
+            f"{rows_per_step}; keep per_device_batch_size x gradient_accumulation_steps x processes x nodes equal to "
+            "resume on another number of processes"
+        )
+
+
 def fetch_checkpoint(store: ObjectStore, prefix: str, step: int, dest: Path) -> Checkpoint:
     """Download and verify one checkpoint.
 

@@ -40,14 +40,12 @@ On a GPU the loop does not wait for it between steps: AdamW is fused, the learne
 from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
 reads the losses since the last read at once (``read_losses``); the loss history is the same.
 
-Several processes: ``torchrun --nproc_per_node N -m ft_assets.training.worker ...`` (``ft_assets.training.launch``
-builds the command, for M nodes too; ``accelerate launch --multi_gpu`` works as well). Without a GPU the
-same command forms a gloo group, because the recipe asks accelerate for ``cpu=True`` then; accelerate's
-own ``--cpu`` flag would start a single process. ``parallelism`` picks how the model is spread
-(``ft_assets.training.parallelism``): DDP (rank 0 writes checkpoints) or FSDP2 (every rank writes its
-shard; rank 0 commits the checkpoint once all shards are in the store). Only rank 0 logs; all ranks
-restore their own RNG. A run resumes on another number of processes when its global batch is the same
-(``TrainingConfig.result_fields``): the same rows in the same steps; only dropout draws differ.
+Several processes: ``torchrun -m ft_assets.training.worker ...`` (``ft_assets.training.launch``, 1 or M nodes).
+Without a GPU it forms a gloo group, as the recipe asks accelerate for ``cpu=True`` (accelerate's ``--cpu``
+flag would start one process). ``parallelism`` (``ft_assets.training.parallelism``): DDP, rank 0 writes
+checkpoints; FSDP2, every rank writes its shard and rank 0 commits once all are in the store. Only rank 0
+logs; all ranks restore their own RNG. A run resumes on another number of processes with the same global
+batch (``TrainingConfig.result_fields``): the same rows in the same steps; only dropout draws differ.
 
 On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
 optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
@@ -63,7 +61,6 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -78,6 +75,7 @@ from ft_assets.training.checkpoints import (
     Checkpoint,
     TrainerState,
     capture_rng_state,
+    check_resumable,
     complete_checkpoints,
     delete_checkpoint,
     fetch_checkpoint,
@@ -92,42 +90,13 @@ from ft_assets.training.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
 from ft_assets.training.parallelism import consolidated_state, for_config, load_shards, save_shards
 from ft_assets.training.preemption import Preempted, SigtermFlag
+from ft_assets.training.result import TrainingResult
 from ft_assets.training.tracking import MlflowTracker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 Log = Callable[[str], None]
 OnMetrics = Callable[[dict], None]
-
-
-@dataclass
-class TrainingResult:
-    output_dir: Path  # final adapter (lora/qlora) or model (full) with tokenizer files, written by rank 0
-    method: str
-    objective: str  # the objective's name (ft_assets.objectives): "sft", "dpo"
-    device: str
-    steps: int
-    train_loss: float | None  # mean of the last `logging_steps` step losses
-    eval_loss: float | None  # None when there are no eval shards; DPO: the DPO loss on the eval pairs
-    eval_metrics: dict  # the final eval's figures (DPO: reward accuracy and margin of the model and its reference)
-    tokens_seen: int  # packed tokens (padding included) over all processes, whole run
-    wall_seconds: float  # this attempt, from `started_at` (model load, data, uploads, eval included)
-    step_seconds: float  # this attempt, inside forward + backward + optimizer step
-    effective_training_fraction: float  # step_seconds / wall_seconds
-    resumed_from_step: int | None
-    checkpoints: list[str]  # URIs of the complete checkpoints left in the store, oldest first
-    loss_history: list[tuple[int, float]]
-    restarts: list[dict]  # earlier attempts of this run (start step, last checkpoint, timings)
-    bytes_uploaded: int
-    resolved: dict  # the settings the run used, defaults filled in (ResolvedTraining.as_dict)
-    attn_implementation: str  # the attention backend the run used (``auto`` resolved)
-    tokens_per_second: float  # this attempt: packed tokens (padding included) per second of step time, all processes
-    mlflow_run_id: str | None  # the MLflow run this run is logged to (None: no tracking, or the tracker did not answer)
-
-    def to_json(self) -> dict:
-        raw = asdict(self)
-        raw["output_dir"] = str(self.output_dir)
-        return raw
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -342,19 +311,8 @@ class FineTuneRecipe:
         """
         self.state = checkpoint.trainer_state()
         self.state.total_steps = self.total_steps
-        sharded = checkpoint.sharded_dir is not None
-        if sharded != (self.parallel.name == "fsdp"):
-            raise ValueError(
-                f"checkpoint {checkpoint.uri} was written under parallelism {'fsdp' if sharded else 'ddp'} but this run is "
-                f"{self.parallel.name}: set parallelism back, or delete the run's checkpoints to start over"
-            )
-        if self.state.step and self.state.samples_seen != self.state.step * self.plan.rows_per_step:
-            raise ValueError(
-                f"checkpoint {checkpoint.uri} took {self.state.samples_seen // self.state.step} rows a step, this run takes "
-                f"{self.plan.rows_per_step}; keep per_device_batch_size x gradient_accumulation_steps x processes equal to "
-                "resume on another number of processes"
-            )
-        if sharded:
+        check_resumable(checkpoint, self.parallel.name, self.plan.rows_per_step)
+        if checkpoint.sharded_dir is not None:
             load_shards(self.model, self.optimizer, set(self.params), checkpoint.sharded_dir)
         else:
             load_trainable(self.unwrapped, checkpoint.weights(), checkpoint.uri)
@@ -518,23 +476,14 @@ class FineTuneRecipe:
             )
         meta = {"step": state.step, "method": self.method, "parallelism": self.parallel.name, "world_size": self.world}
         name = f"checkpoint-{state.step:08d}"
-        if self.parallel.name == "fsdp":
+        if self.parallel.name == "fsdp":  # collective: every rank writes its shard, rank 0 the run state too
             run_state = (self.scheduler.state_dict(), rng_states, state) if self.is_main else None
-            local = write_sharded_checkpoint(
-                self.work_dir / "checkpoints" / f"rank-{self.rank}" / name,
-                lambda folder: save_shards(self.model, self.optimizer, set(self.params), folder),
-                run_state,
-            )
+            local = write_sharded_checkpoint(self.work_dir / "checkpoints" / f"rank-{self.rank}" / name,
+                                             lambda folder: save_shards(self.model, self.optimizer, set(self.params), folder), run_state)  # fmt: skip
             self.uploader.submit(local, state.step, meta=meta)
         elif self.is_main:
-            local = write_checkpoint(
-                self.work_dir / "checkpoints" / name,
-                weights=dict(self.params),
-                optimizer_state=self.optimizer.state_dict(),
-                scheduler_state=self.scheduler.state_dict(),
-                rng_states=rng_states,
-                trainer_state=state,
-            )
+            local = write_checkpoint(self.work_dir / "checkpoints" / name, dict(self.params), self.optimizer.state_dict(),
+                                     self.scheduler.state_dict(), rng_states, state)  # fmt: skip
             self.uploader.submit(local, state.step, meta=meta)
         self.last_saved = state.step
 
