@@ -61,7 +61,7 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.environ.update(env)  # a forkserver child starts with the environment of the forkserver, not ours
     torch.set_num_threads(1)
     sys.stdout = sys.stderr = open(log_path, "a", buffering=1)
-    from ft_assets.training import recipe, worker
+    from ft_assets.training import steps, worker
 
     def slow_store(url: str) -> ObjectStore:
         store = open_store(url)
@@ -74,14 +74,14 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
         store.put_file = slowed
         return store
 
-    token_loss_sum = recipe.token_loss_sum
+    token_loss_sum = steps.token_loss_sum
 
-    def slow_step(model, batch):  # the recipe's training steps only: evaluation calls training.loss directly
+    def slow_step(model, batch):  # the SFT training step only: evaluation calls training.loss directly
         time.sleep(STEP_DELAY_S)
         return token_loss_sum(model, batch)
 
     worker.open_store = slow_store
-    recipe.token_loss_sum = slow_step
+    steps.token_loss_sum = slow_step
     sys.exit(worker.main(argv))
 
 

@@ -31,7 +31,7 @@ from ft_assets.training.launch import WorkerJob, node_command, torchrun_command,
 from ft_assets.training.parallelism import decoder_layers
 from ft_assets.training.recipe import train
 from ft_assets_tests.families import build_family
-from ft_assets_tests.support import ONE_THREAD, RUN, chat_examples, final_weights, training_config, write_shards
+from ft_assets_tests.support import ONE_THREAD, RUN, chat_examples, final_weights, record_figures, training_config, write_shards
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -106,10 +106,18 @@ def shard_files(store: LocalStore, step: int) -> list[str]:
     return sorted(name for name in read_manifest(store, layout.checkpoint(RUN, step)).files if name.startswith("sharded/"))
 
 
-def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> float:
+    """Fails unless every tensor of ``a`` is within ``atol`` of ``b``'s; returns the largest difference."""
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=atol), (name, (a[name] - b[name]).abs().max())
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def loss_gap(history: list, reference: list) -> float:
+    """The largest difference between two loss histories, step by step (they must cover the same steps)."""
+    assert [step for step, _ in history] == [step for step, _ in reference]
+    return max(abs(loss - other) for (_, loss), (_, other) in zip(history, reference))
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +168,14 @@ def test_two_process_fsdp_killed_and_rerun_matches_one_process(killed_run, one_p
     losses = [loss for _, loss in result["loss_history"]]
     assert losses == pytest.approx([loss for _, loss in one_process.loss_history], rel=1e-5)
     assert result["eval_loss"] == pytest.approx(one_process.eval_loss, rel=1e-5)
-    assert_close_weights(load_file(Path(result["output_dir"]) / "adapter_model.safetensors"), final_weights(one_process))
+    weights = assert_close_weights(load_file(Path(result["output_dir"]) / "adapter_model.safetensors"), final_weights(one_process))
     assert shard_files(store, STEPS) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
-    print(f"resumed 2-process run: {time.monotonic() - started:.1f}s; max loss difference to 1 process "
-          f"{max(abs(a - b) for a, (_, b) in zip(losses, one_process.loss_history)):.2e}")  # fmt: skip
+    record_figures(
+        "fsdp_2_processes_killed_and_rerun", steps=STEPS, killed_after_checkpoint=KILL_AFTER, resumed_from=result["resumed_from_step"],
+        max_loss_difference_to_1_process=loss_gap(result["loss_history"], one_process.loss_history),
+        max_adapter_difference_to_1_process=weights, eval_loss=result["eval_loss"], one_process_eval_loss=one_process.eval_loss,
+        rerun_wall_seconds=round(time.monotonic() - started, 1),
+    )  # fmt: skip
 
 
 @pytest.mark.integration
@@ -175,7 +187,9 @@ def test_a_two_process_checkpoint_resumes_on_one_process(killed_run, one_process
     assert any("written by 2 process(es), resumed on 1" in line for line in lines)
     assert [step for step, _ in result.loss_history] == list(range(1, STEPS + 1))
     assert [loss for _, loss in result.loss_history] == pytest.approx([loss for _, loss in one_process.loss_history], rel=1e-5)
-    assert_close_weights(final_weights(result), final_weights(one_process))
+    weights = assert_close_weights(final_weights(result), final_weights(one_process))
+    record_figures("fsdp_2_process_checkpoint_on_1_process", resumed_from=result.resumed_from_step, max_adapter_difference_to_1_process=weights,
+                   max_loss_difference_to_1_process=loss_gap(result.loss_history, one_process.loss_history))  # fmt: skip
 
 
 @pytest.mark.integration
@@ -186,7 +200,9 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(tiny_model,
     log = tmp_path / "w.log"
     wait_for(lambda: "step 3/" in log.read_text(), proc, log, "step 3")
     os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)  # rank 1 only: rank 0 never gets the signal
+    sent = time.monotonic()
     text = finish(proc, log)
+    seconds = time.monotonic() - sent
     preempted = json.loads((tmp_path / "w" / "result.json").read_text())["preempted"]
     step = preempted["step"]
     assert proc.returncode != 0 and f"preempted by SIGTERM at step {step}" in text, text[-3000:]
@@ -194,6 +210,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(tiny_model,
     assert shard_files(store, step) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
     latest, _ = find_latest_checkpoint(store, RUN, tmp_path / "check", log=lambda line: None)
     assert latest.trainer_state().step == step
+    record_figures("fsdp_sigterm_on_rank_1", stopped_at_step=step, seconds_from_sigterm_to_exit=round(seconds, 1))
 
 
 @pytest.mark.integration
@@ -207,7 +224,9 @@ def test_fsdp_trains_qlora_and_full_like_one_process(method, tiny_model, shards,
     assert result["steps"] == 3 and result["method"] == method, log[-3000:]
     assert [loss for _, loss in result["loss_history"]] == pytest.approx([loss for _, loss in one.loss_history], rel=1e-5)
     name = "model.safetensors" if method == "full" else "adapter_model.safetensors"
-    assert_close_weights(load_file(Path(result["output_dir"]) / name), final_weights(one), atol=1e-5)
+    weights = assert_close_weights(load_file(Path(result["output_dir"]) / name), final_weights(one), atol=1e-5)
+    record_figures(f"fsdp_2_processes_{method}", max_loss_difference_to_1_process=loss_gap(result["loss_history"], one.loss_history),
+                   max_weight_difference_to_1_process=weights)  # fmt: skip
 
 
 @pytest.mark.integration
@@ -237,7 +256,8 @@ def test_two_nodes_on_loopback_through_the_launchers_command(tmp_path):
     assert shard_files(store, 4) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
     assert (tmp_path / "n1" / "base" / "config.json").is_file()  # node 1 fetched its own inputs
     assert (Path(result["output_dir"]) / "adapter_model.safetensors").is_file()
-    print(f"2 nodes on loopback: {time.monotonic() - started:.1f}s")
+    record_figures("fsdp_2_nodes_on_loopback", wall_seconds=round(time.monotonic() - started, 1), steps=result["steps"],
+                   first_loss=result["loss_history"][0][1], last_loss=result["loss_history"][-1][1])  # fmt: skip
 
 
 FAMILY_LAYERS = [("llama3", "LlamaDecoderLayer"), ("qwen2.5", "Qwen2DecoderLayer"), ("gemma2", "Gemma2DecoderLayer"), ("phi3", "Phi3DecoderLayer")]
