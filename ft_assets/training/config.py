@@ -24,9 +24,11 @@ rate; DPO refuses ``method: full``, since its reference is the base with the ada
 ``method`` keeps meaning which weights train, so the planner, the merge and the run log read it as
 they always did.
 
-Fields split in two: those that change the trained weights (``RESULT_FIELDS``, hashed into the run
+Fields split in two: those that change the trained weights (``result_fields``, hashed into the run
 id, so changing one starts a new run) and those that only change how the run is operated (how often
 to checkpoint, log or evaluate, where to report), which may differ between the attempts of one run.
+How the global batch is split over processes, nodes and micro-batches (``SPLIT_FIELDS``) is hashed
+as its product only: a run checkpointed on 2 GPUs resumes on 1 with twice the accumulation.
 """
 
 from __future__ import annotations
