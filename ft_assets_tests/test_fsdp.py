@@ -269,6 +269,65 @@ def test_two_nodes_on_loopback_through_the_launchers_command(tmp_path):
                    first_loss=result["loss_history"][0][1], last_loss=result["loss_history"][-1][1])  # fmt: skip
 
 
+def shard_folder(root: Path, rank: int, world: int) -> Path:
+    """What one rank of an FSDP checkpoint leaves on its disk: its shard, and on rank 0 the metadata and run state."""
+    folder = root / f"rank-{rank}"
+    (folder / "sharded").mkdir(parents=True)
+    (folder / "sharded" / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 100)
+    if rank == 0:
+        (folder / "sharded" / ".metadata").write_bytes(b"m" * world)
+        (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "samples_seen": 4, "world_size": world}))
+    return folder
+
+
+def test_rank_0_commits_a_sharded_checkpoint_only_once_every_rank_of_its_attempt_uploaded(tmp_path, monkeypatch):
+    from ft_assets.training import checkpoints
+    from ft_assets.training.checkpoints import BackgroundUploader, receipt_key
+
+    store = LocalStore(tmp_path / "store")
+    prefix = layout.checkpoint(RUN, 2)
+    store.put_json(receipt_key(prefix, 1), {"attempt": "earlier", "files": {"sharded/__1_0.distcp": {"size": 1, "sha256": "0"}}})
+    ranks = [BackgroundUploader(store, RUN, log=lambda line: None, shards=2, rank=r, attempt="now") for r in (0, 1)]
+    ranks[0].submit(shard_folder(tmp_path, 0, 2), 2, meta={"step": 2})
+    time.sleep(0.5)  # rank 0 uploaded its files and waits: the receipt in the store is an earlier attempt's
+    assert not store.exists(join_key(prefix, MANIFEST)) and store.exists(join_key(prefix, "sharded/__0_0.distcp"))
+    ranks[1].submit(shard_folder(tmp_path, 1, 2), 2)
+    for uploader in ranks:
+        uploader.close()
+    manifest = read_manifest(store, prefix)
+    assert sorted(manifest.files) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "trainer_state.json"]
+    assert manifest.files["sharded/__1_0.distcp"]["size"] == 100  # this attempt's, not the stale receipt's
+    assert complete_checkpoints(store, RUN) == [store.uri(prefix)]
+
+    monkeypatch.setattr(checkpoints, "SHARD_WAIT_S", 0.3)
+    alone = BackgroundUploader(store, RUN, log=lambda line: None, shards=2, rank=0, attempt="lonely")
+    alone.submit(shard_folder(tmp_path / "again", 0, 2), 4)
+    with pytest.raises(checkpoints.CheckpointUploadFailed, match=r"rank\(s\) \[1\] did not upload their shards .* stays uncommitted"):
+        alone.wait()
+    assert complete_checkpoints(store, RUN) == [store.uri(prefix)]  # step 4 never looks complete
+
+
+@pytest.mark.parametrize(
+    "parallelism, rows_per_step, message",
+    [
+        ("ddp", 2, "was written under parallelism fsdp but this run is ddp: set parallelism back"),
+        ("fsdp", 4, "took 2 rows a step, this run takes 4; keep per_device_batch_size x gradient_accumulation_steps x processes"),
+        ("fsdp", 2, None),  # another number of processes, the same global batch: resumable
+    ],
+)
+def test_a_checkpoint_of_another_format_or_global_batch_is_refused(tmp_path, parallelism, rows_per_step, message):
+    from ft_assets.manifests import Manifest
+    from ft_assets.training.checkpoints import Checkpoint, check_resumable
+
+    folder = shard_folder(tmp_path, 0, 2)
+    checkpoint = Checkpoint(step=2, uri="s3://b/ckpt", local_dir=folder, manifest=Manifest("p", {}, {}, 0.0))
+    if message is None:
+        check_resumable(checkpoint, parallelism, rows_per_step)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_resumable(checkpoint, parallelism, rows_per_step)
+
+
 FAMILY_LAYERS = [("llama3", "LlamaDecoderLayer"), ("qwen2.5", "Qwen2DecoderLayer"), ("gemma2", "Gemma2DecoderLayer"), ("phi3", "Phi3DecoderLayer")]
 
 

@@ -58,7 +58,7 @@ def peer_job(run_pod: dict, name: str, command: list[str], nodes: int) -> dict:
     if nodes < 2:
         raise ValueError(f"a multi-node run has at least 2 nodes (got {nodes})")
     metadata, spec = run_pod["metadata"], run_pod["spec"]
-    container = next(c for c in spec["containers"] if "resources" in c) if len(spec["containers"]) > 1 else spec["containers"][0]
+    container = spec["containers"][0]  # K8sRunLauncher's one container
     peer = {"name": "node", "command": command, **{k: copy.deepcopy(container[k]) for k in CONTAINER_FIELDS if k in container}}
     pod_spec = {"restartPolicy": "Never", "containers": [peer], **{k: copy.deepcopy(spec[k]) for k in POD_FIELDS if k in spec}}
     labels = {key: value for key, value in (metadata.get("labels") or {}).items() if not key.startswith(("job-name", "controller-uid", "batch."))}
