@@ -5,7 +5,7 @@ import pytest
 from ft_assets.delivery.evaluate import Gate, gate
 from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf, write_modelfile
 from ft_assets.delivery.llamacpp import choose_shipped
-from ft_assets.delivery.publish import build_lineage
+from ft_assets.delivery.lineage import build_lineage
 from ft_assets_tests.support import lineage_refs
 from ft_assets_tests.tiny import CHATML_TEMPLATE
 
