@@ -212,7 +212,7 @@ def transformers_answers(model_dir: str | Path, prompts: list[str], max_tokens: 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    stops = stop_ids(model.generation_config.eos_token_id, tokenizer.eos_token_id)
+    stops = stops_of(model_dir)
     answers = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -225,6 +225,13 @@ def transformers_answers(model_dir: str | Path, prompts: list[str], max_tokens: 
             answer = until_stop(out[0, ids.shape[1] :].tolist(), stops)
             answers.append({"token_ids": answer, "answer": tokenizer.decode(answer, skip_special_tokens=True)})
     return answers
+
+
+def stops_of(model_dir: Path) -> list[int]:
+    """The ids a server stops at for ``model_dir``: its generation config's end-of-sequence ids, then its tokenizer's."""
+    from transformers import AutoTokenizer, GenerationConfig  # the trainer's side, as in transformers_answers
+
+    return stop_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
 
 
 def stop_ids(*eos) -> list[int]:
@@ -260,10 +267,8 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
           adapter_name: str = "adapter") -> dict:  # fmt: skip
     """The merged model on one server, then (given an adapter) the base + adapter as a LoRA module on another; every
     answer against transformers' greedy answer of the merged model. Rows per prompt, load seconds, equal counts."""
-    from transformers import GenerationConfig, AutoTokenizer
-
     expected = transformers_answers(merged_dir, prompts, max_tokens)
-    stops = stop_ids(GenerationConfig.from_pretrained(merged_dir).eos_token_id, AutoTokenizer.from_pretrained(merged_dir).eos_token_id)
+    stops = stops_of(merged_dir)
     served = {}
     with serve(merged_dir) as server:
         served["merged"] = (server.load_seconds, ask_all(server, MERGED, prompts, max_tokens, expected, stops))
