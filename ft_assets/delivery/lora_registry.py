@@ -11,8 +11,10 @@ refuses adapters of different bases: one vLLM server holds one base. ``command``
     python -m ft_assets.delivery.lora_registry --store s3://bucket/ft registry/acks/v1/<run> registry/acks/v2/<run>
     python -m ft_assets.delivery.lora_registry --serve registry/acks/v1/<run> registry/acks/v2/<run>
 
-The first prints that ``vllm serve`` command (the adapters land in ``--dest``); ``--serve`` also starts the
-server from the serving venv (``ft_assets.delivery.vllm``) until Ctrl-C. Adapters cost a vLLM server
+The first prints that ``vllm serve`` command (the adapters land in ``--dest``; ``--args-file`` also writes
+its arguments to a file); ``--serve`` also starts the server from the serving venv (``ft_assets.delivery.vllm``)
+until Ctrl-C. ``--k8s deploy/vllm/deployment.yaml`` renders the Kubernetes recipe for the runs instead,
+downloading nothing: its init container runs this module in the cluster. Adapters cost a vLLM server
 little: the tiny test's two adapters add ~20 KB each to a base that stays loaded once.
 """
 
@@ -26,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from ft_assets import layout
 from ft_assets.delivery import vllm
@@ -114,18 +118,45 @@ def _fetch_base(store: ObjectStore, base: str, dest: Path) -> str:
     return str(dest / "base")
 
 
+def render_deployment(template: str, runs: list[str]) -> list[dict]:
+    """The documents of a Kubernetes recipe (``deploy/vllm/deployment.yaml``) with ``runs`` as the arguments of its
+    ``fetch-adapters`` init container; each run is checked to be a registry key first (nothing is downloaded)."""
+    for entry in runs:
+        served_name(layout.registry_key(split_name(entry)[1])[1])
+    documents = [document for document in yaml.safe_load_all(template) if document]
+    init = [
+        container for document in documents if document.get("kind") == "Deployment"
+        for container in document["spec"]["template"]["spec"].get("initContainers", []) if container["name"] == "fetch-adapters"
+    ]  # fmt: skip
+    if len(init) != 1:
+        raise RegistryError("the template needs one Deployment with one init container named fetch-adapters (see deploy/vllm/deployment.yaml)")
+    init[0]["args"] = list(runs)
+    return documents
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ft_assets.delivery.lora_registry", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="published runs: registry/<name>/<version>/<run> or its URI, optionally NAME=KEY")
     parser.add_argument("--store", default=None, help="the store (default FT_STORE, else $FT_HOME/store)")
     parser.add_argument("--dest", type=Path, default=Path("var/lora"), help="where the adapters and base are downloaded")
     parser.add_argument("--serve", action="store_true", help="start vLLM's OpenAI-compatible server with them until Ctrl-C")
+    parser.add_argument("--args-file", type=Path, help="also write the arguments of `vllm serve` to this file")
+    parser.add_argument("--k8s", type=Path, metavar="TEMPLATE", help="print TEMPLATE (deploy/vllm/deployment.yaml) rendered for the runs")
     args = parser.parse_args(argv)
+    if args.k8s:
+        try:
+            print(yaml.safe_dump_all(render_deployment(args.k8s.read_text(), args.runs), sort_keys=False), end="")
+        except (RegistryError, ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         loras = resolve(open_store(args.store), args.runs, args.dest.resolve())
     except (RegistryError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.args_file:
+        args.args_file.write_text(shlex.join(loras.command()[2:]) + "\n")
     if not args.serve:
         print(shlex.join(loras.command()))
         return 0
