@@ -1,4 +1,4 @@
-"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish → serving smoke.
+"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish → serving smokes.
 
 No GPU time is spent here: merging, export and evaluation of a small-to-mid model run on CPU
 workers while the GPU pool trains the next version. Artifacts go to
@@ -8,6 +8,7 @@ registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
 The GGUF side runs in llama.cpp, the runtime users run (``ft_assets.delivery.llamacpp``; the
 ``llamacpp`` extra): ``gguf_model`` checks every file in it and picks the one that ships,
 ``eval_report`` scores that file beside the merged model, ``serving_smoke`` serves the published one.
+``vllm_smoke`` serves the published merged model and adapter with vLLM, from a serving venv of its own.
 """
 
 import json
