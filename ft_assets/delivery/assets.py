@@ -414,7 +414,7 @@ def _verified(m: Materialization, published_model: dict) -> str:
         raise dg.Failure(f"not serving {published_model['uri']}: {str(exc).replace(str(published), published_model['uri'])}") from exc
 
 
-@dg.asset(**DELIVERY, kinds={"vllm", "openai"})
+@dg.asset(**DELIVERY, kinds={"vllm", "openai", STORE_KIND})
 def vllm_smoke(
     context: dg.AssetExecutionContext, config: VllmConfig, store: ObjectStoreResource, published_model: dict, lora_adapter: dict,
     base_model: dict,
