@@ -422,9 +422,10 @@ def vllm_smoke(
     """The published model behind vLLM's OpenAI-compatible server (its own serving venv): the merged model, then the base
     with the published adapter as a LoRA module; one greedy chat completion per prompt, each against transformers'.
 
-    A sibling of serving_smoke, for the same reasons: it serves the files as published, and a server that fails
-    fails this asset alone while the model stays published. Where vLLM is not installed it says so in one line
-    and materializes without serving (``ft_assets.delivery.vllm``: ``FT_VLLM_PYTHON``, ``make install``).
+    A sibling of serving_smoke, for the same reasons: it serves the files as published (verified first, as there,
+    when FT_SIGNING_PUBLIC_KEY is set), and a server that fails fails this asset alone while the model stays
+    published. Where vLLM is not installed it says so in one line and materializes without serving
+    (``ft_assets.delivery.vllm``: ``FT_VLLM_PYTHON``, ``make install``).
     """
     reason = vllm.unavailable()
     with Materialization(context, store, "vllm") as m:
@@ -432,6 +433,7 @@ def vllm_smoke(
             context.log.warning(f"vllm_smoke: {reason}; nothing served (the model stays published)")
             stats = {"served": False, "reason": reason}
         else:
+            signature = _verified(m, published_model)  # with FT_SIGNING_PUBLIC_KEY: only verified files are served
             published = m.fetch(published_model, "published", include=lambda rel: rel.startswith(("merged/", "adapter/")))
             lora = (published / "adapter" / "adapter_config.json").is_file()  # a full fine-tune publishes no adapter
             context.log.info(f"serving the merged model{' and the base + adapter (LoRA)' if lora else ''} with vLLM")
@@ -442,7 +444,7 @@ def vllm_smoke(
                 )  # fmt: skip
             except vllm.VllmError as exc:
                 raise dg.Failure(str(exc)) from exc
-            stats["served"] = True
+            stats.update(served=True, signature=signature)
         (m.out / "vllm.json").write_text(json.dumps(stats, indent=2))
         ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "vllm"), stats, {"published_model": published_model})
     if not stats["served"]:
