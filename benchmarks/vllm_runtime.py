@@ -54,9 +54,10 @@ def random_adapter(model_dir, out) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ft_assets.training.config import ATTENTION_AND_MLP_PROJECTIONS
+    from ft_assets.training.model import projection_names
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=list(ATTENTION_AND_MLP_PROJECTIONS)))
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=projection_names(base)))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
