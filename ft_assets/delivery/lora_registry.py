@@ -137,7 +137,7 @@ def render_deployment(template: str, runs: list[str]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ft_assets.delivery.lora_registry", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="published runs: registry/<name>/<version>/<run> or its URI, optionally NAME=KEY")
-    parser.add_argument("--store", default=None, help="the store (default FT_STORE, else $FT_HOME/store)")
+    parser.add_argument("--store", default=None, help="the store (default: the runs' URIs' store, else FT_STORE, else $FT_HOME/store)")
     parser.add_argument("--dest", type=Path, default=Path("var/lora"), help="where the adapters and base are downloaded")
     parser.add_argument("--serve", action="store_true", help="start vLLM's OpenAI-compatible server with them until Ctrl-C")
     parser.add_argument("--args-file", type=Path, help="also write the arguments of `vllm serve` to this file")
@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        loras = resolve(open_store(args.store), args.runs, args.dest.resolve())
+        stores = {layout.registry_key(split_name(entry)[1])[0] for entry in args.runs} - {""}
+        if args.store is None and len(stores) > 1:
+            raise RegistryError(f"the runs name {len(stores)} stores ({', '.join(sorted(stores))}); serve adapters of one store")
+        loras = resolve(open_store(args.store or next(iter(stores), None)), args.runs, args.dest.resolve())
     except (RegistryError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
