@@ -38,7 +38,7 @@ $(SERVE_STAMP):
 	touch $@
 
 # transformers 4.x beside .venv's 5.x (PYTHONPATH=$(TRANSFORMERS4), .venv's torch): the published files must load in both.
-$(TRANSFORMERS4_STAMP): $(STAMP)
+$(TRANSFORMERS4_STAMP): | $(STAMP)
 	$(BIN)/pip install -q --target $(TRANSFORMERS4) transformers==4.57.6 "tokenizers<0.23" "huggingface_hub<1.0"
 	touch $@
 
