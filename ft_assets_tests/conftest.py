@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vllm_smoke serves with vLLM only where a test asks for it (test_vllm.py): each server start costs ~45 s, and
+# every other test that runs the delivery plane would start two. Elsewhere it materializes as "vLLM is off".
+os.environ.setdefault("FT_VLLM_PYTHON", "")
 
 pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver"]
 

@@ -1,4 +1,4 @@
-"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish → serving smoke.
+"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish → serving smokes.
 
 No GPU time is spent here: merging, export and evaluation of a small-to-mid model run on CPU
 workers while the GPU pool trains the next version. Artifacts go to
@@ -8,6 +8,7 @@ registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
 The GGUF side runs in llama.cpp, the runtime users run (``ft_assets.delivery.llamacpp``; the
 ``llamacpp`` extra): ``gguf_model`` checks every file in it and picks the one that ships,
 ``eval_report`` scores that file beside the merged model, ``serving_smoke`` serves the published one.
+``vllm_smoke`` serves the published merged model and adapter with vLLM, from a serving venv of its own.
 """
 
 import json
@@ -19,8 +20,8 @@ import dagster as dg
 
 from ft_assets import layout, objectives
 from ft_assets.delivery import evaluate as ev
-from ft_assets.delivery import llamacpp, model_registry, signing
-from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig
+from ft_assets.delivery import llamacpp, model_registry, portable, signing, vllm
+from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig, VllmConfig
 from ft_assets.delivery.converter import GgufUnsupported
 from ft_assets.delivery.gguf_export import (
     SUPPORTED_QTYPES,
@@ -30,6 +31,7 @@ from ft_assets.delivery.gguf_export import (
     verify_gguf,
     write_modelfile,
 )
+from ft_assets.delivery.lora_registry import served_name
 from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
 from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage
 from ft_assets.delivery.publish import push_to_hub
@@ -67,6 +69,7 @@ def merged_model(
             stats = merge_adapter(base_dir, adapter_dir, out, config.dtype)
             stats["method"] = lora_adapter["stats"]["method"]
         copy_tokenizer(adapter_dir, out)
+        portable.make_portable(out)  # loads unchanged in transformers 4.x and 5.x, vLLM, llama.cpp
         ref = m.publish(
             _delivery_prefix(m.partition, lora_adapter, "merged"), stats, {"lora_adapter": lora_adapter, "base_model": base_model},
             folder=out,
@@ -409,3 +412,47 @@ def _verified(m: Materialization, published_model: dict) -> str:
         return signing.summary(signing.verify_directory(published, trusted))
     except signing.SigningError as exc:
         raise dg.Failure(f"not serving {published_model['uri']}: {str(exc).replace(str(published), published_model['uri'])}") from exc
+
+
+@dg.asset(**DELIVERY, kinds={"vllm", "openai", STORE_KIND})
+def vllm_smoke(
+    context: dg.AssetExecutionContext, config: VllmConfig, store: ObjectStoreResource, published_model: dict, lora_adapter: dict,
+    base_model: dict,
+) -> dg.Output[dict]:
+    """The published model behind vLLM's OpenAI-compatible server (its own serving venv): the merged model, then the base
+    with the published adapter as a LoRA module; one greedy chat completion per prompt, each against transformers'.
+
+    A sibling of serving_smoke, for the same reasons: it serves the files as published (verified first, as there,
+    when FT_SIGNING_PUBLIC_KEY is set), and a server that fails fails this asset alone while the model stays
+    published. Where vLLM is not installed it says so in one line and materializes without serving
+    (``ft_assets.delivery.vllm``: ``FT_VLLM_PYTHON``, ``make install``).
+    """
+    reason = vllm.unavailable()
+    with Materialization(context, store, "vllm") as m:
+        if reason:
+            context.log.warning(f"vllm_smoke: {reason}; nothing served (the model stays published)")
+            stats = {"served": False, "reason": reason}
+        else:
+            signature = _verified(m, published_model)  # with FT_SIGNING_PUBLIC_KEY: only verified files are served
+            published = m.fetch(published_model, "published", include=lambda rel: rel.startswith(("merged/", "adapter/")))
+            lora = (published / "adapter" / "adapter_config.json").is_file()  # a full fine-tune publishes no adapter
+            context.log.info(f"serving the merged model{' and the base + adapter (LoRA)' if lora else ''} with vLLM")
+            try:
+                stats = vllm.smoke(
+                    published / "merged", config.prompts, config.max_tokens, m.fetch(base_model, "base") if lora else None,
+                    published / "adapter" if lora else None, served_name(published_model["prefix"]),
+                )  # fmt: skip
+            except vllm.VllmError as exc:
+                raise dg.Failure(str(exc)) from exc
+            stats.update(served=True, signature=signature)
+        (m.out / "vllm.json").write_text(json.dumps(stats, indent=2))
+        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "vllm"), stats, {"published_model": published_model})
+    if not stats["served"]:
+        return m.output(ref, vllm=reason)
+    equal = ", ".join(f"{label} {count}/{stats['prompts']}" for label, count in stats["greedy_equal"].items())
+    context.log.info(f"vLLM greedy answers equal to transformers': {equal}; loaded in {stats['load_seconds']} s")
+    return m.output(
+        ref, vllm="served", answers=table(stats["rows"]), greedy_equal=equal,
+        load_seconds=dg.MetadataValue.json(stats["load_seconds"]),
+        tokens_per_second=dg.MetadataValue.float(stats["tokens_per_second"] or float("nan")),
+    )  # fmt: skip

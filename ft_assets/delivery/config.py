@@ -75,3 +75,12 @@ class ServingConfig(dg.Config):
 class PublishConfig(dg.Config):
     hub_repo_id: str = Field(default="", description="Also push to this Hugging Face Hub repo (needs HF_TOKEN); empty: registry only.")
     hub_dry_run: bool = Field(default=False, description="List what would be pushed to the Hub without uploading.")
+
+
+class VllmConfig(dg.Config):
+    prompts: list[str] = Field(
+        default=["Say hello.", "What is the weather in Paris in celsius?"],
+        description="One greedy chat completion per prompt from vLLM's OpenAI-compatible server, on the merged model and on "
+        "the base + the published adapter (LoRA); each compared with transformers' answer token for token.",
+    )
+    max_tokens: int = Field(default=32, description="Generation budget per answer.")

@@ -16,6 +16,7 @@ import dagster as dg
 from pydantic import Field
 
 from ft_assets import layout, objectives
+from ft_assets.delivery import portable
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
 from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata
 from ft_assets.partitions import dataset_version
@@ -229,6 +230,7 @@ def lora_adapter(
             result = _train(context, training, objective, m, (tokenized_shards, base_model), prefix, started)
         stats = {key: result[key] for key in RESULT_STATS}
         stats.update(run_id=run, seq_len=tokenized_shards["stats"]["seq_len"], gpu_utilization=utilization.mean)
+        portable.make_adapter_portable(result["output_dir"], base_model)  # names its base by Hub id or store key
         ref = m.publish(
             layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
             folder=Path(result["output_dir"]), training_config=training.model_dump(), run_prefix=prefix,

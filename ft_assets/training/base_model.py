@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ft_assets.delivery.portable import make_portable
 from ft_assets.training import chat_templates
 from ft_assets.training.chat_templates import TemplateChoice
 
@@ -150,6 +151,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rebuilt.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    make_portable(out_dir)
 
 
 def materialize_source(
@@ -173,6 +175,7 @@ def materialize_source(
     check_no_remote_code(Path(location), trust_remote_code)
     check_weights_safe(Path(location), allow_pickle_weights)
     shutil.copytree(location, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git*", ".cache"))
+    make_portable(out_dir)
 
 
 def describe(model_dir: Path) -> dict:
@@ -214,7 +217,9 @@ def settle_chat_template(model_dir: Path, template: TemplateChoice | None, model
     is kept, and a base that has none is refused, naming the setting and the templates that fit it.
     """
     if template is not None:
-        return chat_templates.apply(model_dir, template, log)
+        record = chat_templates.apply(model_dir, template, log)
+        make_portable(model_dir)  # apply saved the tokenizer again, as transformers 5 names it
+        return record
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
