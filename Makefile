@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
 	touch $@
 
-# The local instance ships in the package (an installed wheel starts); the top-level dagster.yaml links to it.
+# The local instance ships in the package (an installed wheel starts). No dagster.yaml at the top level: `dagster dev`
+# run here with DAGSTER_HOME set elsewhere warns that such a file "will not be used".
 $(DAGSTER_HOME)/dagster.yaml: ft_assets/control/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp ft_assets/control/dagster.yaml $@
