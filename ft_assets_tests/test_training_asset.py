@@ -11,7 +11,7 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.storage import LocalStore
-from ft_assets_tests.support import run_config, write_dataset
+from ft_assets_tests.support import run_config, training_worker_pid, write_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -33,15 +33,6 @@ def test_two_processes_train_through_pipes_and_report_from_rank_0(home, capsys, 
     # Rank 0's lines reach the Dagster run log through Pipes; exactly one process reports.
     assert sum(m.startswith("training lora on cpu") and " x2, run " in m for m in messages) == 1
     assert "[pipes] external process successfully opened dagster pipes." in messages
-
-
-def training_worker_pid(instance: dg.DagsterInstance) -> int | None:
-    """The process of the training run in progress: the one its steps' events came from."""
-    for run in instance.get_runs(dg.RunsFilter(job_name="training_plane", statuses=[dg.DagsterRunStatus.STARTED])):
-        starts = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.STEP_START).records
-        if starts:
-            return starts[0].event_log_entry.dagster_event.pid
-    return None
 
 
 def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(home, capsys, tiny_model_dir, monkeypatch):

@@ -80,9 +80,16 @@ def failure_reason(events: list[dg.DagsterEvent], run_id: str) -> str:
         if event.is_step_failure:
             error = event.step_failure_data.error
             return f"{event.step_key}: {error_line(error) if error else event.message}"
-    for event in events:  # failed before any step: a resource that could not start (a Ray address)
-        if event.is_run_failure and event.event_specific_data.error is not None:
-            return error_line(event.event_specific_data.error)
+    said = None  # the last thing the instance said about the run: a refusal, a worker that died
+    for event in events:  # failed before any step (a resource that could not start: a Ray address), or outside one
+        if event.event_type_value == "ENGINE_EVENT" and event.message:
+            said = event.message
+        if event.is_run_failure:
+            error = getattr(event.event_specific_data, "error", None)
+            if error is not None:
+                return error_line(error)
+            if said is not None:
+                return said
     return f"see run {run_id} in the Dagster UI (make ui)"
 
 
