@@ -19,6 +19,11 @@ worker import ``ft_assets.definitions`` (torch, transformers, Dagster) again, ab
 (``/usr/bin/time python -c "import ft_assets.definitions"``: 4.7-5.6 s user on the loaded 2-core
 machine). The output of those processes (library progress bars, warnings, the worker's own copy of
 the log) goes to ``$DAGSTER_HOME/logs/ft-assets-run.log``, not to the terminal.
+
+Dagster exports no public name for a workspace loaded from a module (``WorkspaceProcessContext``,
+``ModuleTarget``: what ``dagster dev`` and the daemon use), nor for the run-retry tags and strategies;
+they are imported from its modules. Dagster is pinned (1.13.27); test_production.py,
+test_training_asset.py and test_ui.py fail if they change.
 """
 
 from __future__ import annotations
