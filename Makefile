@@ -43,6 +43,7 @@ $(TRANSFORMERS4_STAMP): | $(STAMP)
 	touch $@
 
 # The local instance ships in the package (an installed wheel starts); the top-level dagster.yaml links to it.
+# `dagster dev` runs from $(DAGSTER_HOME): run where another dagster.yaml lies, it warns that file "will not be used".
 $(DAGSTER_HOME)/dagster.yaml: ft_assets/control/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp ft_assets/control/dagster.yaml $@
@@ -62,14 +63,14 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml
+	cd $(DAGSTER_HOME) && $(CURDIR)/$(BIN)/dagster dev -w $(CURDIR)/workspace.yaml
 
 # The production profile (PostgreSQL storage): set DAGSTER_PG_HOST/PORT/USER/DB/PASSWORD first.
 PROD_HOME ?= $(FT_HOME)/dagster_home_prod
 ui-prod: $(STAMP)
 	@test -n "$$DAGSTER_PG_PASSWORD" || { echo "set DAGSTER_PG_* (see dagster.prod.yaml)"; exit 2; }
 	mkdir -p $(PROD_HOME) && cp dagster.prod.yaml $(PROD_HOME)/dagster.yaml
-	DAGSTER_HOME=$(PROD_HOME) $(BIN)/dagster dev -w workspace.yaml
+	cd $(PROD_HOME) && DAGSTER_HOME=$(PROD_HOME) $(CURDIR)/$(BIN)/dagster dev -w $(CURDIR)/workspace.yaml
 
 docs-screenshots: $(STAMP) system-deps
 	FT_UPDATE_DOCS=1 $(BIN)/python -m pytest -q ft_assets_tests/test_ui.py

@@ -200,6 +200,15 @@ def launched(instance, pool: str) -> set[str]:
     return {run.run_id for run in instance.run_launcher.launcher(pool).queue()}
 
 
+def training_worker_pid(instance) -> int | None:
+    """The process of the training run in progress: the one its steps' events came from."""
+    for run in instance.get_runs(dg.RunsFilter(job_name="training_plane", statuses=[dg.DagsterRunStatus.STARTED])):
+        starts = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.STEP_START).records
+        if starts:
+            return starts[0].event_log_entry.dagster_event.pid
+    return None
+
+
 # --- a Hugging Face Hub cache built on disk (offline Hub sources) ------------------------------------
 
 MAIN = "1111111111111111111111111111111111111111"

@@ -7,7 +7,7 @@ executed against the same instance; no step is triggered by hand.
 import dagster as dg
 import pytest
 
-from ft_assets.control.automation import WINDOW_ENV, deliver_after_training, train_after_data, training_window
+from ft_assets.control.automation import CLI_TAGS, WINDOW_ENV, deliver_after_training, train_after_data, training_window
 from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.definitions import defs
 from ft_assets.refs import read_ref
@@ -90,6 +90,9 @@ def test_cheap_window_holds_training_until_the_schedule(env, tmp_path, tiny_mode
 
         held = on_success(train_after_data, instance, data_run)
         assert isinstance(held, dg.SkipReason) and "held for the cheap window" in held.skip_message
+        instance.add_run_tags(data_run.run_id, CLI_TAGS)  # as if `ft-assets run` had started it: it trains next itself
+        left = on_success(train_after_data, instance, instance.get_run_by_id(data_run.run_id))
+        assert isinstance(left, dg.SkipReason) and "`ft-assets run` started run" in left.skip_message
 
         window = dg.build_schedule_context(instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def())
         requests = training_window.evaluate_tick(window).run_requests

@@ -5,7 +5,8 @@
   asset or resource, the key path and the closest accepted key; with ``--json`` the failure object.
 - ``ft-assets run`` prints its own lines only; ``--verbose`` keeps the libraries' progress bars and
   warnings (checked in a subprocess, as a user runs it: tqdm reads its switch when first imported).
-- ``dagster.yaml`` ships in the package, and the repository's top-level file is the same file.
+- ``dagster.yaml`` ships in the package and is the only one (none at the top level, where ``dagster dev``
+  would warn that it "will not be used").
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def test_the_plan_gets_the_training_settings_and_accepts_every_one_of_them():
     assert plane_run_config(training, whole)["ops"] == {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}}
 
 
-def test_the_instance_config_ships_in_the_package_and_is_the_top_level_file(home):
+def test_the_instance_config_ships_in_the_package_and_only_there(home):
     packaged = files("ft_assets.control") / "dagster.yaml"
-    assert (REPO / "dagster.yaml").read_bytes() == packaged.read_bytes()
+    assert not [name for name in ("dagster.yaml", "dagster.yml") if (REPO / name).exists()], "make ui would warn it is not used"
     assert yaml.safe_load(packaged.read_text())["run_coordinator"]["class"] == "PoolRunCoordinator"
     dagster_home = ensure_home()
     assert dagster_home == home / "home" / "dagster_home"
@@ -116,19 +117,28 @@ def cli(home: Path, *argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_the_run_log_holds_the_commands_lines_only_and_verbose_keeps_the_libraries(home, tiny_model_dir):
+    """Through the instance (the default): the runs' messages come from the event log; the code server's and the
+    runs' own output goes to a file, quiet too unless --verbose (the switches reach those processes)."""
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
     data = write_dataset(home / "data", rows=60)
     argv = ["run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config)]
+    runs_output = home / "home" / "dagster_home" / "logs" / "ft-assets-run.log"
 
     quiet = cli(home, *argv)  # every plane; the gate then fails (2 steps learn nothing), after every model load
     assert quiet.returncode == 2, quiet.stderr[-3000:]
     assert "blocking check finetuned_beats_base failed" in quiet.stderr.splitlines()[-1]
     assert "eval_report: scoring the shipped" in quiet.stderr  # the GGUF was loaded back and run
+    assert "[ft-assets] training_plane: [PoolRunLauncher] ft-assets routed this run to the gpu pool (DefaultRunLauncher)" in quiet.stderr
     foreign = [line for line in quiet.stderr.splitlines() if not line.startswith(OURS) and not SENSOR.fullmatch(line)]
     assert foreign == [], foreign
+    quiet_output = runs_output.read_text()
+    assert "eval_report: scoring the shipped" in quiet_output  # the worker's own copy of its log
+    assert "it/s]" not in quiet_output and "FutureWarning" not in quiet_output
 
     verbose = cli(home, *argv, "--until", "training", "--force", "--verbose")
     assert verbose.returncode == 0, verbose.stderr[-3000:]
-    assert "Loading weights" in verbose.stderr and "it/s]" in verbose.stderr  # transformers' bar
-    assert "FutureWarning" in verbose.stderr
+    assert "ENGINE_EVENT - [PoolRunLauncher] ft-assets routed this run to the gpu pool" in verbose.stderr
+    verbose_output = runs_output.read_text()[len(quiet_output) :]
+    assert "Loading weights" in verbose_output and "it/s]" in verbose_output  # transformers' bar
+    assert "FutureWarning" in verbose_output

@@ -129,7 +129,7 @@ def instance_overrides(profile: str) -> dict:
 PARTITION_LIMIT = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
 
 
-@pytest.mark.parametrize("profile", ["dagster.yaml", "dagster.prod.yaml"])
+@pytest.mark.parametrize("profile", ["ft_assets/control/dagster.yaml", "dagster.prod.yaml"])
 def test_both_profiles_queue_one_run_per_partition(profile, tmp_path):
     assert PARTITION_LIMIT in instance_overrides(profile)["run_coordinator"]["config"]["tag_concurrency_limits"]
     shutil.copyfile(REPO / profile, tmp_path / "dagster.yaml")
@@ -219,7 +219,7 @@ def project(tmp_path, tiny_model_dir) -> tuple[dict, Path]:
     config["ops"]["lora_adapter"]["config"].update(save_steps=3)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "home" / "dagster_home").mkdir(parents=True)
-    shutil.copyfile(REPO / "dagster.yaml", tmp_path / "home" / "dagster_home" / "dagster.yaml")
+    shutil.copyfile(REPO / "ft_assets/control/dagster.yaml", tmp_path / "home" / "dagster_home" / "dagster.yaml")
     with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]):  # create the SQLite schema before two processes race to
         pass
     return env, tmp_path
@@ -227,7 +227,7 @@ def project(tmp_path, tiny_model_dir) -> tuple[dict, Path]:
 
 def start_cli(forkserver, env, tmp_path: Path, name: str, version: str, until: str, gate=None):
     data = write_dataset(tmp_path / f"data-{version}", rows=60)
-    argv = ["run", "--dataset", str(data), "--name", name, "--version", version, "--until", until,
+    argv = ["run", "--in-process", "--dataset", str(data), "--name", name, "--version", version, "--until", until,
             "--config", str(tmp_path / "config.yaml"), "--json"]  # fmt: skip
     log = tmp_path / f"{version}-{len(list(tmp_path.glob(f'{version}-*.log')))}.log"
     worker = forkserver.Process(target=cli_worker, args=(argv, env, str(log), gate))

@@ -32,7 +32,7 @@ def run_json(capsys, *argv) -> dict:
 
 def test_sample_data_plane_accounts_for_every_row(project, capsys):
     tmp_path, config = project
-    summary = run_json(capsys, "run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
+    summary = run_json(capsys, "run", "--in-process", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
                        "--until", "data", "--config", str(config), "--json")
     assert summary["partition"] == "toolcalls@t1"
     # The generator's injected dirt (scripts/make_sample.py): 3,333 lines = 3,000 examples + 150 exact
@@ -62,7 +62,7 @@ def test_sample_data_plane_accounts_for_every_row(project, capsys):
     assert all(q["source"].startswith("part-") and q["reason"] for q in quarantined)
 
     # Same dataset again: the version is recognised, nothing is re-registered, the runs repeat cleanly.
-    again = run_json(capsys, "run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
+    again = run_json(capsys, "run", "--in-process", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
                      "--until", "data", "--config", str(config), "--json")
     assert again["rows_kept"] == summary["rows_kept"]
 
@@ -74,7 +74,7 @@ def test_truncated_gzip_fails_the_version_naming_the_file(project, capsys):
     rows = "\n".join(json.dumps({"instruction": f"say {i}", "output": f"{i}"}) for i in range(500)).encode()
     blob = gzip.compress(rows)
     (data / "part.jsonl.gz").write_bytes(blob[: len(blob) // 2])
-    assert main(["run", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
+    assert main(["run", "--in-process", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
     assert "part.jsonl.gz: the gzip stream is truncated" in capsys.readouterr().err
 
 
@@ -85,9 +85,9 @@ def test_existing_version_with_other_content_is_refused(project, capsys):
     second = tmp_path / "b.jsonl"
     second.write_text(json.dumps({"instruction": "hi", "output": "bye"}) + "\n")
     common = ["--name", "same", "--version", "v1", "--until", "data", "--config", str(config)]
-    main(["run", "--dataset", str(first), *common])
+    main(["run", "--in-process", "--dataset", str(first), *common])
     capsys.readouterr()
-    assert main(["run", "--dataset", str(second), *common]) == 2
+    assert main(["run", "--in-process", "--dataset", str(second), *common]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
@@ -101,13 +101,13 @@ def test_a_json_array_with_other_column_names_through_the_run_config(project, ca
     run_config = yaml.safe_load(config.read_text())
     run_config["ops"]["raw_dataset"] = {"config": {"columns": {"prompt": "question", "response": "answer"}}}
     mapped.write_text(yaml.safe_dump(run_config))
-    summary = run_json(capsys, "run", "--dataset", str(data), "--until", "data", "--config", str(mapped), "--json")
+    summary = run_json(capsys, "run", "--in-process", "--dataset", str(data), "--until", "data", "--config", str(mapped), "--json")
     assert summary["partition"].startswith("qa_data@v-")
     assert (summary["rows_in"], summary["rows_kept"], summary["quarantine_reasons"]) == (61, 60, {"unknown_format": 1})
     quarantined = list(iter_records(Path(summary["artifacts"]["raw_dataset"]) / "quarantine.parquet"))
     assert [(q["source"], q["reason"]) for q in quarantined] == [("qa_data.json#31", "unknown_format")]
     # Without the mapping the version fails, naming the file and the columns it has.
-    assert main(["run", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
+    assert main(["run", "--in-process", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
     assert "qa_data.json: no row has an accepted layout (qa_data.json#1: " in capsys.readouterr().err
 
 
@@ -126,7 +126,7 @@ def test_one_process_two_processes_and_ray_publish_the_same_artifacts(project, c
     tmp_path, config = project
     sharded = tmp_path / "sharded.yaml"  # shards of 700 rows: the 3,333-line sample is cut in 5 or more a stage
     sharded.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "resources": {"data_executor": {"config": {"shard_rows": 700}}}}))
-    base = ["run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1", "--until", "data", "--config", str(sharded), "--json"]
+    base = ["run", "--in-process", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1", "--until", "data", "--config", str(sharded), "--json"]
     store = LocalStore(tmp_path / "home" / "store")
 
     def published() -> tuple[dict, str]:
@@ -154,7 +154,7 @@ def test_a_ray_address_that_does_not_answer_fails_the_run_within_30_s(project, c
     address = f"127.0.0.1:{closed.getsockname()[1]}"
     closed.close()
     started = time.monotonic()
-    assert main(["run", "--dataset", str(SAMPLE), "--until", "data", "--config", str(config), "--ray-address", address]) == 2
+    assert main(["run", "--in-process", "--dataset", str(SAMPLE), "--until", "data", "--config", str(config), "--ray-address", address]) == 2
     assert time.monotonic() - started < 30
     error = capsys.readouterr().err
     assert f"the Ray cluster at {address} does not answer" in error, error

@@ -4,7 +4,8 @@ from ft_assets.definitions import defs
 
 PLANE_GROUPS = {
     "data": {"raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"},
-    "training": {"base_model"},
+    "model": {"base_model"},  # its own group: it feeds the data, training and delivery planes
+    "training": {"lora_adapter"},
 }
 
 
@@ -21,9 +22,27 @@ def test_every_asset_is_partitioned_by_dataset_version_and_grouped_by_plane():
         node = graph.get(key)
         assert node.partitions_def is not None and node.partitions_def.name == "dataset_version", key
         groups.setdefault(node.group_name, set()).add(key.to_user_string())
-    assert set(groups) <= {"control", "data", "training", "delivery"}
+    assert set(groups) <= {"model", "control", "data", "training", "delivery"}
     for group, assets in PLANE_GROUPS.items():
         assert assets <= groups[group], group
+
+
+def test_the_groups_depend_on_each_other_without_a_cycle():
+    """The UI's collapsed lineage draws one box per group; a group that feeds and is fed by another reads as a cycle."""
+    graph = defs.get_repository_def().asset_graph
+    feeds: dict[str, set[str]] = {}
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        for parent in node.parent_keys:
+            if graph.get(parent).group_name != node.group_name:
+                feeds.setdefault(graph.get(parent).group_name, set()).add(node.group_name)
+    order, left = [], set(feeds) | {group for downstream in feeds.values() for group in downstream}
+    while left:
+        sources = {group for group in left if not any(group in feeds.get(other, ()) for other in left)}
+        assert sources, f"the groups {sorted(left)} feed each other in a cycle: {feeds}"
+        order += sorted(sources)
+        left -= sources
+    assert order[:2] == ["model", "data"]
 
 
 def test_blocking_checks_guard_the_data_plane():

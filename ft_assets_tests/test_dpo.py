@@ -262,7 +262,7 @@ def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home,
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(pipeline_config(tiny_model_dir, 40, 5e-3, mlflow_server.uri, experiment)))
     data = write_jsonl(home / "prefs.jsonl", timer_pairs(150))
-    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
+    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert summary["rows_in"] == summary["rows_kept"] == 150 and summary["accounting_invariant_holds"]
     assert summary["training_method"] == "lora" and summary["steps"] == 40
@@ -299,7 +299,7 @@ def test_the_gate_blocks_a_dpo_model_that_did_not_learn_the_preferences(home, ca
     settings["ops"]["lora_adapter"]["config"].pop("mlflow_tracking_uri")
     config.write_text(yaml.safe_dump(settings))
     data = write_jsonl(home / "prefs.jsonl", timer_pairs(60))
-    code, _, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
+    code, _, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
     assert code == 2
     assert "blocking check finetuned_beats_base failed: reward_accuracy: base" in err and "reward margin" in err
     assert not (home / "home" / "store" / "registry").exists()

@@ -29,7 +29,7 @@ def test_gguf_off_publishes_the_model_without_one(home, capsys, tiny_model_dir):
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(settings))
     data = write_dataset(home / "data")
-    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
     assert code == 0, err
     assert summary["finetuned_metric"] >= 0.5 > summary["base_metric"]  # scored and gated on the merged model alone
     assert {k: summary[k] for k in ("gguf_file", "gguf_qtype", "gguf_metric", "gguf_drop", "gguf_uri")} == dict.fromkeys(
@@ -50,5 +50,5 @@ def test_gguf_off_publishes_the_model_without_one(home, capsys, tiny_model_dir):
     assert (smoke["file"], smoke["answers"], smoke["reason"]) == (None, [], f"no GGUF to serve: {GGUF_OFF}")
 
     # The same version again: nothing reruns (no Dagster run), and the summary says why there is no GGUF.
-    assert main(["run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config)]) == 0
+    assert main(["run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config)]) == 0
     assert f"GGUF: none ({GGUF_OFF})" in capsys.readouterr().out

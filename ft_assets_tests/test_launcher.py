@@ -87,7 +87,7 @@ def test_project_dagster_yaml_builds_the_pool_launcher(tmp_path):
 
     from ft_assets.control.launcher import PoolRunCoordinator, PoolRunLauncher
 
-    shutil.copyfile(Path(__file__).resolve().parents[1] / "dagster.yaml", tmp_path / "dagster.yaml")
+    shutil.copyfile(Path(__file__).resolve().parents[1] / "ft_assets/control/dagster.yaml", tmp_path / "dagster.yaml")
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         assert isinstance(instance.run_coordinator, PoolRunCoordinator)
         assert isinstance(instance.run_launcher, PoolRunLauncher)

@@ -130,7 +130,7 @@ def test_mixture_of_a_version_a_csv_file_and_a_hub_dataset(project, hub_cache, c
         {"source": "questions.csv", "weight": 0.3, "columns": {"prompt": "question", "response": "answer"}},
         {"source": "hf://acme/qa@main", "name": "hub", "weight": 0.1, "columns": {"prompt": "question", "response": "answer"}},
     ]}}))  # fmt: skip
-    assert main(["run", "--dataset", str(mix), "--until", "data", "--config", str(config), "--json"]) == 0
+    assert main(["run", "--in-process", "--dataset", str(mix), "--until", "data", "--config", str(config), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["partition"].startswith("mix@v-")
     # 30 Hub rows at weight 0.1 limit the mixture to 300 rows: 180 + 90 + 30.

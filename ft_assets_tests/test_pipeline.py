@@ -61,7 +61,7 @@ def published(tmp_path_factory, tiny_model_dir):
         config = home / "run_config.yaml"
         config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=60, lr=0.01)))
         data = write_dataset(home / "data")
-        code, summary, err = cli("run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
+        code, summary, err = cli("run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--json")
         assert code == 0, err
         store = LocalStore(home / "home" / "store")
         registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
@@ -146,7 +146,7 @@ def test_a_copied_store_verifies_at_its_new_path_and_a_missing_link_is_named(pub
 
 def test_a_rerun_skips_every_plane_and_a_forced_one_does_not_republish(published):
     store, registry, summary = published.store, published.registry, published.summary
-    args = ("run", "--dataset", str(published.data), "--name", "acks", "--version", "v1", "--config", str(published.config), "--json")
+    args = ("run", "--in-process", "--dataset", str(published.data), "--name", "acks", "--version", "v1", "--config", str(published.config), "--json")
     before = store.get_bytes(f"{registry}/manifest.json")
     code, again, err = cli(*args)
     assert code == 0, err
@@ -163,7 +163,7 @@ def test_eval_gate_blocks_a_model_that_is_not_better(home, capsys, tiny_model_di
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
     data = write_dataset(home / "data", rows=120)
-    code, _, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "weak", "--config", str(config))
+    code, _, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "weak", "--config", str(config))
     assert code == 2
     assert "blocking check finetuned_beats_base failed" in err
     assert not (home / "home" / "store" / "registry").exists()

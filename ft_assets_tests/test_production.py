@@ -2,10 +2,12 @@
 
 - ``dagster.prod.yaml`` is copied verbatim into a temp ``DAGSTER_HOME`` (settings come from the
   ``DAGSTER_PG_*`` variables, as in production). ``ft-assets run`` evaluates the sensor and
-  materializes the data plane on it; the runs, materializations and the dynamic partition are then
-  read back from PostgreSQL itself. A second run goes the production way: ``dagster job launch``
-  puts it in PoolRunCoordinator's queue, a real ``dagster-daemon`` dequeues it and PoolRunLauncher
-  hands it to the cpu pool's launcher.
+  materializes the data plane on it, with no daemon running: it launches the run itself through the
+  instance's launcher, against the ``ft_assets`` code location. The runs, materializations and the
+  dynamic partition are then read back from PostgreSQL itself.
+- With a real ``dagster-daemon`` running, ``ft-assets run`` submits the training run to
+  PoolRunCoordinator's queue; the daemon dequeues it and PoolRunLauncher hands it to the gpu pool's
+  launcher. Another run goes in by ``dagster job launch`` and is handed to the cpu pool's launcher.
 - ``deploy/launchers/{ecs,k8s}-gpu.yaml`` are validated against EcsRunLauncher's and K8sRunLauncher's
   own config schemas, then loaded into an instance as written and made to launch routed runs: ECS on
   moto (EC2/ECS control plane only), Kubernetes against a stub API server that records the Job it is
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -37,8 +41,11 @@ from dagster_aws.ecs import EcsRunLauncher
 from dagster_k8s import K8sRunLauncher
 
 from ft_assets.cli import main
+from ft_assets.cli.launch import CODE_LOCATION, QUEUE_DAEMON
+from ft_assets.cli.run_config import plane_run_config
 from ft_assets.control.launcher import POOL_TAG, PoolRunCoordinator, PoolRunLauncher
 from ft_assets.definitions import defs
+from ft_assets_tests.support import run_cli
 
 pytest_plugins = ["ft_assets_tests.pg"]  # the postgres_server fixture
 
@@ -66,8 +73,9 @@ def prod(postgres_server, tmp_path_factory, tiny_model_dir):
     shutil.copyfile(REPO / "dagster.prod.yaml", home / "dagster.yaml")
     data = root / "toolcalls.jsonl"
     data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:SAMPLE_LINES]))
-    config = root / "run_config.yaml"
-    config.write_text(yaml.safe_dump({"ops": {"base_model": {"config": {"source": str(tiny_model_dir)}}}}))
+    config = root / "run_config.yaml"  # the training settings too: the training run with the daemon is tiny
+    training = {"max_steps": 2, "save_steps": 2, "per_device_batch_size": 2, "warmup_steps": 0}
+    config.write_text(yaml.safe_dump({"ops": {"base_model": {"config": {"source": str(tiny_model_dir)}}, "lora_adapter": {"config": training}}}))
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {**db.env, "FT_HOME": str(root / "ft"), "DAGSTER_HOME": str(home)}.items():
             mp.setenv(key, value)
@@ -79,7 +87,7 @@ def prod(postgres_server, tmp_path_factory, tiny_model_dir):
                          "--until", "data", "--config", str(config), "--json"])
         assert code == 0, "ft-assets run failed on the production instance; see the captured log"
         summary = json.loads(out.read_text().strip().splitlines()[-1])
-        yield {"db": db, "home": home, "config": config, "summary": summary}
+        yield {"db": db, "home": home, "config": config, "data": data, "summary": summary}
 
 
 @pytest.mark.integration
@@ -104,6 +112,12 @@ def test_prod_instance_keeps_runs_events_and_partitions_in_postgres(prod):
         run = instance.get_run_by_id(run_id)
         assert run.status == dg.DagsterRunStatus.SUCCESS and run.job_name == "data_plane"
         assert run.tags["dagster/partition"] == key
+        # Submitted against the code location, as the UI would: its job's runs list it, and it went through the launcher.
+        assert run.remote_job_origin.location_name == CODE_LOCATION and run.remote_job_origin.job_name == "data_plane"
+        assert run_id in {r.run_id for r in instance.get_runs(dg.RunsFilter(job_name="data_plane"))}
+        assert run.tags[POOL_TAG] == "cpu"
+        routed = [e.message for e in instance.all_logs(run_id) if "routed this run" in (e.message or "")]
+        assert routed == ["[PoolRunLauncher] ft-assets routed this run to the cpu pool (DefaultRunLauncher)"]
         for asset in DATA_ASSETS:
             records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[key]), limit=10).records
             assert [r.run_id for r in records] == [run.run_id], asset
@@ -131,13 +145,53 @@ def kill_group(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+@contextmanager
+def dagster_daemon(log_path: Path) -> Iterator[subprocess.Popen]:
+    """``dagster-daemon run`` on workspace.yaml (the run queue, run retries, the sensors), killed afterwards."""
+    with open(log_path, "w") as log_file:
+        daemon = subprocess.Popen([str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO,
+                                  stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        yield daemon
+    finally:
+        kill_group(daemon)
+
+
+@pytest.mark.integration
+def test_the_clis_training_run_is_queued_and_launched_by_the_gpu_pools_launcher(prod, tmp_path, capsys):
+    daemon_log = tmp_path / "daemon.log"
+    with dg.DagsterInstance.get() as instance, dagster_daemon(daemon_log) as daemon:
+        deadline = time.monotonic() + DAEMON_TIMEOUT_S
+        while QUEUE_DAEMON not in instance.get_daemon_heartbeats():  # the command looks for this heartbeat
+            assert daemon.poll() is None, f"dagster-daemon exited:\n{daemon_log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no queue daemon heartbeat after {DAEMON_TIMEOUT_S:.0f} s"
+            time.sleep(1)
+        code, summary, err = run_cli(capsys, "run", "--dataset", str(prod["data"]), "--name", "toolcalls", "--version", "prod1",
+                                     "--until", "training", "--config", str(prod["config"]), "--json")  # fmt: skip
+        assert code == 0, err[-3000:] + daemon_log.read_text()[-3000:]
+        assert summary["skipped"] == ["data"] and summary["steps"] == 2
+        [run_id] = summary["runs"]["training"]
+        assert f"submitting training_plane run {run_id}" in err and "no dagster-daemon is running" not in err
+
+        run = instance.get_run_by_id(run_id)
+        assert run.status == dg.DagsterRunStatus.SUCCESS and run.remote_job_origin.location_name == CODE_LOCATION
+        events = [r.event_log_entry.dagster_event_type for r in instance.get_records_for_run(run_id).records]
+        # Queued first, then started: only the daemon takes a run off the queue.
+        assert events.index(dg.DagsterEventType.RUN_ENQUEUED) < events.index(dg.DagsterEventType.RUN_STARTING)
+        assert run.tags[POOL_TAG] == "gpu"
+        routed = [e.message for e in instance.all_logs(run_id) if "routed this run" in (e.message or "")]
+        assert routed == ["[PoolRunLauncher] ft-assets routed this run to the gpu pool (DefaultRunLauncher)"]
+        assert prod["db"].query("SELECT value FROM run_tags WHERE run_id = %s AND key = %s", run_id, POOL_TAG) == [("gpu",)]
+
+
 @pytest.mark.integration
 def test_daemon_routes_a_queued_run_to_its_pool(prod, tmp_path):
     key = prod["summary"]["partition"]
     # Steps in one process: the queue and the launcher are under test here, not the executor (the
     # default multiprocess executor would start a Python per step: ~60 s instead of ~15 s).
     config = tmp_path / "run_config.yaml"
-    config.write_text(yaml.safe_dump({**yaml.safe_load(prod["config"].read_text()), "execution": {"config": {"in_process": {}}}}))
+    data_config = plane_run_config(defs.resolve_job_def("data_plane"), yaml.safe_load(prod["config"].read_text()))
+    config.write_text(yaml.safe_dump({**data_config, "execution": {"config": {"in_process": {}}}}))
     bin_dir = Path(sys.executable).parent
     launch = subprocess.run(
         [str(bin_dir / "dagster"), "job", "launch", "-w", "workspace.yaml", "-j", "data_plane", "-c", str(config),
@@ -154,17 +208,12 @@ def test_daemon_routes_a_queued_run_to_its_pool(prod, tmp_path):
         assert prod["db"].query("SELECT value FROM run_tags WHERE run_id = %s AND key = %s", run_id, POOL_TAG) == [("cpu",)]
 
         daemon_log = tmp_path / "daemon.log"
-        with open(daemon_log, "w") as log_file:
-            daemon = subprocess.Popen([str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"], cwd=REPO,
-                                      stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
+        with dagster_daemon(daemon_log) as daemon:
             deadline = time.monotonic() + DAEMON_TIMEOUT_S
             while not instance.get_run_by_id(run_id).is_finished:
                 assert daemon.poll() is None, f"dagster-daemon exited:\n{daemon_log.read_text()[-3000:]}"
                 assert time.monotonic() < deadline, f"run {run_id} not finished after {DAEMON_TIMEOUT_S:.0f} s"
                 time.sleep(1)
-        finally:
-            kill_group(daemon)
 
         run = instance.get_run_by_id(run_id)
         log = [e.message for e in instance.all_logs(run_id)]

@@ -53,7 +53,7 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home
     }
     (home / "run_config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data", rows=80)
-    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "gemma",
+    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "gemma",
                                  "--config", str(home / "run_config.yaml"), "--until", "training", "--json")  # fmt: skip
     assert code == 0, err
     store = LocalStore(home / "home" / "store")

@@ -2,9 +2,10 @@
 
 - An empty or fully quarantined input fails in ``raw_dataset`` naming the file, in one line without a
   stack trace; ``--json`` answers with what failed, where and what completed.
-- ``ft-assets run`` killed with SIGKILL during training and rerun at once: the data plane, already
-  materialized from the same inputs, is skipped; the dead run's lease is taken over at once (its
-  process is gone from this host), and training resumes from its checkpoint.
+- The worker of the training run that ``ft-assets run`` launched killed with SIGKILL (out of memory, a
+  lost machine): the run fails with one line naming the signal, and a rerun at once skips the data
+  plane, already materialized from the same inputs, takes the dead run's lease over at once (its
+  process is gone from this host), and resumes training from its checkpoint.
 - A lease held by a live run makes the command wait, saying why, instead of failing.
 """
 
@@ -24,7 +25,7 @@ import yaml
 
 from ft_assets import locks
 from ft_assets.storage import LocalStore
-from ft_assets_tests.support import run_cli, run_config, write_dataset
+from ft_assets_tests.support import run_cli, run_config, training_worker_pid, write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,9 @@ def test_json_answers_for_an_error_before_any_run(home, capsys):
 
 
 @pytest.mark.integration
-def test_a_rerun_right_after_a_sigkill_skips_the_data_plane_and_takes_the_dead_lease_over(home, capsys, tiny_model_dir):
+def test_a_rerun_right_after_a_sigkilled_worker_skips_the_data_plane_and_takes_the_dead_lease_over(home, capsys, tiny_model_dir):
+    import dagster as dg
+
     config = config_file(home, tiny_model_dir, steps=60, save_steps=10, per_device_batch_size=1)
     data = write_dataset(home / "data", rows=120)
     argv = ["run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--until", "training"]
@@ -80,8 +83,12 @@ def test_a_rerun_right_after_a_sigkill_skips_the_data_plane_and_takes_the_dead_l
             assert first.poll() is None, (home / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.05)
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        worker = training_worker_pid(dg.DagsterInstance.get())
+        assert worker not in (None, first.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert first.wait(timeout=120) == 2
+    said = (home / "first.log").read_text().splitlines()[-1]
+    assert said.startswith("ft-assets: error: training_plane failed for acks@v1") and "signal 9" in said, said
     assert locks.read_lease(store, "acks@v1") is not None  # the dead run left its lease behind
 
     code, summary, err = run_cli(capsys, *argv, "--json")

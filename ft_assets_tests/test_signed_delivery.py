@@ -56,7 +56,7 @@ def test_a_signed_run_is_verified_by_model_signing_and_lineage_and_registered(ho
     config["ops"]["lora_adapter"]["config"]["mlflow_tracking_uri"] = tracking
     (home / "run_config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data")
-    code, summary, err = run_cli(capsys, "run", "--dataset", str(data), "--name", "acks", "--version", "v1",
+    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1",
                                  "--config", str(home / "run_config.yaml"), "--json")  # fmt: skip
     assert code == 0, err
 

@@ -1,14 +1,21 @@
 """The Dagster UI in a real browser: the asset graph by plane, and an asset's metadata page.
 
-``ft-assets run`` materializes the data plane on a fresh SQLite instance (what ``make demo`` does),
-``dagster dev`` serves it (what ``make ui`` does), and headless Chromium (Debian's package, driven by
-Playwright; no ``playwright install``) reads what the UI actually drew:
+``ft-assets run`` materializes the data plane on a fresh SQLite instance (what ``make demo`` does:
+the run is launched through the instance, no daemon), ``dagster dev`` serves it (what ``make ui``
+does, from ``$DAGSTER_HOME``), and headless Chromium (Debian's package, driven by Playwright; no
+``playwright install``) reads what the UI actually drew:
 
 - the global asset lineage with every group expanded: one box per plane group of the definitions,
   each asset inside its group's box, and an arrow for every dependency of the definitions, read off
   the SVG geometry (an edge starts at its upstream node and ends at its downstream node);
 - ``tokenized_shards``' page: the latest materialization's packing efficiency and row accounting,
-  equal to what the CLI reported.
+  equal to what the CLI reported;
+- the ``data_plane`` job's Runs tab: it lists the CLI's run, which re-executes as the same job version;
+- how the asset page shows each kind of metadata value (``RENDERING``), on a probe asset: what shows
+  without a click and what hides behind a "[Show Markdown]" link.
+
+``dagster dev`` must not warn that a ``dagster.yaml`` in its folder "will not be used" (the repository's
+top-level link is not where ``make ui`` runs it).
 
 Screenshots land in ``test-artifacts/ui/``. ``FT_UPDATE_DOCS=1`` also writes the lineage graph to
 ``docs/lineage.png`` for the README.
@@ -22,14 +29,18 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import yaml
 
 from ft_assets.cli import main
 from ft_assets.definitions import defs
+from ft_assets.plots import line_chart
 from ft_assets_tests.pg import free_port
 
 pytestmark = pytest.mark.integration
@@ -39,7 +50,7 @@ SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
 SAMPLE_LINES = 300
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 DOCS_LINEAGE = REPO / "docs" / "lineage.png"
-PLANES = {"control", "data", "training", "delivery"}
+PLANES = {"model", "control", "data", "training", "delivery"}  # the four planes' groups, and the base model that feeds them
 DATA_LINEAGE = ["raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"]
 INSTALL_HINT = "`make test` installs it (scripts/install-system-deps.sh)"
 CHROMIUM_FLAGS = [
@@ -51,9 +62,16 @@ UI_TIMEOUT_MS = 60_000  # first paint of a page includes loading the code locati
 EDGE_TOUCH_PX = 12.0  # an edge ends this close to a node's box (Dagster leaves room for the arrowhead)
 
 
+@dataclass
+class Served:
+    url: str  # dagster dev's base URL
+    summary: dict  # what `ft-assets run --json` reported
+    log: Path  # dagster dev's output
+
+
 @pytest.fixture(scope="module")
 def dagster_ui(tmp_path_factory, tiny_model_dir):
-    """``dagster dev`` on an instance holding one data-plane materialization; yields (base URL, CLI summary)."""
+    """``dagster dev`` on an instance holding one data-plane materialization, run by the CLI."""
     root = tmp_path_factory.mktemp("ui")
     data = root / "toolcalls.jsonl"
     data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:SAMPLE_LINES]))
@@ -79,8 +97,9 @@ def dagster_ui(tmp_path_factory, tiny_model_dir):
         log_path = root / "dagster-dev.log"
         with open(log_path, "w") as log:
             server = subprocess.Popen(
-                [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its code servers share the group
+                [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+                cwd=root / "home" / "dagster_home", stdout=log,  # from $DAGSTER_HOME, as `make ui` runs it
+                stderr=subprocess.STDOUT, start_new_session=True,  # its code servers share the group
             )
         url = f"http://127.0.0.1:{port}"
         try:
@@ -95,7 +114,7 @@ def dagster_ui(tmp_path_factory, tiny_model_dir):
                 except OSError:
                     pass
                 time.sleep(0.5)
-            yield url, summary
+            yield Served(url, summary, log_path)
         finally:
             if server.poll() is None:
                 os.killpg(server.pid, signal.SIGKILL)
@@ -180,7 +199,7 @@ def expected_graph() -> tuple[dict[str, str], set[tuple[str, str]]]:
 
 
 def test_lineage_graph_draws_every_plane_group_and_the_data_lineage(dagster_ui, page):
-    url, _ = dagster_ui
+    url = dagster_ui.url
     groups, edges = expected_graph()
     assert set(groups.values()) <= PLANES, f"asset groups outside the four planes: {set(groups.values()) - PLANES}"
     assert set(zip(DATA_LINEAGE, DATA_LINEAGE[1:])) <= edges
@@ -232,7 +251,7 @@ def metadata_value(page, key: str) -> str:
 
 
 def test_asset_page_shows_packing_efficiency_and_row_accounting(dagster_ui, page):
-    url, summary = dagster_ui
+    url, summary = dagster_ui.url, dagster_ui.summary
     page.goto(f"{url}/assets/tokenized_shards")
     page.get_by_text("packing_efficiency", exact=True).wait_for()
     page.get_by_text(summary["partition"], exact=True).first.wait_for()  # latest materialization's partition
@@ -245,3 +264,76 @@ def test_asset_page_shows_packing_efficiency_and_row_accounting(dagster_ui, page
     assert "holds" in accounting and "BROKEN" not in accounting
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "tokenized_shards.png"), full_page=True)
+
+
+def test_make_ui_does_not_warn_about_a_dagster_yaml_it_will_not_use(dagster_ui):
+    assert "will not be used" not in dagster_ui.log.read_text()
+
+
+def test_the_jobs_runs_tab_lists_the_clis_run_and_it_re_executes_as_the_same_job(dagster_ui, page):
+    url, summary = dagster_ui.url, dagster_ui.summary
+    [run_id] = summary["runs"]["data"]
+    page.goto(f"{url}/locations/ft_assets/jobs/data_plane/runs")
+    page.get_by_text(run_id[:8], exact=True).wait_for()  # the list shows a run by its id's first 8 characters
+    assert page.locator(f'a[href="/runs/{run_id}"]').count() >= 1
+    listed = page.inner_text("body")
+    assert f"partition: {summary['partition']}" in listed and "ft/launched-by: ft-assets-cli" in listed and "Success" in listed
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "data_plane_runs.png"))
+
+    page.goto(f"{url}/runs/{run_id}")
+    button = page.get_by_role("button", name=re.compile(r"^Re-execute all"))
+    button.wait_for()
+    # An in-process run's button carries a warning: "The job "data_plane" may be a different version from the original pipeline run."
+    assert button.is_enabled() and button.locator('[aria-label="warning"]').count() == 0
+
+
+# How the asset page shows a materialization's metadata, by kind of value (Dagster 1.13, the webserver's
+# ui-core/src/metadata/MetadataEntry.tsx; the asset's Overview and its Events view both pass
+# expandSmallValues): numbers and text as they are, floats unrounded; tables always inline; JSON and
+# markdown inline under 1,000 characters, else behind a "[Show JSON]" / "[Show Markdown]" link to a
+# dialog. Images in markdown may be data: URIs. So a chart shows without a click only as markdown under
+# 1,000 characters (an SVG data URI), never as a matplotlib PNG (tens of kB).
+PROBE = "ui_metadata_probe"
+SVG_CURVE = (
+    "<svg xmlns='http://www.w3.org/2000/svg' width='240' height='60'><polyline fill='none' stroke='#4a78d6' "
+    "stroke-width='2' points='0,5 30,20 60,32 90,41 120,47 150,52 180,54 210,55 240,56'/></svg>"
+)
+WORDS_999 = ("loss " * 200)[:999]
+RENDERING = [  # (label, value, how it shows: "text" as written / "table" / "image" drawn / "link" to click)
+    ("a_float", dg.MetadataValue.float(2 / 3), "text", "0.6666666666666666"),
+    ("an_int", dg.MetadataValue.int(771636891), "text", "771636891"),
+    ("a_text_sparkline", dg.MetadataValue.text("2.31 ▇▆▅▄▃▂▂▁ 0.05"), "text", "2.31 ▇▆▅▄▃▂▂▁ 0.05"),
+    ("a_small_json", dg.MetadataValue.json({"lora_r": 8}), "text", '{\n  "lora_r": 8\n}'),
+    ("a_table", dg.MetadataValue.table([dg.TableRecord({"prompt": "set a timer", "correct": True})],
+                                       dg.TableSchema([dg.TableColumn("prompt"), dg.TableColumn("correct", "bool")])), "table", "set a timer\ttrue"),
+    ("markdown_999_chars", dg.MetadataValue.md(WORDS_999), "text", WORDS_999.strip()),
+    ("markdown_1000_chars", dg.MetadataValue.md(WORDS_999 + "s"), "link", "[Show Markdown]"),
+    ("svg_chart_in_markdown", dg.MetadataValue.md(f"![loss](data:image/svg+xml,{urllib.parse.quote(SVG_CURVE)})"), "image", ""),
+    ("png_chart_in_markdown", dg.MetadataValue.md(line_chart({"train": [(1, 2.0), (2, 1.0), (3, 0.5)]}, "loss", "step", "loss")), "link", "[Show Markdown]"),
+]  # fmt: skip
+
+
+def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(dagster_ui, page):
+    with dg.DagsterInstance.get() as instance:  # the instance the UI serves
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=PROBE, metadata={label: value for label, value, _, _ in RENDERING}))
+    page.goto(f"{dagster_ui.url}/assets/{PROBE}?view=events")  # no definition: the latest event's metadata
+    page.get_by_text(RENDERING[-1][0], exact=True).wait_for()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "metadata_rendering.png"), full_page=True)
+    for label, _, shows, text in RENDERING:
+        row = page.locator("tr", has=page.locator("td", has_text=re.compile(rf"^\s*{label}\s*$"))).first
+        value = row.locator("td").nth(1)
+        if shows == "image":
+            image = value.locator("img")
+            image.wait_for()
+            assert image.evaluate("img => img.complete && img.naturalWidth") > 0, f"{label}: the chart is not drawn"
+        else:
+            assert value.locator("img").count() == 0, label
+            assert (value.locator("table").count() > 0) == (shows == "table"), label
+            assert text in value.inner_text(), f"{label}: {value.inner_text()[:200]!r}"
+    dialog_chart = page.locator("tr", has=page.locator("td", has_text="png_chart_in_markdown")).get_by_text("[Show Markdown]")
+    dialog_chart.click()
+    drawn = page.locator('img[src^="data:image/png"]')
+    drawn.wait_for()
+    assert drawn.evaluate("img => img.naturalWidth") > 0  # the PNG is drawn once the dialog opens

@@ -2,10 +2,10 @@
 
 ``ft-assets run --dataset PATH`` does what the control plane does in production, in one command:
 it uploads the file(s) as ``datasets/<name>/<version>/`` with ``_SUCCESS`` written last, evaluates
-``dataset_version_sensor`` (which adds the partition), then executes each plane's job for that
-partition on the instance in ``DAGSTER_HOME`` — so the runs and materializations show up in the UI
-(``make ui``). Runs execute in this process; with the daemon running, the sensor, run queue and
-launcher do the same thing unattended. ``ft-assets lineage`` verifies a published model's chain
+``dataset_version_sensor`` (which adds the partition), then submits each plane's run for that
+partition through the instance in ``DAGSTER_HOME`` — its run queue and launcher, or the launcher
+alone when no daemon runs — and follows it, so the runs and materializations show up in the UI
+(``make ui``) under their jobs; ``--in-process`` executes them in this process instead. ``ft-assets lineage`` verifies a published model's chain
 from the store alone; ``ft-assets plan`` sizes and prices a fine-tune from a model config.
 
 One module per command (``run``, ``lineage``, ``plan``), each with ``execute(args, partial) -> dict``

@@ -43,6 +43,12 @@ def add_run(sub) -> None:
         help="data plane on Ray: 'local' starts Ray on this machine; ray://head:10001 or head:6379 uses a running cluster",
     )  # fmt: skip
     run.add_argument("--force", action="store_true", help="rerun planes that are already materialized from the same inputs")
+    run.add_argument(
+        "--in-process", action="store_true",
+        help="execute each plane's run in this process instead of submitting it through the instance's run queue and "
+        "launcher (no code server, no worker process; the run is not attached to the code location, so the UI cannot "
+        "re-execute it)",
+    )  # fmt: skip
     run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure")
     run.add_argument(
         "--verbose", action="store_true",

@@ -1,9 +1,10 @@
-"""Running the planes on the Dagster instance as the daemon would: the sensor once, then each plane's job.
+"""Running the planes on the Dagster instance: the sensor once, the partition's lease, a plane in this process.
 
-The command line stands in for the daemon: it evaluates ``dataset_version_sensor`` once (which adds
-the partition), waits while another live run holds the partition's lease, executes a plane's job
-in this process, and reruns a preempted training run as the daemon's run retries would (it
-resumes from its checkpoint). A failed run becomes one line: the failed blocking check's own
+The command line evaluates ``dataset_version_sensor`` once (which adds the partition) and waits while
+another live run holds the partition's lease. ``run_plane`` executes a plane's job in this process
+(``ft-assets run --in-process``; the default submits it through the instance, ``launch.py``) and
+reruns a preempted training run as the daemon's run retries would (it resumes from its checkpoint).
+Either way a failed run becomes one line (``failure_reason``): the failed blocking check's own
 explanation, else the innermost cause of the first failed step.
 """
 
@@ -17,6 +18,7 @@ from ft_assets import locks
 from ft_assets.cli.output import CliError, PlaneFailed, log
 from ft_assets.control.sensors import dataset_version_sensor
 from ft_assets.storage import ObjectStore
+from ft_assets.control.automation import CLI_TAGS
 from ft_assets.training.assets import PREEMPTED_TAG
 
 
@@ -67,21 +69,28 @@ def error_line(error) -> str:
     return message
 
 
-def failure_reason(result) -> str:
+def failure_reason(events: list[dg.DagsterEvent], run_id: str) -> str:
     """The most useful line of a failed run: a failed blocking check's description, else the first failure."""
-    for event in result.all_events:
+    for event in events:
         if event.event_type_value == "ASSET_CHECK_EVALUATION":
             evaluation = event.event_specific_data
             if not evaluation.passed:
                 return f"blocking check {evaluation.check_name} failed: {evaluation.description}"
-    for event in result.all_events:
+    for event in events:
         if event.is_step_failure:
             error = event.step_failure_data.error
             return f"{event.step_key}: {error_line(error) if error else event.message}"
-    for event in result.all_events:  # failed before any step: a resource that could not start (a Ray address)
-        if event.is_run_failure and event.event_specific_data.error is not None:
-            return error_line(event.event_specific_data.error)
-    return f"see run {result.run_id} in the Dagster UI (make ui)"
+    said = None  # the last thing the instance said about the run: a refusal, a worker that died
+    for event in events:  # failed before any step (a resource that could not start: a Ray address), or outside one
+        if event.event_type_value == "ENGINE_EVENT" and event.message:
+            said = event.message
+        if event.is_run_failure:
+            error = getattr(event.event_specific_data, "error", None)
+            if error is not None:
+                return error_line(error)
+            if said is not None:
+                return said
+    return f"see run {run_id} in the Dagster UI (make ui)"
 
 
 def wait_for_partition(store: ObjectStore, instance: dg.DagsterInstance, key: str, poll_seconds: float = 2.0) -> None:
@@ -120,7 +129,7 @@ def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, k
             instance=instance,
             partition_key=key,
             run_config=run_config,
-            tags={"ft/dataset": key, "ft/launched-by": "ft-assets-cli"},
+            tags={"ft/dataset": key, **CLI_TAGS},
             raise_on_error=False,
         )
         run_ids.append(result.run_id)
@@ -130,4 +139,4 @@ def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, k
         if preempted and len(run_ids) <= retries:
             log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
             continue
-        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result)}", plane, result.run_id)
+        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result.all_events, result.run_id)}", plane, result.run_id)

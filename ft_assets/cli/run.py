@@ -4,8 +4,10 @@ The order is what makes a rerun cheap and a mistake early: the whole run config 
 every plane's job before anything is uploaded (a misspelled key costs a second, not a data plane);
 the dataset version is registered (``ft_assets.data.registration``) and the sensor adds its
 partition; then each plane up to ``--until`` is skipped when it is current
-(``ft_assets.control.freshness``), or run in this process (``planes.run_plane``). ``summary`` fills
-as planes complete, so a failure's ``--json`` still reports them.
+(``ft_assets.control.freshness``), or submitted through the instance (``launch.launch_plane``:
+the code location is loaded once, for the first plane that runs), or with ``--in-process`` executed
+in this process (``planes.run_plane``). ``summary`` fills as planes complete, so a failure's
+``--json`` still reports them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from ft_assets.cli.launch import PlaneLauncher
 from ft_assets.cli.output import CliError, log, print_json
 from ft_assets.cli.parser import PLANES
 from ft_assets.cli.planes import run_plane, run_sensor, wait_for_partition
@@ -72,21 +75,25 @@ def execute(args: argparse.Namespace, summary: dict) -> dict:
     requested = run_sensor(instance, defs, key)
     log(f"dataset_version_sensor: partition {key} present; runs requested: {requested or 'none (already known)'}")
     parents = asset_parents(defs)
-    for plane in PLANES[: PLANES.index(args.until) + 1]:
-        job, config = jobs[plane], plane_run_config(jobs[plane], run_config)
-        if not args.force and plane_is_current(store, job, parents, key, config):
-            log(f"{plane} plane: already materialized for {key} from the same inputs and settings; skipped (--force reruns it)")
-            summary["skipped"].append(plane)
-        else:
-            wait_for_partition(store, instance, key)
-            summary["runs"][plane] = run_plane(instance, job, plane, key, config)
-        summary.update(SUMMARIES[plane](store, key))
-        summary["completed"].append(plane)
-        if plane == "data":
-            log(
-                f"training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
-                f"~{summary['estimated_hours']} h, ~${summary['estimated_cost_usd']}"
-            )
+    with PlaneLauncher(instance, args.verbose) as launcher:
+        for plane in PLANES[: PLANES.index(args.until) + 1]:
+            job, config = jobs[plane], plane_run_config(jobs[plane], run_config)
+            if not args.force and plane_is_current(store, job, parents, key, config):
+                log(f"{plane} plane: already materialized for {key} from the same inputs and settings; skipped (--force reruns it)")
+                summary["skipped"].append(plane)
+            else:
+                wait_for_partition(store, instance, key)
+                if args.in_process:
+                    summary["runs"][plane] = run_plane(instance, job, plane, key, config)
+                else:
+                    summary["runs"][plane] = launcher.run(job, plane, key, config)
+            summary.update(SUMMARIES[plane](store, key))
+            summary["completed"].append(plane)
+            if plane == "data":
+                log(
+                    f"training plan: {summary['gpu_tier']} ({summary['rental_mode']}), ~{summary['estimated_vram_gib']} GiB VRAM, "
+                    f"~{summary['estimated_hours']} h, ~${summary['estimated_cost_usd']}"
+                )
     return summary
 
 

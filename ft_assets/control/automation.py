@@ -3,7 +3,9 @@
 ``dataset_version_sensor`` starts the data plane. When a data-plane run of a partition succeeds,
 ``train_after_data`` requests that partition's training run (which the launcher sends to the GPU
 pool); when training succeeds, ``deliver_after_training`` requests the delivery run. Each plane is
-its own run, so no GPU is held while data is cleaned or a model is evaluated.
+its own run, so no GPU is held while data is cleaned or a model is evaluated. ``ft-assets run``
+drives its planes itself: its runs (tagged ``CLI_TAGS``) do not make these sensors request the next
+plane, which would run twice.
 
 Cheap window (optional): set ``FT_TRAINING_WINDOW_CRON`` (e.g. ``0 1 * * *`` for 01:00, when spot
 capacity is cheap and plentiful). Then ``train_after_data`` holds training instead of launching it,
@@ -22,6 +24,7 @@ from ft_assets.resources import ObjectStoreResource
 
 WINDOW_ENV = "FT_TRAINING_WINDOW_CRON"
 DEFAULT_WINDOW = "0 1 * * *"  # 01:00 daily in the instance's timezone
+CLI_TAGS = {"ft/launched-by": "ft-assets-cli"}  # on the runs of `ft-assets run`, which starts their next plane itself
 
 
 def training_window_cron() -> str | None:
@@ -30,6 +33,10 @@ def training_window_cron() -> str | None:
 
 def _partition(context: dg.RunStatusSensorContext) -> str | None:
     return context.dagster_run.tags.get("dagster/partition")
+
+
+def _driven_by_cli(context: dg.RunStatusSensorContext) -> bool:
+    return all(context.dagster_run.tags.get(key) == value for key, value in CLI_TAGS.items())
 
 
 @dg.run_status_sensor(
@@ -43,6 +50,8 @@ def train_after_data(context: dg.RunStatusSensorContext):
     partition = _partition(context)
     if partition is None:
         return dg.SkipReason(f"run {context.dagster_run.run_id} has no partition")
+    if _driven_by_cli(context):
+        return dg.SkipReason(f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself")
     if training_window_cron():
         return dg.SkipReason(f"{partition}: training held for the cheap window ({WINDOW_ENV}={training_window_cron()!r})")
     context.log.info(f"{partition}: data plane done, requesting training")
@@ -60,6 +69,8 @@ def deliver_after_training(context: dg.RunStatusSensorContext):
     partition = _partition(context)
     if partition is None:
         return dg.SkipReason(f"run {context.dagster_run.run_id} has no partition")
+    if _driven_by_cli(context):
+        return dg.SkipReason(f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself")
     context.log.info(f"{partition}: training done, requesting delivery")
     return dg.RunRequest(run_key=f"delivery:{partition}:{context.dagster_run.run_id}", partition_key=partition)
 

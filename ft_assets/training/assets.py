@@ -64,7 +64,7 @@ class BaseModelConfig(dg.Config):
 
 @dg.asset(
     partitions_def=dataset_version,
-    group_name="training",
+    group_name="model",  # feeds every plane: in "training" the collapsed lineage drew a data <-> training cycle
     io_manager_key="refs",
     kinds={"huggingface", "safetensors", STORE_KIND},
     tags={"ft/pool": "any"},
