@@ -363,6 +363,6 @@ def grpo_config(**overrides) -> TrainingConfig:
     base = dict(
         method="lora", lora_r=8, lora_alpha=16, learning_rate=2e-2, warmup_steps=0, max_steps=8, per_device_batch_size=2,
         save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=128, num_generations=4,
-        max_completion_length=20, rewards=TOOL_REWARDS,
+        max_completion_length=24, rewards=TOOL_REWARDS,
     )  # fmt: skip
     return TrainingConfig(**(base | overrides))
