@@ -252,6 +252,46 @@ def test_rollouts_are_seeded_and_the_reference_is_the_base_with_the_adapter_disa
     assert summary["reward_std"] >= 0 and set(summary) == {"reward_mean", "reward_std", "kl", "completion_length", "truncated_share"}
 
 
+# --- cost -------------------------------------------------------------------------------------------
+
+LLAMA7 = dict(layers=32, hidden=4096, heads=32, kv_heads=32, vocab=32000, intermediate=11008)
+
+
+def test_the_plan_counts_the_reference_forward_and_the_generation():
+    """objective_cost by hand on Llama-2-7B's shape, LoRA with checkpointing: F = 2m x 3 + a x 4 and f = 2m + a, with
+    m the matmul params and a = 2 x L x seq x q; GRPO's completions decode at min(MFU, 0.5 x b / 200)."""
+    from ft_assets.control.planner import ModelShape, flops_per_token, objective_cost
+
+    shape = ModelShape(**LLAMA7)
+    train, forward = flops_per_token(shape, "lora", 512, True), 2 * shape.matmul_params + 2 * 32 * 512 * 4096
+    assert train == 2 * shape.matmul_params * 3 + 2 * 32 * 512 * 4096 * 4
+    assert objective_cost(shape, "lora", 512, True, False, 0.0, 0, 0.4) == (train, 1.0)  # SFT: what it always was
+    dpo_flops, dpo_factor = objective_cost(shape, "lora", 512, True, True, 0.0, 0, 0.4)
+    assert dpo_flops == train + forward and dpo_factor == pytest.approx(1 + forward / train) == pytest.approx(1.33, abs=0.01)
+    grpo_flops, grpo_factor = objective_cost(shape, "lora", 512, True, True, 0.5, 32, 0.4)  # b = 4 prompts x 8 completions
+    decode = 0.5 * 32 / 200  # 0.08: decoding is memory-bound, 5x below LoRA's 0.40
+    assert grpo_flops == train + 2 * forward
+    assert grpo_factor == pytest.approx((train + forward + 0.5 * forward + 0.5 * forward * 0.4 / decode) / train)
+    assert grpo_factor == pytest.approx(2.33, abs=0.01)
+    assert objective_cost(shape, "lora", 512, True, True, 0.5, 512, 0.4)[1] < grpo_factor  # larger decode batches, cheaper
+
+
+def test_each_objective_says_what_a_run_computes():
+    from ft_assets.objectives import DPO, SFT
+
+    shards = {"seq_len": 512, "train_tokens": 4800, "train_rows": 120}  # prompts of 40 tokens
+    config = grpo_config(per_device_batch_size=4, num_generations=8, max_completion_length=60)
+    resolved = config.resolve(120, cuda_available=False, objective=GRPO)
+    work = GRPO.step.work(config, shards, resolved)
+    assert (work.seq_len, work.attention_len, work.micro_batch, work.decode_batch) == (32 * 100, 100, 1, 32)
+    assert work.tokens == resolved.total_steps * 4 * 8 * 100 and work.generated_share == 0.6 and work.reference_forward
+    assert not GRPO.step.work(config.model_copy(update={"grpo_beta": 0.0}), shards, resolved).reference_forward
+    for objective, reference in ((SFT, False), (DPO, True)):
+        sft = objective.step.work(config, shards, resolved)
+        assert (sft.seq_len, sft.micro_batch, sft.tokens, sft.reference_forward, sft.generated_share) == (
+            512, 4, resolved.total_steps * resolved.rows_per_step * 512, reference, 0.0)
+
+
 # --- training --------------------------------------------------------------------------------------
 
 

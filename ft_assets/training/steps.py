@@ -8,6 +8,7 @@ that the objective (``ft_assets.objectives``) carries, ``TrainingStep``:
 - ``check_settings``: what the objective needs of the settings (GRPO: its reward functions), said by
   the plan before any GPU is rented;
 - ``describe_rows``: what the run trains on, for its first log line;
+- ``work``: what a run computes (rows, tokens, the reference's forward, generation), for the planner;
 - ``for_run``: the ``StepRun`` one run uses (SFT and DPO are stateless: themselves; GRPO loads the
   tokenizer, the reward functions and the generator once);
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -41,7 +43,7 @@ import torch
 from ft_assets import rewards as rw
 from ft_assets.shards import IGNORE_INDEX, PackedRows, PromptRows, load_packed_rows, load_pair_rows, load_prompt_rows
 from ft_assets.training import rollout as ro
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
 from ft_assets.training.loss import (
     all_pair_logps,
     dpo_loss_sum,
@@ -56,6 +58,19 @@ from ft_assets.training.loss import (
 )
 
 Reduce = Callable[[list[float]], torch.Tensor]  # figures -> a float32 tensor of their sums over the processes
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What a run computes, for the planner (``ft_assets.control.planner.objective_cost``)."""
+
+    seq_len: int  # tokens of one row a forward sees (GRPO: a micro-batch's sequences packed together)
+    attention_len: int  # tokens a token attends over at most (a packed row; GRPO: one prompt + completion)
+    micro_batch: int  # rows per forward
+    tokens: int  # trained tokens of the whole run, every process
+    reference_forward: bool  # the base (adapter disabled) also runs a forward over every trained token
+    generated_share: float  # share of the trained tokens generated first (GRPO's completions); 0 for the others
+    decode_batch: int  # sequences generated together (GRPO: prompts x num_generations of a micro-batch)
 
 
 class StepRun(Protocol):
@@ -83,14 +98,24 @@ class TrainingStep(Protocol):
 
     def describe_rows(self, rows: PackedRows | PromptRows, config: TrainingConfig) -> str: ...
 
+    def work(self, config: TrainingConfig, shards: dict, resolved: ResolvedTraining) -> StepWork: ...
+
     def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> StepRun: ...
 
 
 class StatelessStep:
     """What SFT and DPO share: no settings of their own to check, no rollout, no figures beyond the loss."""
 
+    reference_forward = False  # DPO: the base's forward beside the policy's
+
     def check_settings(self, config: TrainingConfig) -> None:
         pass
+
+    def work(self, config: TrainingConfig, shards: dict, resolved: ResolvedTraining) -> StepWork:
+        """Packed rows of the shards' seq_len, per_device_batch_size a forward."""
+        seq_len = shards["seq_len"]
+        tokens = resolved.total_steps * resolved.rows_per_step * seq_len
+        return StepWork(seq_len, seq_len, config.per_device_batch_size, tokens, self.reference_forward, 0.0, 0)
 
     def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> StatelessStep:
         return self
@@ -126,6 +151,8 @@ class TokenLossStep(StatelessStep):
 
 class DpoStep(StatelessStep):
     """DPO on packed preference pairs against the base with the adapter disabled (``ft_assets.training.loss``)."""
+
+    reference_forward = True
 
     def load_rows(self, shards_dir: Path, split: str, max_seq_len: int) -> PackedRows | None:
         return load_pair_rows(shards_dir, split, max_seq_len)
@@ -178,6 +205,15 @@ class GrpoStep:
             f" (prompts; {config.num_generations} completions each of up to {config.max_completion_length} tokens, "
             f"rewards {', '.join(config.rewards)}, beta {config.grpo_beta:g}, {config.grpo_loss} loss)"
         )
+
+    def work(self, config: TrainingConfig, shards: dict, resolved: ResolvedTraining) -> StepWork:
+        """Every prompt of a step and its num_generations completions (at most max_completion_length tokens, planned at
+        that), one micro-batch's sequences packed in one row."""
+        prompt = -(-shards["train_tokens"] // max(shards["train_rows"], 1))  # the mean prompt, in tokens
+        sequence = prompt + config.max_completion_length
+        group = config.per_device_batch_size * config.num_generations
+        tokens = resolved.total_steps * resolved.rows_per_step * config.num_generations * sequence
+        return StepWork(group * sequence, sequence, 1, tokens, config.grpo_beta > 0, config.max_completion_length / sequence, group)
 
     def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> GrpoRun:
         return GrpoRun(config, base_model_dir, device)
