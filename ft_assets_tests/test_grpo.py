@@ -16,6 +16,7 @@ import yaml
 
 from ft_assets import rewards as rw
 from ft_assets.objectives import GRPO
+from ft_assets.refs import read_ref
 from ft_assets.shards import IGNORE_INDEX, Prompt, load_prompt_rows
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
@@ -384,6 +385,11 @@ def test_a_prompt_version_flows_to_a_published_model_tracked_in_mlflow(home, cap
     registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
     lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
     assert lineage["eval"]["metric_name"] == "reward_mean" and lineage["training"]["config"]["rewards"] == TOOL_REWARDS
+    adapter = read_ref(store, "timers@v1", "lora_adapter")["stats"]
+    assert [step for step, _ in adapter["figure_history"]] == [4, 8, 12, 16, 20, 24]  # the adapter's metadata: its reward curve
+    print(f"\nGRPO end to end: reward {summary['base_reward_mean']:.3f} (base) -> {summary['reward_mean']:.3f} (tuned), "
+          f"{summary['gguf_metric']:.3f} (shipped GGUF); rollout reward {adapter['figure_history'][0][1]['reward_mean']:.3f} -> "
+          f"{adapter['figure_history'][-1][1]['reward_mean']:.3f}; {summary['steps']} steps")
 
     client = mlflow_server.client()
     run = the_run(client, experiment)
