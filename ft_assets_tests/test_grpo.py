@@ -175,6 +175,24 @@ def test_rewards_load_from_modules_and_files_and_say_what_is_wrong(tmp_path):
             rw.score([rw.load_reward(f"{path}:{name}")], [[]] * 2, ["a", "b"], [{}, {}])
 
 
+def test_a_reward_function_scores_a_chat_run():
+    """eval_report.metric: module:function scores each greedy answer of a chat run, the reference as the answer column."""
+    from ft_assets.delivery import evaluate as ev
+    from ft_assets.delivery.scoring import ChatScorer
+
+    prompt = [{"role": "user", "content": "Set a timer for 5 minutes."}]
+    examples = [ev.EvalExample("a:1", prompt, REF), ev.EvalExample("a:2", prompt, json.dumps({"name": "set_timer", "arguments": {}}))]
+    answers = [json.dumps({"name": "set_timer", "arguments": {"minutes": 5, "label": "tea"}}), REF]
+    assert ev.answer_scores(answers, examples, "ft_assets.rewards:tool_call_arguments") == [0.5, 0.0]
+    assert ev.task_metric(answers, examples, "ft_assets.rewards:tool_call_name") == 1.0
+    assert ev.task_metric(answers, examples, "exact_match") == 0.0  # the named metrics as before
+    scorer = ChatScorer("ft_assets.rewards:tool_call_json", 10, 24, {})
+    assert scorer.metric == "reward_mean" and ChatScorer("token_f1", 10, 24, {}).metric == "token_f1"
+    for metric, message in [("bleu", "unknown metric 'bleu'"), ("ft_assets.rewards:nothing", "has no function 'nothing'")]:
+        with pytest.raises(ValueError, match=f"eval_report config metric='{metric}': .*{message}"):
+            ChatScorer(metric, 10, 24, {})
+
+
 SETTINGS_CASES = [
     ({"num_generations": 1}, "num_generations must be >= 2"),
     ({"temperature": 0}, "temperature must be > 0"),
@@ -332,6 +350,10 @@ def test_grpo_raises_the_reward_with_one_copy_of_the_model(grpo_model, prompt_sh
     assert [m["step"] for m in metrics if "eval_reward_mean" in m] == [12, 24]
     assert any("(prompts; 8 completions each of up to 24 tokens" in line and "grpo (lora)" in line for line in lines), lines[:4]
     assert any(line.startswith("step 24/24") and "reward mean" in line and "kl" in line for line in lines)
+    curve = " -> ".join(f"{m['reward_mean']:.2f}" for m in logged)
+    print(f"\nGRPO, 24 steps of 4 prompts x 8 completions: rollout reward {curve}; greedy eval "
+          f"{evaluation['eval_reference_reward_mean']:.3f} (base) -> {evaluation['eval_reward_mean']:.3f}; "
+          f"{result.step_seconds:.0f} s in steps, {result.wall_seconds:.0f} s wall")
 
 
 @pytest.mark.integration
