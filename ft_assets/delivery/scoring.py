@@ -35,6 +35,7 @@ from ft_assets.delivery import llamacpp
 from ft_assets.delivery.merge import load_full_precision
 from ft_assets.shards import Prompt, load_prompt_rows
 
+REWARD_SUMMARY = {"reward_mean": "finetuned_reward_mean", "base_reward_mean": "base_reward_mean"}  # --json keys -> eval stats
 Fetch = Callable[..., Path]  # Materialization.fetch: (ref, name, include=None) -> local folder
 Log = Callable[[str], None]
 
@@ -88,7 +89,7 @@ class ChatScorer:
     """SFT: the task metric on greedy answers, eval loss and perplexity on the packed eval shards."""
 
     unit = "eval conversations"
-    summary: dict[str, str] = {}  # the gate's keys say it all
+    summary = REWARD_SUMMARY  # filled when the metric is a reward function; the gate's keys say the rest
 
     def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
         try:
@@ -137,8 +138,9 @@ class ChatScorer:
             "base_eval_loss": b["eval_loss"], "finetuned_eval_loss": t["eval_loss"],
             "base_perplexity": b["perplexity"], "finetuned_perplexity": t["perplexity"],
         }  # fmt: skip
-        if self.metric == ev.REWARD_METRIC:
-            stats["reward_functions"] = [self.scored_by]
+        rewarded = self.metric == ev.REWARD_METRIC
+        stats.update(reward_functions=[self.scored_by] if rewarded else None, finetuned_reward_mean=tuned.metric if rewarded else None,
+                     base_reward_mean=base.metric if rewarded else None)  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}")
 
 
@@ -209,6 +211,7 @@ class RewardScorer:
 
     metric = ev.REWARD_METRIC
     unit = "eval prompts"
+    summary = REWARD_SUMMARY
 
     def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
         self.rewards = rw.load_rewards(training["rewards"])
@@ -254,6 +257,7 @@ class RewardScorer:
             tracked["gguf_reward_mean"] = gguf.metric
         stats = {
             "base_eval_loss": None, "finetuned_eval_loss": None, "reward_functions": [r.name for r in self.rewards],
+            "finetuned_reward_mean": tuned.metric, "base_reward_mean": base.metric,
             "base_rewards": base.figures, "finetuned_rewards": tuned.figures, "gguf_rewards": gguf.figures if gguf else None,
         }  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"reward {base.metric:.3f} → {tuned.metric:.3f}")

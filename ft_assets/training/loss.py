@@ -309,11 +309,8 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return torch.nan_to_num((grouped - mean) / (std + GROUP_STD_EPSILON), nan=0.0).view(-1)
 
 
-def _chunk_token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, softcap: float | None) -> torch.Tensor:
-    logits = lm_head(hidden).float()
-    if softcap:  # Gemma 2's final logit soft-capping, which the model applies after lm_head
-        logits = torch.tanh(logits / softcap) * softcap
-    return -F.cross_entropy(logits / temperature, targets, ignore_index=IGNORE_INDEX, reduction="none")
+def _chunk_token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return -F.cross_entropy(lm_head(hidden).float() / temperature, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
@@ -321,9 +318,9 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
     the model's logits divided by ``temperature`` (the distribution the completions were sampled from); 0 where
     the label is IGNORE_INDEX. Shape (rows, seq_len - 1): position i holds label i + 1.
 
-    One forward without attention mask or KV cache (the position ids keep sequences apart), then lm_head
-    (soft-capped as the model does it, for Gemma 2) + log-softmax chunk by chunk as in ``token_loss_sum``,
-    recomputed in backward.
+    One forward without attention mask or KV cache (the position ids keep sequences apart), then the output
+    head (``output_head``: Gemma 2's soft-capping included) + log-softmax chunk by chunk as in
+    ``token_loss_sum``, recomputed in backward.
     """
     inputs = {name: batch[name] for name in ("input_ids", "position_ids")}
     output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
@@ -331,12 +328,11 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
     shape = hidden.shape[:2]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = batch["labels"][:, 1:].reshape(-1)
-    unwrapped = _unwrap(model)
-    lm_head, softcap = unwrapped.get_output_embeddings(), getattr(unwrapped.config, "final_logit_softcapping", None)
+    lm_head = output_head(model)
     chunk = chunk_tokens(lm_head.weight.shape[0])
     parts = []
     for start in range(0, hidden.shape[0], chunk):
-        part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], temperature, softcap)
+        part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], temperature)
         parts.append(checkpoint(_chunk_token_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_token_logps(*part))
     return torch.cat(parts).view(shape)
 

@@ -193,7 +193,7 @@ class FineTuneRecipe:
         self._setup_processes()
         self._setup_data()
         self._setup_model()
-        self.step = self.objective.step.for_run(self.config, self.base_model_dir, self.device)
+        self.step = self.objective.step.for_run(self.config, self.base_model_dir, self.unwrapped)
         self.uploader = BackgroundUploader(self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say)
         self._setup_tracking()
 

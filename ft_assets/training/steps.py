@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from ft_assets import rewards as rw
+from ft_assets.delivery.evaluate import stop_tokens
 from ft_assets.shards import IGNORE_INDEX, PackedRows, PromptRows, load_packed_rows, load_pair_rows, load_prompt_rows
 from ft_assets.training import rollout as ro
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
@@ -100,7 +101,7 @@ class TrainingStep(Protocol):
 
     def work(self, config: TrainingConfig, shards: dict, resolved: ResolvedTraining) -> StepWork: ...
 
-    def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> StepRun: ...
+    def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> StepRun: ...
 
 
 class StatelessStep:
@@ -117,7 +118,7 @@ class StatelessStep:
         tokens = resolved.total_steps * resolved.rows_per_step * seq_len
         return StepWork(seq_len, seq_len, config.per_device_batch_size, tokens, self.reference_forward, 0.0, 0)
 
-    def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> StatelessStep:
+    def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> StatelessStep:
         return self
 
     def rollout(self, unwrapped, batch: dict, seed: int, step: int) -> dict[str, torch.Tensor]:
@@ -215,21 +216,22 @@ class GrpoStep:
         tokens = resolved.total_steps * resolved.rows_per_step * config.num_generations * sequence
         return StepWork(group * sequence, sequence, 1, tokens, config.grpo_beta > 0, config.max_completion_length / sequence, group)
 
-    def for_run(self, config: TrainingConfig, base_model_dir: Path, device: torch.device) -> GrpoRun:
-        return GrpoRun(config, base_model_dir, device)
+    def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> GrpoRun:
+        return GrpoRun(config, base_model_dir, model)
 
 
 class GrpoRun:
     """One GRPO run's state: the tokenizer, the reward functions, the generator and the figures since the last log."""
 
-    def __init__(self, config: TrainingConfig, base_model_dir: Path, device: torch.device):
+    def __init__(self, config: TrainingConfig, base_model_dir: Path, model):
         from transformers import AutoTokenizer  # seconds to import; only the training process needs it
 
         self.tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
         self.rewards = rw.load_rewards(config.rewards)
-        eos = {self.tokenizer.eos_token_id}
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        sampling = ro.Sampling(config.max_completion_length, config.temperature, sorted(eos), pad)
+        # a completion ends at the tokenizer's eos or any end-of-turn id of the generation config, as eval answers do
+        sampling = ro.Sampling(config.max_completion_length, config.temperature, stop_tokens(model, self.tokenizer), pad)
+        device = next(model.parameters()).device
         self.generator = ro.make_generator(
             config.generation_backend, sampling, base_model_dir, config.max_seq_len, config.lora_r, device
         )  # fmt: skip
