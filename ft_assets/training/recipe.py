@@ -193,7 +193,7 @@ class FineTuneRecipe:
         self._setup_processes()
         self._setup_data()
         self._setup_model()
-        self.step = self.objective.step.for_run(self.config, self.base_model_dir, self.unwrapped)
+        self.step_run = self.objective.step.for_run(self.config, self.base_model_dir, self.unwrapped)
         self.uploader = BackgroundUploader(self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say)
         self._setup_tracking()
 
@@ -388,7 +388,7 @@ class FineTuneRecipe:
         rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
         # What the loss needs beyond the rows, from the model as it is before this step's update (GRPO: the completions,
         # sampled with a seed of (seed, step, rank, micro-batch) so that a resumed run samples the same ones).
-        rows = [self.step.rollout(self.unwrapped, batch, rollout_seed(self.config.seed, self.state.step, self.rank, micro), self.state.step)
+        rows = [self.step_run.rollout(self.unwrapped, batch, rollout_seed(self.config.seed, self.state.step, self.rank, micro), self.state.step)
                 for micro, batch in enumerate(rows)]  # fmt: skip
         # Normalise by the learned tokens (DPO: the pairs) of the whole step (all micro-batches, all processes):
         # the loss is then the true per-token (per-pair) mean, whatever the packing put in each row.
@@ -427,11 +427,11 @@ class FineTuneRecipe:
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """What the step's loss is a mean over (the objective's): learned tokens, pairs."""
-        return self.step.count(batch)
+        return self.step_run.count(batch)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The objective's summed loss of a micro-batch (DPO's reference: the base with the adapter disabled)."""
-        return self.step.loss_sum(self.model, self.unwrapped, batch, self.config)
+        return self.step_run.loss_sum(self.model, self.unwrapped, batch, self.config)
 
     def read_losses(self) -> None:
         """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
@@ -474,7 +474,7 @@ class FineTuneRecipe:
     def step_figures(self) -> dict[str, float]:
         """The objective's own figures since the last log line (GRPO: reward mean and std, KL, completion length),
         averaged over the processes, and kept in the trainer state (checkpointed) for the adapter's metadata."""
-        figures = self.step.figures()
+        figures = self.step_run.figures()
         if figures and self.world > 1:  # every rank logs at the same steps: a collective
             means = self.accelerator.reduce(torch.tensor(list(figures.values()), device=self.device), "mean").tolist()
             figures = dict(zip(figures, means))
@@ -521,7 +521,7 @@ class FineTuneRecipe:
         def reduce(values: list[float]) -> torch.Tensor:
             return self.accelerator.reduce(torch.tensor(values, device=self.device), "sum")
 
-        return self.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
+        return self.step_run.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
 
     # --- finish ---
 
