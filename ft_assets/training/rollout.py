@@ -113,7 +113,7 @@ class VllmGenerator:
 
         self.sampling, self.adapters = sampling, Path(tempfile.mkdtemp(prefix="ft-vllm-adapters-"))
         self.llm = LLM(
-            model=str(base_model_dir), enable_lora=True, max_lora_rank=max(lora_r, 8), max_loras=1,
+            model=str(base_model_dir), enable_lora=True, max_lora_rank=1 << (max(lora_r, 8) - 1).bit_length(), max_loras=1,
             gpu_memory_utilization=VLLM_MEMORY_FRACTION, max_model_len=max_model_len, seed=0,
         )  # fmt: skip
 
@@ -131,7 +131,14 @@ class VllmGenerator:
         )  # fmt: skip
         requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
         outputs = self.llm.generate(requests, params, lora_request=LoRARequest(f"step-{step}", step + 1, str(folder)), use_tqdm=False)
-        return [end_at_eos(list(completion.token_ids), s.eos_ids) for output in outputs for completion in output.outputs]
+        return [self._ended(completion) for output in outputs for completion in output.outputs]
+
+    def _ended(self, completion) -> list[int]:
+        """A vLLM completion's tokens with the token it stopped at, which training must see to learn to stop."""
+        ids = end_at_eos(list(completion.token_ids), self.sampling.eos_ids)
+        if completion.finish_reason == "stop" and (not ids or ids[-1] not in self.sampling.eos_ids):
+            ids.append(completion.stop_reason if isinstance(completion.stop_reason, int) else self.sampling.eos_ids[0])
+        return ids
 
 
 def make_generator(backend: str, sampling: Sampling, base_model_dir: Path, max_model_len: int, lora_r: int, device: torch.device):
