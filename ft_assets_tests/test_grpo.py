@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -14,17 +17,21 @@ import pytest
 import torch
 import yaml
 
+from ft_assets import layout
 from ft_assets import rewards as rw
 from ft_assets.objectives import GRPO
 from ft_assets.refs import read_ref
 from ft_assets.shards import IGNORE_INDEX, Prompt, load_prompt_rows
 from ft_assets.storage import LocalStore
+from ft_assets.training.checkpoints import complete_checkpoints
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.loss import group_advantages, grpo_loss_sum, token_logps
+from ft_assets.training.preemption import EXIT_PREEMPTED
 from ft_assets.training.recipe import train
 from ft_assets.training.rollout import RolloutFigures, Sampling, TransformersGenerator, pack_sequences, rollout, rollout_seed
 from ft_assets_tests.support import (
     GRPO_RUN as RUN,
+    ONE_THREAD,
     TOOL_REWARDS,
     assert_same_weights,
     final_weights,
@@ -365,6 +372,56 @@ def test_grpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(grpo_mode
                    objective=GRPO)  # fmt: skip
     assert result.objective == "grpo" and result.resumed_from_step is not None and 3 <= result.resumed_from_step < 8
     assert_same_weights(final_weights(result), grpo_reference)
+
+
+@pytest.mark.integration
+def test_grpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(grpo_model, prompt_shards, tmp_path, grpo_reference):
+    store = LocalStore(tmp_path / "store")
+    cfg = grpo_config(logging_steps=1, save_steps=1000)
+    command = [sys.executable, "-m", "ft_assets.training.worker", "--config", cfg.model_dump_json(), "--base-model", str(grpo_model),
+               "--shards", str(prompt_shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1"),
+               "--objective", "grpo"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("step 3/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        output.extend(proc.stdout)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, "".join(output)
+    stopped = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")][-1]
+    assert stopped < 8 and complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, stopped))]
+    result = train(grpo_config(), grpo_model, prompt_shards, store, RUN, tmp_path / "w2", log=lambda line: None, objective=GRPO)
+    assert result.resumed_from_step == stopped
+    assert_same_weights(final_weights(result), grpo_reference)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "gemma2"])
+def test_a_few_grpo_steps_train_each_family(name, tmp_path):
+    """Each family's chat template renders the prompts, its end-of-turn ends the completions, its adapter moves: sampled
+    hot (temperature 3; tiny Gemma 2 repeats one token otherwise), a random model's replies differ in length, so a reward
+    for short ones gives every group a spread."""
+    from ft_assets_tests.families import build_family
+    from ft_assets_tests.support import write_prompt_shards
+
+    rewards = tmp_path / "length.py"
+    rewards.write_text("def shorter(prompts, completions, **columns):\n    return [-len(c[0]['content']) / 10 for c in completions]\n")
+    base = build_family(name, tmp_path / name)
+    shards = write_prompt_shards(base, tmp_path / "shards", {"train": timer_prompts(8), "eval": timer_prompts(4, 8)})
+    cfg = grpo_config(max_steps=2, save_steps=2, logging_steps=1, num_generations=2, max_completion_length=8, max_seq_len=256,
+                      temperature=3.0, rewards=[f"{rewards}:shorter", *TOOL_REWARDS])  # fmt: skip
+    result = train(cfg, base, shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None, objective=GRPO)
+    assert result.steps == 2 and [step for step, _ in result.figure_history] == [1, 2]
+    assert all(0 < figures["completion_length"] <= 8 and math.isfinite(figures["kl"]) for _, figures in result.figure_history)
+    assert all(math.isfinite(loss) for _, loss in result.loss_history)
+    assert set(result.eval_metrics) == {"eval_reward_mean", "eval_reference_reward_mean"}
+    assert any(weight.abs().sum() > 0 for name_, weight in final_weights(result).items() if "lora_B" in name_)  # B starts at 0
 
 
 # --- all four planes ---------------------------------------------------------------------------------
