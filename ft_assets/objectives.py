@@ -1,20 +1,20 @@
 """The objective of a dataset version: what its rows teach, chosen once from the data and recorded.
 
-A version holds conversations (supervised fine-tuning, ``sft``) or preference pairs (``dpo``).
-``raw_dataset`` finds which from the rows (``ft_assets.data.preference.dataset_kind``) and records
+A version holds conversations (supervised fine-tuning, ``sft``), preference pairs (``dpo``) or prompts
+(``grpo``). ``raw_dataset`` finds which from the rows (``ft_assets.data.kinds.dataset_kind``) and records
 the objective's name in its stats; every asset after it reads that record (``of_stats``) instead of
 looking again. Everything that differs between objectives hangs off one ``Objective``, so the data
 assets, the recipe, the plan, ``eval_report`` and the CLI ask it and never branch on a name:
 
-| | ``sft`` | ``dpo`` |
-|---|---|---|
-| rows (``data_kind``) | chat conversations | preference pairs |
-| cleaner | ``cleaning.clean_messages`` | ``preference.clean_pair`` |
-| pack kind | ``packing.EXAMPLES`` (examples packed in rows) | ``pair_packing.PAIRS`` (whole pairs) |
-| training step | ``steps.TokenLossStep`` (token loss / learned tokens) | ``steps.DpoStep`` (DPO loss / pairs, reference = base with the adapter disabled) |
-| eval_report | ``scoring.ChatScorer`` (task metric on answers) | ``scoring.PairScorer`` (reward accuracy) |
-| learning rate (empty) | the method's | 5e-6 |
-| methods | lora, qlora, full | lora, qlora (the reference needs the adapter switch) |
+| | ``sft`` | ``dpo`` | ``grpo`` |
+|---|---|---|---|
+| rows (``data_kind``) | chat conversations | preference pairs | prompts (+ columns for the rewards) |
+| cleaner | ``cleaning.clean_messages`` | ``preference.clean_pair`` | ``prompts.clean_prompt`` |
+| pack kind | ``packing.EXAMPLES`` (examples packed in rows) | ``pair_packing.PAIRS`` (whole pairs) | ``prompt_packing.PROMPTS`` (one prompt a row) |
+| training step | ``steps.TokenLossStep`` (token loss / learned tokens) | ``steps.DpoStep`` (DPO loss / pairs, reference = base with the adapter disabled) | ``steps.GrpoStep`` (sampled completions, rewards, group advantages; GRPO loss / completion tokens, same reference) |
+| eval_report | ``scoring.ChatScorer`` (task metric on answers) | ``scoring.PairScorer`` (reward accuracy) | ``scoring.RewardScorer`` (mean reward) |
+| learning rate (empty) | the method's | 5e-6 | 5e-6 |
+| methods | lora, qlora, full | lora, qlora (the reference needs the adapter switch) | lora, qlora (same) |
 
 A new objective is one more ``Objective`` here, with its pieces in the planes' own modules.
 """
@@ -27,18 +27,26 @@ from dataclasses import dataclass
 from ft_assets.data.cleaning import CleaningRules, clean_messages
 from ft_assets.data.packing import EXAMPLES, PackKind
 from ft_assets.data.pair_packing import PAIRS
-from ft_assets.data.preference import CHAT, PREFERENCE, clean_pair
-from ft_assets.delivery.scoring import ChatScorer, PairScorer, Scorer
-from ft_assets.training.steps import DpoStep, TokenLossStep, TrainingStep
+from ft_assets.data.kinds import CHAT, PREFERENCE, PROMPT
+from ft_assets.data.preference import clean_pair
+from ft_assets.data.prompt_packing import PROMPTS
+from ft_assets.data.prompts import clean_prompt
+from ft_assets.delivery.scoring import ChatScorer, PairScorer, RewardScorer, Scorer
+from ft_assets.training.steps import DpoStep, GrpoStep, TokenLossStep, TrainingStep
 
 DPO_LEARNING_RATE = 5e-6  # LoRA/QLoRA DPO recipes (alignment-handbook's zephyr-7b-dpo-qlora): 40x below SFT's
+GRPO_LEARNING_RATE = 5e-6  # LoRA GRPO recipes (Unsloth's GRPO notebooks, TRL's GRPO + PEFT examples: 5e-6 to 1e-5)
+REFERENCE_IS_THE_BASE = (
+    "trains a LoRA or QLoRA adapter: its reference policy is the base model with the adapter disabled (no second copy of the "
+    "model), which method 'full' does not have; set method lora or qlora"
+)
 
 
 @dataclass(frozen=True)
 class Objective:
     name: str  # recorded in the stats of every asset from raw_dataset on, and in the run's MLflow tags
     data_kind: str  # what raw_dataset finds in the rows
-    items: str  # what one training item is, in logs: "examples", "pairs"
+    items: str  # what one training item is, in logs: "examples", "pairs", "prompts"
     clean_row: Callable[[list[dict], CleaningRules], list[dict]]  # cleaned_dataset's row cleaner
     pack_kind: PackKind  # how tokenized_shards tokenizes and packs the items
     step: TrainingStep  # the recipe's loader, loss and eval
@@ -51,10 +59,13 @@ SFT = Objective("sft", CHAT, "examples", clean_messages, EXAMPLES, TokenLossStep
 DPO = Objective(
     "dpo", PREFERENCE, "pairs", clean_pair, PAIRS, DpoStep(), PairScorer,
     learning_rate=DPO_LEARNING_RATE,
-    full_refused="DPO trains a LoRA or QLoRA adapter: its reference policy is the base model with the adapter disabled "
-    "(no second copy of the model), which method 'full' does not have; set method lora or qlora",
+    full_refused=f"DPO {REFERENCE_IS_THE_BASE}",
 )  # fmt: skip
-OBJECTIVES = {objective.name: objective for objective in (SFT, DPO)}
+GRPO = Objective(
+    "grpo", PROMPT, "prompts", clean_prompt, PROMPTS, GrpoStep(), RewardScorer,
+    learning_rate=GRPO_LEARNING_RATE, full_refused=f"GRPO {REFERENCE_IS_THE_BASE}",
+)  # fmt: skip
+OBJECTIVES = {objective.name: objective for objective in (SFT, DPO, GRPO)}
 
 
 def for_data_kind(kind: str) -> Objective:

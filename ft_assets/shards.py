@@ -21,11 +21,21 @@ marker only, ``seq_lens`` one entry a sequence) plus
   side, 2k + 1 for its rejected side, -1 on the padding tail. Training sums each sequence's token
   log-probabilities by it (``ft_assets.training.loss.pair_logps``).
 
+Prompts (``ft_assets.data.prompt_packing``, GRPO) are not packed: a row is one prompt, the model's
+turn comes after it and is generated in training. ``prompts-<split>-NNNNN.parquet`` (``prompt_split``):
+
+- ``input_ids`` (int32, as long as the prompt): its turns rendered with the chat template up to the
+  assistant's turn (the generation prompt);
+- ``source`` (string): the row it came from;
+- ``messages`` (string): its turns, as JSON (what the reward functions get as ``prompts``);
+- ``columns`` (string): its other columns, as a JSON object (what they get as keyword arguments).
+
 ``ShardWriter`` writes a split, rotating files every ``ROWS_PER_SHARD`` rows (8 MiB of int32 per
 column at seq_len 512). ``load_packed_rows`` reads a whole split into memory as three int32 tensors,
 12 bytes/token (0.6 GB per 50M tokens): any shuffle order costs no I/O per step, at the price of
 memory that grows with the dataset; batches are widened to int64 only when they are taken.
-``load_pair_rows`` does the same for pairs, with the segment ids as a fourth tensor (16 bytes/token).
+``load_pair_rows`` does the same for pairs, with the segment ids as a fourth tensor (16 bytes/token);
+``load_prompt_rows`` reads prompts as a list of token tensors with their texts.
 
 pyarrow and numpy only at import: the data plane writes shards without paying for torch, which the
 reader side imports when it runs.
@@ -57,6 +67,10 @@ TRAINING_COLUMNS = ("input_ids", "loss_mask", "position_ids")  # what the reader
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards
+PROMPT_SCHEMA = pa.schema(
+    [("input_ids", pa.list_(pa.int32())), ("source", pa.string()), ("messages", pa.string()), ("columns", pa.string())]
+)
+PROMPTS = "prompts"  # file name prefix of prompt shards
 ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 IGNORE_INDEX = -100  # label value the HF loss skips
 
@@ -75,6 +89,11 @@ def pair_split(split: str) -> str:
     return f"{PAIRS}-{split}"
 
 
+def prompt_split(split: str) -> str:
+    """The file split name of prompt shards: ``prompts-train``, ``prompts-eval``."""
+    return f"{PROMPTS}-{split}"
+
+
 # --- writer ----------------------------------------------------------------------------------------
 
 
@@ -87,7 +106,7 @@ class ShardWriter:
         self.files: list[str] = []
 
     def add(self, row: dict) -> None:
-        """Buffer one row: a dict of 1-D arrays (or lists), one per column of the schema."""
+        """Buffer one row: a dict of 1-D arrays (or lists) for the list columns of the schema, strings for the others."""
         self.buffer.append(row)
         if len(self.buffer) >= self.rows_per_shard:
             self.flush()
@@ -97,8 +116,11 @@ class ShardWriter:
             return
         name = shard_name(self.split, len(self.files))
         columns = []
-        for column in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
+        for column in self.schema:  # one flat numpy array + offsets per list column: no per-row conversion
             values = [row[column.name] for row in self.buffer]
+            if not pa.types.is_list(column.type):
+                columns.append(pa.array(values, type=column.type))
+                continue
             offsets = np.zeros(len(values) + 1, dtype=np.int32)
             np.cumsum([len(v) for v in values], out=offsets[1:])
             flat = pa.array(np.concatenate(values), type=column.type.value_type)
@@ -231,3 +253,56 @@ def load_pair_rows(shards_dir: Path, split: str, max_seq_len: int) -> PairRows |
         segment_ids=segment_ids,
         pair_mask=pair_mask,
     )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a prompt shard: what generation starts from and what its reward functions read."""
+
+    input_ids: torch.Tensor  # (tokens,) int64: the turns rendered up to the model's turn
+    source: str
+    messages: list[dict]  # the turns (the reward functions' ``prompts``)
+    columns: dict  # the row's other columns (the reward functions' keyword arguments)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The prompts of ``prompts-<split>-*.parquet``, in file order: one row a prompt, not packed."""
+
+    prompts: list[Prompt]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def seq_len(self) -> int:
+        """The longest prompt, in tokens."""
+        return max(len(prompt.input_ids) for prompt in self.prompts)
+
+    def batch(self, indices: np.ndarray, device: torch.device) -> dict[str, list[Prompt]]:
+        """The prompts at ``indices`` (a GRPO step generates from them before anything goes to ``device``)."""
+        return {"prompts": [self.prompts[i] for i in np.asarray(indices).tolist()]}
+
+
+def load_prompt_rows(shards_dir: Path, split: str, max_seq_len: int) -> PromptRows | None:
+    """All prompts of ``prompts-<split>-*.parquet``; None without shards. A prompt longer than ``max_seq_len``
+    tokens is refused (it leaves no room for the reply)."""
+    import json
+
+    import torch
+
+    files = shard_files(shards_dir, prompt_split(split))
+    if not files:
+        return None
+    prompts = []
+    for path in files:
+        table = pq.read_table(path, columns=[field.name for field in PROMPT_SCHEMA])
+        for ids, source, messages, columns in zip(*(table.column(field.name).to_pylist() for field in PROMPT_SCHEMA)):
+            prompts.append(Prompt(torch.tensor(ids, dtype=torch.long), source, json.loads(messages), json.loads(columns)))
+    rows = PromptRows(prompts)
+    if rows.seq_len > max_seq_len:
+        raise ValueError(
+            f"{shards_dir}: the longest prompt has {rows.seq_len} tokens, above max_seq_len={max_seq_len}; tokenize the prompts "
+            "with a shorter seq_len or raise max_seq_len"
+        )
+    return rows

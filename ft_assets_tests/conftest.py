@@ -171,3 +171,31 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return cache
+
+
+@pytest.fixture(scope="module")
+def grpo_model(tmp_path_factory) -> Path:
+    """A tiny Llama that answers timer requests with a tool call or in prose (``support.prose_or_call_model``)."""
+    from ft_assets_tests.support import prose_or_call_model
+
+    return prose_or_call_model(tmp_path_factory.mktemp("grpo-model"))
+
+
+@pytest.fixture(scope="module")
+def prompt_shards(grpo_model, tmp_path_factory) -> Path:
+    """48 training and 16 held-out timer prompts with their reference calls, tokenized by the data plane."""
+    from ft_assets_tests.support import timer_prompts, write_prompt_shards
+
+    return write_prompt_shards(grpo_model, tmp_path_factory.mktemp("prompt-shards"), {"train": timer_prompts(48), "eval": timer_prompts(16, 48)})
+
+
+@pytest.fixture(scope="module")
+def grpo_reference(grpo_model, prompt_shards, tmp_path_factory):
+    """An uninterrupted GRPO run, to compare interrupted-and-resumed runs against."""
+    from ft_assets.objectives import GRPO
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.recipe import train
+    from ft_assets_tests.support import GRPO_RUN, final_weights, grpo_config
+
+    tmp = tmp_path_factory.mktemp("grpo-reference")
+    return final_weights(train(grpo_config(), grpo_model, prompt_shards, LocalStore(tmp / "store"), GRPO_RUN, tmp / "work", log=lambda line: None, objective=GRPO))

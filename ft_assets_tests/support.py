@@ -297,3 +297,81 @@ def lineage_refs() -> dict[str, dict]:
                                     "gguf_file": "m-q8_0.gguf", "gguf_qtype": "q8_0", "gguf_metric": 0.85, "gguf_drop": 0.05}  # fmt: skip
     refs["gguf_model"]["stats"] = {"files": {"m-f16.gguf": {"sha256": "cd" * 32}}}
     return refs
+
+
+# --- prompts and GRPO runs (test_prompts, test_grpo) ------------------------------------------------
+
+GRPO_RUN = "runs/timers/v1/train/grpo"
+PROMPT_SEQ_LEN = 64  # a timer prompt is ~40 tokens with the tiny tokenizer
+TOOL_REWARDS = [f"ft_assets.rewards:{name}" for name in ("tool_call_format", "tool_call_json", "tool_call_name", "tool_call_arguments")]
+
+
+def timer_call(minutes: int) -> dict:
+    return {"name": "set_timer", "arguments": {"minutes": minutes}}
+
+
+def timer_prompts(count: int, start: int = 0) -> list[dict]:
+    """Prompts for GRPO in TRL's layout: the request, a system prompt, and the reference call as the ``answer`` column."""
+    return [{"prompt": f"Set a timer for {1 + i % 97} minutes, request {i}.", "system": SYSTEM, "answer": timer_call(1 + i % 97)}
+            for i in range(start, start + count)]  # fmt: skip
+
+
+def prose_reply(minutes: int) -> str:
+    return f"Okay, a timer for {minutes} minutes starts now."
+
+
+def prose_or_call_model(out_dir: Path, steps: int = 40, seed: int = 0) -> Path:
+    """A tiny base that answers timer requests with a JSON tool call or in prose, about half and half when sampling
+    (greedy: mostly prose): tiny.py's Llama, every weight trained ``steps`` AdamW steps on such replies (~10 s on one
+    core). GRPO with the tool-call rewards has something to climb from: the first tokens decide between the two."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ft_assets_tests.tiny import build_tiny_model
+
+    texts = [SYSTEM] + [f"{row['prompt']} {json.dumps(row['answer'])} {prose_reply(row['answer']['arguments']['minutes'])}" for row in timer_prompts(20)]
+    model_dir = build_tiny_model(out_dir, extra_text=texts)
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]},
+         {"role": "assistant", "content": json.dumps(row["answer"]) if i % 2 else prose_reply(row["answer"]["arguments"]["minutes"])}]
+        for i, row in enumerate(timer_prompts(200, 1000))
+    ]  # fmt: skip
+    examples = encoder.encode_batch(conversations)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for i in torch.randint(len(examples), (8,), generator=generator).tolist():
+            ids = torch.tensor(examples[i].input_ids, dtype=torch.long)[None]
+            labels = torch.where(torch.tensor(examples[i].loss_mask, dtype=torch.bool)[None], ids, torch.tensor(-100))
+            loss = loss + model(input_ids=ids, labels=labels).loss / 8
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def write_prompt_shards(model_dir: Path, out_dir: Path, rows: dict[str, list[dict]]) -> Path:
+    """Prompt shards (``prompts-<split>-*.parquet``) of ``{split: rows}``, made by the data plane's own parser and tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ft_assets.data.decoding import parse_line
+    from ft_assets.data.prompt_packing import tokenize_prompts
+
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
+    for split, part in rows.items():
+        items = [(f"{split}-{i}", parse_line(json.dumps(row).encode())) for i, row in enumerate(part)]
+        stats = tokenize_prompts(items, encoder, PROMPT_SEQ_LEN, out_dir, split)
+        assert stats.examples == len(part), stats.rejected
+    return out_dir
+
+
+def grpo_config(**overrides) -> TrainingConfig:
+    base = dict(
+        method="lora", lora_r=8, lora_alpha=16, learning_rate=2e-2, warmup_steps=0, max_steps=8, per_device_batch_size=2,
+        save_steps=4, save_total_limit=None, seed=7, logging_steps=4, max_seq_len=128, num_generations=4,
+        max_completion_length=24, rewards=TOOL_REWARDS,
+    )  # fmt: skip
+    return TrainingConfig(**(base | overrides))

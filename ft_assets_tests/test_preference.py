@@ -17,7 +17,8 @@ from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
-from ft_assets.data.preference import CHAT, PREFERENCE, clean_pair, dataset_kind
+from ft_assets.data.kinds import CHAT, PREFERENCE, dataset_kind
+from ft_assets.data.preference import clean_pair
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.rows import DatasetFileError, iter_records
 from ft_assets.data.split import split_dataset

@@ -94,6 +94,11 @@ def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
     }
 
 
+def _loss(value: float | None) -> str:
+    """An eval loss for the run log; GRPO has none (a prompt has no reference reply)."""
+    return "n/a" if value is None else f"{value:.4f}"
+
+
 SUMMARIES = {"data": data_summary, "training": training_summary, "delivery": delivery_summary}
 
 
@@ -118,7 +123,7 @@ def summary_lines(summary: dict) -> list[str]:
     if "steps" in summary:
         lines += [
             f"  training ({summary['training_method']}): {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
-            f"eval loss {summary['eval_loss']:.4f}, resumed from step {summary['resumed_from_step'] or 0}",
+            f"eval loss {_loss(summary['eval_loss'])}, resumed from step {summary['resumed_from_step'] or 0}",
             f"  effective-training fraction {summary['effective_training_fraction']:.1%} of "
             f"{summary['training_wall_seconds']:.0f} s worker wall time; adapter: {summary['adapter_uri']}",
         ]
@@ -131,7 +136,7 @@ def summary_lines(summary: dict) -> list[str]:
     if "published_uri" in summary:
         lines += [
             f"  eval ({summary['metric_name']}): base {summary['base_metric']:.3f} → fine-tuned {summary['finetuned_metric']:.3f}; "
-            f"eval loss {summary['base_eval_loss']:.4f} → {summary['finetuned_eval_loss']:.4f}",
+            f"eval loss {_loss(summary['base_eval_loss'])} → {_loss(summary['finetuned_eval_loss'])}",
             f"  GGUF: {summary['gguf_uri']} ({summary['gguf_qtype']}, {summary['metric_name']} {summary['gguf_metric']:.3f} in llama.cpp)"
             if summary["gguf_uri"] else f"  GGUF: none ({summary['gguf_reason']})",
             f"  published: {summary['published_uri']} (lineage.json inside)",

@@ -24,7 +24,7 @@ from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.gpu_plan import NoGpuFits, plan_training
-from ft_assets.control.planner import ModelShape, Throughput, flops_per_token, throughput
+from ft_assets.control.planner import ModelShape, Throughput, objective_cost, throughput
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, table
 from ft_assets.partitions import dataset_version
@@ -59,17 +59,22 @@ def training_plan(
     training = training_config(config, "training_plan")
     shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
     shards = tokenized_shards["stats"]
+    objective = objectives.of_stats(shards)
     try:
-        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available(), objectives.of_stats(shards))
+        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available(), objective)
     except ValueError as exc:
         raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
-    method, steps = resolved.method, resolved.total_steps
+    method = resolved.method
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
     cost_model = _cost_model(config.cost_model_path)
+    work = objective.step.work(training, shards, resolved)  # the objective's rows, tokens, reference forward, generation
+    flops, factor = objective_cost(
+        shape, method, work.attention_len, training.gradient_checkpointing, work.reference_forward, work.generated_share,
+        work.decode_batch, cost_model.mfu(method),
+    )  # fmt: skip
     try:
         plan = plan_training(
-            shape, method, shards["seq_len"], training.per_device_batch_size, training.gradient_checkpointing,
-            train_tokens=steps * resolved.rows_per_step * shards["seq_len"],
+            shape, method, work.seq_len, work.micro_batch, training.gradient_checkpointing, train_tokens=round(work.tokens * factor),
             cost_model=cost_model, purpose=config.purpose, data_region=region,
             lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
             attention=training.attn_implementation, gpus=training.world_size, parallelism=training.parallelism,
@@ -81,19 +86,21 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan for {resolved.describe()} at {shards['seq_len']} tokens a row: needs {plan.vram.total_gib:.1f} GiB"
-        f"{' per GPU' if plan.gpus > 1 else ''} → {plan.describe()}, ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
+        f"plan for {resolved.describe()} at {work.seq_len} tokens a row: {work.tokens:,} trained tokens x {factor:.2f} "
+        f"(the objective's extra work) needs {plan.vram.total_gib:.1f} GiB{' per GPU' if plan.gpus > 1 else ''} → {plan.describe()}, "
+        f"~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
-    flops = flops_per_token(shape, method, shards["seq_len"], training.gradient_checkpointing)
     planned = None  # delivery rents no GPU
     if plan.tier is not None:
-        planned = throughput(plan.tokens_per_second, flops, cost_model.offering(plan.tier), plan.usd_per_hour, plan.gpus)
+        # the plan's tokens/s is of training-equivalent tokens: trained tokens go factor times slower
+        planned = throughput(plan.tokens_per_second / factor, flops, cost_model.offering(plan.tier), plan.usd_per_hour, plan.gpus)
     with Materialization(context, store, "plan") as m:
         (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
         stats = {
             "gpu_tier": plan.tier, "rental_mode": plan.mode, "method": plan.method, "vram_gib": plan.vram.total_gib,
             "est_hours": plan.est_hours, "estimated_cost_usd": plan.est_cost_usd, "usd_per_hour": plan.usd_per_hour,
-            "total_tokens": plan.total_tokens, "warnings": list(plan.warnings), "data_region": region,
+            "total_tokens": plan.total_tokens, "trained_tokens": work.tokens, "work_factor": factor, "warnings": list(plan.warnings),
+            "data_region": region,
             "resolved": resolved.as_dict(), "training_config": training.model_dump(), "flops_per_token": flops,
             "throughput": planned.as_dict() if planned else None,
             "gpus": plan.gpus, "nodes": plan.nodes, "parallelism": plan.parallelism,

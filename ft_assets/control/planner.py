@@ -83,6 +83,30 @@ On W GPUs (``gpus``, ``parallelism``; the recipe's ``ft_assets.training.parallel
 Tokens/s on W GPUs: W x one GPU's x ``SCALING_EFFICIENCY`` (0.9 within a node, 0.8 across nodes:
 assumptions for gradient all-reduce / FSDP all-gathers overlapping compute on NVLink / InfiniBand,
 not measured here).
+
+Objectives that do more than a forward and a backward per trained token (``objective_cost``): with
+F = flops_per_token and f = its forward alone (2 x matmul params + 2 x L x seq x q),
+
+    DPO    F + f                     the reference's forward (the base, adapter disabled, no gradients)
+    GRPO   F + r f + (1 - g) f + g f x MFU(method) / MFU_decode
+           r = 1 when grpo_beta > 0 (the reference's forward), g = completion tokens / trained tokens
+           (the rest is the prompt, prefilled at training efficiency), and the completions are decoded
+           one token at a time: a decode step reads every weight once for the b = per_device_batch_size
+           x num_generations sequences it extends, so it reaches MFU_decode = min(MFU(method), 0.5 x b /
+           200): an arithmetic intensity of b FLOPs per weight byte (bf16) against a roofline ridge of
+           ~200 FLOPs/byte (bf16 TFLOPS over memory bandwidth of the offerings' GPUs: A100 156, A10G 208,
+           H100 295, L4 403), half of it reached by ``model.generate``. An assumption, not a measurement:
+           no GPU run of it yet.
+
+The plan divides that by F: the run's trained tokens times this factor are what it prices (the
+plan's ``total_tokens``, training-equivalent); the hardware FLOPs per trained token (F + r f + f for
+GRPO, without the decode discount) are what measured MFU is computed against. A GRPO row is one
+micro-batch's sequences packed together: seq_len = b x (mean prompt + max_completion_length), batch 1;
+the generation's KV cache is not planned (it is freed before the training forward).
+
+Cost: hours = startup + tokens x epochs / tokens/s (x 1.1 on spot for restarts); cost = $/h x hours.
+Rental mode follows the purpose: experiments that checkpoint run on spot, validation runs on-demand,
+delivery rents no GPU (merge and export run on CPU).
 """
 
 from __future__ import annotations
@@ -263,6 +287,27 @@ def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkp
     recompute = 1 if grad_checkpointing else 0
     backward_matmul = 2 if method == "full" else 1
     return forward_matmul * (1 + backward_matmul + recompute) + forward_attention * (1 + 2 + recompute)
+
+
+DECODE_RIDGE_FLOPS_PER_BYTE = 200.0  # bf16 TFLOPS / memory bandwidth of the offerings' GPUs: A100 156, A10G 208, H100 295, L4 403
+DECODE_BANDWIDTH_SHARE = 0.5  # of the memory bandwidth model.generate sustains while decoding (an assumption)
+
+
+def objective_cost(
+    shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool, reference_forward: bool, generated_share: float,
+    decode_batch: int, training_mfu: float,
+) -> tuple[float, float]:
+    """(hardware FLOPs per trained token, training-equivalent tokens per trained token) of an objective's step: the
+    reference's forward (DPO; GRPO with beta > 0) and, for GRPO, generating ``generated_share`` of the tokens, decoded
+    ``decode_batch`` sequences at a time (module docstring). SFT: (flops_per_token, 1.0)."""
+    train = flops_per_token(shape, method, seq_len, grad_checkpointing)
+    forward = 2 * shape.matmul_params + 2 * shape.layers * seq_len * shape.q_dim
+    reference = forward if reference_forward else 0.0
+    if not generated_share:
+        return train + reference, (train + reference) / train
+    decode_mfu = min(training_mfu, DECODE_BANDWIDTH_SHARE * decode_batch / DECODE_RIDGE_FLOPS_PER_BYTE)
+    equivalent = train + reference + (1 - generated_share) * forward + generated_share * forward * training_mfu / decode_mfu
+    return train + reference + forward, equivalent / train
 
 
 def tokens_per_second(

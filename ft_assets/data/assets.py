@@ -23,7 +23,7 @@ from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.packing import TokenizerFiles, tokenize_splits
-from ft_assets.data.preference import dataset_kind
+from ft_assets.data.kinds import dataset_kind
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, iter_records, sample_rows

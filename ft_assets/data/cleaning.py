@@ -9,7 +9,8 @@ newline) and zero-width characters are removed, exotic spaces become ' ', CRLF b
 whitespace is stripped per line and runs of 3+ newlines collapse to 2. Indentation is kept (code).
 
 Role order: an optional leading system message, then user/assistant strictly alternating, starting
-with user and ending with assistant.
+with user and ending with assistant. Prompts (``ft_assets.data.prompts``) follow the same order, ending
+with the user turn whose reply the model is to write.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ft_assets.data.layouts import COLUMNS
 from ft_assets.data.parallel import Executor, InProcess
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, RowError, RowRange, row_ranges
 
@@ -85,7 +87,8 @@ def check_role_order(roles: list[str]) -> None:
         raise RowError("no_assistant_reply", "the conversation does not end with an assistant reply")
 
 
-def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
+def clean_turns(messages: list[dict], rules: CleaningRules) -> list[dict]:
+    """Each turn's role lowercased and its text cleaned (``clean_text``); empty system prompts dropped."""
     cleaned = []
     for message in messages:
         role = message["role"].strip().lower()
@@ -93,7 +96,11 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
         if role == "system" and not content:
             continue  # an empty system prompt carries nothing; the row itself is fine
         cleaned.append({"role": role, "content": content})
-    check_role_order([m["role"] for m in cleaned])
+    return cleaned
+
+
+def check_lengths(cleaned: list[dict], rules: CleaningRules) -> None:
+    """The length rules: every reply and user turn long enough, the whole conversation short enough."""
     for i, message in enumerate(cleaned):
         if message["role"] == "assistant" and len(message["content"]) < max(rules.min_response_chars, 1):
             reason = "empty_answer" if not message["content"] else "too_short"
@@ -104,6 +111,14 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     total = sum(len(m["content"]) for m in cleaned)
     if total > rules.max_chars:
         raise RowError("too_long", f"{total} characters in total, limit is {rules.max_chars}")
+
+
+def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
+    if messages and messages[-1]["role"] == COLUMNS:  # a prompt with extra columns, among conversations: no reply
+        raise RowError("no_assistant_reply", "the conversation does not end with an assistant reply")
+    cleaned = clean_turns(messages, rules)
+    check_role_order([m["role"] for m in cleaned])
+    check_lengths(cleaned, rules)
     return cleaned
 
 

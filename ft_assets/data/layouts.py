@@ -26,6 +26,7 @@ say is not judged here (roles in order, empty replies): that is ``ft_assets.data
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ft_assets.data.rows import DatasetFileError, RowError
@@ -42,7 +43,11 @@ SHAREGPT_ROLES = {
     "system": "system",
 }
 CHOSEN, REJECTED = "chosen", "rejected"  # roles of the two replies in a pair's row
-LAYOUTS = "a 'messages' column, a 'conversations' column, 'instruction' + 'output', or 'chosen' + 'rejected' (preference pairs)"
+COLUMNS = "columns"  # role of a prompt row's last turn: its other columns as a JSON object, for the reward functions
+LAYOUTS = (
+    "a 'messages' column, a 'conversations' column, 'instruction' + 'output', 'chosen' + 'rejected' (preference pairs) "
+    "or 'prompt' (prompts)"
+)
 MAPPING_HINT = (
     "map your columns with the raw_dataset config 'columns', e.g. {prompt: question, response: answer} "
     "or {messages: dialog, role: speaker, content: text}"
@@ -178,6 +183,22 @@ def pair_messages(obj: dict) -> list[dict]:
     return prompt + [{"role": CHOSEN, "content": chosen}, {"role": REJECTED, "content": rejected}]
 
 
+# --- prompts --------------------------------------------------------------------------------------
+
+
+def _with_columns(turns: list[dict], obj: dict, used: tuple[str, ...]) -> list[dict]:
+    """A prompt's turns, then its other columns (those not in ``used``) as a ``columns`` turn, if it has any."""
+    columns = {key: value for key, value in obj.items() if key not in used}
+    if not columns:
+        return turns
+    return turns + [{"role": COLUMNS, "content": json.dumps(columns, ensure_ascii=False, sort_keys=True, default=str)}]
+
+
+def prompt_messages(obj: dict) -> list[dict]:
+    """A prompt row (``{"prompt": ..., **columns}``) -> its turns, then its other columns; raises RowError."""
+    return _with_columns(_prompt(obj), obj, ("prompt", "system"))
+
+
 # --- other column names ----------------------------------------------------------------------------
 
 
@@ -255,7 +276,10 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
     if "chosen" in obj and "rejected" in obj:
         return pair_messages(obj)
     if "messages" in obj:
-        return _message_list(obj["messages"], "messages", "role", "content", None)
+        messages = _message_list(obj["messages"], "messages", "role", "content", None)
+        if messages and messages[-1]["role"] == "user":  # a prompt: its other columns are for the reward functions
+            return _with_columns(messages, obj, ("messages",))
+        return messages
     if "conversations" in obj:
         return _with_system(obj, _message_list(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES))
     if "instruction" in obj and "output" in obj:
@@ -266,6 +290,8 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
             _optional_text(obj, "system"),
             _history(obj.get("history")),
         )
+    if "prompt" in obj and "completion" not in obj:  # prompt + completion is a supervised row (TRL), not a prompt
+        return prompt_messages(obj)
     keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
     raise RowError("unknown_format", f"expected 'messages', 'conversations', 'instruction'+'output' or 'chosen'+'rejected'; found keys: {keys}")
 
@@ -281,6 +307,6 @@ def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, 
             )
         return
     present = set(columns)
-    layouts = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"chosen", "rejected"})
+    layouts = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"chosen", "rejected"}, {"prompt"})
     if not any(layout <= present for layout in layouts):
         raise DatasetFileError(f"{name}: {what} has none of the accepted layouts ({LAYOUTS}); columns found: {found}; {MAPPING_HINT}")

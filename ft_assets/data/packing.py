@@ -193,13 +193,16 @@ class ChatEncoder:
         layout = self._layout(roles, generation_prompt)
         return self._apply(messages, generation_prompt) if layout is None else layout.fill(contents)
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the [start, end) character spans that carry loss."""
+    def _check_special_tokens(self, messages: list[dict]) -> None:
         for message in messages:
             if any(first in message["content"] for first in self._special_starts):
                 for token in self.special:
                     if token in message["content"]:
                         raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
+
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the [start, end) character spans that carry loss."""
+        self._check_special_tokens(messages)
         roles = tuple(m["role"] for m in messages)
         contents = [m["content"] for m in messages]
         text = self._render(messages, roles, contents, False)
@@ -216,6 +219,19 @@ class ChatEncoder:
                 end += len(self.end_of_turn)
             spans.append((len(prefix), end))
         return text, spans
+
+    def encode_prompts(self, batch: list[list[dict]]) -> list[np.ndarray | RowError]:
+        """Each prompt's turns rendered up to the model's turn (the generation prompt), as int32 token ids."""
+        rendered: list[str | RowError] = []
+        for messages in batch:
+            try:
+                self._check_special_tokens(messages)
+                rendered.append(self._render(messages, tuple(m["role"] for m in messages), [m["content"] for m in messages], True))
+            except RowError as exc:
+                rendered.append(exc)
+        texts = [text for text in rendered if isinstance(text, str)]
+        encodings = iter(self._encode_texts(texts) if texts else [])
+        return [item if isinstance(item, RowError) else np.array(next(encodings).ids, dtype=np.int32) for item in rendered]
 
     def _encode_texts(self, texts: list[str]) -> list:
         """``tokenizer(texts, add_special_tokens=False)`` without the Python wrapper: the same backend
@@ -461,6 +477,7 @@ class EncodedShard:
     lengths: np.ndarray  # int64
     rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
     pad_id: int
+    texts: tuple[str, ...] = ()  # per item, what a kind keeps beside its tokens (a prompt's turns and columns); chat, pairs: none
 
 
 def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> tuple:
@@ -475,12 +492,14 @@ def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[
     return encoder, seq_len, split, rows, encoder.tokenizer.eos_token_id if pad_id is None else pad_id
 
 
-def encoded_shard(split: str, kept: list[Example], rejected: list[tuple[str, str, str]], pad_id: int) -> EncodedShard:
-    """The kept sequences back to back."""
+def encoded_shard(
+    split: str, kept: list[Example], rejected: list[tuple[str, str, str]], pad_id: int, texts: tuple[str, ...] = ()
+) -> EncodedShard:
+    """The kept sequences back to back (and, for prompts, each one's text)."""
     lengths = np.array([len(e.input_ids) for e in kept], dtype=np.int64)
     ids = np.concatenate([e.input_ids for e in kept]) if kept else np.empty(0, dtype=np.int32)
     mask = np.concatenate([e.loss_mask for e in kept]) if kept else np.empty(0, dtype=np.int8)
-    return EncodedShard(split, ids, mask, lengths, rejected, pad_id)
+    return EncodedShard(split, ids, mask, lengths, rejected, pad_id, texts)
 
 
 def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
@@ -511,6 +530,7 @@ class Window:
     loss_mask: np.ndarray
     lengths: np.ndarray
     pad_id: int
+    texts: tuple[str, ...] = ()  # the items' texts, when their kind keeps any (``EncodedShard.texts``)
 
     def examples(self) -> list[Example]:
         offsets = np.concatenate([[0], np.cumsum(self.lengths)])
@@ -546,15 +566,18 @@ def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackSt
         ids = np.concatenate([p.input_ids for p in shards]) if shards else np.empty(0, np.int32)
         mask = np.concatenate([p.loss_mask for p in shards]) if shards else np.empty(0, np.int8)
         lengths = np.concatenate([p.lengths for p in shards]) if shards else np.empty(0, np.int64)
+        texts = tuple(text for p in shards for text in p.texts)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         done = 0
         while len(lengths) - done >= window or (final and done < len(lengths)):
             take = min(window, len(lengths) - done)
             a, b = offsets[done], offsets[done + take]
-            yield Window(split, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id)
+            yield Window(split, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id, texts[done : done + take])
             done += take
         a = offsets[done]
-        pending[split] = [EncodedShard(split, ids[a:], mask[a:], lengths[done:], [], stats[split].pad_id)] if done < len(lengths) else []
+        pending[split] = (
+            [EncodedShard(split, ids[a:], mask[a:], lengths[done:], [], stats[split].pad_id, texts[done:])] if done < len(lengths) else []
+        )
 
     current = None
     for part in parts:
@@ -589,8 +612,8 @@ def pack_splits(
     Two kinds of task on ``executor`` (default: this process), pipelined: ``kind.encode`` per shard of
     rows, and ``kind.pack`` per ``window`` items of a split, cut from the items in row order as one
     process would cut them. So the packed rows and shard files are the same whatever the executor and
-    the shards: only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples), or
-    ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``).
+    the shards: only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples),
+    ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``) or ``prompt_packing.PROMPTS`` (``prompts-…``).
     """
     executor = executor or InProcess()
     out_dir.mkdir(parents=True, exist_ok=True)

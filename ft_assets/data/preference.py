@@ -11,9 +11,9 @@ split keeps a pair and its near-duplicates on one side. Shingles ignore roles, s
 same pair with its replies swapped (a contradicting preference) are near duplicates: the first is kept. Cleaning (``clean_pair``) and tokenization
 (``ft_assets.data.pair_packing``) are the two stages that read a pair as a pair.
 
-A dataset version holds chat rows or pairs, never both: ``dataset_kind`` refuses a file, or a
-version, that mixes them, naming a row of each kind (the stages after it could not treat the rows
-alike, and silently dropping one kind would hide data).
+A dataset version holds chat rows or pairs, never both: ``ft_assets.data.kinds.dataset_kind`` refuses a
+file, or a version, that mixes them, naming a row of each kind (the stages after it could not treat the
+rows alike, and silently dropping one kind would hide data).
 
 Bad pairs are quarantined with a reason like any row: a reply that is not the assistant's or a
 prompt whose turns are out of order (``bad_role_order``), an empty side (``empty_answer``, the
@@ -23,18 +23,9 @@ prefer), plus the chat rules (``too_long``, ``too_short``, …) applied to promp
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-import numpy as np
-import pyarrow.compute as pc
-
 from ft_assets.data.cleaning import CleaningRules, clean_messages
 from ft_assets.data.layouts import CHOSEN, REJECTED
-from ft_assets.data.rows import DatasetFileError, RowError, iter_batches
-
-CHAT, PREFERENCE = "chat", "preference"  # the two kinds of dataset version
-_ROW_NUMBER = re.compile(r"[:#]\d+$")  # a row source is "<file>:<line>" or "<file>#<row>"
+from ft_assets.data.rows import RowError
 
 
 # --- a pair's row ------------------------------------------------------------------------------------
@@ -47,46 +38,6 @@ def split_pair(messages: list[dict]) -> tuple[list[dict], str, str]:
 
 def is_pair(messages: list[dict]) -> bool:
     return len(messages) >= 2 and messages[-1]["role"] == REJECTED and messages[-2]["role"] == CHOSEN
-
-
-# --- which kind a version is -----------------------------------------------------------------------
-
-
-def _ends_in_rejected(messages) -> np.ndarray:
-    """Whether each row's last turn is a rejected reply, from the Arrow column without converting rows to Python."""
-    offsets = messages.offsets.to_numpy()
-    rejected = pc.equal(messages.values.field("role"), REJECTED).to_numpy(zero_copy_only=False)
-    ends = offsets[1:]
-    found = np.zeros(len(ends), dtype=bool)
-    filled = ends > offsets[:-1]
-    found[filled] = rejected[ends[filled] - 1]
-    return found
-
-
-def dataset_kind(rows_path: Path) -> str:
-    """``PREFERENCE`` when the parsed rows are pairs, ``CHAT`` when they are conversations.
-
-    A file that holds both, or a version whose files are of both kinds, is refused with a
-    ``DatasetFileError`` naming a row of each kind.
-    """
-    first: dict[str, dict[str, str]] = {}  # file -> kind -> its first row's source
-    for batch in iter_batches(rows_path, columns=["source", "messages"]):
-        kinds = np.where(_ends_in_rejected(batch.column("messages")), PREFERENCE, CHAT)
-        for source, kind in zip(batch.column("source").to_pylist(), kinds.tolist()):
-            first.setdefault(_ROW_NUMBER.sub("", source), {}).setdefault(kind, source)
-    for file, seen in first.items():
-        if len(seen) == 2:
-            raise DatasetFileError(
-                f"{file} mixes chat rows ({seen[CHAT]}) and preference pairs with 'chosen' and 'rejected' "
-                f"({seen[PREFERENCE]}); a dataset version holds one kind: put them in two files and register two versions"
-            )
-    kinds = {kind: file for file, seen in first.items() for kind in seen}
-    if len(kinds) == 2:
-        raise DatasetFileError(
-            f"the version mixes chat files ({kinds[CHAT]}) and preference files ({kinds[PREFERENCE]}); "
-            "a dataset version holds one kind: register them as two versions"
-        )
-    return PREFERENCE if PREFERENCE in kinds else CHAT
 
 
 # --- cleaning ----------------------------------------------------------------------------------------

@@ -203,7 +203,8 @@ def eval_report(
     lora_adapter: dict,
 ) -> dg.Output[dict]:
     """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split, scored as the objective says
-    (``ft_assets.delivery.scoring``: the task metric on answers, or reward accuracy on held-out pairs), then gated."""
+    (``ft_assets.delivery.scoring``: the task metric on answers, reward accuracy on held-out pairs, or the mean reward
+    of replies to the eval prompts), then gated."""
     objective = objectives.of_stats(tokenized_shards["stats"])
     try:
         scorer = objective.scorer(config.metric, config.max_examples, config.max_new_tokens, lora_adapter["training_config"])
@@ -271,8 +272,8 @@ def eval_metadata(verdict: ev.Gate, report, size: int, unit: str) -> dict:
         finetuned_metric=dg.MetadataValue.float(verdict.finetuned_metric),
         gguf_metric=dg.MetadataValue.float(nan if verdict.gguf_metric is None else verdict.gguf_metric),
         gguf_drop=dg.MetadataValue.float(nan if verdict.gguf_drop is None else verdict.gguf_drop),
-        base_eval_loss=dg.MetadataValue.float(report.stats["base_eval_loss"]),
-        finetuned_eval_loss=dg.MetadataValue.float(report.stats["finetuned_eval_loss"]),
+        base_eval_loss=dg.MetadataValue.float(nan if report.stats["base_eval_loss"] is None else report.stats["base_eval_loss"]),
+        finetuned_eval_loss=dg.MetadataValue.float(nan if report.stats["finetuned_eval_loss"] is None else report.stats["finetuned_eval_loss"]),
     )
 
 

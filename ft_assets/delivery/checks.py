@@ -18,8 +18,8 @@ def finetuned_beats_base(eval_report: dict) -> dg.AssetCheckResult:
         passed=verdict.beats_base,
         description=(
             f"{verdict.metric_name}: base {verdict.base_metric:.3f}, fine-tuned {verdict.finetuned_metric:.3f} "
-            f"(improvement {verdict.improvement:+.3f}, required {verdict.min_improvement:+.3f}); "
-            f"eval loss {stats['base_eval_loss']:.4f} → {stats['finetuned_eval_loss']:.4f}"
+            f"(improvement {verdict.improvement:+.3f}, required {verdict.min_improvement:+.3f})"
+            + (f"; eval loss {stats['base_eval_loss']:.4f} → {stats['finetuned_eval_loss']:.4f}" if stats["base_eval_loss"] is not None else "")
         ),
         metadata={k: getattr(verdict, k) for k in ("base_metric", "finetuned_metric", "improvement", "min_improvement")},
     )

@@ -42,17 +42,20 @@ class GgufConfig(dg.Config):
 class EvalConfig(dg.Config):
     metric: str = Field(
         default="exact_match",
-        description="Task metric on generations: exact_match, token_f1 or rouge_l. A preference (DPO) run is scored on its "
-        "held-out pairs instead: reward_accuracy.",
+        description="Task metric on generations: exact_match, token_f1, rouge_l, or a reward function ('module:function' or "
+        "'path/to/file.py:function', TRL's signature; the reference reply is its 'answer' column), whose mean is reported as "
+        "reward_mean. A preference (DPO) run is scored on its held-out pairs instead (reward_accuracy), a prompt (GRPO) run by "
+        "the mean reward of its own reward functions on the eval prompts (reward_mean).",
     )
     max_examples: int = Field(
         default=100,
-        description="Eval conversations to generate answers for (the first N of the fixed eval split); preference runs: eval pairs to score.",
+        description="Eval conversations (GRPO: prompts) to generate answers for (the first N of the fixed eval split); preference "
+        "runs: eval pairs to score.",
     )
     max_new_tokens: int = Field(default=96, description="Generation budget per answer.")
     min_improvement: float = Field(
         default=0.05,
-        description="Blocking gate: the fine-tuned metric (preference runs: reward accuracy) must beat the base's by at least this "
+        description="Blocking gate: the fine-tuned metric (preference runs: reward accuracy; GRPO: mean reward) must beat the base's by at least this "
         "much (absolute, 0.05 = 5 points).",
     )
     max_gguf_drop: float = Field(

@@ -8,7 +8,9 @@ split, whose near-duplicate clusters never touch train):
 - **a task metric** on greedy generations: each eval conversation is cut before its last assistant
   reply, the model answers, and the answer is compared with the reference. ``exact_match`` (after
   stripping surrounding whitespace) is the default, ``token_f1`` (SQuAD-style, whitespace tokens)
-  and ``rouge_l`` (LCS F-measure) are selectable.
+  and ``rouge_l`` (LCS F-measure) are selectable, and so is a reward function (``module:function``,
+  ``ft_assets.rewards``), the reference handed to it as the ``answer`` column: a team scores a chat
+  run with the verifier it would train GRPO with.
 
 Generation runs in left-padded batches (one forward per new token for the whole batch), which is
 what makes a few hundred eval prompts affordable on a CPU.
@@ -29,8 +31,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ft_assets import rewards as rw
+
 METRICS = ("exact_match", "token_f1", "rouge_l")
 PREFERENCE_METRIC = "reward_accuracy"  # the gate's metric for preference runs
+REWARD_METRIC = "reward_mean"  # the gate's metric for GRPO runs, and for chat runs scored by a reward function
 GENERATION_BATCH = 16  # prompts per generate() call: large enough to amortize, small enough for CPU RAM
 
 
@@ -143,24 +148,41 @@ class ModelScore:
     answers: list[str] = field(default_factory=list)
 
 
+def check_metric(metric: str) -> None:
+    """A metric is one of ``METRICS`` or a reward function that loads (``module:function``); ValueError says what to write."""
+    if metric in SCORERS:
+        return
+    if ":" not in metric:
+        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}, or a reward function as module:function")
+    rw.load_reward(metric)
+
+
 def score_model(model, tokenizer, examples: list[EvalExample], shards_dir: Path, metric: str, max_new_tokens: int, log=print) -> ModelScore:
     import math
 
-    if metric not in SCORERS:
-        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    check_metric(metric)
     loss = eval_loss(model, shards_dir)
     answers = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens, log)
     return ModelScore(loss, math.exp(min(loss, 50.0)), task_metric(answers, examples, metric), answers)
 
 
+def answer_scores(answers: list[str], examples: list[EvalExample], metric: str) -> list[float]:
+    """Each answer's score: ``metric`` against its example's reference, or a reward function's reward (``module:function``,
+    given the prompt, with the reference as the ``answer`` column; NaN where it does not apply)."""
+    if metric in SCORERS:
+        return [SCORERS[metric](a, e.reference) for a, e in zip(answers, examples, strict=True)]
+    scored = rw.score([rw.load_reward(metric)], [e.prompt for e in examples], answers, [{rw.REFERENCE_COLUMN: e.reference} for e in examples])
+    return scored[0]
+
+
 def task_metric(answers: list[str], examples: list[EvalExample], metric: str) -> float:
-    """The mean of ``metric`` over the answers, each against its example's reference.
+    """The mean of ``metric`` over the answers (``answer_scores``; rewards that do not apply left out).
 
     The same function scores the merged model (transformers) and the shipped GGUF (llama.cpp greedy chat
     answers to the same prompts, ``ft_assets.delivery.llamacpp.chat_answers``).
     """
-    scorer = SCORERS[metric]
-    return sum(scorer(a, e.reference) for a, e in zip(answers, examples, strict=True)) / max(len(examples), 1)
+    scores = [score for score in answer_scores(answers, examples, metric) if score == score]
+    return sum(scores) / max(len(scores), 1)
 
 
 @dataclass(frozen=True)

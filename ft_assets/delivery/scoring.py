@@ -7,8 +7,13 @@ which the objective carries (``ft_assets.objectives``):
 - ``ChatScorer`` (SFT): the task metric (exact match, token F1 or ROUGE-L) on greedy answers to the
   eval conversations cut before their last reply, plus eval loss and perplexity on the packed eval
   shards (``ft_assets.delivery.evaluate``);
+  The metric may be a reward function (``module:function``): its mean is then ``reward_mean``;
 - ``PairScorer`` (DPO): reward accuracy and margin on the held-out pairs, no generation, and the DPO
-  loss of the tuned model against the base with the run's beta and loss variant.
+  loss of the tuned model against the base with the run's beta and loss variant;
+- ``RewardScorer`` (GRPO): the mean reward (``reward_mean``) of greedy replies to the eval prompts, by
+  the run's own reward functions (summed, as in training), with each function's mean beside it; the
+  GGUF's replies come from llama.cpp's chat completion of the same prompts. No eval loss: a prompt
+  has no reference reply to score.
 
 A scorer is made for one report (``Objective.scorer(eval config, training config)``), loads the eval
 set once, scores each model to a ``Scored`` and turns the three into a ``Report``: the stats to publish
@@ -17,16 +22,20 @@ beside the gate's, the comparison and samples tables, and the figures logged to 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ft_assets import rewards as rw
 from ft_assets.data.rows import iter_records
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp
 from ft_assets.delivery.merge import load_full_precision
+from ft_assets.shards import Prompt, load_prompt_rows
 
+REWARD_SUMMARY = {"reward_mean": "finetuned_reward_mean", "base_reward_mean": "base_reward_mean"}  # --json keys -> eval stats
 Fetch = Callable[..., Path]  # Materialization.fetch: (ref, name, include=None) -> local folder
 Log = Callable[[str], None]
 
@@ -80,12 +89,15 @@ class ChatScorer:
     """SFT: the task metric on greedy answers, eval loss and perplexity on the packed eval shards."""
 
     unit = "eval conversations"
-    summary: dict[str, str] = {}  # the gate's keys say it all
+    summary = REWARD_SUMMARY  # filled when the metric is a reward function; the gate's keys say the rest
 
     def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
-        if metric not in ev.METRICS:
-            raise ValueError(f"eval_report config metric={metric!r}: choose one of {', '.join(ev.METRICS)}")
-        self.metric, self.max_examples, self.max_new_tokens = metric, max_examples, max_new_tokens
+        try:
+            ev.check_metric(metric)
+        except ValueError as exc:
+            raise ValueError(f"eval_report config metric={metric!r}: {exc}") from exc
+        self.scored_by, self.max_examples, self.max_new_tokens = metric, max_examples, max_new_tokens
+        self.metric = metric if metric in ev.METRICS else ev.REWARD_METRIC  # a reward function's mean: reward_mean
 
     def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int:
         split_dir = fetch(train_eval_split, "split", include=lambda rel: rel == "eval.parquet")
@@ -97,12 +109,12 @@ class ChatScorer:
 
     def score(self, model_dir: Path, log: Log) -> Scored:
         model = load_full_precision(model_dir)
-        score = ev.score_model(model, _tokenizer(model_dir), self.examples, self.shards_dir, self.metric, self.max_new_tokens, log)
+        score = ev.score_model(model, _tokenizer(model_dir), self.examples, self.shards_dir, self.scored_by, self.max_new_tokens, log)
         return Scored(score.metric, {"eval_loss": score.eval_loss, "perplexity": score.perplexity}, score.answers)
 
     def score_gguf(self, path: Path, log: Log) -> Scored:
         answers = llamacpp.chat_answers(path, [e.prompt for e in self.examples], self.max_new_tokens, log)
-        return Scored(ev.task_metric(answers, self.examples, self.metric), answers=answers)
+        return Scored(ev.task_metric(answers, self.examples, self.scored_by), answers=answers)
 
     def report(self, base: Scored, tuned: Scored, gguf: Scored | None, gguf_label: str) -> Report:
         b, t = base.figures, tuned.figures
@@ -113,11 +125,11 @@ class ChatScorer:
             {"": "perplexity", "base": round(b["perplexity"], 2), "fine-tuned": round(t["perplexity"], 2), gguf_label: None},
         ]  # fmt: skip
         gguf_answers = gguf.answers if gguf else [None] * len(self.examples)
-        scorer = ev.SCORERS[self.metric]
+        scores = ev.answer_scores(tuned.answers, self.examples, self.scored_by)
         samples = [
             {"prompt": ev.last_user_turn(e.prompt), "reference": e.reference, "base": a, "fine-tuned": b_,
-             gguf_label: c, self.metric: round(scorer(b_, e.reference), 3), "source": e.source}
-            for e, a, b_, c in zip(self.examples, base.answers, tuned.answers, gguf_answers)
+             gguf_label: c, self.metric: round(score, 3), "source": e.source}
+            for e, a, b_, c, score in zip(self.examples, base.answers, tuned.answers, gguf_answers, scores)
         ]  # fmt: skip
         tracked = {self.metric: tuned.metric, f"base_{self.metric}": base.metric}
         if gguf:
@@ -126,6 +138,9 @@ class ChatScorer:
             "base_eval_loss": b["eval_loss"], "finetuned_eval_loss": t["eval_loss"],
             "base_perplexity": b["perplexity"], "finetuned_perplexity": t["perplexity"],
         }  # fmt: skip
+        rewarded = self.metric == ev.REWARD_METRIC
+        stats.update(reward_functions=[self.scored_by] if rewarded else None, finetuned_reward_mean=tuned.metric if rewarded else None,
+                     base_reward_mean=base.metric if rewarded else None)  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}")
 
 
@@ -189,3 +204,66 @@ class PairScorer:
             "gguf_reward_margin": gguf_margin, "dpo_beta": self.beta, "dpo_loss": self.loss_type,
         }  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"reward margin {margins['base']:+.3f} → {margins['fine-tuned']:+.3f}")
+
+
+class RewardScorer:
+    """GRPO: the mean reward of greedy replies to the eval prompts, by the run's reward functions."""
+
+    metric = ev.REWARD_METRIC
+    unit = "eval prompts"
+    summary = REWARD_SUMMARY
+
+    def __init__(self, metric: str, max_examples: int, max_new_tokens: int, training: dict):
+        self.rewards = rw.load_rewards(training["rewards"])
+        self.max_examples, self.max_new_tokens = max_examples, max_new_tokens
+
+    def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int:
+        shards_dir = fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("prompts-eval-"))
+        rows = load_prompt_rows(shards_dir, "eval", max_seq_len=1 << 30)
+        if rows is None:
+            raise ValueError("the eval split holds no prompts; raise train_eval_split.eval_fraction")
+        self.prompts: list[Prompt] = rows.prompts[: self.max_examples]
+        return len(self.prompts)
+
+    def score(self, model_dir: Path, log: Log) -> Scored:
+        model = load_full_precision(model_dir)
+        return self._scored(ev.generate(model, _tokenizer(model_dir), [p.messages for p in self.prompts], self.max_new_tokens, log))
+
+    def score_gguf(self, path: Path, log: Log) -> Scored:
+        return self._scored(llamacpp.chat_answers(path, [p.messages for p in self.prompts], self.max_new_tokens, log))
+
+    def _scored(self, answers: list[str]) -> Scored:
+        """The mean total reward of ``answers``, and each function's mean (NaN: where a function applied to none)."""
+        scored = rw.score(self.rewards, [p.messages for p in self.prompts], answers, [p.columns for p in self.prompts])
+        return Scored(_mean(rw.totals(scored)), {reward.name: _mean(values) for reward, values in zip(self.rewards, scored)}, answers, scored)
+
+    def report(self, base: Scored, tuned: Scored, gguf: Scored | None, gguf_label: str) -> Report:
+        comparison = [{"": "reward (sum)", "base": round(base.metric, 4), "fine-tuned": round(tuned.metric, 4),
+                       gguf_label: _rounded(gguf.metric if gguf else None, 4)}]  # fmt: skip
+        comparison += [
+            {"": name, "base": round(base.figures[name], 4), "fine-tuned": round(tuned.figures[name], 4),
+             gguf_label: _rounded(gguf.figures[name] if gguf else None, 4)}
+            for name in tuned.figures
+        ]  # fmt: skip
+        totals = rw.totals(tuned.detail)
+        gguf_answers = gguf.answers if gguf else [None] * len(self.prompts)
+        samples = [
+            {"prompt": ev.last_user_turn(p.messages), "reference": json.dumps(p.columns.get(rw.REFERENCE_COLUMN)), "base": a,
+             "fine-tuned": b, gguf_label: c, "reward": round(r, 3), "source": p.source}
+            for p, a, b, c, r in zip(self.prompts, base.answers, tuned.answers, gguf_answers, totals)
+        ]  # fmt: skip
+        tracked = {"reward_mean": tuned.metric, "base_reward_mean": base.metric}
+        if gguf:
+            tracked["gguf_reward_mean"] = gguf.metric
+        stats = {
+            "base_eval_loss": None, "finetuned_eval_loss": None, "reward_functions": [r.name for r in self.rewards],
+            "finetuned_reward_mean": tuned.metric, "base_reward_mean": base.metric,
+            "base_rewards": base.figures, "finetuned_rewards": tuned.figures, "gguf_rewards": gguf.figures if gguf else None,
+        }  # fmt: skip
+        return Report(stats, comparison, samples, tracked, f"reward {base.metric:.3f} → {tuned.metric:.3f}")
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of the values that are not NaN (NaN when none is)."""
+    kept = [value for value in values if value == value]
+    return sum(kept) / len(kept) if kept else float("nan")

@@ -169,7 +169,7 @@ def free_port() -> int:
 RESULT_STATS = (
     "method", "objective", "device", "steps", "train_loss", "eval_loss", "eval_metrics", "tokens_seen", "wall_seconds",
     "step_seconds", "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
-    "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id",
+    "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id", "figure_history",
 )  # the TrainingResult fields lora_adapter publishes in its stats; loss_history goes to the loss curve only
 
 
@@ -216,7 +216,7 @@ def lora_adapter(
     base_model: dict,
 ) -> dg.Output[dict]:
     """LoRA / QLoRA / full fine-tune on the packed shards, with the objective the data chose (SFT; DPO on preference
-    pairs); checkpoints to the store, resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
+    pairs; GRPO on prompts); checkpoints to the store, resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
     started = time.monotonic()
     worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
     if worker:
@@ -263,4 +263,17 @@ def adapter_metadata(stats: dict, history: list[tuple[int, float]]) -> dict:
         checkpoints=dg.MetadataValue.json(stats["checkpoints"]),
         loss_curve=dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
         run_id=stats["run_id"],
+        **figure_metadata(stats["figure_history"]),
     )
+
+
+def figure_metadata(history: list) -> dict:
+    """The objective's own figures (GRPO: reward mean and std, KL, completion length): the last ones and the reward curve."""
+    if not history:
+        return {}
+    last = history[-1][1]
+    curves = {name.replace("_", " "): [(step, figures[name]) for step, figures in history] for name in ("reward_mean", "reward_std")}
+    return {
+        **{name: dg.MetadataValue.float(round(value, 4)) for name, value in last.items()},
+        "reward_curve": dg.MetadataValue.md(line_chart(curves, "rollout reward", "step", "reward")),
+    }

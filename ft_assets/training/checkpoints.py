@@ -149,6 +149,7 @@ class TrainerState:
     method: str = ""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     eval_history: list[tuple[int, float]] = field(default_factory=list)
+    figure_history: list[tuple[int, dict]] = field(default_factory=list)  # the objective's own figures at each log line (GRPO)
     # One entry per worker attempt: start step, last checkpointed step and the attempt's timings up
     # to that checkpoint. Time an attempt spent after its last checkpoint (before a SIGKILL) is lost.
     attempts: list[dict] = field(default_factory=list)
@@ -161,6 +162,7 @@ class TrainerState:
         raw = json.loads(text)
         raw["loss_history"] = [tuple(item) for item in raw.get("loss_history", [])]
         raw["eval_history"] = [tuple(item) for item in raw.get("eval_history", [])]
+        raw["figure_history"] = [tuple(item) for item in raw.get("figure_history", [])]
         return cls(**raw)
 
 

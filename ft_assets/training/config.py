@@ -18,9 +18,11 @@ today's defaults reach exact match 0.92 on held-out prompts; the old ones (1 epo
 which the plan, the run log and the training result all show.
 
 The objective is not a setting: the data decides it (``ft_assets.objectives``; preference pairs train
-with DPO, ``dpo_beta`` and ``dpo_loss``, conversations with supervised fine-tuning); a setting could
-only contradict the data. ``resolve`` takes it to fill in what depends on it (the default learning
-rate; DPO refuses ``method: full``, since its reference is the base with the adapter disabled).
+with DPO, ``dpo_beta`` and ``dpo_loss``, prompts with GRPO and its ``rewards``, ``num_generations``,
+``max_completion_length``, ``temperature``, ``grpo_beta``, ``grpo_loss`` and ``generation_backend``,
+conversations with supervised fine-tuning); a setting could only contradict the data. ``resolve``
+takes it to fill in what depends on it (the default learning rate; DPO and GRPO refuse ``method:
+full``, since their reference is the base with the adapter disabled; GRPO needs its reward functions).
 ``method`` keeps meaning which weights train, so the planner, the merge and the run log read it as
 they always did.
 
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 
 Method = Literal["qlora", "lora", "full"]
 DpoLoss = Literal["sigmoid", "ipo", "hinge"]
+GrpoLoss = Literal["dapo", "grpo"]
+GenerationBackend = Literal["auto", "transformers", "vllm"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 Parallelism = Literal["ddp", "fsdp"]
 
@@ -61,6 +65,8 @@ OPERATIONAL_FIELDS = frozenset(
 # How the global batch is split over processes, nodes and micro-batches: the same rows in the same steps and the
 # same math (only the dropout draws differ), so the run id hashes their product instead (``result_fields``).
 SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
+# The GRPO settings, which the run id hashes only when set (so the ids of SFT and DPO runs did not change with them).
+GRPO_FIELDS = ("rewards", "num_generations", "max_completion_length", "temperature", "grpo_beta", "grpo_loss", "generation_backend")
 
 DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
 
@@ -209,6 +215,39 @@ class TrainingConfig(BaseModel):
         "loss on length-normalised log-ratios, less prone to overfit near-deterministic preferences) or 'hinge' "
         "(SLiC's hinge on the reward margin).",
     )
+    rewards: list[str] = Field(
+        default_factory=list,
+        description="GRPO (prompt versions only): reward functions as 'module:function' or 'path/to/file.py:function', "
+        "TRL's signature (prompts, completions, **columns) -> list of floats; a completion's reward is their sum. Built in "
+        "for tool calls (the row's 'answer' column is the reference): ft_assets.rewards:tool_call_json, tool_call_name, "
+        "tool_call_arguments, tool_call_format.",
+    )
+    num_generations: int = Field(
+        default=8,
+        description="GRPO: completions sampled per prompt (the group whose mean reward is each one's baseline); a "
+        "micro-batch is per_device_batch_size prompts x this many completions.",
+    )
+    max_completion_length: int = Field(
+        default=256, description="GRPO: longest completion generated, in tokens (prompt + completion <= max_seq_len)."
+    )
+    temperature: float = Field(
+        default=1.0, description="GRPO: sampling temperature of the completions (their log-probabilities use the same)."
+    )
+    grpo_beta: float = Field(
+        default=0.04,
+        description="GRPO: weight of the KL penalty to the reference (the base with the adapter disabled); 0 skips the "
+        "reference forward. 0.04 as in DeepSeekMath's GRPO.",
+    )
+    grpo_loss: GrpoLoss = Field(
+        default="dapo",
+        description="GRPO loss normalisation: 'dapo' (TRL's default: a mean over every completion token of the step) or "
+        "'grpo' (each completion's token mean, then the mean over completions: the paper's, biased to short replies).",
+    )
+    generation_backend: GenerationBackend = Field(
+        default="auto",
+        description="GRPO: what generates the completions: 'vllm' (colocated on the training GPU; needs vllm installed), "
+        "'transformers' (model.generate), or 'auto' (vllm on CUDA when installed, else transformers).",
+    )
     eval_steps: int | None = Field(
         default=None, description="Also compute eval loss every this many steps. Empty: only at the end."
     )
@@ -228,6 +267,14 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"target_modules {value} has a blank name; list module names such as ['q_proj', 'v_proj'], or none for all")
         return value
 
+    @field_validator("rewards")
+    @classmethod
+    def _reward_specs(cls, value: list[str]) -> list[str]:
+        bad = [spec for spec in value if not spec.rpartition(":")[0] or not spec.rpartition(":")[2]]
+        if bad:
+            raise ValueError(f"rewards {bad}: name each as 'module:function' or 'path/to/file.py:function'")
+        return value
+
     @field_validator("report_to")
     @classmethod
     def _known_reporters(cls, value: list[str]) -> list[str]:
@@ -242,7 +289,7 @@ class TrainingConfig(BaseModel):
     def _check_ranges(self) -> TrainingConfig:
         problems = []
         positive = ["lora_r", "lora_alpha", "epochs", "per_device_batch_size", "gradient_accumulation_steps"]
-        positive += ["save_steps", "num_processes", "num_nodes", "logging_steps"]
+        positive += ["save_steps", "num_processes", "num_nodes", "logging_steps", "max_completion_length"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -265,6 +312,10 @@ class TrainingConfig(BaseModel):
             problems.append("weight_decay and max_grad_norm must be >= 0")
         if not self.dpo_beta > 0:
             problems.append(f"dpo_beta must be > 0 (got {self.dpo_beta})")
+        if self.num_generations < 2:
+            problems.append(f"num_generations must be >= 2: a group of one has no baseline (got {self.num_generations})")
+        if not self.temperature > 0 or self.grpo_beta < 0:
+            problems.append(f"temperature must be > 0 and grpo_beta >= 0 (got {self.temperature}, {self.grpo_beta})")
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
         return self
@@ -298,6 +349,7 @@ class TrainingConfig(BaseModel):
         method = self.resolved_method(cuda_available)
         if method == "full" and objective.full_refused:
             raise ValueError(objective.full_refused)
+        objective.step.check_settings(self)
         steps = self.total_steps(train_rows, world_size)
         warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * steps)
         return ResolvedTraining(
@@ -323,6 +375,9 @@ class TrainingConfig(BaseModel):
         """
         fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS) | set(SPLIT_FIELDS))
         fields["rows_per_step"] = self.rows_per_step()
+        for name in GRPO_FIELDS:  # added with GRPO: left at their defaults, the run ids of SFT and DPO runs stay what they were
+            if fields[name] == TrainingConfig.model_fields[name].get_default(call_default_factory=True):
+                fields.pop(name)
         fields["method"] = self.resolved_method(cuda_available)
         if fields["method"] == "full":
             for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules"):

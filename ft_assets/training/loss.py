@@ -289,3 +289,72 @@ def preference_metrics(policy: PairLogps, reference: PairLogps, pair_mask: torch
         "reference_reward_accuracy": reference_accuracy,
         "reference_reward_margin": reference_margin,
     }
+
+
+# --- GRPO ------------------------------------------------------------------------------------------
+
+GROUP_STD_EPSILON = 1e-4  # TRL's: keeps a group whose rewards barely differ from dividing by ~0
+
+
+def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """Group-relative advantages of ``rewards`` (consecutive groups of ``group`` completions of one prompt), as TRL
+    1.16 computes them (``scale_rewards="group"``): (reward - the group's mean) / (the group's std + 1e-4), the
+    std with Bessel's correction. NaN rewards (no function applied) are left out of their group's mean and std
+    and get advantage 0."""
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    variance = torch.nanmean((grouped - mean) ** 2, dim=1, keepdim=True) * count / (count - 1)
+    std = torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
+    return torch.nan_to_num((grouped - mean) / (std + GROUP_STD_EPSILON), nan=0.0).view(-1)
+
+
+def _chunk_token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return -F.cross_entropy(lm_head(hidden).float() / temperature, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of every label of a packed batch (``input_ids``, ``position_ids``, ``labels``) under
+    the model's logits divided by ``temperature`` (the distribution the completions were sampled from); 0 where
+    the label is IGNORE_INDEX. Shape (rows, seq_len - 1): position i holds label i + 1.
+
+    One forward without attention mask or KV cache (the position ids keep sequences apart), then the output
+    head (``output_head``: Gemma 2's soft-capping included) + log-softmax chunk by chunk as in
+    ``token_loss_sum``, recomputed in backward.
+    """
+    inputs = {name: batch[name] for name in ("input_ids", "position_ids")}
+    output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    hidden = output.hidden_states[-1][:, :-1]
+    shape = hidden.shape[:2]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = batch["labels"][:, 1:].reshape(-1)
+    lm_head = output_head(model)
+    chunk = chunk_tokens(lm_head.weight.shape[0])
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], temperature)
+        parts.append(checkpoint(_chunk_token_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_token_logps(*part))
+    return torch.cat(parts).view(shape)
+
+
+def grpo_token_losses(logps: torch.Tensor, reference: torch.Tensor | None, advantages: torch.Tensor, beta: float) -> torch.Tensor:
+    """GRPO's loss of every completion token: -exp(log pi - sg(log pi)) x A + beta x KL, with A the advantage of
+    the token's completion and KL TRL's (Schulman's k3) estimate exp(ref - log pi) - (ref - log pi) - 1.
+
+    On-policy (one optimisation step per generation, as here) the ratio is 1 in value and its gradient is that
+    of log pi, so PPO's clipping (TRL's epsilon 0.2) never binds and is left out: the value and the gradient are
+    TRL's ``_compute_loss`` (``test_grpo.py`` checks both).
+    """
+    losses = -torch.exp(logps - logps.detach()) * advantages
+    if beta:
+        difference = reference - logps
+        losses = losses + beta * (torch.exp(difference) - difference - 1)
+    return losses
+
+
+def grpo_loss_sum(
+    logps: torch.Tensor, reference: torch.Tensor | None, advantages: torch.Tensor, weights: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """GRPO's loss summed over the completion tokens, each weighted by ``weights`` (0 off the completions; 'dapo': 1,
+    for a mean over the step's tokens; 'grpo': 1 / its completion's length, for a mean over its completions)."""
+    return (grpo_token_losses(logps, reference, advantages, beta) * weights).sum()

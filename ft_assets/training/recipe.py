@@ -8,11 +8,13 @@ which the data and delivery planes share. No Dagster here: the ``lora_adapter`` 
 ``train`` and turns ``Preempted`` into a retry.
 
 The objective (``ft_assets.objectives``, chosen by the data plane and passed in) brings the part that
-differs: its ``step`` (``ft_assets.training.steps``) loads the rows and gives each micro-batch's loss,
-what that loss is a mean over, and the eval figures. Packed chat rows train with the token loss
-(SFT); packed preference pairs with DPO against the base with the adapter disabled. Everything else —
-data order, checkpoints, resume, SIGTERM, DDP — is this one loop, so every objective has the same
-guarantees.
+differs: its ``step`` (``ft_assets.training.steps``) loads the rows and, for the run, gives each
+micro-batch's rollout, loss, what that loss is a mean over, the eval figures and its own per-step
+figures. Packed chat rows train with the token loss (SFT); packed preference pairs with DPO against
+the base with the adapter disabled; prompts with GRPO, whose rollouts (completions sampled from the
+policy and scored) are seeded from (seed, step, rank, micro-batch) and so repeat exactly after a
+resume. Everything else — data order, checkpoints, resume, SIGTERM, DDP — is this one loop, so every
+objective has the same guarantees.
 
 With ``mlflow_tracking_uri`` set, rank 0 logs the run to MLflow (``ft_assets.training.tracking``).
 
@@ -91,6 +93,7 @@ from ft_assets.training.model import load_model, load_trainable, make_scheduler,
 from ft_assets.training.parallelism import consolidated_state, for_config, load_shards, save_shards
 from ft_assets.training.preemption import Preempted, SigtermFlag
 from ft_assets.training.result import TrainingResult
+from ft_assets.training.rollout import rollout_seed
 from ft_assets.training.tracking import MlflowTracker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -164,6 +167,7 @@ class FineTuneRecipe:
         self._setup_processes()
         self._setup_data()
         self._setup_model()
+        self.step_run = self.objective.step.for_run(self.config, self.base_model_dir, self.unwrapped)
         shards = self.world if self.parallel.name == "fsdp" else 1  # FSDP: every rank uploads its shard
         self.uploader = BackgroundUploader(
             self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say, shards=shards, rank=self.rank, attempt=self.attempt_id
@@ -225,7 +229,6 @@ class FineTuneRecipe:
         except ValueError as exc:
             raise ValueError(f"{self.shards_dir}: {exc}") from exc
         self.total_steps = self.resolved.total_steps
-        self.tokens_per_step = self.plan.rows_per_step * self.train_rows.seq_len
         pairs = step.describe_rows(self.train_rows, config)
         self.say(
             f"{len(self.train_rows)} train rows x {self.train_rows.seq_len} tokens{pairs}, "
@@ -295,6 +298,7 @@ class FineTuneRecipe:
             for step in skipped:  # newer than the resume point and unusable: they will be rewritten
                 delete_checkpoint(self.store, self.run_prefix, step)
         self.resumed_from = checkpoint.step if checkpoint else None
+        self.tokens_at_start = self.state.tokens_seen
         self.last_saved = self.state.step if checkpoint else None
         self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
         self.attempt = self.state.attempts[-1]
@@ -330,7 +334,7 @@ class FineTuneRecipe:
         """Optimizer steps up to ``total_steps``; at every step boundary: SIGTERM, logs, checkpoints, evals."""
         config, total = self.config, self.total_steps
         self.model.train()
-        self.window_start, self.window_steps = time.monotonic(), 0  # the steps since the last log line
+        self.window_start, self.window_steps, self.window_tokens = time.monotonic(), 0, 0  # the steps since the last log line
         while True:
             self.stop_if_preempted()
             if self.state.step >= total:
@@ -344,7 +348,7 @@ class FineTuneRecipe:
                 self.save_checkpoint()
             if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
                 metrics = self.evaluate()
-                self.state.eval_history.append((step, metrics["eval_loss"]))
+                self.state.eval_history.append((step, next(iter(metrics.values()))))  # the headline: eval loss (GRPO: reward)
                 self.say(f"step {step}/{total}  {_figures(metrics)}")
                 self.report({"step": step, **metrics})
 
@@ -376,6 +380,10 @@ class FineTuneRecipe:
         accelerator, device, world = self.accelerator, self.device, self.world
         step_started = time.monotonic()
         rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
+        # What the loss needs beyond the rows, from the model as it is before this step's update (GRPO: the completions,
+        # sampled with a seed of (seed, step, rank, micro-batch) so that a resumed run samples the same ones).
+        rows = [self.step_run.rollout(self.unwrapped, batch, rollout_seed(self.config.seed, self.state.step, self.rank, micro), self.state.step)
+                for micro, batch in enumerate(rows)]  # fmt: skip
         # Normalise by the learned tokens (DPO: the pairs) of the whole step (all micro-batches, all processes):
         # the loss is then the true per-token (per-pair) mean, whatever the packing put in each row.
         items = sum(self.count(b) for b in rows)
@@ -402,7 +410,9 @@ class FineTuneRecipe:
         state.step += 1
         state.epoch = state.step // self.plan.steps_per_epoch
         state.samples_seen += self.plan.rows_per_step
-        state.tokens_seen += self.tokens_per_step
+        tokens = sum(batch["input_ids"].numel() for batch in rows) * world  # packed rows: rows x seq_len; GRPO: what was generated too
+        state.tokens_seen += tokens
+        self.window_tokens += tokens
         self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss, grad_norm))
         step, config = state.step, self.config
         if step % config.logging_steps == 0 or step % config.save_steps == 0 or step == self.total_steps:
@@ -411,11 +421,11 @@ class FineTuneRecipe:
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """What the step's loss is a mean over (the objective's): learned tokens, pairs."""
-        return self.objective.step.count(batch)
+        return self.step_run.count(batch)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The objective's summed loss of a micro-batch (DPO's reference: the base with the adapter disabled)."""
-        return self.objective.step.loss_sum(self.model, self.unwrapped, batch, self.config)
+        return self.step_run.loss_sum(self.model, self.unwrapped, batch, self.config)
 
     def read_losses(self) -> None:
         """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
@@ -439,18 +449,32 @@ class FineTuneRecipe:
             "epoch": step / self.plan.steps_per_epoch,
             "loss": sum(recent) / len(recent),
             "learning_rate": self.scheduler.get_last_lr()[0],
-            "tokens_per_second": self.tokens_per_step * self.window_steps / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_second": self.window_tokens / elapsed if elapsed > 0 else 0.0,
             "grad_norm": sum(norms) / len(norms),
             "eta_seconds": per_step * (total - step),
         }
+        figures = self.step_figures()
+        metrics.update(figures)
         self.say(
             f"step {step}/{total}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
             f"{metrics['tokens_per_second']:,.0f} tok/s  eta {_duration(metrics['eta_seconds'])}"
+            + "".join(f"  {name.replace('_', ' ')} {value:.4g}" for name, value in figures.items())
         )
         self.report(metrics)
         self.uploader.drain_log()
-        self.window_start, self.window_steps = time.monotonic(), 0
+        self.window_start, self.window_steps, self.window_tokens = time.monotonic(), 0, 0
         self.grad_norms = []
+
+    def step_figures(self) -> dict[str, float]:
+        """The objective's own figures since the last log line (GRPO: reward mean and std, KL, completion length),
+        averaged over the processes, and kept in the trainer state (checkpointed) for the adapter's metadata."""
+        figures = self.step_run.figures()
+        if figures and self.world > 1:  # every rank logs at the same steps: a collective
+            means = self.accelerator.reduce(torch.tensor(list(figures.values()), device=self.device), "mean").tolist()
+            figures = dict(zip(figures, means))
+        if figures:
+            self.state.figure_history.append((self.state.step, figures))
+        return figures
 
     def report(self, metrics: dict) -> None:
         if self.is_main and self.on_metrics is not None:
@@ -495,8 +519,8 @@ class FineTuneRecipe:
             return self.accelerator.reduce(torch.tensor(values, device=self.device), "sum")
 
         if self.parallel.lockstep_eval:  # FSDP: every forward gathers weights from all ranks, so each runs every row
-            return self.objective.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, 0, 1, torch.tensor)
-        return self.objective.step.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
+            return self.step_run.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, 0, 1, torch.tensor)
+        return self.step_run.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
 
     # --- finish ---
 
@@ -506,7 +530,7 @@ class FineTuneRecipe:
             self.save_checkpoint()  # a rerun after a crash from here on skips straight to the export
         if self.eval_rows is not None:
             self.eval_metrics = self.evaluate()
-            self.eval_loss = self.eval_metrics["eval_loss"]
+            self.eval_loss = self.eval_metrics.get("eval_loss")
             self.say(f"final {_figures(self.eval_metrics)} on {len(self.eval_rows)} rows")
             self.report({"step": self.state.step, **self.eval_metrics})
         weights = None  # save_pretrained reads the model, unless it is sharded: then rank 0 gets the gathered weights
@@ -539,7 +563,7 @@ class FineTuneRecipe:
         wall = time.monotonic() - self.started
         state = self.state
         self.read_losses()
-        trained = (state.step - (self.resumed_from or 0)) * self.tokens_per_step  # this attempt
+        trained = state.tokens_seen - self.tokens_at_start  # this attempt
         recent = [value for _, value in state.loss_history[-self.config.logging_steps :]]
         result = TrainingResult(
             output_dir=self.output_dir,
@@ -550,6 +574,7 @@ class FineTuneRecipe:
             train_loss=sum(recent) / len(recent) if recent else None,
             eval_loss=self.eval_loss,
             eval_metrics=self.eval_metrics,
+            figure_history=list(state.figure_history),
             tokens_seen=state.tokens_seen,
             wall_seconds=wall,
             step_seconds=self.step_seconds,

@@ -13,12 +13,13 @@ from pathlib import Path
 class TrainingResult:
     output_dir: Path  # final adapter (lora/qlora) or model (full) with tokenizer files, written by rank 0
     method: str
-    objective: str  # the objective's name (ft_assets.objectives): "sft", "dpo"
+    objective: str  # the objective's name (ft_assets.objectives): "sft", "dpo", "grpo"
     device: str
     steps: int
     train_loss: float | None  # mean of the last `logging_steps` step losses
-    eval_loss: float | None  # None when there are no eval shards; DPO: the DPO loss on the eval pairs
+    eval_loss: float | None  # None without eval shards, or for GRPO (no loss to evaluate); DPO: the DPO loss on the eval pairs
     eval_metrics: dict  # the final eval's figures (DPO: reward accuracy and margin of the model and its reference)
+    figure_history: list[tuple[int, dict]]  # the objective's own figures at each log line (GRPO: reward mean/std, KL, completion length)
     tokens_seen: int  # packed tokens (padding included) over all processes, whole run
     wall_seconds: float  # this attempt, from `started_at` (model load, data, uploads, eval included)
     step_seconds: float  # this attempt, inside forward + backward + optimizer step
