@@ -195,40 +195,12 @@ def estimate_vram(
     on a GPU, and the chunked loss of ``ft_assets.training.loss``), or e.g. sdpa and the full-logits
     loss of a plain Hugging Face run.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-    if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
-        raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
-    if seq_len < 1 or micro_batch < 1 or lora_r < 1 or gpus < 1:
-        raise ValueError(f"seq_len, micro_batch, lora_r and gpus must be >= 1 (got {seq_len}, {micro_batch}, {lora_r}, {gpus})")
-    if parallelism not in get_args(Parallelism):
-        raise ValueError(f"unknown parallelism {parallelism!r}: use one of {', '.join(get_args(Parallelism))}")
+    _check_inputs(method, seq_len, micro_batch, lora_r, gpus, attention, loss, parallelism)
     tokens = seq_len * micro_batch
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     per_layer_token = BF16_BYTES * (2 * h + 3 * q + 2 * kv) + BF16_BYTES * (2 * h + 4 * i)  # attention + MLP
-
-    if method == "full":
-        trainable = shape.params
-        weights = FP32_BYTES * shape.params
-        adapter = 0
-        gradients = FP32_BYTES * shape.params
-        optimizer = ADAMW_STATE_BYTES * shape.params
-    else:
-        trainable = lora_params(shape, lora_r, lora_targets)
-        if method == "lora":
-            weights = BF16_BYTES * shape.params
-        else:
-            quantized = shape.layer_linear_params
-            weights = NF4_BYTES_PER_PARAM * quantized + FP32_BYTES * (shape.params - quantized)
-        adapter = FP32_BYTES * trainable
-        gradients = FP32_BYTES * trainable
-        optimizer = ADAMW_STATE_BYTES * trainable
-        saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if lora_dropout > 0 else 0)
-        projections = shape.projections()
-        per_layer_token += sum(
-            saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets)
-        )
-
+    trainable, weights, adapter, gradients, optimizer, adapter_per_token = _model_state(shape, method, lora_r, lora_targets, lora_dropout)
+    per_layer_token += adapter_per_token
     weights, adapter, gradients, optimizer = _per_gpu(shape, method, (weights, adapter, gradients, optimizer), gpus, parallelism)
     layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
@@ -261,6 +233,38 @@ def estimate_vram(
         slack_gib=ALLOCATOR_SLACK * tensors / GIB,
         overhead_gib=CUDA_CONTEXT_GIB,
     )
+
+
+def _check_inputs(method, seq_len, micro_batch, lora_r, gpus, attention, loss, parallelism) -> None:
+    """A ValueError naming the setting ``estimate_vram`` cannot plan."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
+        raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
+    if seq_len < 1 or micro_batch < 1 or lora_r < 1 or gpus < 1:
+        raise ValueError(f"seq_len, micro_batch, lora_r and gpus must be >= 1 (got {seq_len}, {micro_batch}, {lora_r}, {gpus})")
+    if parallelism not in get_args(Parallelism):
+        raise ValueError(f"unknown parallelism {parallelism!r}: use one of {', '.join(get_args(Parallelism))}")
+
+
+def _model_state(
+    shape: ModelShape, method: Method, lora_r: int, lora_targets: Sequence[str], lora_dropout: float
+) -> tuple[int, float, float, float, float, float]:
+    """(trainable parameters, weight, adapter, gradient and AdamW bytes of the whole model, the adapter's saved bytes
+    per token and layer) of ``method``: full trains every fp32 weight; LoRA and QLoRA train the adapter beside bf16
+    or NF4 weights and save each targeted projection's input (and dropout mask) and its rank-r product."""
+    if method == "full":
+        return shape.params, FP32_BYTES * shape.params, 0, FP32_BYTES * shape.params, ADAMW_STATE_BYTES * shape.params, 0
+    trainable = lora_params(shape, lora_r, lora_targets)
+    if method == "lora":
+        weights = BF16_BYTES * shape.params
+    else:
+        quantized = shape.layer_linear_params
+        weights = NF4_BYTES_PER_PARAM * quantized + FP32_BYTES * (shape.params - quantized)
+    saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if lora_dropout > 0 else 0)
+    projections = shape.projections()
+    per_token = sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets))
+    return trainable, weights, FP32_BYTES * trainable, FP32_BYTES * trainable, ADAMW_STATE_BYTES * trainable, per_token
 
 
 def _per_gpu(shape: ModelShape, method: Method, whole: tuple[float, ...], gpus: int, parallelism: Parallelism) -> tuple[float, ...]:

@@ -5,6 +5,15 @@ delivery's base-vs-fine-tuned comparison (``ft_assets.delivery.evaluate.eval_los
 score the same tokens the same way: cross-entropy over the labels of ``PackedRows`` (the loss mask's
 assistant tokens), shifted by one, with the block-diagonal attention of packed examples.
 
+Packed rows carry several examples each, and attention must not cross their boundaries:
+transformers (5.x) builds a block-diagonal causal mask from ``position_ids`` (they restart at 0 at
+every example) when ``attention_mask`` is None AND no KV cache exists. Llama's config says
+``use_cache=True``, which silently creates a cache in training and turns the packing detection off,
+so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts). How the
+mask is applied is the attention backend's (``training.model.resolve_attention``): varlen
+FlashAttention or a FlexAttention document mask on a GPU; on CPU a dense block mask with sdpa, or
+with eager for a model that refuses sdpa or needs eager for its soft-capped scores (Gemma 2).
+
 Losses are sums, not means: a row's share of learned tokens depends on what the packer put in it,
 so the callers divide by the learned-token count of the whole step or eval set (over every process
 under DDP) and get the true per-token mean.

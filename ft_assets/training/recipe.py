@@ -30,13 +30,8 @@ Workers are stateless and often spot instances, so the recipe assumes it can die
   waits for the upload and raises ``Preempted``. ``python -m ft_assets.training.worker`` exits with
   ``EXIT_PREEMPTED`` (75, EX_TEMPFAIL) then. After a SIGKILL at most ``save_steps`` steps are lost.
 
-Packed rows carry several chat examples each. Attention must not cross example boundaries:
-transformers (5.x) builds a block-diagonal causal mask from ``position_ids`` (they restart at 0 at
-every example) when ``attention_mask`` is None AND no KV cache exists. Llama's config says
-``use_cache=True``, which silently creates a cache in training and turns the packing detection off,
-so every forward (``token_loss_sum``) passes ``use_cache=False`` (the tests pin both facts). How the
-mask is applied is the attention backend's (``resolve_attention``): varlen FlashAttention or a
-FlexAttention document mask on a GPU, a dense block mask with sdpa on CPU.
+Packed rows carry several examples each; the forward keeps attention inside each example
+(``ft_assets.training.loss``, the backend from ``ft_assets.training.model.resolve_attention``).
 
 On a GPU the loop does not wait for it between steps: AdamW is fused, the learned-token count comes
 from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
