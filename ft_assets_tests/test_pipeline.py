@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from ft_assets.cli import main
 from ft_assets.delivery.lineage import LINEAGE_CHAIN
 from ft_assets.manifests import read_manifest
-from ft_assets.refs import read_ref
+from ft_assets.refs import STATS, RefOutdated, read_ref, stats_of
 from ft_assets.storage import LocalStore
 from ft_assets_tests.support import run_cli, run_config, write_dataset
 
@@ -167,3 +167,13 @@ def test_eval_gate_blocks_a_model_that_is_not_better(home, capsys, tiny_model_di
     assert code == 2
     assert "blocking check finetuned_beats_base failed" in err
     assert not (home / "home" / "store" / "registry").exists()
+
+
+def test_every_asset_writes_the_stats_other_modules_read(published):
+    for asset, kind in STATS.items():  # the CLI, the control plane and delivery read these fields of other assets
+        ref = read_ref(published.store, "acks@v1", asset)
+        assert stats_of(ref, kind) is ref["stats"], asset
+    adapter = read_ref(published.store, "acks@v1", "lora_adapter")
+    del adapter["stats"]["run_id"], adapter["stats"]["steps"]  # as a reference written by an older ft-assets
+    with pytest.raises(RefOutdated, match=r"lora_adapter of acks@v1 \(.+\) has no run_id, steps in its stats: .+ materialize lora_adapter again"):
+        stats_of(adapter, STATS["lora_adapter"])

@@ -12,15 +12,15 @@ import os
 from ft_assets.control.assets import measured_throughput
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets import objectives
-from ft_assets.refs import read_ref
+from ft_assets.refs import AdapterStats, CostStats, EvalStats, GgufStats, PlanStats, ShardStats, read_ref, stats_of
 from ft_assets.storage import ObjectStore, join_key
 
 DATA_ARTIFACTS = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model")
 
 
 def data_summary(store: ObjectStore, partition_key: str) -> dict:
-    shards = read_ref(store, partition_key, "tokenized_shards")
-    acc = shards["stats"]["accounting"]
+    shards = stats_of(read_ref(store, partition_key, "tokenized_shards"), ShardStats)
+    acc = shards["accounting"]
     return {
         "rows_in": acc["rows_in"],
         "rows_kept": acc["rows_kept"],
@@ -29,17 +29,17 @@ def data_summary(store: ObjectStore, partition_key: str) -> dict:
         "exact_duplicates": acc["exact_duplicates"],
         "near_duplicates": acc["near_duplicates"],
         "accounting_invariant_holds": acc["invariant_holds"],
-        "train_rows": shards["stats"]["train_rows"],
-        "eval_rows": shards["stats"]["eval_rows"],
-        "tokens": shards["stats"]["tokens"],
-        "packing_efficiency": round(shards["stats"]["packing_efficiency"], 6),
+        "train_rows": shards["train_rows"],
+        "eval_rows": shards["eval_rows"],
+        "tokens": shards["tokens"],
+        "packing_efficiency": round(shards["packing_efficiency"], 6),
         "artifacts": {asset: read_ref(store, partition_key, asset)["uri"] for asset in DATA_ARTIFACTS},
         **plan_summary(store, partition_key),
     }
 
 
 def plan_summary(store: ObjectStore, partition_key: str) -> dict:
-    plan = read_ref(store, partition_key, "training_plan")["stats"]
+    plan = stats_of(read_ref(store, partition_key, "training_plan"), PlanStats)
     return {
         "gpu_tier": plan["gpu_tier"],
         "rental_mode": plan["rental_mode"],
@@ -51,7 +51,7 @@ def plan_summary(store: ObjectStore, partition_key: str) -> dict:
 
 def training_summary(store: ObjectStore, partition_key: str) -> dict:
     adapter = read_ref(store, partition_key, "lora_adapter")
-    stats = adapter["stats"]
+    stats = stats_of(adapter, AdapterStats)
     speed = measured_throughput(adapter, read_ref(store, partition_key, "training_plan"), load_cost_model(os.environ.get("FT_COST_MODEL")))
     return {
         **speed.as_dict(),  # tokens_per_second, mfu (None off CUDA), usd_per_million_tokens
@@ -68,11 +68,12 @@ def training_summary(store: ObjectStore, partition_key: str) -> dict:
 
 
 def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
-    cost = read_ref(store, partition_key, "training_cost")["stats"]
-    evaluation = read_ref(store, partition_key, "eval_report")["stats"]
-    gguf = read_ref(store, partition_key, "gguf_model")
+    cost = stats_of(read_ref(store, partition_key, "training_cost"), CostStats)
+    evaluation = stats_of(read_ref(store, partition_key, "eval_report"), EvalStats)
+    gguf_ref = read_ref(store, partition_key, "gguf_model")
+    gguf = stats_of(gguf_ref, GgufStats)
     published = read_ref(store, partition_key, "published_model")
-    adapter = read_ref(store, partition_key, "lora_adapter")
+    adapter = stats_of(read_ref(store, partition_key, "lora_adapter"), AdapterStats)
     return {
         "metric_name": evaluation["metric_name"],
         "base_metric": evaluation["base_metric"],
@@ -84,10 +85,10 @@ def delivery_summary(store: ObjectStore, partition_key: str) -> dict:
         "gguf_drop": evaluation["gguf_drop"],
         "gguf_file": evaluation["gguf_file"],
         "gguf_qtype": evaluation["gguf_qtype"],
-        "gguf_uri": store.uri(join_key(gguf["prefix"], gguf["stats"]["shipped"])) if gguf["stats"]["shipped"] else None,
-        "gguf_reason": gguf["stats"].get("reason"),  # why no GGUF shipped (qtypes: [], a model llama.cpp cannot take); else None
+        "gguf_uri": store.uri(join_key(gguf_ref["prefix"], gguf["shipped"])) if gguf["shipped"] else None,
+        "gguf_reason": gguf.get("reason"),  # why no GGUF shipped (qtypes: [], a model llama.cpp cannot take); else None
         "published_uri": published["uri"],
-        "run_id": adapter["stats"]["run_id"],
+        "run_id": adapter["run_id"],
         "actual_cost_usd": round(cost["total_usd"], 6),
         "eth_usd": None if cost["eth_usd_per_hour"] is None else round(cost["eth_usd_per_hour"], 4),
         "idle_share": round(cost["idle_share"], 4),

@@ -20,6 +20,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from ft_assets.manifests import changed_files, read_manifest
+from ft_assets.refs import ArtifactRef
 from ft_assets.delivery.signing import lineage_check
 from ft_assets.storage import ObjectStore, StoreError, join_key
 
@@ -59,7 +60,7 @@ def code_version() -> str:
         return f"ft-assets {version('ft-assets')}"
 
 
-def build_lineage(partition: str, refs: dict[str, dict], published_key: str) -> dict:
+def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: str) -> dict:
     """The lineage manifest from the references of every asset of the partition."""
     missing = [name for name in LINEAGE_CHAIN if name not in refs]
     if missing:
