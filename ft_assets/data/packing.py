@@ -13,14 +13,15 @@ longest remaining example, then the subset of the others that fills the row best
 slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 ``position_ids`` that restart at every example and the example lengths (``seq_lens``), so training
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
-example instead of packing wastes most slots on short chat data (see ``make bench``). The rows go to
-Parquet shards through ``ft_assets.shards``, which owns their schema and file names.
+example instead of packing wastes most slots on short chat data (see ``make bench``). Each window's
+rows go to one Parquet shard (``ft_assets.shards`` owns their schema and file names), written by the
+worker that packed them: the driver only cuts the encoded examples into windows, in row order.
 
 Throughput: the Rust tokenizer is the floor, so everything around it is kept small. Chat templates
 that insert contents verbatim (ChatML and most others) are rendered once per conversation shape and
 filled in per row (``ChatEncoder``); texts go to the backend tokenizer in batches without the Python
-wrapper; rows are completed by a bitset subset sum (``_best_subset``) and shards are written from flat
-arrays. On the 200k-row benchmark corpus (SmolLM2 tokenizer, 1,024-token rows) tokenizing and
+wrapper; rows are completed by a bitset subset sum (``ft_assets.data.bins``) and shards are written from
+flat arrays. On the 200k-row benchmark corpus (SmolLM2 tokenizer, 1,024-token rows) tokenizing and
 packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer itself; output unchanged.
 """
 
@@ -31,7 +32,6 @@ import itertools
 import os
 import re
 import tempfile
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +39,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ft_assets.data.bins import pack_bins
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
-from ft_assets.data.rows import RowError, RowRange, row_ranges
-from ft_assets.shards import ROWS_PER_SHARD, SCHEMA, ShardWriter
+from ft_assets.data.parts import Artifact, Part, Target, Written, read_part, runs, table_bytes
+from ft_assets.data.rows import RowError
+from ft_assets.shards import SCHEMA, packed_table, shard_name
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
@@ -253,141 +255,6 @@ class ChatEncoder:
         return out
 
 
-def _best_subset(room: int, counts: dict[int, int]) -> tuple[tuple[int, int], ...]:
-    """(length, how many) pairs from ``counts`` whose total is the largest ≤ ``room``.
-
-    A bounded subset sum over distinct lengths, longest first, stopping at the first exact fill, with
-    the answer of the textbook dictionary DP (``reach[total] = choice``, first choice found kept):
-
-        reach = {0: ()}
-        for size in lengths, longest first:
-            for total, chosen in list(reach.items()):   # in insertion order
-                for k in 1..counts[size] while total + k·size ≤ room:
-                    reach.setdefault(total + k·size, chosen + ((size, k),))
-            stop once room is in reach
-        return reach[max(reach)]
-
-    That DP touches every reachable total at every stage (2 ms a row at 1,024 tokens). Here the
-    reachable totals of each stage are one Python int used as a bitset (a stage is a few shifts), and
-    the first choice is recovered only along the winning total's chain: among the ways to reach a
-    total, the DP keeps the one whose previous total it inserted first, and insertion order is (stage
-    first reached, then the previous total's own order, then k). 9-18x faster, same rows.
-    """
-    full = (1 << (room + 1)) - 1
-    sizes: list[int] = []  # the length added at each stage
-    reachable_after: list[int] = []  # per stage, bit t set: some subset of the lengths so far sums to t
-    reachable = 1
-    for size in sorted(counts, reverse=True):
-        if size > room:
-            continue
-        grown, shifted = 0, reachable
-        for _ in range(counts[size]):
-            shifted = (shifted << size) & full
-            if not shifted:
-                break
-            grown |= shifted
-        reachable |= grown
-        sizes.append(size)
-        reachable_after.append(reachable)
-        if reachable >> room & 1:
-            break
-
-    def stage(total: int) -> int:
-        """The stage that first reached ``total`` (-1 for 0), by binary search over the bitsets."""
-        if total == 0:
-            return -1
-        low, high = 0, len(sizes) - 1
-        while low < high:
-            middle = (low + high) // 2
-            if reachable_after[middle] >> total & 1:
-                high = middle
-            else:
-                low = middle + 1
-        return low
-
-    came_from: dict[int, tuple[int, int]] = {}  # total -> (previous total, k) of the DP's first choice
-
-    def inserted_before(a: int, b: int) -> tuple[bool, int | None]:
-        """(whether the DP inserted total ``a`` before ``b``, None) or (False, a total to resolve first)."""
-        while True:
-            stage_a, stage_b = stage(a), stage(b)
-            if stage_a != stage_b:
-                return stage_a < stage_b, None
-            for total in (a, b):
-                if total not in came_from:
-                    return False, total
-            (a, k_a), (b, k_b) = came_from[a], came_from[b]
-            if a == b:
-                return k_a < k_b, None
-
-    def resolve(total: int) -> tuple[int, int]:
-        pending = [total]  # an explicit stack: chains can be as long as there are stages
-        while pending:
-            current = pending[-1]
-            if current in came_from:
-                pending.pop()
-                continue
-            at = stage(current)
-            size, before = sizes[at], reachable_after[at - 1] if at else 1
-            best, missing = None, None
-            for k in range(1, min(counts[size], current // size) + 1):
-                if not before >> (current - k * size) & 1:
-                    continue
-                if best is None:
-                    best = (current - k * size, k)
-                    continue
-                earlier, missing = inserted_before(current - k * size, best[0])
-                if missing is not None:
-                    break
-                if earlier:
-                    best = (current - k * size, k)
-            if missing is not None:
-                pending.append(missing)
-            else:
-                came_from[current] = best
-                pending.pop()
-        return came_from[total]
-
-    chosen, total = [], reachable.bit_length() - 1
-    while total:
-        previous, k = resolve(total)
-        chosen.append((sizes[stage(total)], k))
-        total = previous
-    return tuple(reversed(chosen))
-
-
-def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Rows of example indices whose lengths sum to ≤ capacity; deterministic.
-
-    Bin completion: each row takes the longest remaining example, then the subset of the remaining
-    ones that fills it best. Plain best-fit decreasing leaves, in most rows, a gap shorter than any
-    example left (0.974 of slots used on the sample at 512 tokens); completing rows by subset sum
-    closes them (0.997, one row above the lower bound). Cost: ~20 µs per example in a 16k window of
-    the benchmark corpus at 1,024 tokens (175 µs with the dictionary DP).
-    """
-    queues: dict[int, deque[int]] = {}
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        if lengths[i] > capacity:
-            raise ValueError(f"example {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
-        queues.setdefault(lengths[i], deque()).append(i)
-
-    def take(size: int) -> int:
-        index = queues[size].popleft()
-        if not queues[size]:
-            del queues[size]
-        return index
-
-    bins = []
-    while queues:
-        longest = max(queues)
-        row = [take(longest)]
-        room = capacity - longest
-        for size, k in _best_subset(room, {s: len(q) for s, q in queues.items() if s <= room}):
-            row.extend(take(size) for _ in range(k))
-        bins.append(row)
-    return bins
-
-
 def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
     """Packed rows (dicts of numpy arrays) from one window of examples."""
     for members in pack_bins([len(e.input_ids) for e in examples], seq_len):
@@ -463,14 +330,15 @@ class EncodedShard:
     pad_id: int
 
 
-def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> tuple:
-    """What a tokenize task works on: (encoder, seq_len, split, [(row id, messages)], pad id)."""
+def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, list]) -> tuple:
+    """What a tokenize task works on: (encoder, seq_len, split, [(row id, messages)], pad id), from a run of parts of
+    the split or from (row id, messages) pairs."""
     source, seq_len = settings
     encoder = source if isinstance(source, ChatEncoder) else source.encoder()
     split, rows = item
-    if not isinstance(rows, list):
-        table = rows.read(["source", "messages"])
-        rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
+    if rows and isinstance(rows[0], Part):
+        tables = [read_part(part, ["source", "messages"]) for part in rows]
+        rows = [row for table in tables for row in zip(table.column("source").to_pylist(), table.column("messages").to_pylist())]
     pad_id = encoder.tokenizer.pad_token_id
     return encoder, seq_len, split, rows, encoder.tokenizer.eos_token_id if pad_id is None else pad_id
 
@@ -483,8 +351,8 @@ def encoded_shard(split: str, kept: list[Example], rejected: list[tuple[str, str
     return EncodedShard(split, ids, mask, lengths, rejected, pad_id)
 
 
-def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
-    """Tokenize one shard of a split (a row range of its file, or (row id, messages) pairs): a data-plane task."""
+def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, list]) -> EncodedShard:
+    """Tokenize one shard of a split (a run of its parts, or (row id, messages) pairs): a data-plane task."""
     encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
     kept: list[Example] = []
     rejected: list[tuple[str, str, str]] = []
@@ -504,9 +372,10 @@ def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple
 
 @dataclass(frozen=True)
 class Window:
-    """``PACK_WINDOW`` examples of a split (fewer at its end), packed together by one task."""
+    """``PACK_WINDOW`` examples of a split (fewer at its end), packed together by one task into one shard file."""
 
     split: str
+    index: int  # the window's number in its split: its shard file's
     input_ids: np.ndarray
     loss_mask: np.ndarray
     lengths: np.ndarray
@@ -517,9 +386,9 @@ class Window:
         return [Example(self.input_ids[a:b], self.loss_mask[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
-def pack_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
-    """The packed rows of one window: a data-plane task."""
-    return window.split, list(pack_rows(window.examples(), seq_len, window.pad_id))
+def pack_window(seq_len: int, window: Window) -> list[dict]:
+    """The packed rows of one window."""
+    return list(pack_rows(window.examples(), seq_len, window.pad_id))
 
 
 @dataclass(frozen=True)
@@ -527,7 +396,7 @@ class PackKind:
     """What ``pack_splits`` packs: its two tasks, how many sequences make one item, and its shards."""
 
     encode: Callable[[tuple, tuple], EncodedShard]  # (settings, (split, rows)) -> the shard's sequences
-    pack: Callable[[int, Window], tuple[str, list[dict]]]  # (seq_len, window) -> (split, packed rows)
+    pack: Callable[[int, Window], list[dict]]  # (seq_len, window) -> packed rows
     sequences: int  # sequences an item (an example: 1; a preference pair: 2), never cut apart by a window
     schema: pa.Schema
     file_split: Callable[[str], str]  # split -> the split name in its shard files
@@ -536,10 +405,19 @@ class PackKind:
 EXAMPLES = PackKind(encode_shard, pack_window, 1, SCHEMA, str)
 
 
+def write_window(settings: tuple[PackKind, int, Target], window: Window) -> tuple[str, Written]:
+    """Pack one window and write its rows as the shard ``<split>-<window>.parquet``: a data-plane task."""
+    kind, seq_len, target = settings
+    rows = kind.pack(seq_len, window)
+    table = packed_table(rows, kind.schema)
+    return window.split, target.put(shard_name(kind.file_split(window.split), window.index), table_bytes(table, kind.schema), len(rows))
+
+
 def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackStats], sequences: int = 1) -> Iterator[Window]:
     """The sequences of the encoded shards, in order, cut into windows of ``window`` sequences per split
     (a multiple of ``sequences``, and every shard holds whole items: an item is never cut)."""
     pending: dict[str, list[EncodedShard]] = {}
+    cut_so_far: dict[str, int] = {}
 
     def cut(split: str, final: bool) -> Iterator[Window]:
         shards = pending.get(split, [])
@@ -551,7 +429,8 @@ def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackSt
         while len(lengths) - done >= window or (final and done < len(lengths)):
             take = min(window, len(lengths) - done)
             a, b = offsets[done], offsets[done + take]
-            yield Window(split, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id)
+            index = cut_so_far[split] = cut_so_far.get(split, -1) + 1
+            yield Window(split, index, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id)
             done += take
         a = offsets[done]
         pending[split] = [EncodedShard(split, ids[a:], mask[a:], lengths[done:], [], stats[split].pad_id)] if done < len(lengths) else []
@@ -575,37 +454,33 @@ def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackSt
 
 
 def pack_splits(
-    shards: dict[str, Iterable[RowRange | list]],
+    shards: dict[str, Iterable[list]],
     encoder: ChatEncoder | TokenizerFiles,
     seq_len: int,
-    out_dir: Path,
+    out: Artifact,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
-    """Encode the shards of each split and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``.
+    """Encode the shards of each split and write packed shards ``<split>-NNNNN.parquet``, one a window, to ``out``.
 
     Two kinds of task on ``executor`` (default: this process), pipelined: ``kind.encode`` per shard of
-    rows, and ``kind.pack`` per ``window`` items of a split, cut from the items in row order as one
-    process would cut them. So the packed rows and shard files are the same whatever the executor and
-    the shards: only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples), or
+    rows (a run of parts, or a list of (row id, messages)), and ``write_window`` per ``window`` items of
+    a split, cut from the items in row order as one process would cut them, which packs them and writes
+    their shard. So the packed rows and shard files are the same whatever the executor and the shards:
+    only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples), or
     ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``).
     """
     executor = executor or InProcess()
-    out_dir.mkdir(parents=True, exist_ok=True)
     stats = {split: PackStats() for split in shards}
-    writers = {split: ShardWriter(out_dir, kind.file_split(split), rows_per_shard, kind.schema) for split in shards}
     items = ((split, shard) for split, split_shards in shards.items() for shard in split_shards)
     encoded = executor.map(kind.encode, items, (encoder, seq_len))
-    for split, rows in executor.map(kind.pack, _windows(encoded, window * kind.sequences, stats, kind.sequences), seq_len):
-        for row in rows:
-            writers[split].add(row)
-        stats[split].rows += len(rows)
-        stats[split].slots += len(rows) * seq_len
-    for split, writer in writers.items():
-        writer.flush()
-        stats[split].files = writer.files
+    windows = _windows(encoded, window * kind.sequences, stats, kind.sequences)
+    for split, written in executor.map(write_window, windows, (kind, seq_len, out.target(executor))):
+        out.add(written)
+        stats[split].rows += written.rows
+        stats[split].slots += written.rows * seq_len
+        stats[split].files.append(written.name)
     return stats
 
 
@@ -616,28 +491,26 @@ def tokenize_and_pack(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
     kind: PackKind = EXAMPLES,
 ) -> PackStats:
-    """Encode (row id, messages) items and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``, in this process."""
+    """Encode (row id, messages) items and write packed shards ``<split>-NNNNN.parquet`` (one a window of ``window``
+    examples) to the folder ``out_dir``, in this process."""
     rows = iter(rows)
     batches = iter(lambda: list(itertools.islice(rows, DEFAULT_SHARD_ROWS)), [])
-    return pack_splits({split: batches}, encoder, seq_len, out_dir, window, rows_per_shard, kind=kind)[split]
+    return pack_splits({split: batches}, encoder, seq_len, Artifact.folder(out_dir), window, kind=kind)[split]
 
 
 def tokenize_splits(
-    split_dir: Path,
+    split: Artifact,
     splits: tuple[str, ...],
     encoder: TokenizerFiles,
     seq_len: int,
-    out_dir: Path,
+    out: Artifact,
     window: int = PACK_WINDOW,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
-    """``pack_splits`` of ``split_dir/<split>.parquet`` for each split, in row ranges of ``executor.shard_rows``."""
+    """``pack_splits`` of the parts of each split of ``split``, in runs of ``executor.shard_rows`` rows."""
     executor = executor or InProcess()
-    return pack_splits(
-        {split: row_ranges(split_dir / f"{split}.parquet", executor) for split in splits}, encoder, seq_len, out_dir, window,
-        executor=executor, kind=kind,
-    )  # fmt: skip
+    shards = {name: list(runs(split.parts(name, executor), lambda part: part.rows, executor.shard_rows)) for name in splits}
+    return pack_splits(shards, encoder, seq_len, out, window, executor=executor, kind=kind)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ft_assets.data.bins import pack_bins
 from ft_assets.data.packing import (
     PACK_WINDOW,
     TOKENIZE_BATCH,
@@ -36,13 +37,12 @@ from ft_assets.data.packing import (
     PackStats,
     Window,
     encoded_shard,
-    pack_bins,
     shard_input,
     tokenize_and_pack,
 )
 from ft_assets.data.preference import split_pair
 from ft_assets.data.rows import RowError
-from ft_assets.shards import PAIR_SCHEMA, ROWS_PER_SHARD, pair_split
+from ft_assets.shards import PAIR_SCHEMA, pair_split
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,11 @@ def encode_pair_shard(settings: tuple, item: tuple) -> EncodedShard:
     return encoded_shard(split, kept, rejected, pad_id)
 
 
-def pack_pair_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
-    """The packed rows of one window of pairs (chosen, rejected, chosen, ...): a data-plane task."""
+def pack_pair_window(seq_len: int, window: Window) -> list[dict]:
+    """The packed rows of one window of pairs (chosen, rejected, chosen, ...)."""
     sequences = window.examples()
     pairs = [Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])]
-    return window.split, list(pack_pair_rows(pairs, seq_len, window.pad_id))
+    return list(pack_pair_rows(pairs, seq_len, window.pad_id))
 
 
 PAIRS = PackKind(encode_pair_shard, pack_pair_window, 2, PAIR_SCHEMA, pair_split)
@@ -138,8 +138,7 @@ def tokenize_and_pack_pairs(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
-    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` to ``out_dir``, in this
-    process; ``examples`` counts pairs. (The data plane shards them: ``tokenize_splits(..., kind=PAIRS)``.)"""
-    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, rows_per_shard, kind=PAIRS)
+    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` (one a window of ``window`` pairs) to
+    ``out_dir``, in this process; ``examples`` counts pairs. (The data plane shards them: ``tokenize_splits(..., kind=PAIRS)``.)"""
+    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, kind=PAIRS)

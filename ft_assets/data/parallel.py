@@ -49,6 +49,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from ft_assets.storage import ObjectStore, open_store, store_kind
+
 # Ray (the optional `ray` extra, ~1.5 s to import) and grpc are imported inside the functions that use them,
 # so that in-process and pool runs never load them.
 
@@ -75,45 +77,71 @@ class RayFile:
     name: str
 
 
-FileRef = Path | RayFile  # how a worker reaches an input file: a path on this machine, or the object store
+@dataclass(frozen=True)
+class StoreObject:
+    """An object of the store, which a worker reads itself: by the store's URL (a directory of this machine, or
+    ``s3://bucket/prefix``, for which boto3 takes the endpoint and credentials from the worker's environment)."""
+
+    url: str
+    key: str
 
 
-def open_file(file: FileRef) -> BinaryIO:
-    """The file's bytes as a binary file object, wherever the worker runs."""
-    if isinstance(file, RayFile):
-        import ray
+FileRef = Path | RayFile | StoreObject  # how a worker reaches a file: a path here, Ray's object store, or the store
 
-        return io.BytesIO(ray.get(file.ref))
-    return open(file, "rb")
+_STORES: dict[str, ObjectStore] = {}  # per process: the stores opened by URL (an S3 client takes ~0.1 s to make)
 
 
-def read_all(file: FileRef):
-    """The whole file as a bytes-like object (a read-only view of the object store's copy for Ray)."""
+def store_at(url: str) -> ObjectStore:
+    """The store at ``url``, opened once per process."""
+    if url not in _STORES:
+        _STORES[url] = open_store(url)
+    return _STORES[url]
+
+
+def _local(file: FileRef) -> Path | None:
+    """The file's path when it is one of this machine (an object of a local store included)."""
+    if isinstance(file, Path):
+        return file
+    if isinstance(file, StoreObject) and store_kind(file.url) == "file":
+        return store_at(file.url).path(file.key)
+    return None
+
+
+def _remote_bytes(file: RayFile | StoreObject):
+    """The bytes of a file that is not on this machine: Ray's read-only view of its copy, or the object's body."""
     if isinstance(file, RayFile):
         import ray
 
         return ray.get(file.ref)
-    return Path(file).read_bytes()
+    return store_at(file.url).get_bytes(file.key)
+
+
+def open_file(file: FileRef) -> BinaryIO:
+    """The file's bytes as a binary file object, wherever the worker runs."""
+    path = _local(file)
+    return open(path, "rb") if path is not None else io.BytesIO(_remote_bytes(file))
+
+
+def read_all(file: FileRef):
+    """The whole file as a bytes-like object (a read-only view of the object store's copy for Ray)."""
+    path = _local(file)
+    return path.read_bytes() if path is not None else _remote_bytes(file)
 
 
 def read_range(file: FileRef, start: int, stop: int) -> bytes:
-    """Bytes ``[start, stop)`` of the file (only those are copied, wherever the file is)."""
-    if isinstance(file, RayFile):
-        import ray
-
-        return bytes(ray.get(file.ref)[start:stop])
-    with open(file, "rb") as handle:
+    """Bytes ``[start, stop)`` of the file (only those are copied from a file of this machine or of Ray's object store)."""
+    path = _local(file)
+    if path is None:
+        return bytes(_remote_bytes(file)[start:stop])
+    with open(path, "rb") as handle:
         handle.seek(start)
         return handle.read(stop - start)
 
 
 def arrow_file(file: FileRef):
     """The file as a pyarrow readable (memory-mapped on this machine), for Parquet and Arrow readers."""
-    if isinstance(file, RayFile):
-        import ray
-
-        return pa.BufferReader(pa.py_buffer(ray.get(file.ref)))
-    return pa.memory_map(str(file))
+    path = _local(file)
+    return pa.memory_map(str(path)) if path is not None else pa.BufferReader(pa.py_buffer(_remote_bytes(file)))
 
 
 def peak_rss_mib() -> float:
@@ -178,6 +206,7 @@ class Executor:
     usage: dict[str, WorkerUsage] = field(default_factory=dict)  # per worker process (host:pid)
     log: Callable[[str], None] | None = None  # where a long stage reports its progress (the run's log)
     progress_every_s: float = PROGRESS_EVERY_S
+    remote: bool = False  # whether workers may run on other machines, out of reach of this machine's files
 
     kind = "in-process"
 
@@ -225,8 +254,13 @@ class Executor:
             yield self._here(fn, common, shard)
 
     def share(self, path: Path) -> FileRef:
-        """How this executor's workers reach a file of the driver's scratch folder."""
+        """How this executor's workers reach a file of this machine (the driver's scratch folder, a local store)."""
         return path
+
+    def reaches(self, url: str) -> bool:
+        """Whether the workers can read and write the store at ``url`` themselves: an S3 store always (the
+        cluster needs its endpoint and credentials), a directory only from this machine."""
+        return store_kind(url) == "s3" or not self.remote
 
     def describe(self) -> str:
         return "1 process (in-process)"
@@ -426,8 +460,13 @@ class ProcessPool(Executor):
 
 @dataclass
 class RayTasks(Executor):
-    """One Ray task a shard on the cluster this process is connected to (``ray.init`` done by the caller)."""
+    """One Ray task a shard on the cluster this process is connected to (``ray.init`` done by the caller).
 
+    ``remote``: the cluster may have nodes on other machines (the default); False for a Ray started on
+    this machine, whose workers read and write this machine's files directly.
+    """
+
+    remote: bool = True
     kind = "ray"
 
     def __post_init__(self):
@@ -443,6 +482,8 @@ class RayTasks(Executor):
         return f"Ray, {self.workers} tasks at a time"
 
     def share(self, path: Path) -> FileRef:
+        if not self.remote:
+            return path
         import ray
 
         return RayFile(ray.put(np.fromfile(path, dtype=np.uint8)), Path(path).name)
