@@ -34,6 +34,7 @@ from ft_assets.data.parts import Artifact, Target, Written
 from ft_assets.data.readers import file_shards, read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.split import split_dataset
+from ft_assets.storage import open_store
 
 pytestmark = pytest.mark.integration
 
@@ -85,9 +86,9 @@ def local_ray(ray_session):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
-def run_stage(stage: str, files, work: Path, executor, tokenizer, artifacts: dict) -> dict:
-    """One stage, its output a folder of ``work``; ``artifacts`` holds each stage's output for the next one."""
-    out = artifacts[stage] = Artifact.folder(work / stage)
+def run_stage(stage: str, files, out: Artifact, executor, tokenizer, artifacts: dict) -> dict:
+    """One stage into ``out``; ``artifacts`` holds each stage's output for the next one."""
+    artifacts[stage] = out
     if stage == "read":
         return read_dataset(files, out, None, executor, part_rows=PART_ROWS)
     if stage == "clean":
@@ -117,7 +118,7 @@ def run_all(files, work: Path, executor, tokenizer, during: dict | None = None) 
     stats, artifacts = {}, {}
     for stage in STAGES:
         with (during or {}).get(stage, _nothing)():
-            stats[stage] = run_stage(stage, files, work, executor, tokenizer, artifacts)
+            stats[stage] = run_stage(stage, files, Artifact.folder(work / stage), executor, tokenizer, artifacts)
     files = outputs(work)
     listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
     assert listed == files  # every part written is described, whole, and nothing else is left (no temporary file)
@@ -169,6 +170,31 @@ def test_every_mode_writes_the_same_bytes(mode, corpus, tokenizer, reference, tm
     if not mode.startswith("in-process"):
         workers = [w for w in executor.usage.values() if w.shards]
         assert len(workers) >= 2, executor.usage  # both workers took shards
+
+
+@pytest.mark.parametrize("kind", ["processes", "ray, on other machines"])
+def test_workers_write_their_parts_to_s3(kind, corpus, tokenizer, reference, s3_env, seaweedfs, ray_session):
+    """With an S3 store the workers read their input parts from it and write their parts to it themselves, from the
+    store's URL and the credentials of their environment (a Ray cluster's: its runtime_env): the same bytes."""
+    import ray
+
+    store = open_store(s3_env)
+    if kind.startswith("ray"):
+        ray.shutdown()  # this test's Ray, with the store's endpoint and keys in its workers' environment
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": seaweedfs.env()})
+    stats, artifacts = {}, {}
+    try:
+        with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=True) as executor:
+            for stage in STAGES:
+                stats[stage] = run_stage(stage, corpus, Artifact(store.url, f"runs/t/{stage}"), executor, tokenizer, artifacts)
+            assert len([w for w in executor.usage.values() if w.shards]) >= 2
+    finally:
+        if kind.startswith("ray"):
+            ray.shutdown()
+    assert stats == reference[0]
+    listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
+    assert listed == reference[1]
+    assert {f"{key.removeprefix('runs/t/')}": store.sha256(key) for key in store.list("runs/t")} == reference[1]
 
 
 # --- faults --------------------------------------------------------------------------------------------
