@@ -148,6 +148,30 @@ def test_one_process_two_processes_and_ray_publish_the_same_artifacts(project, c
     assert run_json(capsys, *base, "--data-workers", "2")["skipped"] == ["data"]
 
 
+def test_with_an_s3_store_the_workers_write_the_parts_there(project, capsys, s3_env, monkeypatch):
+    """``FT_STORE=s3://…`` and 2 worker processes: the workers read their input parts from the bucket and write theirs
+    there, the driver commits each manifest; every artifact is the one a single process makes on a local store."""
+    from ft_assets.refs import read_ref
+    from ft_assets.storage import open_store
+
+    tmp_path, config = project
+    sharded = tmp_path / "sharded.yaml"
+    sharded.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "resources": {"data_executor": {"config": {"shard_rows": 700}}}}))
+    base = ["run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1", "--until", "data", "--config", str(sharded), "--json"]
+    local = LocalStore(tmp_path / "home" / "store")
+    run_json(capsys, *base, "--data-workers", "1")
+    monkeypatch.setenv("FT_STORE", s3_env)
+    on_s3 = run_json(capsys, *base, "--data-workers", "2")
+    bucket = open_store(s3_env)
+    for asset in DATA_ASSETS:
+        ref = read_ref(bucket, "toolcalls@t1", asset)
+        assert ref["uri"].startswith("s3://") and ref["digest"] == read_ref(local, "toolcalls@t1", asset)["digest"], asset
+        manifest = read_manifest(bucket, ref["prefix"])
+        assert sorted(key.removeprefix(ref["prefix"] + "/") for key in bucket.list(ref["prefix"])) == sorted([*manifest.files, "manifest.json"])
+        assert all(bucket.sha256(f"{ref['prefix']}/{name}") == info["sha256"] for name, info in manifest.files.items())
+    assert on_s3["accounting_invariant_holds"] is True
+
+
 def test_a_ray_address_that_does_not_answer_fails_the_run_within_30_s(project, capsys):
     import socket
     import time
