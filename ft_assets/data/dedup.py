@@ -20,7 +20,8 @@ distinct word is hashed once and a shingle's hash is a vectorized combination of
 (no shingle strings, no per-shingle SHA-1); the MinHash values of 64 rows at a time are one numpy
 pass (datasketch's values for that shingle hash, which the index checks when it starts); exact
 duplicates are found by sorting the 16-byte keys instead of a dict of every key (~130 bytes a row in
-all), LSH collisions are found with numpy sorts, and the rows are filtered as Arrow batches. On the
+all), LSH collisions are found with numpy sorts (the shuffle's steps: ``ft_assets.data.shuffle``), and
+each worker filters its parts' rows as Arrow batches and writes them with their duplicate records. On the
 200k-row benchmark corpus this stage takes ~31 s of CPU (``stages.dedup`` in
 ``benchmarks/results/data_plane.json``, from ``make bench``); the version before it, with a SHA-1
 and a joined string per shingle (datasketch's default hash), took 47 s in the same benchmark.

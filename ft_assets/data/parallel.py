@@ -1,30 +1,34 @@
 """Where the data plane's shards run: in this process, in a pool of worker processes, or as Ray tasks.
 
-Every data-plane stage is a pure function over one shard of rows, ``fn(common, shard)``: ``common``
-holds what all shards of the stage share (the cleaning rules, the tokenizer), the shard says which
-rows it covers (a row range of a Parquet file, a line range of a JSONL file, a whole input file),
-and the function returns its part of the output as values (Arrow tables, numpy arrays, counts).
-The stage's driver, the asset's own process, cuts the shards, hands them to an ``Executor`` and
-writes the parts in shard order as they come back. So:
+Every data-plane stage is a pure function over one shard, ``fn(common, shard)``: ``common`` holds
+what all shards of the stage share (the cleaning rules, the tokenizer, where to write), the shard
+says what it covers (a run of parts of the input artifact, a line range of a JSONL file, a whole
+input file, a partition of the deduplication shuffle), and the function writes its parts of the
+output itself (``ft_assets.data.parts``) and returns small values: the parts' descriptors, counts,
+the shuffle's records. The stage's driver, the asset's own process, cuts the shards, hands them to
+an ``Executor`` and adds up what comes back in shard order. So:
 
-- Shards are cut from the data and ``shard_rows`` alone, never from the number of workers, and
-  parts are written in shard order whatever order they finish in: one process, N processes and a
-  Ray cluster write the same files, byte for byte (``test_parallel.py`` compares their digests).
+- The parts are cut from the data alone (``parts.PART_ROWS``) and shards are runs of whole parts,
+  never cut from the number of workers: one process, N processes and a Ray cluster write the same
+  files, byte for byte, whatever ``shard_rows`` is (``test_parallel.py`` compares their digests).
 - ``InProcess`` (``workers=1``) runs every shard in turn in this process: the data plane as it
   always ran. Any executor runs a stage of a single shard here too, so a small version never
   starts a pool.
 - ``ProcessPool`` runs ``workers`` spawned processes on this machine. A worker that dies (SIGKILL,
   the OOM killer) breaks the pool: it is restarted and the shards that were in flight run again,
-  up to ``MAX_ATTEMPTS`` times in all. A part is written only once it is back whole, and the
-  stage publishes nothing until every part is, so a kill never leaves a partial output.
+  up to ``MAX_ATTEMPTS`` times in all. A part is renamed into place (or PUT) only once it is whole,
+  its rerun writes the same bytes over it, and the artifact is committed only when every shard is
+  back, so a kill never leaves a partial output.
 - ``RayTasks`` runs one Ray task a shard on the Ray cluster this process is connected to (the
   assets connect through dagster-ray, ``ft_assets.data.resources``); Ray reruns the task of a dead
-  worker (``max_retries``). Input files reach the workers through Ray's object store (``share``),
-  so the cluster needs no filesystem shared with the driver.
+  worker (``max_retries``). ``remote`` (a cluster that may span machines): the workers reach the
+  files of this machine (the inputs, the shuffle's spill, a local store) through Ray's object store
+  (``share``) and send back the bytes of parts they cannot write; an S3 store they read and write
+  themselves, by its URL (``StoreObject``), so the cluster needs no filesystem shared with the driver.
 
-At most ``2 × workers`` shards are in flight, so the driver holds a bounded number of parts however
-large the dataset version is, and a worker holds one shard (``shard_rows`` rows; an input file that
-cannot be split by lines or row groups, gzip, CSV or a JSON array, is one shard).
+At most ``2 × workers`` shards are in flight, so the driver holds a bounded number of results however
+large the dataset version is, and a worker holds one part at a time (``PART_ROWS`` rows; an input
+file that cannot be split by lines or row groups, gzip, CSV or a JSON array, is one part).
 """
 
 from __future__ import annotations

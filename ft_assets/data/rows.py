@@ -4,8 +4,8 @@ A bad *row* raises ``RowError(reason, detail)``, which every stage turns into a 
 (``QUARANTINE_SCHEMA``), so no row is dropped unaccounted; a bad *file* raises ``DatasetFileError``,
 which fails the dataset version, because rows that cannot be read cannot be counted.
 
-Every stage reads its input row by row and writes its outputs through ``ParquetSink``, which
-flushes every ``FLUSH_ROWS`` rows, so memory stays flat however large the dataset version is.
+Every part of a stage's output (``ft_assets.data.parts``) is written through ``ParquetSink``, in row
+groups of exactly ``FLUSH_ROWS`` rows, so its bytes depend on its rows alone.
 
 Converting rows between Arrow and Python dicts costs ~10 µs a chat row each way (pyarrow 26), so
 stages that only drop or relabel rows (split, the last deduplication pass) never convert: they
