@@ -155,7 +155,7 @@ def clean_dataset(
     executor = executor or InProcess()
     reasons: Counter[str] = Counter()
     kept = quarantined = changed = 0
-    tasks = runs(raw.parts("rows", executor), lambda part: part.rows, executor.shard_rows)
+    tasks = list(runs(raw.parts("rows", executor), lambda part: part.rows, executor.shard_rows))
     for run in executor.map(clean_run, tasks, (rules, clean, out.target(executor))):
         for part in run:
             out.add(part.rows, part.quarantine)

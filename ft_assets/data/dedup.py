@@ -463,7 +463,7 @@ def _clusters(executor: Executor, parts: list[Part], pairs: np.ndarray, duplicat
     candidates = np.unique(pairs)
     wanted = np.unique(np.concatenate([duplicates[:, 1], candidates]))
     items = [item for item in zip(parts, _in_parts(candidates, parts), _in_parts(wanted, parts)) if len(item[2])]
-    found = list(executor.map(look_up, runs(items, lambda item: item[0].rows, executor.shard_rows), rules))
+    found = list(executor.map(look_up, list(runs(items, lambda item: item[0].rows, executor.shard_rows)), rules))
     signatures = np.concatenate([s for s, _ in found]) if found else np.empty((0, rules.num_perm), np.uint32)
     sources = dict(zip(wanted.tolist(), (source for _, names in found for source in names)))
     roots = cluster_roots(pairs, candidates, signatures, rules.threshold)

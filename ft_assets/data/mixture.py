@@ -264,7 +264,7 @@ def mix_dataset(
         picks.append(np.zeros(counted["rows_parsed"], dtype=bool))
         picks[-1][np.random.default_rng(_seed_of(seed, name)).choice(counted["rows_parsed"], size=count, replace=False)] = True
     kinds: dict[str, dict[str, str]] = {}
-    tasks = runs(_draws(read, picks, executor), lambda draw: draw.rows.rows, executor.shard_rows)
+    tasks = list(runs(_draws(read, picks, executor), lambda draw: draw.rows.rows, executor.shard_rows))
     for run in executor.map(draw_run, tasks, out.target(executor)):
         for rows_part, quarantine_part, first in run:
             out.add(rows_part, quarantine_part)

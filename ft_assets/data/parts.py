@@ -194,16 +194,17 @@ class Artifact:
                 yield from batch.to_pylist()
 
 
-def runs(items: Iterable, rows: Callable, shard_rows: int) -> list[list]:
+def runs(items: Iterable, rows: Callable, shard_rows: int) -> Iterator[list]:
     """Consecutive ``items`` (parts, or what a stage makes of them) in runs of at most ``shard_rows`` rows, each
-    at least one item: the tasks of a stage. They depend on ``shard_rows``; what the tasks write does not."""
-    out: list[list] = []
-    total = shard_rows
+    at least one item: the tasks of a stage, lazily. They depend on ``shard_rows``; what the tasks write does not."""
+    run: list = []
+    total = 0
     for item in items:
         size = rows(item)
-        if total + size > shard_rows or not out:
-            out.append([])
-            total = 0
-        out[-1].append(item)
+        if run and total + size > shard_rows:
+            yield run
+            run, total = [], 0
+        run.append(item)
         total += size
-    return out
+    if run:
+        yield run

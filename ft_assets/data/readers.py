@@ -223,7 +223,7 @@ def read_dataset(
     executor = executor or InProcess()
     shards = input_parts(files, executor, part_rows)
     counts = _Counts()
-    tasks = runs(shards, lambda shard: shard.rows or executor.shard_rows, executor.shard_rows)  # a whole file: a task of its own
+    tasks = list(runs(shards, lambda shard: shard.rows or executor.shard_rows, executor.shard_rows))  # a whole file: a task of its own
     for run in executor.map(read_parts, tasks, (mapping, out.target(executor))):
         for part in run:
             out.add(part.rows, part.quarantine)

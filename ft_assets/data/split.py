@@ -50,7 +50,7 @@ def split_dataset(
     split_of("", eval_fraction)  # a bad fraction fails here, before any task
     executor = executor or InProcess()
     counts = {TRAIN: 0, EVAL: 0}
-    tasks = runs(deduplicated.parts("rows", executor), lambda part: part.rows, executor.shard_rows)
+    tasks = list(runs(deduplicated.parts("rows", executor), lambda part: part.rows, executor.shard_rows))
     for run in executor.map(split_run, tasks, (eval_fraction, salt, out.target(executor))):
         for train, evaluation in run:
             out.add(train, evaluation)
