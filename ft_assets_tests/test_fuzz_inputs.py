@@ -34,7 +34,7 @@ from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.layouts import normalize_record
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError, RowError, iter_records
+from ft_assets.data.rows import DatasetFileError, RowError
 from ft_assets_tests.support import record_figures
 
 LINE_LIMIT = 512  # formats.MAX_LINE_BYTES during the fuzz, so that "huge" lines stay cheap to generate

@@ -18,7 +18,7 @@ from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
 from ft_assets.data.preference import CHAT, PREFERENCE, clean_pair, dataset_kind
-from ft_assets.data.parts import Artifact
+from ft_assets.data.parts import PART_ROWS, Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.split import split_dataset
@@ -136,10 +136,11 @@ def encoder(tiny_model_dir) -> ChatEncoder:
     return ChatEncoder(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN) -> dict:
-    """The data plane's functions in the assets' order on one JSONL file of pairs; every stage's figures."""
+def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN, part_rows: int = PART_ROWS) -> dict:
+    """The data plane's functions in the assets' order on one JSONL file of pairs (in parts of ``part_rows`` rows);
+    every stage's figures."""
     stage = {name: Artifact.folder(root / name) for name in ("raw", "clean", "dedup", "split")}
-    stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], stage["raw"])}
+    stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], stage["raw"], part_rows=part_rows)}
     stats["kind"] = stats["raw"]["data_kind"]
     stats["clean"] = clean_dataset(stage["raw"], stage["clean"], CleaningRules(), clean=clean_pair)
     stats["dedup"] = deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules())
@@ -229,29 +230,32 @@ def test_packing_pairs_fills_the_rows(encoder, tmp_path):
 
 
 def test_pairs_shard_on_worker_processes_with_the_same_bytes(encoder, tiny_model_dir, tmp_path):
-    """The data plane's pair tokenizing on 2 worker processes, in shards of 16 pairs and windows of 8 pairs,
-    writes the same files as the in-process packer: a window never cuts a pair apart."""
+    """The data plane's pair tokenizing on 2 worker processes, a part of 16 rows a task and windows of 8 pairs,
+    writes the same files as one process that packs every part in one task: a window never cuts a pair apart."""
     import hashlib
 
     from ft_assets.data.packing import TokenizerFiles, tokenize_splits
     from ft_assets.data.pair_packing import PAIRS
-    from ft_assets.data.parallel import ProcessPool
+    from ft_assets.data.parallel import InProcess, ProcessPool
 
     rows = timer_pairs(90) + [{"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."}]
-    stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN)
-    expected = {}
-    for split in ("train", "eval"):  # the in-process packer again, with the same windows
-        items = ((r["source"], r["messages"]) for r in stats["split_rows"].records(split))
-        expected[split] = tokenize_and_pack_pairs(items, encoder, PAIR_SEQ_LEN, tmp_path / "one" / "windowed", split, window=8)
+    stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN, part_rows=16)
+    tokenizer = TokenizerFiles.from_dir(tiny_model_dir)
+    with InProcess(1, 1_000_000) as executor:
+        expected = tokenize_splits(stats["split_rows"], ("train", "eval"), tokenizer, PAIR_SEQ_LEN, Artifact.folder(tmp_path / "one" / "windowed"),
+                                   8, executor, kind=PAIRS)  # fmt: skip
     with ProcessPool(2, 16) as executor:
-        packed = tokenize_splits(stats["split_rows"], ("train", "eval"), TokenizerFiles.from_dir(tiny_model_dir), PAIR_SEQ_LEN,
-                                 Artifact.folder(tmp_path / "two"), 8, executor, kind=PAIRS)  # fmt: skip
+        packed = tokenize_splits(stats["split_rows"], ("train", "eval"), tokenizer, PAIR_SEQ_LEN, Artifact.folder(tmp_path / "two"), 8,
+                                 executor, kind=PAIRS)  # fmt: skip
         assert sum(usage.shards for usage in executor.usage.values()) > 4  # really sharded
 
     def digests(folder: Path) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("pairs-*.parquet"))}
 
     assert len(digests(tmp_path / "two")) > 2 and digests(tmp_path / "two") == digests(tmp_path / "one" / "windowed")  # one a window
+    for packed_rows in (pq.read_table(path).column("segment_ids").to_pylist() for path in sorted((tmp_path / "two").glob("pairs-*.parquet"))):
+        for segments in packed_rows:  # every pair whole in its row: its chosen (2k) and its rejected (2k + 1) sequence
+            assert {s // 2 for s in segments if s >= 0 and s % 2 == 0} == {s // 2 for s in segments if s >= 0 and s % 2 == 1}
     for split in ("train", "eval"):
         assert (packed[split].examples, packed[split].tokens, packed[split].rows) == (
             expected[split].examples, expected[split].tokens, expected[split].rows)  # fmt: skip

@@ -12,7 +12,7 @@ from ft_assets.data.formats import Rejected, Row, iter_dataset_file
 from ft_assets.data.layouts import ColumnMapping, normalize_record
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError, RowError, iter_records
+from ft_assets.data.rows import DatasetFileError, RowError
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 

@@ -62,7 +62,9 @@ _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: dataske
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
 PARTITION_BYTES = 128 << 20  # shuffle records a reduce task sorts, at most (about): bounds a worker's memory
-MAX_PARTITIONS = 512  # ... up to 1.6 billion rows; more rows make bigger partitions
+MAX_PARTITIONS = 512  # ... up to 1.6 billion rows; more rows make bigger partitions. A map task cuts its records into
+# this many buckets, the driver puts bucket b in partition b % partitions: it sizes the partitions from the first map
+# result's band count, so it never builds a MinHasher itself (datasketch and scipy: ~0.6 s of CPU to import)
 
 
 @dataclass(frozen=True)
@@ -341,22 +343,25 @@ def minhasher(rules: DedupRules) -> MinHasher:
 
 @dataclass(frozen=True)
 class DedupMap:
-    """A run's part of the shuffle: its exact keys in row order, its records split by partition."""
+    """A run's part of the shuffle: its exact keys in row order, its records split into ``MAX_PARTITIONS`` buckets,
+    and the LSH banding that made them."""
 
     keys: bytes  # 16 bytes a row
     exact: list[np.ndarray]
     bands: list[np.ndarray]
+    lsh: tuple[int, int]  # (bands, rows a band)
 
 
-def map_run(settings: tuple[DedupRules, int], run: list[Part]) -> DedupMap:
+def map_run(rules: DedupRules, run: list[Part]) -> DedupMap:
     """Exact keys and band hashes of a run's rows (the costly part: one normalization of each message)."""
-    rules, partitions = settings
+    hasher = minhasher(rules)
     features = [row_features(messages, rules) for part in run for messages in read_part(part, ["messages"]).column("messages").to_pylist()]
     keys = np.frombuffer(b"".join(f.key for f in features), dtype=np.uint8).reshape(-1, 16)
-    hashes, eligible = minhasher(rules).band_hashes(features)
+    hashes, eligible = hasher.band_hashes(features)
     exact = exact_records(keys, run[0].start)  # the parts of a run are consecutive: its rows are numbered on
     bands = band_records(hashes, eligible, run[0].start)
-    return DedupMap(keys.tobytes(), partition(exact, exact[:, 0], partitions), partition(bands, bands[:, 1], partitions))
+    buckets = (partition(exact, exact[:, 0], MAX_PARTITIONS), partition(bands, bands[:, 1], MAX_PARTITIONS))
+    return DedupMap(keys.tobytes(), *buckets, (hasher.bands, hasher.rows_per_band))
 
 
 def reduce_exact(_, records: FileRef) -> np.ndarray:
@@ -424,21 +429,26 @@ def filter_run(settings: tuple[str, Target], run: list[FilterItem]) -> list[tupl
 # --- the stage, in the driver ----------------------------------------------------------------------------
 
 
-def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, partitions: int, spill: Path) -> int:
-    """Step 1: the map tasks; their keys and records spilled to ``spill`` (``keys``, ``exact-P``, ``bands-P``). Returns
-    the bytes shuffled."""
-    for p in range(partitions):
-        for kind in ("exact", "bands"):
-            (spill / f"{kind}-{p}").touch()
+def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: int, spill: Path) -> tuple[int, tuple[int, int]]:
+    """Step 1: the map tasks; their keys and records spilled to ``spill`` (``keys``, ``exact-P``, ``bands-P``), bucket b
+    in partition b % partitions. Returns the partitions and the LSH banding (bands, rows a band)."""
+    partitions, lsh = 0, (0, 0)
     with open(spill / "keys", "wb") as keys_file:
-        for part in executor.map(map_run, tasks, (rules, partitions)):
+        for part in executor.map(map_run, tasks, rules):
+            if not partitions:  # a row's exact record and its band records, if it is long enough
+                lsh, record_bytes = part.lsh, 3 * 8 * (1 + part.lsh[0])
+                partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
+                for p in range(partitions):
+                    for kind in ("exact", "bands"):
+                        (spill / f"{kind}-{p}").touch()
             keys_file.write(part.keys)
-            for kind, pieces in (("exact", part.exact), ("bands", part.bands)):
-                for p, piece in enumerate(pieces):
-                    if len(piece):
+            for kind, buckets in (("exact", part.exact), ("bands", part.bands)):
+                for p in range(partitions):
+                    pieces = [piece for piece in buckets[p::partitions] if len(piece)]
+                    if pieces:
                         with open(spill / f"{kind}-{p}", "ab") as handle:  # hundreds of partitions: not all open at once
-                            handle.write(piece.tobytes())
-    return sum((spill / f"{kind}-{p}").stat().st_size for kind in ("exact", "bands") for p in range(partitions))
+                            handle.write(np.concatenate(pieces).tobytes())
+    return partitions, lsh
 
 
 def _reduce(executor: Executor, spill: Path, partitions: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -506,12 +516,10 @@ def deduplicate_dataset(cleaned: Artifact, out: Artifact, rules: DedupRules, exe
     executor = executor or InProcess()
     parts = cleaned.parts("rows", executor)
     total = sum(part.rows for part in parts)
-    hasher = minhasher(rules)
-    record_bytes = 3 * 8 * (1 + hasher.bands)  # a row's exact record and its band records, if it is long enough
-    partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
     with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=scratch) as spill:
         spill = Path(spill)
-        shuffled = _map(executor, list(runs(parts, lambda part: part.rows, executor.shard_rows)), rules, partitions, spill)
+        partitions, lsh = _map(executor, list(runs(parts, lambda part: part.rows, executor.shard_rows)), rules, total, spill)
+        shuffled = sum(path.stat().st_size for path in spill.glob("*-*"))
         duplicates, pairs = _reduce(executor, spill, partitions, total)
         merged, roots, sources = _clusters(executor, parts, pairs, duplicates, rules)
         keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
@@ -525,8 +533,8 @@ def deduplicate_dataset(cleaned: Artifact, out: Artifact, rules: DedupRules, exe
         "exact_duplicates": len(duplicates),
         "near_duplicates": len(merged) if rules.near_duplicates == "drop" else 0,
         "near_clusters": total - len(duplicates) - len(merged),
-        "lsh_bands": hasher.bands,
-        "lsh_rows_per_band": hasher.rows_per_band,
+        "lsh_bands": lsh[0],
+        "lsh_rows_per_band": lsh[1],
         "lsh_pairs_verified": len(pairs),
         "shuffle_bytes": shuffled,
     }

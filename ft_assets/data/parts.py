@@ -89,12 +89,17 @@ class Written:
         return {"size": self.size, "sha256": self.sha256, "rows": self.rows}
 
 
-def read_part(part: Part, columns: list[str] | None = None) -> pa.Table:
-    """The rows of a part, after checking its bytes against the sha256 its manifest lists."""
+def part_bytes(part: Part):
+    """The bytes of a part, after checking them against the sha256 its manifest lists (or its writer reported)."""
     data = read_all(part.file)
     if hashlib.sha256(data).hexdigest() != part.sha256:
         raise ArtifactCorrupt(f"part {part.name} does not match the sha256 of its manifest; the artifact is corrupt, rebuild it")
-    return pq.read_table(pa.BufferReader(pa.py_buffer(data)), columns=columns)
+    return data
+
+
+def read_part(part: Part, columns: list[str] | None = None) -> pa.Table:
+    """The rows of a part (``part_bytes``: checked against its sha256)."""
+    return pq.read_table(pa.BufferReader(pa.py_buffer(part_bytes(part))), columns=columns)
 
 
 def table_bytes(table: pa.Table, schema: pa.Schema) -> pa.Buffer:
@@ -158,17 +163,21 @@ class Artifact:
     def rows(self, family: str) -> int:
         return sum(self.files[name]["rows"] for name in self.names(family))
 
+    def part(self, name: str, executor: Executor | None = None, start: int = 0) -> Part:
+        """The part ``name`` as ``executor``'s workers reach it (this process's by default)."""
+        info, key = self.files[name], join_key(self.prefix, name)
+        if executor is None or executor.reaches(self.url):
+            file = StoreObject(self.url, key)
+        else:  # a local store, and workers on other machines: through Ray's object store
+            file = executor.share(store_at(self.url).path(key))
+        return Part(name, family_index(name)[1], file, info["rows"], info["sha256"], start)
+
     def parts(self, family: str, executor: Executor | None = None) -> list[Part]:
-        """The parts of ``family`` as ``executor``'s workers reach them (this process's by default)."""
+        """The parts of ``family``, in order, as ``executor``'s workers reach them (this process's by default)."""
         parts, start = [], 0
         for name in self.names(family):
-            info, key = self.files[name], join_key(self.prefix, name)
-            if executor is None or executor.reaches(self.url):
-                file = StoreObject(self.url, key)
-            else:  # a local store, and workers on other machines: through Ray's object store
-                file = executor.share(store_at(self.url).path(key))
-            parts.append(Part(name, family_index(name)[1], file, info["rows"], info["sha256"], start))
-            start += info["rows"]
+            parts.append(self.part(name, executor, start))
+            start += parts[-1].rows
         return parts
 
     def target(self, executor: Executor | None = None) -> Target:
