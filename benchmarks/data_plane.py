@@ -56,7 +56,6 @@ QUICK_SHARD_ROWS = 100  # --quick: shards small enough that 300 rows are cut int
 NETWORK_BYTES_S = 1.25e9  # projection: one 10 Gb/s link into the driver
 PROJECTION_ROWS = (10_000_000, 100_000_000)
 PROJECTION_CORES = (16, 64, 256, 1024)
-TOKEN_BYTES = 5  # an encoded token (int32 id + int8 loss mask): back to the driver from encoding, out again in a window
 KEY_BYTES = 16  # a row's exact key: back to the driver from the map, out again to the filter
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -375,24 +374,29 @@ def workers_peak(run: dict) -> float:
 
 def driver_bytes(run: dict) -> dict:
     """What crosses the driver's link on a cluster, in bytes, from a run's figures: the input files (in from the
-    store, out to the workers through Ray's object store), the deduplication shuffle (records and keys in from the
-    map, out to the reduce and filter tasks), the encoded examples (in from encoding, out in packing windows). The
-    parts do not: the workers write them to the store. (Left out: the look-up's signatures of candidate pairs.)"""
-    return {
-        "inputs": 2 * run["corpus_bytes"],
-        "shuffle": 2 * (run["shuffle_bytes"] + KEY_BYTES * run["rows_in"]),
-        "encoded": 2 * TOKEN_BYTES * run["tokens"],
-    }
+    store, out to the workers through Ray's object store) and the deduplication shuffle (records and keys in from the
+    map, out to the reduce and filter tasks). The parts do not, nor the encoded examples on their way to the packing
+    tasks: the workers write them to the store and read them from it. (Left out: the look-up's signatures of
+    candidate pairs, the descriptors.)"""
+    return {"inputs": 2 * run["corpus_bytes"], "shuffle": 2 * (run["shuffle_bytes"] + KEY_BYTES * run["rows_in"])}
 
 
-def projection(run: dict) -> dict:
-    """Hours for PROJECTION_ROWS on PROJECTION_CORES, from one N-worker run (see the module docstring)."""
+def projection(run: dict, larger: dict | None = None) -> dict:
+    """Hours for PROJECTION_ROWS on PROJECTION_CORES, from one N-worker run (see the module docstring). With the same
+    run on a larger corpus (``larger``), the driver's CPU a row is the difference of the two over the rows in between,
+    and what is left of its CPU (imports, the first tasks) is counted once, in the start-up."""
     rows = run["rows_in"]
     worker_s = run["workers_cpu_s"] / rows  # CPU seconds a row costs in the workers
     driver_s = run["cpu_s"] / rows  # ... in the driver
+    if larger is not None and larger["rows_in"] > rows:
+        driver_s = max(0.0, (larger["cpu_s"] - run["cpu_s"]) / (larger["rows_in"] - rows))
+    driver_fixed_s = max(0.0, run["cpu_s"] - driver_s * rows)
     crossing = driver_bytes(run)
     network_s = sum(crossing.values()) / rows / NETWORK_BYTES_S
-    start_s = run["stages"]["executor_start"]["wall_s"] + run["workers_cpu_s"] / run["workers"] - run["workers_stage_cpu_s"] / run["workers"]
+    start_s = (
+        run["stages"]["executor_start"]["wall_s"] + driver_fixed_s
+        + run["workers_cpu_s"] / run["workers"] - run["workers_stage_cpu_s"] / run["workers"]
+    )  # fmt: skip
     table_ = {
         f"{total:,} rows": {
             f"{cores} cores": round((total * max(worker_s / cores, driver_s + network_s) + start_s) / 3600, 2) for cores in PROJECTION_CORES
@@ -402,6 +406,8 @@ def projection(run: dict) -> dict:
     return {
         "worker_cpu_s_per_row": worker_s,
         "driver_cpu_s_per_row": driver_s,
+        "driver_cpu_s_fixed": driver_fixed_s,
+        "driver_cpu_s_per_row_from": "x1 and x4 runs" if larger is not None and larger["rows_in"] > rows else "one run",
         "network_bytes_per_row": sum(crossing.values()) / rows,
         "network_bytes_per_row_by_kind": {kind: round(value / rows, 1) for kind, value in crossing.items()},
         "part_bytes_per_row": run["part_bytes"] / rows,  # what the workers write to the store, a row
@@ -433,7 +439,7 @@ def summarize(runs: dict, scales: list[int], workers: int) -> dict:
         "peak_rss_growth": workers_peak(many_last) / workers_peak(many),
         "driver_peak_rss_growth": many_last["peak_rss_mib"] / many["peak_rss_mib"],
         "peak_rss_mib_one_process": one["peak_rss_mib"],
-        "projection": projection(many),
+        "projection": projection(many, many_last),
     }
     if f"ours_ray{workers}_{first}" in runs:
         on_ray = runs[f"ours_ray{workers}_{first}"]

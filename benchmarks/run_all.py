@@ -62,6 +62,31 @@ def same_outputs(result: dict) -> str:
     )
 
 
+def sizing_text(p: dict, n: int, first: str, last: str) -> str:
+    """The sentence over the sizing table: the figures the projection rests on (``data_plane.projection``)."""
+    head = f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
+    if "network_bytes_per_row_by_kind" not in p:  # a result from before the workers wrote their own parts (issue #26)
+        return head + (
+            f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
+            f"{p['driver_cpu_s_per_row'] * 1e6:,.0f} µs a row, {p['network_bytes_per_row']:,.0f} bytes a row over a 10 Gb/s link "
+            f"(the parts back to the driver and the deduplication shuffle) and {p['start_s']:.0f} s of start-up. One driver "
+            f"writes every part while the workers work, so beyond ~{p['driver_bound_above_cores']} cores it sets the pace:"
+        )
+    kinds = {"inputs": "the input files", "shuffle": "the deduplication shuffle"}
+    by_kind = ", ".join(f"{kinds[kind]} {value:,.0f}" for kind, value in p["network_bytes_per_row_by_kind"].items())
+    basis = (
+        f"its CPU seconds at {last} less those at {first}, over the rows in between; its other {p['driver_cpu_s_fixed']:.1f} s "
+        "are counted once, in the start-up" if p.get("driver_cpu_s_per_row_from") == "x1 and x4 runs" else "its CPU seconds over the rows"
+    )
+    return head + (
+        f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
+        f"{p['driver_cpu_s_per_row'] * 1e6:,.1f} µs a row ({basis}), {p['network_bytes_per_row']:,.0f} bytes a row through its "
+        f"10 Gb/s link ({by_kind}) and {p['start_s']:.0f} s of start-up. The workers write the parts to the store themselves "
+        f"({p['part_bytes_per_row']:,.0f} bytes a row, not through the driver), and the driver works while they do, so it "
+        f"sets the pace only beyond ~{p['driver_bound_above_cores']:,} cores:"
+    )
+
+
 def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     s, runs, scales, n = result["summary"], result["runs"], result["scales"], result["workers"]
     first, last = f"x{scales[0]}", f"x{scales[-1]}"
@@ -104,21 +129,10 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
           f"{v['wall_s'] / many['stages'][k]['wall_s']:.2f}x" if many["stages"][k]["wall_s"] >= 0.05 else "-"]
          for k, v in one["stages"].items()],
     ))  # fmt: skip
-    p = s["projection"]
-    kinds = {"inputs": "the input files", "shuffle": "the deduplication shuffle", "encoded": "the encoded examples"}
-    by_kind = ", ".join(f"{kinds[kind]} {value:,.0f}" for kind, value in p["network_bytes_per_row_by_kind"].items())
-    lines += [
-        "",
-        f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
-        f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
-        f"{p['driver_cpu_s_per_row'] * 1e6:,.1f} µs a row, {p['network_bytes_per_row']:,.0f} bytes a row through the driver's "
-        f"10 Gb/s link ({by_kind}) and {p['start_s']:.0f} s of start-up. The workers write the parts to the store themselves "
-        f"({p['part_bytes_per_row']:,.0f} bytes a row, not through the driver), and the driver works while they do, so it "
-        f"sets the pace only beyond ~{p['driver_bound_above_cores']:,} cores:",
-        "",
-        table(["version"] + list(next(iter(p["hours"].values()))), [[rows_] + [fmt(h, 2) for h in by_cores.values()]
-              for rows_, by_cores in p["hours"].items()]),  # fmt: skip
-    ]
+    lines += ["", sizing_text(s["projection"], n, first, last), "", table(
+        ["version"] + list(next(iter(s["projection"]["hours"].values()))),
+        [[rows_] + [fmt(h, 2) for h in by_cores.values()] for rows_, by_cores in s["projection"]["hours"].items()],
+    )]  # fmt: skip
 
     encode = ceiling["wall_s"] - ceiling["tokenizer_load_s"]
     around = one["stages"]["tokenize_pack"]["wall_s"] - encode

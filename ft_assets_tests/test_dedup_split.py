@@ -198,3 +198,17 @@ def test_batched_signatures_are_datasketchs_for_every_turn_shape():
         expected = MinHash(num_perm=rules.num_perm, seed=rules.seed, hashfunc=lambda b: shingle_hash(b, rules.ngram))
         expected.update_batch([s for turn in row for s in _shingle_texts(turn, rules.ngram)])
         assert list(got) == list(expected.hashvalues), row
+
+
+def test_an_artifact_of_the_single_file_layout_is_refused_naming_it(tmp_path):
+    """Data artifacts were one rows.parquet (train.parquet, eval.parquet) before part files: read as parts they would
+    look empty, so a stage refuses them, saying what to rebuild."""
+    from ft_assets.manifests import ArtifactCorrupt, publish_dir
+    from ft_assets.storage import LocalStore
+
+    store, folder = LocalStore(tmp_path / "store"), tmp_path / "old"
+    folder.mkdir()
+    (folder / "rows.parquet").write_bytes(b"PAR1")
+    publish_dir(store, "runs/x/v1/data/cleaned", folder)
+    with pytest.raises(ArtifactCorrupt, match=r"runs/x/v1/data/cleaned holds rows\.parquet: .*\(ft-assets run --until data --force\)"):
+        Artifact.committed(store, "runs/x/v1/data/cleaned")

@@ -15,7 +15,8 @@ slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
 example instead of packing wastes most slots on short chat data (see ``make bench``). Each window's
 rows go to one Parquet shard (``ft_assets.shards`` owns their schema and file names), written by the
-worker that packed them: the driver only cuts the encoded examples into windows, in row order.
+worker that packed them. The encoding workers leave each part's sequences in the store (~5 bytes a
+token) for the packing workers to read: the driver only cuts windows, in row order, from counts.
 
 Throughput: the Rust tokenizer is the floor, so everything around it is kept small. Chat templates
 that insert contents verbatim (ChatML and most others) are rendered once per conversation shape and

@@ -42,6 +42,7 @@ from ft_assets.manifests import ArtifactCorrupt, read_manifest
 from ft_assets.storage import ObjectStore, join_key
 
 PART_ROWS = 16_384  # input rows a part covers: ~10 MB of chat rows, two row groups; 6,100 parts a stage at 100M rows
+SINGLE_FILES = ("rows.parquet", "train.parquet", "eval.parquet")  # what data artifacts held before part files
 _PART_NAME = re.compile(r"^(?P<family>.+)-(?P<index>\d{5,})\.parquet$")
 
 
@@ -60,6 +61,17 @@ def part_paths(folder: Path, family: str) -> list[Path]:
     """The parts of ``family`` in a local folder (an artifact fetched from the store), in order."""
     found = {found[1]: path for path in Path(folder).glob(f"{family}-*.parquet") if (found := family_index(path.name)) and found[0] == family}
     return [found[index] for index in sorted(found)]
+
+
+def check_layout(names: Iterable[str], where: str) -> None:
+    """Refuse an artifact written before data artifacts were part files (one ``rows.parquet``, ``train.parquet``,
+    ``eval.parquet``): read as parts it would look empty."""
+    old = sorted(set(names) & set(SINGLE_FILES))
+    if old:
+        raise ArtifactCorrupt(
+            f"{where} holds {', '.join(old)}: the layout of an older ft-assets, before part files; rebuild the data "
+            "plane's artifacts (ft-assets run --until data --force)"
+        )
 
 
 @dataclass(frozen=True)
@@ -153,7 +165,9 @@ class Artifact:
     @classmethod
     def committed(cls, store: ObjectStore, prefix: str) -> Artifact:
         """The artifact whose manifest is at ``prefix`` (``ArtifactNotFound`` without one)."""
-        return cls(store.url, prefix, dict(read_manifest(store, prefix).files))
+        files = dict(read_manifest(store, prefix).files)
+        check_layout(files, store.uri(prefix))
+        return cls(store.url, prefix, files)
 
     def names(self, family: str) -> list[str]:
         """The parts of ``family``, in order."""
