@@ -132,9 +132,10 @@ def clean_part(rules: CleaningRules, clean: Callable, part: Part, target: Target
             continue
         changed += messages != original
         kept.append({"source": source, "cluster": "", "messages": messages})
+    quarantine = pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA)
     return CleanedPart(
         target.put_table(part_name("rows", part.index), pa.Table.from_pylist(kept, schema=ROW_SCHEMA), ROW_SCHEMA),
-        target.put_table(part_name("quarantine", part.index), pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA), QUARANTINE_SCHEMA),
+        target.put_table(part_name("quarantine", part.index), quarantine, QUARANTINE_SCHEMA),
         dict(reasons),
         changed,
     )

@@ -422,7 +422,10 @@ def filter_run(settings: tuple[str, Target], run: list[FilterItem]) -> list[tupl
     for item in run:
         rows, duplicates = filter_part(near_duplicates, item)
         index = item.part.index
-        done.append((target.put_table(part_name("rows", index), rows, ROW_SCHEMA), target.put_table(part_name("duplicates", index), duplicates, DUPLICATE_SCHEMA)))
+        done.append((
+            target.put_table(part_name("rows", index), rows, ROW_SCHEMA),
+            target.put_table(part_name("duplicates", index), duplicates, DUPLICATE_SCHEMA),
+        ))  # fmt: skip
     return done
 
 
@@ -480,7 +483,9 @@ def _clusters(executor: Executor, parts: list[Part], pairs: np.ndarray, duplicat
     return candidates[roots != candidates], roots[roots != candidates], sources
 
 
-def _filter_items(parts: list[Part], keys: np.ndarray, duplicates: np.ndarray, merged: np.ndarray, roots: np.ndarray, sources: dict) -> Iterator[FilterItem]:
+def _filter_items(
+    parts: list[Part], keys: np.ndarray, duplicates: np.ndarray, merged: np.ndarray, roots: np.ndarray, sources: dict
+) -> Iterator[FilterItem]:
     """Step 5's work, part by part (made as the tasks are sent: each holds its part's keys)."""
     exact = _in_parts(duplicates[:, 0], parts)
     exact_at = np.searchsorted(duplicates[:, 0], [part.start for part in parts])
@@ -494,7 +499,9 @@ def _filter_items(parts: list[Part], keys: np.ndarray, duplicates: np.ndarray, m
         )  # fmt: skip
 
 
-def deduplicate_dataset(cleaned: Artifact, out: Artifact, rules: DedupRules, executor: Executor | None = None, scratch: Path | None = None) -> dict:
+def deduplicate_dataset(
+    cleaned: Artifact, out: Artifact, rules: DedupRules, executor: Executor | None = None, scratch: Path | None = None
+) -> dict:
     """Exact then near deduplication of the ``rows`` parts of ``cleaned``, as a map, two shuffles, a look-up and a
     filter, into the ``rows`` and ``duplicates`` parts of ``out``.
 
@@ -524,7 +531,8 @@ def deduplicate_dataset(cleaned: Artifact, out: Artifact, rules: DedupRules, exe
         merged, roots, sources = _clusters(executor, parts, pairs, duplicates, rules)
         keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
         items = _filter_items(parts, keys, duplicates, merged, roots, sources)
-        for run in executor.map(filter_run, runs(items, lambda item: item.part.rows, executor.shard_rows), (rules.near_duplicates, out.target(executor))):
+        tasks = runs(items, lambda item: item.part.rows, executor.shard_rows)
+        for run in executor.map(filter_run, tasks, (rules.near_duplicates, out.target(executor))):
             for rows, records in run:
                 out.add(rows, records)
         del keys

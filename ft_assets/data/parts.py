@@ -59,8 +59,8 @@ def family_index(name: str) -> tuple[str, int] | None:
 
 def part_paths(folder: Path, family: str) -> list[Path]:
     """The parts of ``family`` in a local folder (an artifact fetched from the store), in order."""
-    found = {found[1]: path for path in Path(folder).glob(f"{family}-*.parquet") if (found := family_index(path.name)) and found[0] == family}
-    return [found[index] for index in sorted(found)]
+    named = {path: family_index(path.name) for path in Path(folder).glob(f"{family}-*.parquet")}
+    return sorted((path for path, found in named.items() if found and found[0] == family), key=lambda path: named[path][1])
 
 
 def check_layout(names: Iterable[str], where: str) -> None:

@@ -146,8 +146,11 @@ def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Tabl
     except DatasetFileError as exc:
         counts["error"] = str(exc)
     convert(final=True)
-    joined = [pa.concat_tables(parts) if parts else schema.empty_table() for parts, schema in ((tables["rows"], ROW_SCHEMA), (tables["quarantine"], QUARANTINE_SCHEMA))]
-    return joined[0], joined[1], counts
+    rows_table, quarantine_table = (
+        pa.concat_tables(parts) if parts else schema.empty_table()
+        for parts, schema in ((tables["rows"], ROW_SCHEMA), (tables["quarantine"], QUARANTINE_SCHEMA))
+    )
+    return rows_table, quarantine_table, counts
 
 
 def read_parts(settings: tuple[ColumnMapping | None, Target], run: list[FileShard]) -> list[ReadPart]:
@@ -184,7 +187,8 @@ class _Counts:
     def add(self, part: ReadPart) -> None:
         if self.current.get("name") != part.name:
             self.finish()
-            self.current = {"name": part.name, "before": self.rows + self.quarantined, "parsed": self.rows, "unknown": 0, "first_unknown": None}
+            before = self.rows + self.quarantined
+            self.current = {"name": part.name, "before": before, "parsed": self.rows, "unknown": 0, "first_unknown": None}
         self.rows += part.rows.rows
         self.quarantined += part.quarantine.rows
         self.blank_lines += part.blank_lines
