@@ -21,9 +21,10 @@ marker only, ``seq_lens`` one entry a sequence) plus
   side, 2k + 1 for its rejected side, -1 on the padding tail. Training sums each sequence's token
   log-probabilities by it (``ft_assets.training.loss.pair_logps``).
 
-``ShardWriter`` writes a split, rotating files every ``ROWS_PER_SHARD`` rows (8 MiB of int32 per
-column at seq_len 512). ``load_packed_rows`` reads a whole split into memory as three int32 tensors,
-12 bytes/token (0.6 GB per 50M tokens): any shuffle order costs no I/O per step, at the price of
+The data plane writes one shard a packing window (``ft_assets.data.packing``: 16,384 examples, ~2,000
+rows of 1,024 tokens on the benchmark corpus), each built by ``packed_table`` in the worker that packed
+it; readers take a split's shards in the order of their numbers. ``load_packed_rows`` reads a whole
+split into memory as three int32 tensors, 12 bytes/token (0.6 GB per 50M tokens): any shuffle order costs no I/O per step, at the price of
 memory that grows with the dataset; batches are widened to int64 only when they are taken.
 ``load_pair_rows`` does the same for pairs, with the segment ids as a fourth tensor (16 bytes/token).
 
@@ -57,7 +58,6 @@ TRAINING_COLUMNS = ("input_ids", "loss_mask", "position_ids")  # what the reader
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards
-ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 IGNORE_INDEX = -100  # label value the HF loss skips
 
 
@@ -66,8 +66,10 @@ def shard_name(split: str, index: int) -> str:
 
 
 def shard_files(shards_dir: Path, split: str) -> list[Path]:
-    """The shards of ``split`` in ``shards_dir``, in the order their rows are numbered."""
-    return sorted(Path(shards_dir).glob(f"{split}-*.parquet"))
+    """The shards of ``split`` in ``shards_dir``, in the order their rows are numbered (by their numbers, which
+    outgrow 5 digits past 99,999 windows)."""
+    numbers = {path: path.name[len(split) + 1 : -len(".parquet")] for path in Path(shards_dir).glob(f"{split}-*.parquet")}
+    return sorted((path for path, number in numbers.items() if number.isdigit()), key=lambda path: int(numbers[path]))
 
 
 def pair_split(split: str) -> str:
@@ -78,34 +80,17 @@ def pair_split(split: str) -> str:
 # --- writer ----------------------------------------------------------------------------------------
 
 
-class ShardWriter:
-    """Writes packed rows to ``<split>-00000.parquet``, ``-00001``… rotating every ``rows_per_shard``."""
-
-    def __init__(self, out_dir: Path, split: str, rows_per_shard: int = ROWS_PER_SHARD, schema: pa.Schema = SCHEMA):
-        self.out_dir, self.split, self.rows_per_shard, self.schema = out_dir, split, rows_per_shard, schema
-        self.buffer: list[dict] = []
-        self.files: list[str] = []
-
-    def add(self, row: dict) -> None:
-        """Buffer one row: a dict of 1-D arrays (or lists), one per column of the schema."""
-        self.buffer.append(row)
-        if len(self.buffer) >= self.rows_per_shard:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        name = shard_name(self.split, len(self.files))
-        columns = []
-        for column in self.schema:  # one flat numpy array + offsets per column: no per-row conversion
-            values = [row[column.name] for row in self.buffer]
-            offsets = np.zeros(len(values) + 1, dtype=np.int32)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = pa.array(np.concatenate(values), type=column.type.value_type)
-            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
-        pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
-        self.files.append(name)
-        self.buffer = []
+def packed_table(rows: list[dict], schema: pa.Schema = SCHEMA) -> pa.Table:
+    """Packed rows (dicts of 1-D arrays or lists, one per column of ``schema``) as one table, a column at a time:
+    one flat numpy array and its offsets per column, no conversion row by row."""
+    columns = []
+    for column in schema:
+        values = [row[column.name] for row in rows]
+        offsets = np.zeros(len(values) + 1, dtype=np.int32)
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        flat = pa.array(np.concatenate(values) if values else np.empty(0), type=column.type.value_type)
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 # --- reader ----------------------------------------------------------------------------------------

@@ -24,14 +24,14 @@ prefer), plus the chat rules (``too_long``, ``too_short``, …) applied to promp
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from ft_assets.data.cleaning import CleaningRules, clean_messages
 from ft_assets.data.layouts import CHOSEN, REJECTED
-from ft_assets.data.rows import DatasetFileError, RowError, iter_batches
+from ft_assets.data.rows import DatasetFileError, RowError
 
 CHAT, PREFERENCE = "chat", "preference"  # the two kinds of dataset version
 _ROW_NUMBER = re.compile(r"[:#]\d+$")  # a row source is "<file>:<line>" or "<file>#<row>"
@@ -54,6 +54,7 @@ def is_pair(messages: list[dict]) -> bool:
 
 def _ends_in_rejected(messages) -> np.ndarray:
     """Whether each row's last turn is a rejected reply, from the Arrow column without converting rows to Python."""
+    messages = messages.combine_chunks() if isinstance(messages, pa.ChunkedArray) else messages
     offsets = messages.offsets.to_numpy()
     rejected = pc.equal(messages.values.field("role"), REJECTED).to_numpy(zero_copy_only=False)
     ends = offsets[1:]
@@ -63,24 +64,38 @@ def _ends_in_rejected(messages) -> np.ndarray:
     return found
 
 
-def dataset_kind(rows_path: Path) -> str:
-    """``PREFERENCE`` when the parsed rows are pairs, ``CHAT`` when they are conversations.
+def first_of_each_kind(table: pa.Table) -> dict[str, str]:
+    """The source of the first row of each kind among ``table``'s rows (``source`` and ``messages`` columns):
+    {kind: source}, at most two entries. A data-plane task computes it for the rows of one input file."""
+    if not table.num_rows:
+        return {}
+    is_pair = _ends_in_rejected(table.column("messages"))
+    found = {}
+    for kind, rows in ((PREFERENCE, is_pair), (CHAT, ~is_pair)):
+        if rows.any():
+            found[kind] = table.column("source")[int(np.argmax(rows))].as_py()
+    return found
+
+
+def source_file(source: str) -> str:
+    """The file of a row's source (``<file>:<line>`` or ``<file>#<row>``)."""
+    return _ROW_NUMBER.sub("", source)
+
+
+def dataset_kind(first_rows: dict[str, dict[str, str]]) -> str:
+    """``PREFERENCE`` when the parsed rows are pairs, ``CHAT`` when they are conversations, from the first row of
+    each kind of every file ({file: {kind: source}}, ``first_of_each_kind``).
 
     A file that holds both, or a version whose files are of both kinds, is refused with a
     ``DatasetFileError`` naming a row of each kind.
     """
-    first: dict[str, dict[str, str]] = {}  # file -> kind -> its first row's source
-    for batch in iter_batches(rows_path, columns=["source", "messages"]):
-        kinds = np.where(_ends_in_rejected(batch.column("messages")), PREFERENCE, CHAT)
-        for source, kind in zip(batch.column("source").to_pylist(), kinds.tolist()):
-            first.setdefault(_ROW_NUMBER.sub("", source), {}).setdefault(kind, source)
-    for file, seen in first.items():
+    for file, seen in first_rows.items():
         if len(seen) == 2:
             raise DatasetFileError(
                 f"{file} mixes chat rows ({seen[CHAT]}) and preference pairs with 'chosen' and 'rejected' "
                 f"({seen[PREFERENCE]}); a dataset version holds one kind: put them in two files and register two versions"
             )
-    kinds = {kind: file for file, seen in first.items() for kind in seen}
+    kinds = {kind: file for file, seen in first_rows.items() for kind in seen}
     if len(kinds) == 2:
         raise DatasetFileError(
             f"the version mixes chat files ({kinds[CHAT]}) and preference files ({kinds[PREFERENCE]}); "
