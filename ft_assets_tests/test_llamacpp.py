@@ -73,7 +73,7 @@ def test_a_pre_tokenizer_llamacpp_does_not_know_is_refused_with_its_reason(files
 @pytest.mark.parametrize("index", range(len(llamacpp.HARD_STRINGS) + len(llamacpp.GREEDY_PROMPTS)))
 def test_prompt_token_ids_equal_the_hf_tokenizer(f16_vocab, ref, index):
     text = ref.strings[index]
-    assert llamacpp.tokenize(f16_vocab, text) == ref.token_ids[index], text
+    assert llamacpp.tokenize(f16_vocab, text, ref.plain[index]) == ref.token_ids[index], text
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

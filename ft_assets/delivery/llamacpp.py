@@ -111,9 +111,11 @@ def load(path: str | Path, *, vocab_only: bool = False, logits_all: bool = False
     return llm
 
 
-def tokenize(llm, text: str) -> list[int]:
-    """Token ids as llama.cpp makes them for a prompt: special tokens parsed, BOS as the file's add_bos_token says."""
-    return llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+def tokenize(llm, text: str, add_bos: bool = True) -> list[int]:
+    """Token ids as llama.cpp makes them: special tokens parsed; with ``add_bos``, BOS as the file's add_bos_token
+    says (a plain string). A chat-rendered prompt carries its template's own BOS: ``add_bos=False``, as transformers'
+    ``apply_chat_template`` and the data plane tokenize it (``add_special_tokens=False``)."""
+    return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
 
 def logits(llm, ids: list[int]) -> np.ndarray:
@@ -143,6 +145,7 @@ class Reference:
     """What the merged model gives under transformers, computed once and compared with every GGUF file."""
 
     strings: list[str]  # HARD_STRINGS + the chat-rendered GREEDY_PROMPTS
+    plain: list[bool]  # per string: a plain string (the tokenizer adds its special tokens), else a rendered chat (it does not)
     token_ids: list[list[int]]  # the HF tokenizer's ids of each string
     prompt_ids: list[list[int]]  # the chat-rendered prompts, tokenized
     logits: list[np.ndarray]  # transformers' logits over each prompt
@@ -166,7 +169,8 @@ def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, 
         for p in prompts
     ]
     strings = [*HARD_STRINGS, *rendered]
-    prompt_ids = [tokenizer(text).input_ids for text in rendered]
+    plain = [True] * len(HARD_STRINGS) + [not tokenizer.chat_template] * len(rendered)
+    prompt_ids = [tokenizer(text, add_special_tokens=not tokenizer.chat_template).input_ids for text in rendered]
     all_logits, continuations, margins = [], [], []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -182,7 +186,8 @@ def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, 
             margins.append([float(values[0] - values[1]) for values in top2])
     return Reference(
         strings=strings,
-        token_ids=[tokenizer(text).input_ids for text in strings],
+        plain=plain,
+        token_ids=[tokenizer(text, add_special_tokens=special).input_ids for text, special in zip(strings, plain)],
         prompt_ids=prompt_ids,
         logits=all_logits,
         continuations=continuations,
@@ -205,7 +210,7 @@ def check_file(path: str | Path, ref: Reference) -> dict:
     longest = max(len(ids) for ids in ref.prompt_ids) + max(len(c) for c in ref.continuations) + 8
     llm = load(path, logits_all=True, n_ctx=max(longest, 256))
     try:
-        mismatches = [text for text, ids in zip(ref.strings, ref.token_ids) if tokenize(llm, text) != ids]
+        mismatches = [text for text, bos, ids in zip(ref.strings, ref.plain, ref.token_ids) if tokenize(llm, text, bos) != ids]
         agreement = logit_agreement([(expected, logits(llm, ids)) for ids, expected in zip(ref.prompt_ids, ref.logits)])
         parted_at = [
             parting_step(cut_at(greedy(llm, ids, len(expected) or 1), ref.eos_token_id), expected)
