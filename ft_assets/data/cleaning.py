@@ -166,7 +166,7 @@ def clean_dataset(
     raw: Artifact, out: Artifact, rules: CleaningRules, executor: Executor | None = None, clean: Callable = clean_messages
 ) -> dict:
     """The ``rows`` parts of ``raw`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
-    version of preference pairs) into the ``rows`` and ``quarantine`` parts of ``out``, a run of parts a task on
+    version of preference pairs, ``prompts.clean_prompt`` for one of prompts) into the ``rows`` and ``quarantine`` parts of ``out``, a run of parts a task on
     ``executor`` (default: this process); rows keep their order."""
     executor = executor or InProcess()
     reasons: Counter[str] = Counter()
