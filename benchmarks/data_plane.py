@@ -24,9 +24,12 @@ seconds are the headline, CPU seconds are reported next to them because they mov
 processes compete for the cores, and the load average at the start is recorded with the results.
 
 The sizing table is a projection, not a measurement: from the N-worker run it takes the CPU seconds a
-row costs in the workers (spread over the cores) and in the driver (one process that writes every
-part; it also works while the workers do), the bytes per row that cross the network on a cluster (the
-parts back to the driver, and the deduplication shuffle) at ``NETWORK_BYTES_S``, and a fixed start-up.
+row costs in the workers (spread over the cores) and in the driver (one process, which works while the
+workers do: it cuts the inputs into parts, spills the deduplication shuffle, merges the clusters, cuts
+the encoded examples into packing windows and adds up the parts' descriptors; the workers write the
+parts), the bytes a row that cross the driver's link on a cluster at ``NETWORK_BYTES_S`` (counted from
+the run, ``driver_bytes``), and a fixed start-up. The parts go from the workers to the store (S3),
+whose bandwidth grows with the cluster and is not modelled.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ QUICK_ROWS = 300
 QUICK_SHARD_ROWS = 100  # --quick: shards small enough that 300 rows are cut into several
 NETWORK_BYTES_S = 1.25e9  # projection: one 10 Gb/s link into the driver
 PROJECTION_ROWS = (10_000_000, 100_000_000)
-PROJECTION_CORES = (16, 64, 256)
+PROJECTION_CORES = (16, 64, 256, 1024)
+KEY_BYTES = 16  # a row's exact key: back to the driver from the map, out again to the filter
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -90,6 +94,7 @@ def work_ours(
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
     from ft_assets.data.packing import TokenizerFiles, tokenize_splits
+    from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
     from ft_assets.data.resources import DataExecutorResource
     from ft_assets.data.split import split_dataset
@@ -99,12 +104,13 @@ def work_ours(
     with ExitStack() as stack:
         opened = DataExecutorResource(**settings).yield_for_execution(dg.build_init_resource_context())
         executor = watch("executor_start", stack.enter_context, opened).executor
-        raw = watch("read", read_dataset, data_files(corpus), work / "raw", None, executor)
-        cleaned = watch("clean", clean_dataset, work / "raw", work / "cleaned", CleaningRules(), executor)
-        deduplicated = watch("dedup", deduplicate_dataset, work / "cleaned", work / "deduplicated", DedupRules(), executor)
-        split = watch("split", split_dataset, work / "deduplicated", work / "split", EVAL_FRACTION, "ft-assets", executor)
+        out = {name: Artifact.folder(work / name) for name in ("raw", "cleaned", "deduplicated", "split", "shards")}
+        raw = watch("read", read_dataset, data_files(corpus), out["raw"], None, executor)
+        cleaned = watch("clean", clean_dataset, out["raw"], out["cleaned"], CleaningRules(), executor)
+        deduplicated = watch("dedup", deduplicate_dataset, out["cleaned"], out["deduplicated"], DedupRules(), executor)
+        split = watch("split", split_dataset, out["deduplicated"], out["split"], EVAL_FRACTION, "ft-assets", executor)
         tokenizer = TokenizerFiles.from_dir(model_dir)
-        packed = watch("tokenize_pack", tokenize_splits, work / "split", ("train", "eval"), tokenizer, seq_len, work / "shards", executor=executor)
+        packed = watch("tokenize_pack", tokenize_splits, out["split"], ("train", "eval"), tokenizer, seq_len, out["shards"], executor=executor)
         driver_peak = peak_rss_mib()  # before the untimed extra below
         part_bytes = sum(f.stat().st_size for f in work.rglob("*.parquet"))
         outputs = hashlib.sha256()  # every file the stages wrote, untimed: the same in every mode?
@@ -115,7 +121,7 @@ def work_ours(
     here = f"{socket.gethostname()}:{os.getpid()}"
     others = {w: u for w, u in usage.items() if w != here}
     if texts_path is not None:
-        write_rendered_texts(tokenizer.encoder(), work / "split", texts_path)
+        write_rendered_texts(tokenizer.encoder(), out["split"], texts_path)
     tokens = sum(p.tokens for p in packed.values())
     slots = sum(p.slots for p in packed.values())
     wall = watch.total("wall_s")
@@ -141,24 +147,26 @@ def work_ours(
         "packing_efficiency": tokens / slots if slots else 0.0,
         "shuffle_bytes": deduplicated["shuffle_bytes"],
         "outputs_sha256": outputs.hexdigest(),
-        "part_bytes": part_bytes,  # every row file the stages wrote: on a cluster, what comes back to the driver
+        "part_bytes": part_bytes,  # every part the workers wrote (to the store, never through the driver)
+        "corpus_bytes": sum(path.stat().st_size for _, path in data_files(corpus)),
         "peak_rss_mib_self": driver_peak,
         "workers_peak_rss_mib": {w: round(u.peak_rss_mib, 1) for w, u in others.items()},
         "workers_shards": {w: u.shards for w, u in others.items()},
     }
 
 
-def write_rendered_texts(encoder, split_dir: Path, texts_path: Path) -> None:
-    """The ceiling's input, untimed: the chat-templated text of every row that ours tokenized."""
+def write_rendered_texts(encoder, split, texts_path: Path) -> None:
+    """The ceiling's input, untimed: the chat-templated text of every row that ours tokenized (``split``: the split's
+    artifact)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ft_assets.data.rows import RowError, iter_batches
+    from ft_assets.data.rows import RowError
 
     schema = pa.schema([("text", pa.large_string())])
     with pq.ParquetWriter(texts_path, schema) as writer:
         for name in ("train", "eval"):
-            for batch in iter_batches(split_dir / f"{name}.parquet", columns=["messages"]):
+            for batch in (batch for table in split.tables(name, ["messages"]) for batch in table.to_batches()):
                 texts = []
                 for messages in batch.column("messages").to_pylist():
                     try:
@@ -364,13 +372,31 @@ def workers_peak(run: dict) -> float:
     return max(run["workers_peak_rss_mib"].values(), default=run["peak_rss_mib"])
 
 
-def projection(run: dict) -> dict:
-    """Hours for PROJECTION_ROWS on PROJECTION_CORES, from one N-worker run (see the module docstring)."""
+def driver_bytes(run: dict) -> dict:
+    """What crosses the driver's link on a cluster, in bytes, from a run's figures: the input files (in from the
+    store, out to the workers through Ray's object store) and the deduplication shuffle (records and keys in from the
+    map, out to the reduce and filter tasks). The parts do not, nor the encoded examples on their way to the packing
+    tasks: the workers write them to the store and read them from it. (Left out: the look-up's signatures of
+    candidate pairs, the descriptors.)"""
+    return {"inputs": 2 * run["corpus_bytes"], "shuffle": 2 * (run["shuffle_bytes"] + KEY_BYTES * run["rows_in"])}
+
+
+def projection(run: dict, larger: dict | None = None) -> dict:
+    """Hours for PROJECTION_ROWS on PROJECTION_CORES, from one N-worker run (see the module docstring). With the same
+    run on a larger corpus (``larger``), the driver's CPU a row is the difference of the two over the rows in between,
+    and what is left of its CPU (imports, the first tasks) is counted once, in the start-up."""
     rows = run["rows_in"]
     worker_s = run["workers_cpu_s"] / rows  # CPU seconds a row costs in the workers
     driver_s = run["cpu_s"] / rows  # ... in the driver
-    network_s = (run["part_bytes"] + run["shuffle_bytes"]) / rows / NETWORK_BYTES_S
-    start_s = run["stages"]["executor_start"]["wall_s"] + run["workers_cpu_s"] / run["workers"] - run["workers_stage_cpu_s"] / run["workers"]
+    if larger is not None and larger["rows_in"] > rows:
+        driver_s = max(0.0, (larger["cpu_s"] - run["cpu_s"]) / (larger["rows_in"] - rows))
+    driver_fixed_s = max(0.0, run["cpu_s"] - driver_s * rows)
+    crossing = driver_bytes(run)
+    network_s = sum(crossing.values()) / rows / NETWORK_BYTES_S
+    start_s = (
+        run["stages"]["executor_start"]["wall_s"] + driver_fixed_s
+        + run["workers_cpu_s"] / run["workers"] - run["workers_stage_cpu_s"] / run["workers"]
+    )  # fmt: skip
     table_ = {
         f"{total:,} rows": {
             f"{cores} cores": round((total * max(worker_s / cores, driver_s + network_s) + start_s) / 3600, 2) for cores in PROJECTION_CORES
@@ -380,7 +406,11 @@ def projection(run: dict) -> dict:
     return {
         "worker_cpu_s_per_row": worker_s,
         "driver_cpu_s_per_row": driver_s,
-        "network_bytes_per_row": (run["part_bytes"] + run["shuffle_bytes"]) / rows,
+        "driver_cpu_s_fixed": driver_fixed_s,
+        "driver_cpu_s_per_row_from": "x1 and x4 runs" if larger is not None and larger["rows_in"] > rows else "one run",
+        "network_bytes_per_row": sum(crossing.values()) / rows,
+        "network_bytes_per_row_by_kind": {kind: round(value / rows, 1) for kind, value in crossing.items()},
+        "part_bytes_per_row": run["part_bytes"] / rows,  # what the workers write to the store, a row
         "start_s": start_s,
         "driver_bound_above_cores": int(worker_s / (driver_s + network_s)),
         "hours": table_,
@@ -409,7 +439,7 @@ def summarize(runs: dict, scales: list[int], workers: int) -> dict:
         "peak_rss_growth": workers_peak(many_last) / workers_peak(many),
         "driver_peak_rss_growth": many_last["peak_rss_mib"] / many["peak_rss_mib"],
         "peak_rss_mib_one_process": one["peak_rss_mib"],
-        "projection": projection(many),
+        "projection": projection(many, many_last),
     }
     if f"ours_ray{workers}_{first}" in runs:
         on_ray = runs[f"ours_ray{workers}_{first}"]

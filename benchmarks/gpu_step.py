@@ -66,16 +66,16 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
+    from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
-    from ft_assets.data.rows import iter_records
     from ft_assets.shards import load_packed_rows, shard_files
 
     shutil.rmtree(work, ignore_errors=True)
     sample = ROOT / "samples" / "toolcalls"
-    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], work / "raw")
-    clean_dataset(work / "raw", work / "cleaned", CleaningRules())
+    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw"))
+    clean_dataset(raw, cleaned := Artifact.folder(work / "cleaned"), CleaningRules())
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
-    records = [(r["source"], r["messages"]) for r in iter_records(work / "cleaned" / "rows.parquet")][:limit]
+    records = [(r["source"], r["messages"]) for r in cleaned.records("rows")][:limit]
     (work / "shards").mkdir()
     tokenize_and_pack(iter(records), encoder, seq_len, work / "shards", "train")
     examples = [e for e in encoder.encode_batch([m for _, m in records]) if isinstance(e, Example) and len(e.input_ids) <= seq_len]

@@ -42,18 +42,19 @@ def build_shards(corpus: Path, work: Path, seq_len: int, model_dir: Path) -> Pat
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
     from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+    from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
-    from ft_assets.data.rows import iter_records
     from ft_assets.data.split import split_dataset
 
-    read_dataset([(p.name, p) for p in sorted(corpus.iterdir()) if is_data_file(p.name)], work / "raw")
-    clean_dataset(work / "raw", work / "cleaned", CleaningRules())
-    deduplicate_dataset(work / "cleaned", work / "deduplicated", DedupRules())
-    split_dataset(work / "deduplicated", work / "split", 0.1)
+    stage = {name: Artifact.folder(work / name) for name in ("raw", "cleaned", "deduplicated", "split")}
+    read_dataset([(p.name, p) for p in sorted(corpus.iterdir()) if is_data_file(p.name)], stage["raw"])
+    clean_dataset(stage["raw"], stage["cleaned"], CleaningRules())
+    deduplicate_dataset(stage["cleaned"], stage["deduplicated"], DedupRules())
+    split_dataset(stage["deduplicated"], stage["split"], 0.1)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
     (work / "shards").mkdir(parents=True, exist_ok=True)
     for name in ("train", "eval"):
-        rows = ((r["source"], r["messages"]) for r in iter_records(work / "split" / f"{name}.parquet"))
+        rows = ((r["source"], r["messages"]) for r in stage["split"].records(name))
         tokenize_and_pack(rows, encoder, seq_len, work / "shards", name)
     return work / "shards"
 

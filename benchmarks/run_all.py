@@ -62,6 +62,31 @@ def same_outputs(result: dict) -> str:
     )
 
 
+def sizing_text(p: dict, n: int, first: str, last: str) -> str:
+    """The sentence over the sizing table: the figures the projection rests on (``data_plane.projection``)."""
+    head = f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
+    if "network_bytes_per_row_by_kind" not in p:  # a result from before the workers wrote their own parts (issue #26)
+        return head + (
+            f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
+            f"{p['driver_cpu_s_per_row'] * 1e6:,.0f} µs a row, {p['network_bytes_per_row']:,.0f} bytes a row over a 10 Gb/s link "
+            f"(the parts back to the driver and the deduplication shuffle) and {p['start_s']:.0f} s of start-up. One driver "
+            f"writes every part while the workers work, so beyond ~{p['driver_bound_above_cores']} cores it sets the pace:"
+        )
+    kinds = {"inputs": "the input files", "shuffle": "the deduplication shuffle"}
+    by_kind = ", ".join(f"{kinds[kind]} {value:,.0f}" for kind, value in p["network_bytes_per_row_by_kind"].items())
+    basis = (
+        f"its CPU seconds at {last} less those at {first}, over the rows in between; its other {p['driver_cpu_s_fixed']:.1f} s "
+        "are counted once, in the start-up" if p.get("driver_cpu_s_per_row_from") == "x1 and x4 runs" else "its CPU seconds over the rows"
+    )
+    return head + (
+        f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
+        f"{p['driver_cpu_s_per_row'] * 1e6:,.1f} µs a row ({basis}), {p['network_bytes_per_row']:,.0f} bytes a row through its "
+        f"10 Gb/s link ({by_kind}) and {p['start_s']:.0f} s of start-up. The workers write the parts to the store themselves "
+        f"({p['part_bytes_per_row']:,.0f} bytes a row, not through the driver), and the driver works while they do, so it "
+        f"sets the pace only beyond ~{p['driver_bound_above_cores']:,} cores:"
+    )
+
+
 def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     s, runs, scales, n = result["summary"], result["runs"], result["scales"], result["workers"]
     first, last = f"x{scales[0]}", f"x{scales[-1]}"
@@ -104,18 +129,10 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
           f"{v['wall_s'] / many['stages'][k]['wall_s']:.2f}x" if many["stages"][k]["wall_s"] >= 0.05 else "-"]
          for k, v in one["stages"].items()],
     ))  # fmt: skip
-    p = s["projection"]
-    lines += [
-        "",
-        f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
-        f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
-        f"{p['driver_cpu_s_per_row'] * 1e6:,.0f} µs a row, {p['network_bytes_per_row']:,.0f} bytes a row over a 10 Gb/s link "
-        f"(the parts back to the driver and the deduplication shuffle) and {p['start_s']:.0f} s of start-up. One driver "
-        f"writes every part while the workers work, so beyond ~{p['driver_bound_above_cores']} cores it sets the pace:",
-        "",
-        table(["version"] + list(next(iter(p["hours"].values()))), [[rows_] + [fmt(h, 2) for h in by_cores.values()]
-              for rows_, by_cores in p["hours"].items()]),  # fmt: skip
-    ]
+    lines += ["", sizing_text(s["projection"], n, first, last), "", table(
+        ["version"] + list(next(iter(s["projection"]["hours"].values()))),
+        [[rows_] + [fmt(h, 2) for h in by_cores.values()] for rows_, by_cores in s["projection"]["hours"].items()],
+    )]  # fmt: skip
 
     encode = ceiling["wall_s"] - ceiling["tokenizer_load_s"]
     around = one["stages"]["tokenize_pack"]["wall_s"] - encode
@@ -137,7 +154,8 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     ]  # fmt: skip
     driver = sum(v["cpu_s"] for v in many["stages"].values())
     why_speedup = (
-        f"the driver's own {driver:,.0f} CPU seconds (writing every part, the shuffle's files, the clusters) compete with the "
+        f"the driver's own {driver:,.0f} CPU seconds (cutting the inputs into parts, the shuffle's files, the clusters, the "
+        f"packing windows) compete with the "
         f"{n} workers for {n} cores, and the workers' start-up (imports, one tokenizer load each) is paid {n} times"
     )
     targets.append(target(f"rows/s, {n} processes / 1 process", f"≥ {TARGETS['speedup']}x",
@@ -146,7 +164,7 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
     if "ray_overhead" in s:
         targets.append(target(f"Ray (local) against {n} processes", f"≤ +{TARGETS['ray_overhead']:.0%}",
                               f"{s['ray_overhead']:+.1%} (Ray's start {s['ray_start_s']:.1f} s)", s["ray_overhead"] <= TARGETS["ray_overhead"],
-                              "Ray's start-up and its object store copies (every input file, every part) cost more than the processes' pipes"))  # fmt: skip
+                              "Ray's start-up and its object store copies (every input file, the shuffle's spill) cost more than the processes' pipes"))  # fmt: skip
     if f"baseline_{first}" in runs:
         baseline = runs[f"baseline_{first}"]
         bound = baseline["wall_s"] / ceiling["wall_s"]

@@ -74,14 +74,14 @@ def build_inputs(settings: Settings) -> tuple[Path, Path]:
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.formats import is_data_file
     from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+    from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
-    from ft_assets.data.rows import iter_records
     from ft_assets_tests.tiny import build_tiny_model
 
     sample = ROOT / "samples" / "toolcalls"
-    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], work / "raw")
-    clean_dataset(work / "raw", work / "cleaned", CleaningRules())
-    records = [(r["source"], r["messages"]) for r in iter_records(work / "cleaned" / "rows.parquet")][: settings.records]
+    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw"))
+    clean_dataset(raw, cleaned := Artifact.folder(work / "cleaned"), CleaningRules())
+    records = [(r["source"], r["messages"]) for r in cleaned.records("rows")][: settings.records]
     build_tiny_model(model_dir, extra_text=[m["content"] for _, messages in records[:600] for m in messages], hidden=settings.hidden)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
     shards.mkdir(parents=True)

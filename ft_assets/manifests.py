@@ -3,7 +3,8 @@
 The manifest is written last and is the commit point of the whole artifact: a reader trusts nothing
 under a prefix that has no manifest, which gives atomic publish on both storage backends (S3 makes
 single PUTs atomic, the local backend writes to a temporary name and renames). ``publish_dir`` uploads
-a local folder and writes the manifest; ``fetch_artifact`` downloads one and checks every file's
+a local folder and writes the manifest, listing as well the files that workers wrote to the prefix
+themselves since ``begin_artifact`` cleared it (a data artifact's parts); ``fetch_artifact`` downloads one and checks every file's
 sha256; ``verify_artifact`` is the cheap check (presence and size) for a reader that will not read
 the files.
 """
@@ -33,7 +34,7 @@ class ArtifactCorrupt(StoreError):
 @dataclass(frozen=True)
 class Manifest:
     prefix: str
-    files: dict[str, dict]  # relative path -> {"size": int, "sha256": str}
+    files: dict[str, dict]  # relative path -> {"size": int, "sha256": str} (+ "rows" for a data artifact's part)
     meta: dict
     created_at: float
 
@@ -57,14 +58,26 @@ class Manifest:
         }
 
 
-def publish_dir(store: ObjectStore, prefix: str, local_dir: str | Path, meta: dict | None = None) -> Manifest:
+def begin_artifact(store: ObjectStore, prefix: str) -> None:
+    """Clear ``prefix`` for an artifact whose files are written one by one (by the data plane's workers): the old
+    manifest goes first, so no reader takes what is left for an artifact, then every file under the prefix."""
+    store.delete(join_key(prefix, MANIFEST))
+    store.delete_prefix(prefix)
+
+
+def publish_dir(
+    store: ObjectStore, prefix: str, local_dir: str | Path, meta: dict | None = None, parts: dict[str, dict] | None = None
+) -> Manifest:
     """Upload every file under ``local_dir`` to ``prefix``, then write the manifest last.
 
-    Files already published at this prefix by an earlier attempt are overwritten; a reader never sees
-    them as an artifact until the new manifest lands (the old manifest is removed first).
+    ``parts`` are files already in the store under ``prefix`` (written there by the data plane's workers,
+    ``ft_assets.data.parts``): the manifest lists them with the size and sha256 (and rows) their writers
+    computed, so committing them costs no byte of them. Files already published at this prefix by an
+    earlier attempt are overwritten; a reader never sees them as an artifact until the new manifest
+    lands (the old manifest is removed first).
     """
     store.delete(join_key(prefix, MANIFEST))
-    return write_manifest(store, prefix, upload_files(store, prefix, local_dir), meta)
+    return write_manifest(store, prefix, {**(parts or {}), **upload_files(store, prefix, local_dir)}, meta)
 
 
 def upload_files(store: ObjectStore, prefix: str, local_dir: str | Path) -> dict[str, dict]:

@@ -5,10 +5,16 @@ verified), calls one plain function of its plane, publishes the output folder as
 (manifest last) and returns its reference with metadata. ``Materialization`` is that skeleton, so an
 asset body holds only what is its own::
 
-    with Materialization(context, store, "clean") as m:
-        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules())
-        ref = m.publish(layout.of(m.partition).data("cleaned"), stats, upstream={"raw_dataset": raw_dataset})
+    with Materialization(context, store, "clean", data_executor) as m:
+        out = m.begin(layout.of(m.partition).data("cleaned"))
+        stats = clean_dataset(m.input(raw_dataset), out, config.rules(), data_executor.executor)
+        ref = m.publish(out, stats, upstream={"raw_dataset": raw_dataset})
     return m.output(ref, rows_kept=stats["rows_kept"])
+
+A data asset's workers read and write the store themselves (``ft_assets.data.parts``): ``input`` names
+the parts of an input artifact, ``begin`` clears the output's prefix for the parts the workers write,
+and ``publish`` commits them from their descriptors, with whatever the driver wrote to ``out``. The
+other planes' assets download their inputs (``fetch``) and publish the folder ``out``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import refs
-from ft_assets.manifests import fetch_artifact
+from ft_assets.data.parts import Artifact
+from ft_assets.manifests import begin_artifact, fetch_artifact
 from ft_assets.storage import store_kind
 
 STORE_KIND = store_kind()  # the asset kind of this deployment's store ("s3" or "file"), shown in the graph
@@ -99,13 +106,26 @@ class Materialization:
         fetch_artifact(self.store, ref["prefix"], target, include=include)
         return target
 
-    def publish(self, prefix: str, stats: dict, upstream: dict[str, dict] | None = None, folder: Path | None = None, **extra) -> dict:
-        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference.
+    def input(self, ref: dict) -> Artifact:
+        """The artifact of an input reference, for a data stage's workers to read from the store themselves."""
+        return Artifact.committed(self.store, ref["prefix"])
+
+    def begin(self, prefix: str) -> Artifact:
+        """An empty artifact at ``prefix`` that a data stage's workers write their parts into (what an earlier
+        attempt left there is deleted first, its manifest before anything); ``publish`` commits it."""
+        begin_artifact(self.store, prefix)
+        return Artifact(self.store.url, prefix)
+
+    def publish(self, prefix: str | Artifact, stats: dict, upstream: dict[str, dict] | None = None, folder: Path | None = None, **extra) -> dict:
+        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference; given an ``Artifact``
+        (``begin``), its parts are committed with it, by their descriptors.
 
         The reference records the asset's resolved settings, so a rerun can tell whether it is current.
         """
+        parts = prefix.files if isinstance(prefix, Artifact) else None
+        prefix = prefix.prefix if isinstance(prefix, Artifact) else prefix
         return refs.publish(
-            self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream,
+            self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream, parts,
             config=op_config(self.context), **extra,
         )  # fmt: skip
 

@@ -196,10 +196,12 @@ def publish(
     local_dir: Path,
     stats: dict,
     upstream: dict[str, dict] | None = None,
+    parts: dict[str, dict] | None = None,
     **extra,
 ) -> ArtifactRef:
-    """Publish ``local_dir`` as an artifact at ``prefix`` (manifest last) and return its reference."""
-    manifest = publish_dir(store, prefix, local_dir, meta={"asset": asset, "partition": partition})
+    """Publish ``local_dir`` (and ``parts``, files already written under ``prefix``) as an artifact at ``prefix``
+    (manifest last) and return its reference."""
+    manifest = publish_dir(store, prefix, local_dir, meta={"asset": asset, "partition": partition}, parts=parts)
     return make_ref(store, asset, partition, manifest, stats, upstream, **extra)
 
 

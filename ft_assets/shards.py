@@ -30,9 +30,11 @@ turn comes after it and is generated in training. ``prompts-<split>-NNNNN.parque
 - ``messages`` (string): its turns, as JSON (what the reward functions get as ``prompts``);
 - ``columns`` (string): its other columns, as a JSON object (what they get as keyword arguments).
 
-``ShardWriter`` writes a split, rotating files every ``ROWS_PER_SHARD`` rows (8 MiB of int32 per
-column at seq_len 512). ``load_packed_rows`` reads a whole split into memory as three int32 tensors,
-12 bytes/token (0.6 GB per 50M tokens): any shuffle order costs no I/O per step, at the price of
+The data plane writes one shard a packing window (``ft_assets.data.packing``: 16,384 examples, ~2,000
+rows of 1,024 tokens on the benchmark corpus; 16,384 prompts), each built by ``packed_table`` in the
+worker that packed it; readers take a split's shards in the order of their numbers. ``load_packed_rows``
+reads a whole split into memory as three int32 tensors, 12 bytes/token (0.6 GB per 50M tokens): any
+shuffle order costs no I/O per step, at the price of
 memory that grows with the dataset; batches are widened to int64 only when they are taken.
 ``load_pair_rows`` does the same for pairs, with the segment ids as a fourth tensor (16 bytes/token);
 ``load_prompt_rows`` reads prompts as a list of token tensors with their texts.
@@ -71,7 +73,6 @@ PROMPT_SCHEMA = pa.schema(
     [("input_ids", pa.list_(pa.int32())), ("source", pa.string()), ("messages", pa.string()), ("columns", pa.string())]
 )
 PROMPTS = "prompts"  # file name prefix of prompt shards
-ROWS_PER_SHARD = 4096  # packed rows per Parquet shard (8 MiB of int32 at seq_len 512)
 IGNORE_INDEX = -100  # label value the HF loss skips
 
 
@@ -80,8 +81,10 @@ def shard_name(split: str, index: int) -> str:
 
 
 def shard_files(shards_dir: Path, split: str) -> list[Path]:
-    """The shards of ``split`` in ``shards_dir``, in the order their rows are numbered."""
-    return sorted(Path(shards_dir).glob(f"{split}-*.parquet"))
+    """The shards of ``split`` in ``shards_dir``, in the order their rows are numbered (by their numbers, which
+    outgrow 5 digits past 99,999 windows)."""
+    numbers = {path: path.name[len(split) + 1 : -len(".parquet")] for path in Path(shards_dir).glob(f"{split}-*.parquet")}
+    return sorted((path for path, number in numbers.items() if number.isdigit()), key=lambda path: int(numbers[path]))
 
 
 def pair_split(split: str) -> str:
@@ -97,37 +100,20 @@ def prompt_split(split: str) -> str:
 # --- writer ----------------------------------------------------------------------------------------
 
 
-class ShardWriter:
-    """Writes packed rows to ``<split>-00000.parquet``, ``-00001``… rotating every ``rows_per_shard``."""
-
-    def __init__(self, out_dir: Path, split: str, rows_per_shard: int = ROWS_PER_SHARD, schema: pa.Schema = SCHEMA):
-        self.out_dir, self.split, self.rows_per_shard, self.schema = out_dir, split, rows_per_shard, schema
-        self.buffer: list[dict] = []
-        self.files: list[str] = []
-
-    def add(self, row: dict) -> None:
-        """Buffer one row: a dict of 1-D arrays (or lists) for the list columns of the schema, strings for the others."""
-        self.buffer.append(row)
-        if len(self.buffer) >= self.rows_per_shard:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        name = shard_name(self.split, len(self.files))
-        columns = []
-        for column in self.schema:  # one flat numpy array + offsets per list column: no per-row conversion
-            values = [row[column.name] for row in self.buffer]
-            if not pa.types.is_list(column.type):
-                columns.append(pa.array(values, type=column.type))
-                continue
-            offsets = np.zeros(len(values) + 1, dtype=np.int32)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = pa.array(np.concatenate(values), type=column.type.value_type)
-            columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
-        pq.write_table(pa.Table.from_arrays(columns, schema=self.schema), self.out_dir / name)
-        self.files.append(name)
-        self.buffer = []
+def packed_table(rows: list[dict], schema: pa.Schema = SCHEMA) -> pa.Table:
+    """Shard rows (dicts: a 1-D array or list for each list column of ``schema``, a string for each other column) as
+    one table, a column at a time: one flat numpy array and its offsets per list column, no conversion row by row."""
+    columns = []
+    for column in schema:
+        values = [row[column.name] for row in rows]
+        if not pa.types.is_list(column.type):  # a prompt's texts
+            columns.append(pa.array(values, type=column.type))
+            continue
+        offsets = np.zeros(len(values) + 1, dtype=np.int32)
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        flat = pa.array(np.concatenate(values) if values else np.empty(0), type=column.type.value_type)
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets), flat, type=column.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 # --- reader ----------------------------------------------------------------------------------------

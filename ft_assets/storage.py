@@ -138,6 +138,11 @@ class ObjectStore(ABC):
         for key in self.list(prefix):
             self.delete(key)
 
+    def put_part(self, key: str, data: bytes) -> None:
+        """``put_bytes`` for an object that one writer at a time writes, always with the same bytes (a part of an
+        artifact, ``ft_assets.data.parts``): a writer killed halfway leaves nothing that the next write does not replace."""
+        self.put_bytes(key, data)
+
     def put_json(self, key: str, obj: object) -> None:
         self.put_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
 
@@ -158,12 +163,13 @@ class LocalStore(ObjectStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self.url = str(self.root)
 
-    def _path(self, key: str) -> Path:
+    def path(self, key: str) -> Path:
+        """The file that holds ``key`` (whether it exists or not)."""
         return self.root / check_key(key)
 
-    def _atomic_write(self, key: str, write, publish=os.replace) -> None:
-        target = self._path(key)
-        tmp = target.parent / f".tmp-{uuid.uuid4().hex}-{target.name}"
+    def _atomic_write(self, key: str, write, publish=os.replace, tmp_name: str | None = None) -> None:
+        target = self.path(key)
+        tmp = target.parent / (tmp_name or f".tmp-{uuid.uuid4().hex}-{target.name}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             write(tmp)
@@ -179,6 +185,10 @@ class LocalStore(ObjectStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda tmp: tmp.write_bytes(data))
 
+    def put_part(self, key: str, data: bytes) -> None:
+        # The temporary name is the key's own: the rerun of a killed writer's shard writes over its half-written file.
+        self._atomic_write(key, lambda tmp: tmp.write_bytes(data), tmp_name=f".tmp-part-{self.path(key).name}")
+
     def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
         def link(tmp: Path, target: Path) -> None:
             try:  # a hard link fails if the target exists: an atomic create-if-absent, content in place
@@ -193,7 +203,7 @@ class LocalStore(ObjectStore):
         return True
 
     def get_file(self, key: str, path: str | Path) -> None:
-        source = self._path(key)
+        source = self.path(key)
         if not source.is_file():
             raise ObjectNotFound(f"missing object {self.uri(key)}")
         path = Path(path)
@@ -208,22 +218,22 @@ class LocalStore(ObjectStore):
             tmp.unlink(missing_ok=True)
 
     def get_bytes(self, key: str) -> bytes:
-        source = self._path(key)
+        source = self.path(key)
         if not source.is_file():
             raise ObjectNotFound(f"missing object {self.uri(key)}")
         return source.read_bytes()
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        return self.path(key).is_file()
 
     def list(self, prefix: str) -> list[str]:
-        base = self._path(prefix) if prefix else self.root
+        base = self.path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
         return sorted(path.relative_to(self.root).as_posix() for path in _stored_files(base))
 
     def list_dirs(self, prefix: str) -> list[str]:
-        base = self._path(prefix) if prefix else self.root
+        base = self.path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
         # As on S3, a directory exists only while it holds a file: deleting an artifact's files leaves
@@ -231,16 +241,23 @@ class LocalStore(ObjectStore):
         return sorted(p.name for p in base.iterdir() if p.is_dir() and any(_stored_files(p)))
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        self.path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Every file under ``prefix``, the temporary files of writers killed mid-write included."""
+        base = self.path(prefix) if prefix else self.root
+        for path in sorted(base.rglob("*")) if base.is_dir() else []:
+            if path.is_file():
+                path.unlink(missing_ok=True)
 
     def size(self, key: str) -> int:
-        source = self._path(key)
+        source = self.path(key)
         if not source.is_file():
             raise ObjectNotFound(f"missing object {self.uri(key)}")
         return source.stat().st_size
 
     def sha256(self, key: str) -> str:
-        source = self._path(key)
+        source = self.path(key)
         if not source.is_file():
             raise ObjectNotFound(f"missing object {self.uri(key)}")
         return sha256_file(source)

@@ -83,8 +83,8 @@ def shards(tiny_model, tmp_path_factory) -> Path:
 
     examples = chat_examples(60)
     out = tmp_path_factory.mktemp("shards")
-    write_shards(tiny_model, out, "train", examples[:48], rows_per_shard=8)
-    write_shards(tiny_model, out, "eval", examples[48:], rows_per_shard=8)
+    write_shards(tiny_model, out, "train", examples[:48], window=16)  # 3 shards, a window each
+    write_shards(tiny_model, out, "eval", examples[48:], window=16)
     return out
 
 
@@ -126,7 +126,7 @@ def pair_shards(pair_model, tmp_path_factory) -> Path:
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(pair_model))
     rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
     for split, part in (("train", rows[:48]), ("eval", rows[48:])):
-        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, rows_per_shard=8)
+        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, window=16)
         assert stats.examples == len(part), stats.rejected
     return out
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ft_assets.cli import main
-from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.data.packing import PACK_WINDOW, ChatEncoder, tokenize_and_pack
 from ft_assets.delivery.lineage import LINEAGE_CHAIN
 from ft_assets.training.config import TrainingConfig
 
@@ -82,13 +82,13 @@ def conversations(examples: list[tuple[str, str]]) -> list[tuple[str, list[dict]
     ]
 
 
-def write_shards(model_dir: Path, out_dir: Path, split: str, examples: list[tuple[str, str]], rows_per_shard: int) -> None:
-    """Packed shards of ``examples`` at SEQ_LEN, made by the data plane's own tokenizer and packer."""
+def write_shards(model_dir: Path, out_dir: Path, split: str, examples: list[tuple[str, str]], window: int = PACK_WINDOW) -> None:
+    """Packed shards of ``examples`` at SEQ_LEN, made by the data plane's own tokenizer and packer (a shard a window)."""
     from transformers import AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
-    stats = tokenize_and_pack(iter(conversations(examples)), encoder, SEQ_LEN, out_dir, split, rows_per_shard=rows_per_shard)
+    stats = tokenize_and_pack(iter(conversations(examples)), encoder, SEQ_LEN, out_dir, split, window)
     assert stats.examples == len(examples), stats.rejected
 
 

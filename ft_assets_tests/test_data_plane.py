@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ft_assets.cli import main
-from ft_assets.data.rows import iter_records
+from ft_assets.data.parts import Artifact
 from ft_assets.manifests import read_manifest, verify_artifact
 from ft_assets.storage import LocalStore
 
@@ -58,8 +58,11 @@ def test_sample_data_plane_accounts_for_every_row(project, capsys):
     table = pq.read_table(shards / "train-00000.parquet")
     assert table.column_names == ["input_ids", "loss_mask", "position_ids", "seq_lens"]
     assert {len(x) for x in table.column("input_ids").to_pylist()} == {512}
-    quarantined = list(iter_records(Path(summary["artifacts"]["raw_dataset"]) / "quarantine.parquet"))
+    raw = Artifact.committed(store, Path(summary["artifacts"]["raw_dataset"]).relative_to(store.root).as_posix())
+    quarantined = list(raw.records("quarantine"))
+    assert len(quarantined) == summary["quarantine_reasons"]["invalid_json"] + summary["quarantine_reasons"]["not_an_object"]
     assert all(q["source"].startswith("part-") and q["reason"] for q in quarantined)
+    assert raw.names("rows") == [f"rows-{i:05d}.parquet" for i in range(3)]  # a part per input file: each file is under PART_ROWS
 
     # Same dataset again: the version is recognised, nothing is re-registered, the runs repeat cleanly.
     again = run_json(capsys, "run", "--in-process", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1",
@@ -104,8 +107,9 @@ def test_a_json_array_with_other_column_names_through_the_run_config(project, ca
     summary = run_json(capsys, "run", "--in-process", "--dataset", str(data), "--until", "data", "--config", str(mapped), "--json")
     assert summary["partition"].startswith("qa_data@v-")
     assert (summary["rows_in"], summary["rows_kept"], summary["quarantine_reasons"]) == (61, 60, {"unknown_format": 1})
-    quarantined = list(iter_records(Path(summary["artifacts"]["raw_dataset"]) / "quarantine.parquet"))
-    assert [(q["source"], q["reason"]) for q in quarantined] == [("qa_data.json#31", "unknown_format")]
+    store = LocalStore(tmp_path / "home" / "store")
+    raw = Artifact.committed(store, Path(summary["artifacts"]["raw_dataset"]).relative_to(store.root).as_posix())
+    assert [(q["source"], q["reason"]) for q in raw.records("quarantine")] == [("qa_data.json#31", "unknown_format")]
     # Without the mapping the version fails, naming the file and the columns it has.
     assert main(["run", "--in-process", "--dataset", str(data), "--until", "data", "--config", str(config)]) == 2
     assert "qa_data.json: no row has an accepted layout (qa_data.json#1: " in capsys.readouterr().err
@@ -142,6 +146,30 @@ def test_one_process_two_processes_and_ray_publish_the_same_artifacts(project, c
         assert published() == (reference, expected)
         assert {k: again[k] for k in COUNTS} == {k: one[k] for k in COUNTS}
     assert run_json(capsys, *base, "--data-workers", "2")["skipped"] == ["data"]
+
+
+def test_with_an_s3_store_the_workers_write_the_parts_there(project, capsys, s3_env, monkeypatch):
+    """``FT_STORE=s3://…`` and 2 worker processes: the workers read their input parts from the bucket and write theirs
+    there, the driver commits each manifest; every artifact is the one a single process makes on a local store."""
+    from ft_assets.refs import read_ref
+    from ft_assets.storage import open_store
+
+    tmp_path, config = project
+    sharded = tmp_path / "sharded.yaml"
+    sharded.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "resources": {"data_executor": {"config": {"shard_rows": 700}}}}))
+    base = ["run", "--dataset", str(SAMPLE), "--name", "toolcalls", "--version", "t1", "--until", "data", "--config", str(sharded), "--json"]
+    local = LocalStore(tmp_path / "home" / "store")
+    run_json(capsys, *base, "--data-workers", "1")
+    monkeypatch.setenv("FT_STORE", s3_env)
+    on_s3 = run_json(capsys, *base, "--data-workers", "2")
+    bucket = open_store(s3_env)
+    for asset in DATA_ASSETS:
+        ref = read_ref(bucket, "toolcalls@t1", asset)
+        assert ref["uri"].startswith("s3://") and ref["digest"] == read_ref(local, "toolcalls@t1", asset)["digest"], asset
+        manifest = read_manifest(bucket, ref["prefix"])
+        assert sorted(key.removeprefix(ref["prefix"] + "/") for key in bucket.list(ref["prefix"])) == sorted([*manifest.files, "manifest.json"])
+        assert all(bucket.sha256(f"{ref['prefix']}/{name}") == info["sha256"] for name, info in manifest.files.items())
+    assert on_s3["accounting_invariant_holds"] is True
 
 
 def test_a_ray_address_that_does_not_answer_fails_the_run_within_30_s(project, capsys):

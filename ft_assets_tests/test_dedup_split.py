@@ -1,21 +1,13 @@
 from collections import Counter
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
-import numpy as np
-
-from ft_assets.data.dedup import (
-    DedupRules,
-    MinHasher,
-    band_pairs,
-    band_records,
-    cluster_roots,
-    deduplicate_dataset,
-    exact_key,
-    row_features,
-    unique_pairs,
-)
-from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_records
+from ft_assets.data.dedup import DedupRules, MinHasher, deduplicate_dataset, exact_key, row_features
+from ft_assets.data.parts import Artifact
+from ft_assets.data.rows import ROW_SCHEMA
+from ft_assets.data.shuffle import band_pairs, band_records, cluster_roots, unique_pairs
 from ft_assets.data.split import EVAL, TRAIN, split_dataset, split_of
 
 LONG = (
@@ -87,25 +79,27 @@ def test_clusters_are_transitive_and_keep_first_row():
     assert clusters_of(rows) == [0, 1, 1, 1]
 
 
-def write_rows(path, conversations):
-    with ParquetSink(path, ROW_SCHEMA) as sink:
-        for i, messages in enumerate(conversations):
-            sink.write({"source": f"f:{i + 1}", "cluster": "", "messages": messages})
+def write_rows(folder, conversations, clusters=None, numbers=None) -> Artifact:
+    """The rows as one ``rows`` part of an artifact in ``folder`` (sources ``f:<number>``, from 1 by default)."""
+    numbers = numbers or range(1, len(conversations) + 1)
+    records = [{"source": f"f:{n}", "cluster": c, "messages": m} for n, c, m in zip(numbers, clusters or [""] * len(conversations), conversations)]
+    artifact = Artifact.folder(folder)
+    artifact.add(artifact.target().put_table("rows-00000.parquet", pa.Table.from_pylist(records, schema=ROW_SCHEMA), ROW_SCHEMA))
+    return artifact
 
 
 @pytest.mark.parametrize("mode,kept,near", [("drop", 3, 1), ("keep", 4, 0)])
 def test_deduplicate_dataset_records_every_removed_row(tmp_path, mode, kept, near):
-    (tmp_path / "in").mkdir()
-    write_rows(
-        tmp_path / "in" / "rows.parquet",
+    rows = write_rows(
+        tmp_path / "in",
         [conv("Convert 12 km to m."), conv("convert 12  KM to m."), conv("Convert 19 km to m."), conv(LONG), conv(LONG + " thanks")],
     )
-    stats = deduplicate_dataset(tmp_path / "in", tmp_path / "out", DedupRules(near_duplicates=mode))
+    stats = deduplicate_dataset(rows, out := Artifact.folder(tmp_path / "out"), DedupRules(near_duplicates=mode))
     assert (stats["rows_kept"], stats["exact_duplicates"], stats["near_duplicates"]) == (kept, 1, near)
-    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in iter_records(tmp_path / "out" / "duplicates.parquet")]
+    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in out.records("duplicates")]
     expected = [("f:2", "exact", "f:1")] + ([("f:5", "near", "f:4")] if mode == "drop" else [])
     assert duplicates == expected
-    rows = list(iter_records(tmp_path / "out" / "rows.parquet"))
+    rows = list(out.records("rows"))
     clusters = {r["source"]: r["cluster"] for r in rows}
     if mode == "keep":
         assert clusters["f:4"] == clusters["f:5"] != clusters["f:1"]
@@ -138,22 +132,19 @@ DUPLICATE_CASES = [
 
 @pytest.mark.parametrize("name,a,b,kind", DUPLICATE_CASES, ids=[c[0] for c in DUPLICATE_CASES])
 def test_what_is_a_duplicate(tmp_path, name, a, b, kind):
-    (tmp_path / "in").mkdir()
-    write_rows(tmp_path / "in" / "rows.parquet", [a, b])
-    deduplicate_dataset(tmp_path / "in", tmp_path / "out", DedupRules())
-    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in iter_records(tmp_path / "out" / "duplicates.parquet")]
+    deduplicate_dataset(write_rows(tmp_path / "in", [a, b]), out := Artifact.folder(tmp_path / "out"), DedupRules())
+    duplicates = [(d["source"], d["kind"], d["duplicate_of"]) for d in out.records("duplicates")]
     assert duplicates == ([("f:2", kind, "f:1")] if kind else [])
 
 
 def test_duplicate_clusters_never_straddle_the_split(tmp_path):
     """Near-duplicates kept (``keep``) share their cluster, so each pair lands on one side of the split."""
-    (tmp_path / "in").mkdir()
     pairs = [(conv(f"{LONG} for table {i}"), conv(f"{LONG.upper()} for table {i}, thanks!")) for i in range(200)]
-    write_rows(tmp_path / "in" / "rows.parquet", [row for pair in pairs for row in pair])
-    stats = deduplicate_dataset(tmp_path / "in", tmp_path / "dedup", DedupRules(near_duplicates="keep"))
+    rows = write_rows(tmp_path / "in", [row for pair in pairs for row in pair])
+    stats = deduplicate_dataset(rows, dedup := Artifact.folder(tmp_path / "dedup"), DedupRules(near_duplicates="keep"))
     assert (stats["rows_kept"], stats["near_clusters"]) == (400, 200)
-    split_dataset(tmp_path / "dedup", tmp_path / "split", 0.25)
-    where = {r["source"]: (split, r["cluster"]) for split in (TRAIN, EVAL) for r in iter_records(tmp_path / "split" / f"{split}.parquet")}
+    split_dataset(dedup, split := Artifact.folder(tmp_path / "split"), 0.25)
+    where = {r["source"]: (name, r["cluster"]) for name in (TRAIN, EVAL) for r in split.records(name)}
     assert all(where[f"f:{2 * i + 1}"] == where[f"f:{2 * i + 2}"] for i in range(200))
     assert {split for split, _ in where.values()} == {TRAIN, EVAL}
 
@@ -170,27 +161,21 @@ def test_split_is_deterministic_by_hash_and_respects_fraction():
 
 
 def test_split_keeps_clusters_together_and_is_independent_of_position(tmp_path):
-    (tmp_path / "in").mkdir()
     conversations = [conv(f"question {i}") for i in range(400)]
-    with ParquetSink(tmp_path / "in" / "rows.parquet", ROW_SCHEMA) as sink:
-        for i, messages in enumerate(conversations):
-            sink.write({"source": f"f:{i}", "cluster": f"c{i // 4}", "messages": messages})
-    stats = split_dataset(tmp_path / "in", tmp_path / "out", 0.25)
+    rows = write_rows(tmp_path / "in", conversations, [f"c{i // 4}" for i in range(400)], range(400))
+    stats = split_dataset(rows, out := Artifact.folder(tmp_path / "out"), 0.25)
     assert stats["train_rows"] + stats["eval_rows"] == 400
     where = {}
     for split in ("train", "eval"):
-        for record in iter_records(tmp_path / "out" / f"{split}.parquet"):
+        for record in out.records(split):
             where.setdefault(record["cluster"], set()).add(split)
     assert all(len(s) == 1 for s in where.values()), "a near-duplicate cluster straddles train and eval"
     assert Counter(next(iter(s)) for s in where.values())[EVAL] > 0
     # Reordering the input changes nothing: the split is a function of content, not position.
-    (tmp_path / "rev").mkdir()
-    with ParquetSink(tmp_path / "rev" / "rows.parquet", ROW_SCHEMA) as sink:
-        for i in reversed(range(400)):
-            sink.write({"source": f"f:{i}", "cluster": f"c{i // 4}", "messages": conversations[i]})
-    split_dataset(tmp_path / "rev", tmp_path / "out2", 0.25)
-    sources = lambda d: sorted(r["source"] for r in iter_records(d / "eval.parquet"))  # noqa: E731
-    assert sources(tmp_path / "out") == sources(tmp_path / "out2")
+    backwards = list(reversed(range(400)))
+    rows = write_rows(tmp_path / "rev", [conversations[i] for i in backwards], [f"c{i // 4}" for i in backwards], backwards)
+    split_dataset(rows, out2 := Artifact.folder(tmp_path / "out2"), 0.25)
+    assert sorted(r["source"] for r in out.records("eval")) == sorted(r["source"] for r in out2.records("eval"))
 
 
 def test_batched_signatures_are_datasketchs_for_every_turn_shape():
@@ -213,3 +198,17 @@ def test_batched_signatures_are_datasketchs_for_every_turn_shape():
         expected = MinHash(num_perm=rules.num_perm, seed=rules.seed, hashfunc=lambda b: shingle_hash(b, rules.ngram))
         expected.update_batch([s for turn in row for s in _shingle_texts(turn, rules.ngram)])
         assert list(got) == list(expected.hashvalues), row
+
+
+def test_an_artifact_of_the_single_file_layout_is_refused_naming_it(tmp_path):
+    """Data artifacts were one rows.parquet (train.parquet, eval.parquet) before part files: read as parts they would
+    look empty, so a stage refuses them, saying what to rebuild."""
+    from ft_assets.manifests import ArtifactCorrupt, publish_dir
+    from ft_assets.storage import LocalStore
+
+    store, folder = LocalStore(tmp_path / "store"), tmp_path / "old"
+    folder.mkdir()
+    (folder / "rows.parquet").write_bytes(b"PAR1")
+    publish_dir(store, "runs/x/v1/data/cleaned", folder)
+    with pytest.raises(ArtifactCorrupt, match=r"runs/x/v1/data/cleaned holds rows\.parquet: .*\(ft-assets run --until data --force\)"):
+        Artifact.committed(store, "runs/x/v1/data/cleaned")

@@ -85,8 +85,8 @@ def family_shards(family_dir, tmp_path_factory):
     def build(name: str) -> Path:
         if name not in built:
             out, examples = tmp_path_factory.mktemp(f"{name}-shards"), chat_examples(32)
-            write_shards(family_dir(name), out, "train", examples[:24], rows_per_shard=8)
-            write_shards(family_dir(name), out, "eval", examples[24:], rows_per_shard=8)
+            write_shards(family_dir(name), out, "train", examples[:24], window=8)
+            write_shards(family_dir(name), out, "eval", examples[24:], window=8)
             built[name] = out
         return built[name]
 

@@ -244,7 +244,7 @@ def test_two_nodes_on_loopback_through_the_launchers_command(tmp_path):
     fetch the inputs from the store, then torchrun with its node rank); a Qwen2 model; each node its own disk."""
     model = build_family("qwen2.5", tmp_path / "model")
     examples = chat_examples(24)
-    write_shards(model, tmp_path / "shards", "train", examples, rows_per_shard=8)
+    write_shards(model, tmp_path / "shards", "train", examples, window=8)
     store = LocalStore(tmp_path / "store")
     publish_dir(store, "inputs/base", model)
     publish_dir(store, "inputs/shards", tmp_path / "shards")

@@ -32,8 +32,9 @@ from ft_assets.data import formats
 from ft_assets.data.cleaning import CleaningRules, clean_dataset, clean_messages
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.layouts import normalize_record
+from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError, RowError, iter_records
+from ft_assets.data.rows import DatasetFileError, RowError
 from ft_assets_tests.support import record_figures
 
 LINE_LIMIT = 512  # formats.MAX_LINE_BYTES during the fuzz, so that "huge" lines stay cheap to generate
@@ -250,12 +251,12 @@ def run_data_plane(files: list[tuple[str, bytes, int | None]]) -> dict:
         tmp = Path(tmp)
         pairs = write_files(files, tmp / "in")
         try:
-            raw = read_dataset(pairs, tmp / "raw")
+            raw = read_dataset(pairs, raw_rows := Artifact.folder(tmp / "raw"))
         except DatasetFileError as exc:
             assert any(str(exc).startswith(f"{name}: ") for name, _ in pairs), str(exc)  # names the file
             return {"outcome": "versions_failed_naming_the_file"}
-        rows = list(iter_records(tmp / "raw" / "rows.parquet"))
-        quarantined = list(iter_records(tmp / "raw" / "quarantine.parquet"))
+        rows = list(raw_rows.records("rows"))
+        quarantined = list(raw_rows.records("quarantine"))
         assert raw["rows_in"] == raw["rows_parsed"] + raw["rows_quarantined"] == len(rows) + len(quarantined)
         assert sum(raw["rows_per_file"].values()) == raw["rows_in"]
         assert Counter(q["reason"] for q in quarantined) == raw["quarantine_reasons"]
@@ -266,10 +267,10 @@ def run_data_plane(files: list[tuple[str, bytes, int | None]]) -> dict:
         if all(lines is not None for _, _, lines in files):  # JSONL only: every line is a row or a blank line
             assert raw["rows_in"] + raw["blank_lines"] == sum(lines for _, _, lines in files)
 
-        cleaned = clean_dataset(tmp / "raw", tmp / "clean", RULES)
+        cleaned = clean_dataset(raw_rows, clean_rows := Artifact.folder(tmp / "clean"), RULES)
         assert cleaned["rows_kept"] + cleaned["rows_quarantined"] == raw["rows_parsed"]
         assert set(cleaned["quarantine_reasons"]) <= CLEAN_REASONS
-        deduped = deduplicate_dataset(tmp / "clean", tmp / "dedup", DEDUP)
+        deduped = deduplicate_dataset(clean_rows, Artifact.folder(tmp / "dedup"), DEDUP)
         assert deduped["rows_kept"] + deduped["exact_duplicates"] + deduped["near_duplicates"] == cleaned["rows_kept"]
         # The data plane's invariant, end to end.
         assert raw["rows_in"] == (
@@ -335,7 +336,7 @@ HOSTILE = [
 def test_hostile_input(name, files, parsed, reasons):
     if isinstance(parsed, str):  # the version fails, naming the file
         with pytest.raises(DatasetFileError, match=rf"^{parsed}: "):
-            read_dataset(write_files(files, Path(tempfile.mkdtemp())), Path(tempfile.mkdtemp()))
+            read_dataset(write_files(files, Path(tempfile.mkdtemp())), Artifact.folder(Path(tempfile.mkdtemp())))
         return
     outcome = run_data_plane(files)
     assert (outcome["rows_parsed"], outcome["quarantine_reasons"]) == (parsed, reasons)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_qlora_is_the_default_on_cuda_and_trains_in_bf16(tiny_model_dir, tmp_path):
     from ft_assets_tests.support import chat_examples, write_shards
 
-    write_shards(tiny_model_dir, tmp_path / "shards", "train", chat_examples(64), rows_per_shard=64)
+    write_shards(tiny_model_dir, tmp_path / "shards", "train", chat_examples(64))
     config = TrainingConfig(max_steps=10, save_steps=5, per_device_batch_size=4, learning_rate=5e-3, warmup_steps=0)
     assert config.resolved_method(cuda_available=True) == "qlora"
     result = train(config, tiny_model_dir, tmp_path / "shards", LocalStore(tmp_path / "store"), "runs/t/v/train/r", tmp_path / "work", log=print)

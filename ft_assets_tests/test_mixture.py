@@ -12,8 +12,8 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.data.mixture import Component, MixtureError, draw_counts, mix_dataset, parse_spec
+from ft_assets.data.parts import Artifact
 from ft_assets.data.registration import register_dataset
-from ft_assets.data.rows import iter_records
 from ft_assets.data.sources import describe_source
 from ft_assets.manifests import publish_dir
 from ft_assets.refs import read_ref
@@ -79,15 +79,15 @@ def components(tmp_path: Path, weights: dict[str, float]) -> list[Component]:
     ]
 
 
-def drawn_sources(out: Path) -> list[str]:
-    return [r["source"] for r in iter_records(out / "rows.parquet")]
+def drawn_sources(out: Artifact) -> list[str]:
+    return [r["source"] for r in out.records("rows")]
 
 
 def test_mixture_shares_are_the_weights_and_the_seed_fixes_the_rows(tmp_path):
     weights = {"alpha": 0.5, "beta": 0.3, "gamma": 0.2}
     parts = components(tmp_path, weights)
-    stats = mix_dataset(parts, tmp_path / "w1", tmp_path / "out1", seed=7, rows=2000)
-    sources = drawn_sources(tmp_path / "out1")
+    stats = mix_dataset(parts, tmp_path / "w1", out1 := Artifact.folder(tmp_path / "out1"), seed=7, rows=2000)
+    sources = drawn_sources(out1)
     shares = Counter(source.split("/")[0] for source in sources)
     assert stats["rows_in"] == len(sources) == 2000
     for name, weight in weights.items():
@@ -96,18 +96,18 @@ def test_mixture_shares_are_the_weights_and_the_seed_fixes_the_rows(tmp_path):
     assert records["beta"]["rows_drawn"] == 600 and records["beta"]["rows_available"] == 1200
     assert records["beta"]["rows_quarantined"] == 1 and records["beta"]["quarantine_reasons"] == {"invalid_json": 1}
     assert len({c["digest"] for c in records.values()}) == 3
-    quarantined = [q["source"] for q in iter_records(tmp_path / "out1" / "components_quarantine.parquet")]
+    quarantined = [q["source"] for q in out1.records("components_quarantine")]
     assert quarantined == ["alpha/rows.jsonl:3001", "beta/rows.jsonl:1201", "gamma/rows.jsonl:801"]
 
-    mix_dataset(parts, tmp_path / "w2", tmp_path / "out2", seed=7, rows=2000)
-    assert drawn_sources(tmp_path / "out2") == sources  # same seed, same rows in the same order
-    mix_dataset(parts, tmp_path / "w3", tmp_path / "out3", seed=8, rows=2000)
-    other = drawn_sources(tmp_path / "out3")
+    mix_dataset(parts, tmp_path / "w2", out2 := Artifact.folder(tmp_path / "out2"), seed=7, rows=2000)
+    assert drawn_sources(out2) == sources  # same seed, same rows in the same order
+    mix_dataset(parts, tmp_path / "w3", out3 := Artifact.folder(tmp_path / "out3"), seed=8, rows=2000)
+    other = drawn_sources(out3)
     assert other != sources and Counter(s.split("/")[0] for s in other) == shares
     # Another component changes nothing in the draws of the others (each is seeded by the seed and its name).
     more = components(tmp_path, {"alpha": 0.5, "beta": 0.3, "gamma": 0.2})
-    mix_dataset(more[:2], tmp_path / "w4", tmp_path / "out4", seed=7, rows=1600)
-    assert [s for s in drawn_sources(tmp_path / "out4") if s.startswith("alpha/")] == [s for s in sources if s.startswith("alpha/")]
+    mix_dataset(more[:2], tmp_path / "w4", out4 := Artifact.folder(tmp_path / "out4"), seed=7, rows=1600)
+    assert [s for s in drawn_sources(out4) if s.startswith("alpha/")] == [s for s in sources if s.startswith("alpha/")]
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_mixture_of_a_version_a_csv_file_and_a_hub_dataset(project, hub_cache, c
     assert chats["dataset"] == first and chats["rows_quarantined"] == 1 and len(chats["digest"]) == 64
     assert csv_part["source"] == {"kind": "files", "uri": "questions.csv"} and csv_part["files"] == ["questions.csv"]
     assert hub["source"]["commit"] == MAIN and hub["source"]["repo"] == "acme/qa"
-    sources = [r["source"] for r in iter_records(Path(raw["uri"]) / "rows.parquet")]
+    sources = [r["source"] for r in Artifact.committed(store, raw["prefix"]).records("rows")]
     assert {s.split("/")[0] for s in sources} == {"chats", "questions", "hub"}
     assert sources[0].startswith("chats/chats.jsonl:") and any(s.startswith("hub/data/train-") for s in sources)
 

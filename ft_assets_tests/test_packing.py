@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from ft_assets.data.packing import ChatEncoder, Example, pack_bins, pack_rows, tokenize_and_pack
+from ft_assets.data.bins import pack_bins
+from ft_assets.data.packing import ChatEncoder, Example, pack_rows, tokenize_and_pack
 from ft_assets.data.rows import RowError, iter_records
 from ft_assets_tests.tiny import build_tokenizer
 
@@ -96,6 +97,7 @@ def test_tokenize_and_pack_efficiency_and_rejections(encoder, tmp_path):
     windows = 3  # 301 rows in windows of 128: each window may leave one partly filled row
     assert stats.rows <= -(-stats.tokens // 256) + windows
     assert stats.packing_efficiency >= 0.95
+    assert stats.files == [f"train-{i:05d}.parquet" for i in range(windows)]  # a shard a window
     packed = [r for f in stats.files for r in iter_records(tmp_path / f)]
     assert len(packed) == stats.rows
     assert sum(len(r["seq_lens"]) for r in packed) == 300

@@ -30,13 +30,16 @@ from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks, ShardFailed
+from ft_assets.data.parts import Artifact, Target, Written
 from ft_assets.data.readers import file_shards, read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.split import split_dataset
+from ft_assets.storage import open_store
 
 pytestmark = pytest.mark.integration
 
-SHARD_ROWS = 250  # ~20 shards a stage on the corpus below
+PART_ROWS = 250  # ~20 parts a stage on the corpus below: the files every mode must write alike
+SHARD_ROWS = 250  # a part a task; the reference runs every part of a stage in one task
 STAGES = ("read", "clean", "dedup", "split", "tokenize")
 
 
@@ -83,16 +86,18 @@ def local_ray(ray_session):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
-def run_stage(stage: str, files, work: Path, executor, tokenizer) -> dict:
+def run_stage(stage: str, files, out: Artifact, executor, tokenizer, artifacts: dict) -> dict:
+    """One stage into ``out``; ``artifacts`` holds each stage's output for the next one."""
+    artifacts[stage] = out
     if stage == "read":
-        return read_dataset(files, work / "raw", None, executor)
+        return read_dataset(files, out, None, executor, part_rows=PART_ROWS)
     if stage == "clean":
-        return clean_dataset(work / "raw", work / "clean", CleaningRules(), executor)
+        return clean_dataset(artifacts["read"], out, CleaningRules(), executor)
     if stage == "dedup":
-        return deduplicate_dataset(work / "clean", work / "dedup", DedupRules(), executor)
+        return deduplicate_dataset(artifacts["clean"], out, DedupRules(), executor)
     if stage == "split":
-        return split_dataset(work / "dedup", work / "split", 0.2, "ft-assets", executor)
-    packed = tokenize_splits(work / "split", ("train", "eval"), tokenizer, 2048, work / "shards", 1000, executor)
+        return split_dataset(artifacts["dedup"], out, 0.2, "ft-assets", executor)
+    packed = tokenize_splits(artifacts["split"], ("train", "eval"), tokenizer, 2048, out, 1000, executor)
     return {
         split: {
             "examples": p.examples, "tokens": p.tokens, "loss_tokens": p.loss_tokens, "rows": p.rows, "slots": p.slots,
@@ -108,12 +113,16 @@ def outputs(work: Path) -> dict[str, str]:
 
 
 def run_all(files, work: Path, executor, tokenizer, during: dict | None = None) -> tuple[dict, dict]:
-    """Every stage in order; ``during``: {stage: a context manager to run that stage in}."""
-    stats = {}
+    """Every stage in order; ``during``: {stage: a context manager to run that stage in}. Returns the stats and the
+    digests of every file written, and checks that the artifacts list exactly the files in their folders."""
+    stats, artifacts = {}, {}
     for stage in STAGES:
         with (during or {}).get(stage, _nothing)():
-            stats[stage] = run_stage(stage, files, work, executor, tokenizer)
-    return stats, outputs(work)
+            stats[stage] = run_stage(stage, files, Artifact.folder(work / stage), executor, tokenizer, artifacts)
+    files = outputs(work)
+    listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
+    assert listed == files  # every part written is described, whole, and nothing else is left (no temporary file)
+    return stats, files
 
 
 @contextmanager
@@ -123,7 +132,7 @@ def _nothing():
 
 @pytest.fixture(scope="module")
 def reference(corpus, tokenizer, tmp_path_factory) -> tuple[dict, dict]:
-    """One process, one shard a file or stage (shard_rows above every row count): the data plane as it always ran."""
+    """One process, one task a stage (shard_rows above every row count): every part of a stage written in turn."""
     with InProcess(1, 1_000_000) as executor:
         return run_all(corpus, tmp_path_factory.mktemp("reference"), executor, tokenizer)
 
@@ -140,25 +149,52 @@ def test_reference_accounts_for_every_row_and_packs_tightly(reference):
     assert raw["rows_in"] == kept + quarantined + dedup["exact_duplicates"] + dedup["near_duplicates"]
     assert split["train_rows"] + split["eval_rows"] == dedup["rows_kept"] == kept + rejected
     assert sum(p["tokens"] for p in packed.values()) / sum(p["slots"] for p in packed.values()) >= 0.99
-    assert len(packed["train"]["files"]) >= 1 and "shards/train-00000.parquet" in files
+    assert len(packed["train"]["files"]) >= 1 and "tokenize/train-00000.parquet" in files
 
 
-@pytest.mark.parametrize("mode", ["in-process, small shards", "2 processes", "ray, 2 workers"])
+@pytest.mark.parametrize("mode", ["in-process, small shards", "2 processes", "ray, 2 workers", "ray, as if on other machines"])
 def test_every_mode_writes_the_same_bytes(mode, corpus, tokenizer, reference, tmp_path, request):
+    """Workers write their parts; as if on other machines, they read them through Ray's object store and send
+    their bytes back to the driver, which writes them: the files are the same in every mode."""
     if mode.startswith("ray"):
         request.getfixturevalue("local_ray")
-        executor = RayTasks(2, SHARD_ROWS)
+        executor = RayTasks(2, SHARD_ROWS, remote=mode.endswith("machines"))
     else:
         executor = InProcess(1, SHARD_ROWS) if mode.startswith("in-process") else ProcessPool(2, SHARD_ROWS)
     with executor:
         stats, files = run_all(corpus, tmp_path, executor, tokenizer)
     chat = dict(corpus)["chat.jsonl"]
-    assert len(file_shards("chat.jsonl", chat, chat, SHARD_ROWS)) > 3  # really sharded
+    assert len(file_shards("chat.jsonl", chat, chat, PART_ROWS)) > 3  # really sharded
     assert stats == reference[0]
     assert files == reference[1]
     if not mode.startswith("in-process"):
         workers = [w for w in executor.usage.values() if w.shards]
         assert len(workers) >= 2, executor.usage  # both workers took shards
+
+
+@pytest.mark.parametrize("kind", ["processes", "ray, on other machines"])
+def test_workers_write_their_parts_to_s3(kind, corpus, tokenizer, reference, s3_env, seaweedfs, ray_session):
+    """With an S3 store the workers read their input parts from it and write their parts to it themselves, from the
+    store's URL and the credentials of their environment (a Ray cluster's: its runtime_env): the same bytes."""
+    import ray
+
+    store = open_store(s3_env)
+    if kind.startswith("ray"):
+        ray.shutdown()  # this test's Ray, with the store's endpoint and keys in its workers' environment
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": seaweedfs.env()})
+    stats, artifacts = {}, {}
+    try:
+        with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=True) as executor:
+            for stage in STAGES:
+                stats[stage] = run_stage(stage, corpus, Artifact(store.url, f"runs/t/{stage}"), executor, tokenizer, artifacts)
+            assert len([w for w in executor.usage.values() if w.shards]) >= 2
+    finally:
+        if kind.startswith("ray"):
+            ray.shutdown()
+    assert stats == reference[0]
+    listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
+    assert listed == reference[1]
+    assert {f"{key.removeprefix('runs/t/')}": store.sha256(key) for key in store.list("runs/t")} == reference[1]
 
 
 # --- faults --------------------------------------------------------------------------------------------
@@ -207,7 +243,7 @@ def test_a_worker_killed_mid_stage_changes_nothing(kind, stage, corpus, tokenize
     if kind == "ray":
         request.getfixturevalue("local_ray")
     killed: list[int] = []
-    with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS) as executor:
+    with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=False) as executor:
         stats, files = run_all(corpus, tmp_path, executor, tokenizer, {stage: lambda: killing_a_worker(kind, executor, killed)})
     assert killed, f"no {kind} worker was busy during {stage}"
     assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
@@ -224,6 +260,34 @@ def _die(marker_dir: str, shard: int) -> int:
             marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return shard * shard
+
+
+def _put_dying_midway(settings: tuple[Target, str], shard: int) -> Written:
+    """Write part ``shard``; the first time shard 1 is written, its worker dies (SIGKILL) halfway through the file."""
+    target, marker_dir = settings
+    marker = Path(marker_dir) / "died"
+    if shard == 1 and not marker.exists():
+        marker.touch()
+
+        def half_then_die(path: Path, data) -> None:
+            with open(path, "wb") as handle:
+                handle.write(bytes(data)[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Path.write_bytes = half_then_die  # this worker only: it dies in its first write
+    return target.put(f"rows-{shard:05d}.parquet", bytes([shard]) * 100_000, shard)
+
+
+def test_a_part_half_written_by_a_killed_worker_is_replaced_whole(tmp_path):
+    """A worker killed in the middle of writing a part leaves a temporary file named after the part; the shard's
+    rerun writes over it and renames it: the folder holds every part whole, and nothing else."""
+    out = Artifact.folder(tmp_path / "out")
+    (tmp_path / "markers").mkdir()
+    with ProcessPool(1) as executor:
+        out.add(*executor.map(_put_dying_midway, range(3), (out.target(executor), str(tmp_path / "markers"))))
+        assert executor.retried == 1 and (tmp_path / "markers" / "died").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(out.files) == [f"rows-{i:05d}.parquet" for i in range(3)]
+    assert all((tmp_path / "out" / name).read_bytes() == bytes([i]) * 100_000 for i, name in enumerate(sorted(out.files)))
 
 
 @pytest.mark.parametrize("kind", ["processes", "ray"])

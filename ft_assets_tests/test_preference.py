@@ -15,12 +15,13 @@ import pytest
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
+from ft_assets.data.kinds import CHAT, PREFERENCE, dataset_kind
 from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
-from ft_assets.data.kinds import CHAT, PREFERENCE, dataset_kind
+from ft_assets.data.parts import PART_ROWS, Artifact
 from ft_assets.data.preference import clean_pair
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError, iter_records
+from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.split import split_dataset
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows, pair_split, shard_files
 from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs, write_jsonl
@@ -71,9 +72,9 @@ BAD_PAIRS = [
 @pytest.mark.parametrize("name,row,reason,detail", BAD_PAIRS, ids=[c[0] for c in BAD_PAIRS])
 def test_bad_pairs_are_quarantined_with_a_reason(name, row, reason, detail, tmp_path):
     good = {"prompt": "Hi?", "chosen": "Hello!", "rejected": "Go away."}
-    raw = read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", [good, row]))], tmp_path / "raw")
-    cleaned = clean_dataset(tmp_path / "raw", tmp_path / "clean", CleaningRules(), clean=clean_pair)
-    quarantined = [*iter_records(tmp_path / "raw" / "quarantine.parquet"), *iter_records(tmp_path / "clean" / "quarantine.parquet")]
+    raw = read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", [good, row]))], raw_rows := Artifact.folder(tmp_path / "raw"))
+    cleaned = clean_dataset(raw_rows, clean_rows := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=clean_pair)
+    quarantined = [*raw_rows.records("quarantine"), *clean_rows.records("quarantine")]
     assert [(q["source"], q["reason"]) for q in quarantined] == [("pairs.jsonl:2", reason)]
     assert detail in quarantined[0]["detail"]
     assert cleaned["rows_kept"] == 1 and raw["rows_in"] == cleaned["rows_kept"] + raw["rows_quarantined"] + cleaned["rows_quarantined"]
@@ -82,17 +83,15 @@ def test_bad_pairs_are_quarantined_with_a_reason(name, row, reason, detail, tmp_
 def test_a_file_mixing_chat_rows_and_pairs_is_refused_naming_a_row_of_each(tmp_path):
     chat = {"messages": [turn("user", "Hi?"), turn("assistant", "Hello!")]}
     pair = {"prompt": "Hi?", "chosen": "Hello!", "rejected": "Go away."}
-    read_dataset([("mixed.jsonl", write_jsonl(tmp_path / "mixed.jsonl", [chat, chat, pair]))], tmp_path / "raw")
     with pytest.raises(DatasetFileError, match=r"mixed.jsonl mixes chat rows \(mixed.jsonl:1\) and preference pairs .*\(mixed.jsonl:3\)"):
-        dataset_kind(tmp_path / "raw" / "rows.parquet")
+        read_dataset([("mixed.jsonl", write_jsonl(tmp_path / "mixed.jsonl", [chat, chat, pair]))], Artifact.folder(tmp_path / "raw"))
 
 
 def test_a_version_of_chat_files_and_pair_files_is_refused(tmp_path):
     files = [("chats.jsonl", write_jsonl(tmp_path / "chats.jsonl", [{"instruction": "Hi?", "output": "Hello!"}])),
              ("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", timer_pairs(2)))]  # fmt: skip
-    read_dataset(files, tmp_path / "raw")
     with pytest.raises(DatasetFileError, match=r"mixes chat files \(chats.jsonl\) and preference files \(pairs.jsonl\)"):
-        dataset_kind(tmp_path / "raw" / "rows.parquet")
+        read_dataset(files, Artifact.folder(tmp_path / "raw"))
 
 
 def test_the_kind_is_read_from_the_rows_of_any_table_format(tmp_path):
@@ -103,11 +102,12 @@ def test_the_kind_is_read_from_the_rows_of_any_table_format(tmp_path):
         writer.writeheader()
         writer.writerows(rows)
     for name in ("pairs.parquet", "pairs.csv"):
-        stats = read_dataset([(name, tmp_path / name)], tmp_path / name.replace(".", "-"))
+        stats = read_dataset([(name, tmp_path / name)], Artifact.folder(tmp_path / name.replace(".", "-")))
         assert stats["rows_parsed"] == 3, name
-        assert dataset_kind(tmp_path / name.replace(".", "-") / "rows.parquet") == PREFERENCE
-    read_dataset([("chats.jsonl", write_jsonl(tmp_path / "chats.jsonl", [{"instruction": "Hi?", "output": "Hello!"}]))], tmp_path / "chat")
-    assert dataset_kind(tmp_path / "chat" / "rows.parquet") == CHAT
+        assert stats["data_kind"] == PREFERENCE
+    chats = [("chats.jsonl", write_jsonl(tmp_path / "chats.jsonl", [{"instruction": "Hi?", "output": "Hello!"}]))]
+    assert read_dataset(chats, Artifact.folder(tmp_path / "chat"))["data_kind"] == CHAT
+    assert dataset_kind({"a.jsonl": {CHAT: "a.jsonl:1"}, "b.jsonl": {CHAT: "b.jsonl:4"}}) == CHAT
 
 
 def test_a_pair_is_one_row_in_deduplication(tmp_path):
@@ -121,11 +121,11 @@ def test_a_pair_is_one_row_in_deduplication(tmp_path):
         # The preference the other way round contradicts the first; shingles ignore roles, so it is its near duplicate.
         {**base, "chosen": base["rejected"], "rejected": base["chosen"]},
     ]
-    read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", rows))], tmp_path / "raw")
-    clean_dataset(tmp_path / "raw", tmp_path / "clean", CleaningRules(), clean=clean_pair)
-    stats = deduplicate_dataset(tmp_path / "clean", tmp_path / "dedup", DedupRules())
+    read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", rows))], raw := Artifact.folder(tmp_path / "raw"))
+    clean_dataset(raw, clean := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=clean_pair)
+    stats = deduplicate_dataset(clean, dedup := Artifact.folder(tmp_path / "dedup"), DedupRules())
     assert (stats["rows_kept"], stats["exact_duplicates"], stats["near_duplicates"]) == (3, 1, 1)
-    duplicates = list(iter_records(tmp_path / "dedup" / "duplicates.parquet"))
+    duplicates = list(dedup.records("duplicates"))
     assert [(d["source"], d["kind"], d["duplicate_of"]) for d in duplicates] == [
         ("pairs.jsonl:2", "exact", "pairs.jsonl:1"), ("pairs.jsonl:5", "near", "pairs.jsonl:1")]  # fmt: skip
 
@@ -137,17 +137,20 @@ def encoder(tiny_model_dir) -> ChatEncoder:
     return ChatEncoder(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN) -> dict:
-    """The data plane's functions in the assets' order on one JSONL file of pairs; every stage's figures."""
-    stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], root / "raw")}
-    stats["kind"] = dataset_kind(root / "raw" / "rows.parquet")
-    stats["clean"] = clean_dataset(root / "raw", root / "clean", CleaningRules(), clean=clean_pair)
-    stats["dedup"] = deduplicate_dataset(root / "clean", root / "dedup", DedupRules())
-    stats["split"] = split_dataset(root / "dedup", root / "split", 0.2)
+def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN, part_rows: int = PART_ROWS) -> dict:
+    """The data plane's functions in the assets' order on one JSONL file of pairs (in parts of ``part_rows`` rows);
+    every stage's figures."""
+    stage = {name: Artifact.folder(root / name) for name in ("raw", "clean", "dedup", "split")}
+    stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], stage["raw"], part_rows=part_rows)}
+    stats["kind"] = stats["raw"]["data_kind"]
+    stats["clean"] = clean_dataset(stage["raw"], stage["clean"], CleaningRules(), clean=clean_pair)
+    stats["dedup"] = deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules())
+    stats["split"] = split_dataset(stage["dedup"], stage["split"], 0.2)
     (root / "shards").mkdir()
     for split in ("train", "eval"):
-        items = ((r["source"], r["messages"]) for r in iter_records(root / "split" / f"{split}.parquet"))
+        items = ((r["source"], r["messages"]) for r in stage["split"].records(split))
         stats[split] = tokenize_and_pack_pairs(items, encoder, seq_len, root / "shards", split)
+    stats["split_rows"] = stage["split"]
     return stats
 
 
@@ -208,9 +211,9 @@ def padded_efficiency(lengths: list[tuple[int, int]], pairs_per_batch: int) -> f
 def sample_pairs(root: Path, count: int) -> list[list[dict]]:
     """Pairs of the shipped sample's conversations (cleaned): each reply preferred over the next conversation's."""
     sample = Path(__file__).resolve().parents[1] / "samples" / "toolcalls" / "part-000.jsonl"
-    read_dataset([("part-000.jsonl", sample)], root / "raw")
-    clean_dataset(root / "raw", root / "clean", CleaningRules())
-    chats = [record["messages"] for _, record in zip(range(count + 1), iter_records(root / "clean" / "rows.parquet"))]
+    read_dataset([("part-000.jsonl", sample)], raw := Artifact.folder(root / "raw"))
+    clean_dataset(raw, clean := Artifact.folder(root / "clean"), CleaningRules())
+    chats = [record["messages"] for _, record in zip(range(count + 1), clean.records("rows"))]
     return [chat[:-1] + [turn("chosen", chat[-1]["content"]), turn("rejected", other[-1]["content"])] for chat, other in zip(chats, chats[1:])]
 
 
@@ -228,29 +231,32 @@ def test_packing_pairs_fills_the_rows(encoder, tmp_path):
 
 
 def test_pairs_shard_on_worker_processes_with_the_same_bytes(encoder, tiny_model_dir, tmp_path):
-    """The data plane's pair tokenizing on 2 worker processes, in shards of 16 pairs and windows of 8 pairs,
-    writes the same files as the in-process packer: a window never cuts a pair apart."""
+    """The data plane's pair tokenizing on 2 worker processes, a part of 16 rows a task and windows of 8 pairs,
+    writes the same files as one process that packs every part in one task: a window never cuts a pair apart."""
     import hashlib
 
     from ft_assets.data.packing import TokenizerFiles, tokenize_splits
     from ft_assets.data.pair_packing import PAIRS
-    from ft_assets.data.parallel import ProcessPool
+    from ft_assets.data.parallel import InProcess, ProcessPool
 
     rows = timer_pairs(90) + [{"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."}]
-    stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN)
-    expected = {}
-    for split in ("train", "eval"):  # the in-process packer again, with the same windows
-        items = ((r["source"], r["messages"]) for r in iter_records(tmp_path / "one" / "split" / f"{split}.parquet"))
-        expected[split] = tokenize_and_pack_pairs(items, encoder, PAIR_SEQ_LEN, tmp_path / "one" / "windowed", split, window=8)
+    stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN, part_rows=16)
+    tokenizer = TokenizerFiles.from_dir(tiny_model_dir)
+    with InProcess(1, 1_000_000) as executor:
+        expected = tokenize_splits(stats["split_rows"], ("train", "eval"), tokenizer, PAIR_SEQ_LEN, Artifact.folder(tmp_path / "one" / "windowed"),
+                                   8, executor, kind=PAIRS)  # fmt: skip
     with ProcessPool(2, 16) as executor:
-        packed = tokenize_splits(tmp_path / "one" / "split", ("train", "eval"), TokenizerFiles.from_dir(tiny_model_dir), PAIR_SEQ_LEN,
-                                 tmp_path / "two", 8, executor, kind=PAIRS)  # fmt: skip
+        packed = tokenize_splits(stats["split_rows"], ("train", "eval"), tokenizer, PAIR_SEQ_LEN, Artifact.folder(tmp_path / "two"), 8,
+                                 executor, kind=PAIRS)  # fmt: skip
         assert sum(usage.shards for usage in executor.usage.values()) > 4  # really sharded
 
     def digests(folder: Path) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("pairs-*.parquet"))}
 
-    assert len(digests(tmp_path / "two")) == 2 and digests(tmp_path / "two") == digests(tmp_path / "one" / "windowed")
+    assert len(digests(tmp_path / "two")) > 2 and digests(tmp_path / "two") == digests(tmp_path / "one" / "windowed")  # one a window
+    for packed_rows in (pq.read_table(path).column("segment_ids").to_pylist() for path in sorted((tmp_path / "two").glob("pairs-*.parquet"))):
+        for segments in packed_rows:  # every pair whole in its row: its chosen (2k) and its rejected (2k + 1) sequence
+            assert {s // 2 for s in segments if s >= 0 and s % 2 == 0} == {s // 2 for s in segments if s >= 0 and s % 2 == 1}
     for split in ("train", "eval"):
         assert (packed[split].examples, packed[split].tokens, packed[split].rows) == (
             expected[split].examples, expected[split].tokens, expected[split].rows)  # fmt: skip

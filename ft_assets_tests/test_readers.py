@@ -10,8 +10,9 @@ import pytest
 from ft_assets.data import decoding, formats
 from ft_assets.data.formats import Rejected, Row, iter_dataset_file
 from ft_assets.data.layouts import ColumnMapping, normalize_record
+from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import DatasetFileError, RowError, iter_records
+from ft_assets.data.rows import DatasetFileError, RowError
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -140,7 +141,7 @@ def test_read_dataset_counts_every_row(tmp_path):
     a.write_text(json.dumps({"messages": CHAT}) + "\n\n" + "garbage\n" + json.dumps({"instruction": "q", "output": "a"}) + "\n")
     b = tmp_path / "b.parquet"
     pq.write_table(pa.table({"messages": [CHAT, CHAT]}), b)
-    stats = read_dataset([("a.jsonl", a), ("b.parquet", b)], tmp_path / "out")
+    stats = read_dataset([("a.jsonl", a), ("b.parquet", b)], out := Artifact.folder(tmp_path / "out"))
     assert stats == {
         "rows_in": 5,
         "rows_parsed": 4,
@@ -148,10 +149,11 @@ def test_read_dataset_counts_every_row(tmp_path):
         "quarantine_reasons": {"invalid_json": 1},
         "blank_lines": 1,
         "rows_per_file": {"a.jsonl": 3, "b.parquet": 2},
+        "data_kind": "chat",
     }
-    sources = [r["source"] for r in iter_records(tmp_path / "out" / "rows.parquet")]
+    sources = [r["source"] for r in out.records("rows")]
     assert sources == ["a.jsonl:1", "a.jsonl:4", "b.parquet#1", "b.parquet#2"]
-    quarantined = list(iter_records(tmp_path / "out" / "quarantine.parquet"))
+    quarantined = list(out.records("quarantine"))
     assert [(q["source"], q["stage"], q["reason"]) for q in quarantined] == [("a.jsonl:3", "raw", "invalid_json")]
 
 
@@ -338,6 +340,6 @@ def test_unmatched_columns_are_listed_and_a_mapping_reads_them(tmp_path):
     lines = tmp_path / "qa.jsonl"
     lines.write_text(json.dumps({"question": "hi", "answer": "hello"}) + "\n" + json.dumps({"question": "x"}) + "\n")
     with pytest.raises(DatasetFileError, match=r"^qa\.jsonl: no row has an accepted layout \(qa\.jsonl:1: .*found keys: answer, question\)"):
-        read_dataset([("qa.jsonl", lines)], tmp_path / "out")
-    stats = read_dataset([("qa.jsonl", lines)], tmp_path / "mapped", mapping)
+        read_dataset([("qa.jsonl", lines)], Artifact.folder(tmp_path / "out"))
+    stats = read_dataset([("qa.jsonl", lines)], Artifact.folder(tmp_path / "mapped"), mapping)
     assert (stats["rows_parsed"], stats["quarantine_reasons"]) == (1, {"unknown_format": 1})

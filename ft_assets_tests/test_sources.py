@@ -13,9 +13,10 @@ import pytest
 
 from ft_assets.cli import main
 from ft_assets.data.layouts import ColumnMapping
+from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.registration import register_dataset
-from ft_assets.data.rows import DatasetFileError, iter_records
+from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.sources import describe_source, stage
 from ft_assets.storage import LocalStore
 from ft_assets_tests.support import MAIN, V1, add_hub_revision, qa_rows
@@ -36,7 +37,7 @@ def test_hub_dataset_pinned_to_the_commit_of_its_revision(hub_cache, tmp_path, s
     assert staged.name == "qa"
     assert staged.source["commit"] == commit and staged.source["repo"] == "acme/qa" and staged.source["split"] == "train"
     assert all(rel.startswith("data/train-") for rel, _ in staged.files)  # the test split stays out
-    stats = read_dataset(staged.files, tmp_path / "raw", QA)
+    stats = read_dataset(staged.files, Artifact.folder(tmp_path / "raw"), QA)
     assert stats["rows_parsed"] == rows
     assert describe_source(staged.source) == [
         f"  source {staged.source['uri']} → commit {commit} (split train, {len(staged.files)} file(s))"
@@ -77,9 +78,9 @@ def test_save_to_disk_directories(tmp_path):
     staged = stage(str(tmp_path / "saved"), tmp_path / "work")
     assert staged.name == "saved" and staged.source["kind"] == "save_to_disk" and staged.source["rows"] == 2
     assert all(rel.endswith(".arrow") for rel, _ in staged.files)
-    rows = read_dataset(staged.files, tmp_path / "raw", QA)
+    rows = read_dataset(staged.files, raw := Artifact.folder(tmp_path / "raw"), QA)
     assert rows["rows_parsed"] == 2
-    assert next(iter_records(tmp_path / "raw" / "rows.parquet"))["messages"] == CHAT
+    assert next(raw.records("rows"))["messages"] == CHAT
 
     splits = datasets.DatasetDict({"train": one, "test": one.select([0])})
     splits.save_to_disk(str(tmp_path / "dict"))
@@ -100,7 +101,7 @@ def test_parquet_prefix_in_s3(s3_env, seaweedfs, tmp_path):
     staged = stage(f"s3://{bucket}/exports/chat/", tmp_path / "work")
     assert staged.name == "chat"
     assert staged.source == {"kind": "s3", "uri": f"s3://{bucket}/exports/chat/", "files": ["day=2/part-1.parquet", "part-0.parquet"]}
-    stats = read_dataset(staged.files, tmp_path / "raw", QA)
+    stats = read_dataset(staged.files, Artifact.folder(tmp_path / "raw"), QA)
     assert stats["rows_per_file"] == {"day=2/part-1.parquet": 3, "part-0.parquet": 7}
     with pytest.raises(DatasetFileError, match=rf"s3://{bucket}/exports/none/: no data files"):
         stage(f"s3://{bucket}/exports/none/", tmp_path / "work2")

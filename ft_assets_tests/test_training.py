@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ft_assets.shards import ShardWriter, load_packed_rows
+from ft_assets.shards import load_packed_rows, packed_table, shard_name
 from ft_assets import layout
 from ft_assets.manifests import MANIFEST
 from ft_assets.storage import LocalStore, join_key
@@ -116,10 +116,11 @@ def test_packed_rows_load_with_labels_from_the_loss_mask(shards):
 
 
 def test_ragged_shard_is_refused_naming_the_file(tmp_path):
-    writer = ShardWriter(tmp_path, "train")
-    writer.add({"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]})
-    writer.add({"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]})
-    writer.flush()
+    rows = [
+        {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "position_ids": [0, 1, 2], "seq_lens": [3]},
+        {"input_ids": [1, 2], "loss_mask": [1, 1], "position_ids": [0, 1], "seq_lens": [2]},
+    ]
+    pq.write_table(packed_table(rows), tmp_path / shard_name("train", 0))
     with pytest.raises(ValueError, match=r"train-00000\.parquet: column 'input_ids' has rows of lengths \[2, 3\]"):
         load_packed_rows(tmp_path, "train", max_seq_len=16)
 

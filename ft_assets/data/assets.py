@@ -23,10 +23,10 @@ from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.packing import TokenizerFiles, tokenize_splits
-from ft_assets.data.kinds import dataset_kind
+from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
-from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, iter_records, sample_rows
+from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
 from ft_assets.materialize import STORE_KIND, Materialization, table
@@ -85,17 +85,18 @@ def raw_dataset(
     keys_of = layout.of(context.partition_key)
     with Materialization(context, store, "raw", data_executor) as m:
         source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
+        out = m.begin(keys_of.data("raw"))
         try:
-            stats = _read_version(m, source, config.mapping(), data_executor.executor)
-            objective = objectives.for_data_kind(dataset_kind(m.out / "rows.parquet"))
+            stats = _read_version(m, out, source, config.mapping(), data_executor.executor)
+            objective = objectives.for_data_kind(stats.pop("data_kind"))
         except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
         if stats["rows_parsed"] == 0:
-            raise dg.Failure(no_usable_rows(m.partition, stats, m.out / "quarantine.parquet"))
+            raise dg.Failure(no_usable_rows(m.partition, stats, out))
         stats["objective"] = objective.name
         stats["accounting"] = RowAccounting(stats["rows_in"]).quarantined(stats["quarantine_reasons"]).as_dict()
-        sample = table(sample_rows(m.out / "rows.parquet"))
-        ref = m.publish(keys_of.data("raw"), stats)
+        sample = table(sample_rows(out.records("rows")))
+        ref = m.publish(out, stats)
     context.log.info(f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing")
     origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
     return m.output(
@@ -112,21 +113,21 @@ def raw_dataset(
     )
 
 
-def _read_version(m: Materialization, source: dict | None, mapping: ColumnMapping | None, executor) -> dict:
-    """Read the version's files (or draw a mixture from its components) into ``m.out``; the reader's stats."""
+def _read_version(m: Materialization, out: Artifact, source: dict | None, mapping: ColumnMapping | None, executor) -> dict:
+    """Read the version's files (or draw a mixture from its components) into ``out``; the reader's stats."""
     if source is not None and source["kind"] == "mixture":
         components = [_mixture_component(m, record, mapping) for record in source["components"]]
         m.context.log.info(f"drawing {m.partition} from {len(components)} components (seed {source['seed']})")
-        return mix_dataset(components, m.work / "components", m.out, source["seed"], source["rows"], executor)
+        return mix_dataset(components, m.work / "components", out, source["seed"], source["rows"], executor)
     files = _fetch_inputs(m, layout.of(m.partition).inputs)
     m.context.log.info(f"reading {len(files)} file(s) of {m.partition}")
-    return {**read_dataset(files, m.out, mapping, executor), "source": source}
+    return {**read_dataset(files, out, mapping, executor), "source": source}
 
 
-def no_usable_rows(partition: str, stats: dict, quarantine: Path) -> str:
+def no_usable_rows(partition: str, stats: dict, raw: Artifact) -> str:
     """The error for an input with no row to train on: each file, what was wrong, where, what to do."""
     examples: dict[str, str] = {}
-    for record in iter_records(quarantine, columns=["source", "reason"]):
+    for record in raw.records("quarantine", columns=["source", "reason"]):
         examples.setdefault(record["reason"], record["source"])
     files = "; ".join(
         f"{name}: {count} row(s), all quarantined" if count else f"{name} holds no rows"
@@ -151,14 +152,15 @@ def cleaned_dataset(
     """Unicode/whitespace cleanup, length filters and role-order validation; failures quarantined with a reason."""
     objective = objectives.of_stats(raw_dataset["stats"])
     with Materialization(context, store, "clean", data_executor) as m:
-        stats = clean_dataset(m.fetch(raw_dataset), m.out, config.rules(), data_executor.executor, objective.clean_row)
+        out = m.begin(layout.of(m.partition).data("cleaned"))
+        stats = clean_dataset(m.input(raw_dataset), out, config.rules(), data_executor.executor, objective.clean_row)
         accounting = RowAccounting.of(raw_dataset["stats"]).quarantined(stats["quarantine_reasons"])
         stats.update(
             objective=objective.name, accounting=accounting.as_dict(), quarantine_fraction=accounting.quarantine_fraction,
             max_quarantine_fraction=config.max_quarantine_fraction,
         )  # fmt: skip
-        sample = table(sample_rows(m.out / "rows.parquet"))
-        ref = m.publish(layout.of(m.partition).data("cleaned"), stats, {"raw_dataset": raw_dataset})
+        sample = table(sample_rows(out.records("rows")))
+        ref = m.publish(out, stats, {"raw_dataset": raw_dataset})
     context.log.info(f"{stats['rows_kept']} rows kept, {stats['rows_quarantined']} quarantined by cleaning")
     return m.output(
         ref,
@@ -181,10 +183,11 @@ def deduplicated_dataset(
 ) -> dg.Output[dict]:
     """Exact dedup on normalized content, then MinHash-LSH near-dedup; every removed row recorded."""
     with Materialization(context, store, "dedup", data_executor) as m:
-        stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules(), data_executor.executor)
+        out = m.begin(layout.of(m.partition).data("deduplicated"))
+        stats = deduplicate_dataset(m.input(cleaned_dataset), out, config.rules(), data_executor.executor, m.work)
         accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(stats["exact_duplicates"], stats["near_duplicates"])
         stats.update(objective=cleaned_dataset["stats"]["objective"], accounting=accounting.as_dict())
-        ref = m.publish(layout.of(m.partition).data("deduplicated"), stats, {"cleaned_dataset": cleaned_dataset})
+        ref = m.publish(out, stats, {"cleaned_dataset": cleaned_dataset})
     context.log.info(
         f"{stats['rows_kept']} unique rows; {stats['exact_duplicates']} exact and {stats['near_duplicates']} near duplicates"
     )
@@ -208,13 +211,14 @@ def train_eval_split(
 ) -> dg.Output[dict]:
     """Deterministic train/eval split by a stable hash of each near-duplicate cluster."""
     with Materialization(context, store, "split", data_executor) as m:
-        stats = split_dataset(m.fetch(deduplicated_dataset), m.out, config.eval_fraction, config.salt, data_executor.executor)
+        out = m.begin(layout.of(m.partition).data("split"))
+        stats = split_dataset(m.input(deduplicated_dataset), out, config.eval_fraction, config.salt, data_executor.executor)
         if stats["train_rows"] == 0:
             raise dg.Failure(f"{m.partition}: no training rows left after cleaning and deduplication")
         before = deduplicated_dataset["stats"]
         stats.update(eval_fraction=config.eval_fraction, objective=before["objective"], accounting=before["accounting"])
-        sample = table(sample_rows(m.out / "eval.parquet"))
-        ref = m.publish(layout.of(m.partition).data("split"), stats, {"deduplicated_dataset": deduplicated_dataset})
+        sample = table(sample_rows(out.records("eval")))
+        ref = m.publish(out, stats, {"deduplicated_dataset": deduplicated_dataset})
     return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample)
 
 
@@ -267,8 +271,9 @@ def tokenized_shards(
     """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest); preference pairs packed whole."""
     objective = objectives.of_stats(train_eval_split["stats"])
     with Materialization(context, store, "tokenize", data_executor) as m:
+        out = m.begin(layout.of(m.partition).data("shards"))
         per_split = tokenize_splits(
-            m.fetch(train_eval_split), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, m.out, config.window,
+            m.input(train_eval_split), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, out, config.window,
             data_executor.executor, kind=objective.pack_kind,
         )  # fmt: skip
         for split, packed in per_split.items():
@@ -280,9 +285,7 @@ def tokenized_shards(
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
         stats = shard_stats(per_split, config.seq_len, objective.name, accounting)
-        ref = m.publish(
-            layout.of(m.partition).data("shards"), stats, {"train_eval_split": train_eval_split, "base_model": base_model}
-        )
+        ref = m.publish(out, stats, {"train_eval_split": train_eval_split, "base_model": base_model})
     if not accounting.invariant_holds:
         context.log.error(f"row accounting does not balance: {accounting}")
     return m.output(

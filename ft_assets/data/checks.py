@@ -17,7 +17,7 @@ def quarantine_fraction_within_limit(cleaned_dataset: dict) -> dg.AssetCheckResu
         passed=fraction <= limit,
         description=(
             f"{fraction:.1%} of rows quarantined (limit {limit:.1%}); top reasons: {top}. "
-            "Inspect quarantine.parquet of raw_dataset and cleaned_dataset."
+            "Inspect the quarantine-NNNNN.parquet parts of raw_dataset and cleaned_dataset."
         ),
         metadata={"quarantine_fraction": fraction, "limit": limit},
     )

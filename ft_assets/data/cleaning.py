@@ -1,7 +1,8 @@
 """Row cleaning: unicode normalization, control-character and whitespace cleanup, filters, role order.
 
 ``clean_messages`` either returns the cleaned messages or raises ``RowError(reason, detail)``; the
-asset turns every raise into a quarantine record, so no row is ever silently dropped.
+stage turns every raise into a quarantine record, so no row is ever silently dropped. Each worker
+writes the kept rows and the quarantine of the parts it cleans (``ft_assets.data.parts``).
 
 Normalization is NFC by default, not NFKC: NFKC folds "²" to "2" and full-width forms to ASCII,
 which changes the meaning of math and code. Control characters (Unicode category Cc, except tab and
@@ -19,15 +20,15 @@ import json
 import re
 import unicodedata
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 from ft_assets.data.layouts import COLUMNS
 from ft_assets.data.parallel import Executor, InProcess
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, ParquetSink, RowError, RowRange, row_ranges
+from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, RowError
 
 ROLES = ("system", "user", "assistant")
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
@@ -122,12 +123,20 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     return cleaned
 
 
-def clean_shard(settings: tuple[CleaningRules, Callable], shard: RowRange) -> tuple:
-    """One shard of raw rows through ``clean`` (``clean_messages``, or ``preference.clean_pair``): (kept rows,
-    quarantined rows, reasons, rows modified)."""
-    rules, clean = settings
+@dataclass(frozen=True)
+class CleanedPart:
+    """What cleaning made of one part: the parts written (kept rows, quarantined rows) and its counts."""
+
+    rows: Written
+    quarantine: Written
+    reasons: dict[str, int]
+    changed: int  # rows that cleanup modified
+
+
+def clean_part(rules: CleaningRules, clean: Callable, part: Part, target: Target) -> CleanedPart:
+    """One part of raw rows through ``clean``; its kept and its quarantined rows written as part files of their own."""
     kept, quarantined, reasons, changed = [], [], Counter(), 0
-    table = shard.read()
+    table = read_part(part)
     for source, original in zip(table.column("source").to_pylist(), table.column("messages").to_pylist()):
         try:
             messages = clean(original, rules)
@@ -138,35 +147,34 @@ def clean_shard(settings: tuple[CleaningRules, Callable], shard: RowRange) -> tu
             continue
         changed += messages != original
         kept.append({"source": source, "cluster": "", "messages": messages})
-    return (
-        pa.Table.from_pylist(kept, schema=ROW_SCHEMA),
-        pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA),
+    quarantine = pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA)
+    return CleanedPart(
+        target.put_table(part_name("rows", part.index), pa.Table.from_pylist(kept, schema=ROW_SCHEMA), ROW_SCHEMA),
+        target.put_table(part_name("quarantine", part.index), quarantine, QUARANTINE_SCHEMA),
         dict(reasons),
         changed,
     )
 
 
+def clean_run(settings: tuple[CleaningRules, Callable, Target], run: list[Part]) -> list[CleanedPart]:
+    """A run of parts through ``clean_part`` (a data-plane task, ``fn(common, shard)``)."""
+    rules, clean, target = settings
+    return [clean_part(rules, clean, part, target) for part in run]
+
+
 def clean_dataset(
-    raw_dir: Path, out_dir: Path, rules: CleaningRules, executor: Executor | None = None, clean: Callable = clean_messages
+    raw: Artifact, out: Artifact, rules: CleaningRules, executor: Executor | None = None, clean: Callable = clean_messages
 ) -> dict:
-    """``raw_dir/rows.parquet`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
-    version of preference pairs), in shards on ``executor`` (default: this process); failures go to the
-    quarantine, rows keep their order."""
+    """The ``rows`` parts of ``raw`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
+    version of preference pairs, ``prompts.clean_prompt`` for one of prompts) into the ``rows`` and ``quarantine`` parts of ``out``, a run of parts a task on
+    ``executor`` (default: this process); rows keep their order."""
     executor = executor or InProcess()
-    out_dir.mkdir(parents=True, exist_ok=True)
     reasons: Counter[str] = Counter()
-    changed = 0
-    with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as rows, ParquetSink(
-        out_dir / "quarantine.parquet", QUARANTINE_SCHEMA
-    ) as quarantine:
-        for kept, quarantined, shard_reasons, shard_changed in executor.map(clean_shard, row_ranges(raw_dir / "rows.parquet", executor), (rules, clean)):
-            rows.write_table(kept)
-            quarantine.write_table(quarantined)
-            reasons.update(shard_reasons)
-            changed += shard_changed
-    return {
-        "rows_kept": rows.count,
-        "rows_quarantined": quarantine.count,
-        "quarantine_reasons": dict(reasons),
-        "rows_modified": changed,
-    }
+    kept = quarantined = changed = 0
+    tasks = list(runs(raw.parts("rows", executor), lambda part: part.rows, executor.shard_rows))
+    for run in executor.map(clean_run, tasks, (rules, clean, out.target(executor))):
+        for part in run:
+            out.add(part.rows, part.quarantine)
+            kept, quarantined, changed = kept + part.rows.rows, quarantined + part.quarantine.rows, changed + part.changed
+            reasons.update(part.reasons)
+    return {"rows_kept": kept, "rows_quarantined": quarantined, "quarantine_reasons": dict(reasons), "rows_modified": changed}

@@ -20,7 +20,8 @@ distinct word is hashed once and a shingle's hash is a vectorized combination of
 (no shingle strings, no per-shingle SHA-1); the MinHash values of 64 rows at a time are one numpy
 pass (datasketch's values for that shingle hash, which the index checks when it starts); exact
 duplicates are found by sorting the 16-byte keys instead of a dict of every key (~130 bytes a row in
-all), LSH collisions are found with numpy sorts, and the rows are filtered as Arrow batches. On the
+all), LSH collisions are found with numpy sorts (the shuffle's steps: ``ft_assets.data.shuffle``), and
+each worker filters its parts' rows as Arrow batches and writes them with their duplicate records. On the
 200k-row benchmark corpus this stage takes ~31 s of CPU (``stages.dedup`` in
 ``benchmarks/results/data_plane.json``, from ``make bench``); the version before it, with a SHA-1
 and a joined string per shingle (datasketch's default hash), took 47 s in the same benchmark.
@@ -50,7 +51,9 @@ import numpy as np
 import pyarrow as pa
 
 from ft_assets.data.parallel import Executor, FileRef, InProcess, read_all
-from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, ParquetSink, RowRange, iter_batches, row_ranges
+from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
+from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA
+from ft_assets.data.shuffle import band_pairs, band_records, cluster_roots, exact_duplicates, exact_records, partition, unique_pairs
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -59,8 +62,9 @@ _FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3 finalizer: dataske
 MINHASH_BATCH = 64  # rows permuted in one numpy pass: ~4.5k shingles x 128 uint32 stay in cache (8x faster than 512)
 WORD_CACHE_SIZE = 1 << 19  # word -> hash entries kept (~50 MB); the cache starts over when full
 PARTITION_BYTES = 128 << 20  # shuffle records a reduce task sorts, at most (about): bounds a worker's memory
-MAX_PARTITIONS = 512  # ... up to 1.6 billion rows; more rows make bigger partitions
-VERIFY_BATCH = 65_536  # candidate pairs compared in one numpy pass (x num_perm bytes of temporaries)
+MAX_PARTITIONS = 512  # ... up to 1.6 billion rows; more rows make bigger partitions. A map task cuts its records into
+# this many buckets, the driver puts bucket b in partition b % partitions: it sizes the partitions from the first map
+# result's band count, so it never builds a MinHasher itself (datasketch and scipy: ~0.6 s of CPU to import)
 
 
 @dataclass(frozen=True)
@@ -249,31 +253,6 @@ def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
     return RowFeatures(_key((m["role"] for m in messages), shares), hashed, numbers_salt(numbers))
 
 
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = np.arange(n, dtype=np.int64)
-
-    def find(self, i: int) -> int:
-        root = i
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[i] != root:
-            self.parent[i], i = root, self.parent[i]
-        return int(root)
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:  # the smaller index (earlier row) becomes the root: it is the one kept
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-    def roots(self) -> np.ndarray:
-        """``find(i)`` for every i at once, by pointer jumping (parents only ever point down)."""
-        roots = self.parent.copy()
-        while not np.array_equal(jumped := roots[roots], roots):
-            roots = jumped
-        return roots
-
-
 class MinHasher:
     """MinHash signatures and LSH band hashes of rows given as ``RowFeatures``.
 
@@ -359,107 +338,30 @@ def minhasher(rules: DedupRules) -> MinHasher:
     return MinHasher(rules)
 
 
-# --- the shuffle --------------------------------------------------------------------------------------
-# Records are uint64 triples: exact (key's first half, key's second half, row), band (band, band hash,
-# row). A map task sends each record to partition ``bucket % partitions``; all records that can match
-# meet in one partition, where a sort finds them.
-
-
-def exact_records(keys: np.ndarray, first_row: int) -> np.ndarray:
-    """(n, 3) uint64 exact-key records of ``keys`` (n x 16 uint8), rows numbered from ``first_row``."""
-    halves = keys.view(np.uint64).reshape(-1, 2)
-    rows = np.arange(first_row, first_row + len(keys), dtype=np.uint64)
-    return np.column_stack([halves[:, 0], halves[:, 1], rows])
-
-
-def band_records(hashes: np.ndarray, eligible: np.ndarray, first_row: int) -> np.ndarray:
-    """(m, 3) uint64 band records (band, hash, row) of the rows long enough to compare, rows in order."""
-    rows = np.flatnonzero(eligible)
-    bands = hashes.shape[1]
-    return np.column_stack([
-        np.tile(np.arange(bands, dtype=np.uint64), len(rows)),
-        hashes[rows].ravel(),
-        np.repeat(rows.astype(np.uint64) + np.uint64(first_row), bands),
-    ]).reshape(-1, 3)  # fmt: skip
-
-
-def partition(records: np.ndarray, bucket: np.ndarray, partitions: int) -> list[np.ndarray]:
-    """``records`` split by ``bucket % partitions``, each piece in the records' order."""
-    target = (bucket % np.uint64(partitions)).astype(np.int64)
-    order = np.argsort(target, kind="stable")
-    bounds = np.searchsorted(target[order], np.arange(partitions + 1))
-    return [records[order[bounds[p] : bounds[p + 1]]] for p in range(partitions)]
-
-
-def exact_duplicates(records: np.ndarray) -> np.ndarray:
-    """(row, first row with the same key) of every row that repeats an earlier one, from exact records."""
-    order = np.lexsort((records[:, 2], records[:, 1], records[:, 0]))  # by key, then row
-    ordered = records[order]
-    new_key = np.ones(len(ordered), dtype=bool)
-    new_key[1:] = np.any(ordered[1:, :2] != ordered[:-1, :2], axis=1)
-    first = ordered[np.flatnonzero(new_key), 2][np.cumsum(new_key) - 1]
-    return np.column_stack([ordered[~new_key, 2], first[~new_key]]).astype(np.int64).reshape(-1, 2)
-
-
-def band_pairs(records: np.ndarray, excluded: np.ndarray) -> np.ndarray:
-    """(first row, other row) for rows sharing a band hash: each against its run's first row.
-
-    ``excluded`` (sorted rows, the exact duplicates) take no part: near-duplicates are looked for among
-    the rows exact deduplication keeps.
-    """
-    records = records[~np.isin(records[:, 2].astype(np.int64), excluded)]
-    order = np.lexsort((records[:, 2], records[:, 1], records[:, 0]))  # by band, hash, then row
-    ordered = records[order]
-    starts_run = np.ones(len(ordered), dtype=bool)
-    starts_run[1:] = np.any(ordered[1:, :2] != ordered[:-1, :2], axis=1)
-    run_first = ordered[np.flatnonzero(starts_run), 2][np.cumsum(starts_run) - 1]
-    return np.column_stack([run_first[~starts_run], ordered[~starts_run, 2]]).astype(np.int64).reshape(-1, 2)
-
-
-def unique_pairs(pairs: np.ndarray, rows: int) -> np.ndarray:
-    """The distinct pairs (a pair collides in several bands), sorted."""
-    codes = np.unique(pairs[:, 0] * rows + pairs[:, 1])
-    return np.column_stack([codes // rows, codes % rows]).reshape(-1, 2)
-
-
-def cluster_roots(pairs: np.ndarray, candidates: np.ndarray, signatures: np.ndarray, threshold: float) -> np.ndarray:
-    """The cluster root (its smallest row) of every candidate row (sorted), from the colliding pairs.
-
-    Each pair is verified on its MinHash estimate of the Jaccard similarity (``signatures``: one row of
-    values per candidate); the clusters are the connected components of the verified pairs.
-    """
-    at_a, at_b = np.searchsorted(candidates, pairs[:, 0]), np.searchsorted(candidates, pairs[:, 1])
-    similar = np.zeros(len(pairs), dtype=bool)
-    for start in range(0, len(pairs), VERIFY_BATCH):
-        a, b = at_a[start : start + VERIFY_BATCH], at_b[start : start + VERIFY_BATCH]
-        similar[start : start + VERIFY_BATCH] = (signatures[a] == signatures[b]).mean(axis=1) >= threshold
-    union = _UnionFind(len(candidates))
-    for a, b in zip(at_a[similar].tolist(), at_b[similar].tolist()):
-        union.union(a, b)
-    return candidates[union.roots()]
-
-
 # --- the stage's tasks (``fn(common, shard)``, see ``ft_assets.data.parallel``) --------------------------
 
 
 @dataclass(frozen=True)
 class DedupMap:
-    """A shard's part of the shuffle: its exact keys in row order, its records split by partition."""
+    """A run's part of the shuffle: its exact keys in row order, its records split into ``MAX_PARTITIONS`` buckets,
+    and the LSH banding that made them."""
 
     keys: bytes  # 16 bytes a row
     exact: list[np.ndarray]
     bands: list[np.ndarray]
+    lsh: tuple[int, int]  # (bands, rows a band)
 
 
-def map_shard(settings: tuple[DedupRules, int], shard: RowRange) -> DedupMap:
-    """Exact keys and band hashes of one shard's rows (the costly part: one normalization of each message)."""
-    rules, partitions = settings
-    features = [row_features(messages, rules) for messages in shard.read(["messages"]).column("messages").to_pylist()]
+def map_run(rules: DedupRules, run: list[Part]) -> DedupMap:
+    """Exact keys and band hashes of a run's rows (the costly part: one normalization of each message)."""
+    hasher = minhasher(rules)
+    features = [row_features(messages, rules) for part in run for messages in read_part(part, ["messages"]).column("messages").to_pylist()]
     keys = np.frombuffer(b"".join(f.key for f in features), dtype=np.uint8).reshape(-1, 16)
-    hashes, eligible = minhasher(rules).band_hashes(features)
-    exact = exact_records(keys, shard.start)
-    bands = band_records(hashes, eligible, shard.start)
-    return DedupMap(keys.tobytes(), partition(exact, exact[:, 0], partitions), partition(bands, bands[:, 1], partitions))
+    hashes, eligible = hasher.band_hashes(features)
+    exact = exact_records(keys, run[0].start)  # the parts of a run are consecutive: its rows are numbered on
+    bands = band_records(hashes, eligible, run[0].start)
+    buckets = (partition(exact, exact[:, 0], MAX_PARTITIONS), partition(bands, bands[:, 1], MAX_PARTITIONS))
+    return DedupMap(keys.tobytes(), *buckets, (hasher.bands, hasher.rows_per_band))
 
 
 def reduce_exact(_, records: FileRef) -> np.ndarray:
@@ -470,136 +372,177 @@ def reduce_bands(excluded: FileRef, records: FileRef) -> np.ndarray:
     return band_pairs(np.frombuffer(read_all(records), dtype=np.uint64).reshape(-1, 3), np.frombuffer(read_all(excluded), dtype=np.int64))
 
 
-def shard_signatures(rules: DedupRules, item: tuple[RowRange, np.ndarray]) -> np.ndarray:
-    """MinHash signatures of the candidate rows (global numbers, sorted) of one shard."""
-    shard, rows = item
-    conversations = shard.read(["messages"]).column("messages").take(rows - shard.start).to_pylist()
-    return np.stack([minhasher(rules).signature(messages) for messages in conversations])
+def look_up(rules: DedupRules, run: list[tuple[Part, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[str]]:
+    """For each (part, candidate rows, rows asked for) of a run (global row numbers, sorted): the MinHash signatures
+    of the candidates, and the sources of the rows asked for (the rows others repeat, the clusters' roots)."""
+    signatures, sources = [], []
+    for part, candidates, wanted in run:
+        table = read_part(part, ["source", "messages"])
+        conversations = table.column("messages").take(candidates - part.start).to_pylist()
+        signatures += [minhasher(rules).signature(messages) for messages in conversations]
+        sources += table.column("source").take(wanted - part.start).to_pylist()
+    return np.stack(signatures) if signatures else np.empty((0, rules.num_perm), np.uint32), sources
 
 
 @dataclass(frozen=True)
 class FilterItem:
-    """What the last pass needs to know of one shard's rows: their keys and which of them go."""
+    """What the last pass needs to know of one part's rows: their keys and which of them go."""
 
-    shard: RowRange
-    keys: bytes  # 16 bytes a row, the shard's own
-    exact: np.ndarray  # shard rows (from 0) that repeat an earlier row
-    merged: list[tuple[int, str, bytes]]  # (shard row, its cluster root's source, the root's key)
+    part: Part
+    keys: bytes  # 16 bytes a row, the part's own
+    exact: list[tuple[int, str]]  # (part row, the source of the earlier row it repeats), in row order
+    merged: list[tuple[int, str, bytes]]  # (part row, its cluster root's source, the root's key)
 
 
-def filter_shard(near_duplicates: str, item: FilterItem) -> tuple:
-    """(kept rows with their cluster key, near-duplicate records) of one shard; rows filtered as Arrow."""
-    table = item.shard.read()
+def filter_part(near_duplicates: str, item: FilterItem) -> tuple[pa.Table, pa.Table]:
+    """(kept rows with their cluster key, duplicate records: exact ones, then near ones) of one part; the rows are
+    filtered as Arrow."""
+    table = read_part(item.part)
     clusters = [item.keys[at : at + 16].hex() for at in range(0, len(item.keys), 16)]
     kept = np.ones(table.num_rows, dtype=bool)
-    kept[item.exact] = False
-    near = []
-    if item.merged:
-        sources = table.column("source").take([row for row, _, _ in item.merged]).to_pylist()
-        for source, (row, root_source, root_key) in zip(sources, item.merged):
-            if near_duplicates == "drop":
-                kept[row] = False
-                near.append({"source": source, "kind": "near", "duplicate_of": root_source})
-            else:
-                clusters[row] = root_key.hex()
+    kept[[row for row, _ in item.exact]] = False
+    sources = table.column("source")
+    records = [{"source": sources[row].as_py(), "kind": "exact", "duplicate_of": first} for row, first in item.exact]
+    for row, root_source, root_key in item.merged:
+        if near_duplicates == "drop":
+            kept[row] = False
+            records.append({"source": sources[row].as_py(), "kind": "near", "duplicate_of": root_source})
+        else:
+            clusters[row] = root_key.hex()
     mask = pa.array(kept)
     cluster = pa.array([c for c, keep in zip(clusters, kept.tolist()) if keep], type=pa.string())
-    rows = pa.Table.from_arrays([table.column("source").filter(mask), cluster, table.column("messages").filter(mask)], schema=ROW_SCHEMA)
-    return rows, near
+    rows = pa.Table.from_arrays([sources.filter(mask), cluster, table.column("messages").filter(mask)], schema=ROW_SCHEMA)
+    return rows, pa.Table.from_pylist(records, schema=DUPLICATE_SCHEMA)
 
 
-def deduplicate_dataset(cleaned_dir: Path, out_dir: Path, rules: DedupRules, executor: Executor | None = None) -> dict:
-    """Exact then near deduplication of ``cleaned_dir/rows.parquet``, as a map, two shuffles and a filter.
+def filter_run(settings: tuple[str, Target], run: list[FilterItem]) -> list[tuple[Written, Written]]:
+    """Each part of a run through ``filter_part``, written as its ``rows`` and ``duplicates`` parts (a data-plane task)."""
+    near_duplicates, target = settings
+    done = []
+    for item in run:
+        rows, duplicates = filter_part(near_duplicates, item)
+        index = item.part.index
+        done.append((
+            target.put_table(part_name("rows", index), rows, ROW_SCHEMA),
+            target.put_table(part_name("duplicates", index), duplicates, DUPLICATE_SCHEMA),
+        ))  # fmt: skip
+    return done
 
-    1. map (per shard): every row's exact key and band hashes; records go to ``partitions`` files by
-       key and by band hash (the driver spills them to its scratch folder: ~130 bytes a row).
+
+# --- the stage, in the driver ----------------------------------------------------------------------------
+
+
+def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: int, spill: Path) -> tuple[int, tuple[int, int]]:
+    """Step 1: the map tasks; their keys and records spilled to ``spill`` (``keys``, ``exact-P``, ``bands-P``), bucket b
+    in partition b % partitions. Returns the partitions and the LSH banding (bands, rows a band)."""
+    partitions, lsh = 0, (0, 0)
+    with open(spill / "keys", "wb") as keys_file:
+        for part in executor.map(map_run, tasks, rules):
+            if not partitions:  # a row's exact record and its band records, if it is long enough
+                lsh, record_bytes = part.lsh, 3 * 8 * (1 + part.lsh[0])
+                partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
+                for p in range(partitions):
+                    for kind in ("exact", "bands"):
+                        (spill / f"{kind}-{p}").touch()
+            keys_file.write(part.keys)
+            for kind, buckets in (("exact", part.exact), ("bands", part.bands)):
+                for p in range(partitions):
+                    pieces = [piece for piece in buckets[p::partitions] if len(piece)]
+                    if pieces:
+                        with open(spill / f"{kind}-{p}", "ab") as handle:  # hundreds of partitions: not all open at once
+                            handle.write(np.concatenate(pieces).tobytes())
+    return partitions, lsh
+
+
+def _reduce(executor: Executor, spill: Path, partitions: int, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 2 and 3: (every exact duplicate with the row it repeats, sorted by row; the distinct colliding pairs)."""
+    exact_parts = list(executor.map(reduce_exact, (executor.share(spill / f"exact-{p}") for p in range(partitions))))
+    duplicates = np.concatenate(exact_parts) if exact_parts else np.empty((0, 2), dtype=np.int64)
+    duplicates = duplicates[np.argsort(duplicates[:, 0], kind="stable")]
+    (spill / "excluded").write_bytes(duplicates[:, 0].tobytes())
+    excluded = executor.share(spill / "excluded")
+    band_parts = list(executor.map(reduce_bands, (executor.share(spill / f"bands-{p}") for p in range(partitions)), excluded))
+    return duplicates, unique_pairs(np.concatenate(band_parts) if band_parts else np.empty((0, 2), dtype=np.int64), max(total, 1))
+
+
+def _in_parts(rows: np.ndarray, parts: list[Part]) -> list[np.ndarray]:
+    """Sorted global row numbers cut at the parts' bounds: the rows of each part."""
+    bounds = np.searchsorted(rows, [part.start for part in parts] + [parts[-1].start + parts[-1].rows if parts else 0])
+    return [rows[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
+
+
+def _clusters(executor: Executor, parts: list[Part], pairs: np.ndarray, duplicates: np.ndarray, rules: DedupRules):
+    """Step 4: (rows merged into a cluster, their cluster roots, the sources of the rows others repeat or merge into)."""
+    candidates = np.unique(pairs)
+    wanted = np.unique(np.concatenate([duplicates[:, 1], candidates]))
+    items = [item for item in zip(parts, _in_parts(candidates, parts), _in_parts(wanted, parts)) if len(item[2])]
+    found = list(executor.map(look_up, list(runs(items, lambda item: item[0].rows, executor.shard_rows)), rules))
+    signatures = np.concatenate([s for s, _ in found]) if found else np.empty((0, rules.num_perm), np.uint32)
+    sources = dict(zip(wanted.tolist(), (source for _, names in found for source in names)))
+    roots = cluster_roots(pairs, candidates, signatures, rules.threshold)
+    return candidates[roots != candidates], roots[roots != candidates], sources
+
+
+def _filter_items(
+    parts: list[Part], keys: np.ndarray, duplicates: np.ndarray, merged: np.ndarray, roots: np.ndarray, sources: dict
+) -> Iterator[FilterItem]:
+    """Step 5's work, part by part (made as the tasks are sent: each holds its part's keys)."""
+    exact = _in_parts(duplicates[:, 0], parts)
+    exact_at = np.searchsorted(duplicates[:, 0], [part.start for part in parts])
+    into = dict(zip(merged.tolist(), roots.tolist()))
+    for part, rows, at, near in zip(parts, exact, exact_at, _in_parts(merged, parts)):
+        firsts = duplicates[at : at + len(rows), 1].tolist()
+        yield FilterItem(
+            part, keys[part.start : part.start + part.rows].tobytes(),
+            [(row - part.start, sources[first]) for row, first in zip(rows.tolist(), firsts)],
+            [(row - part.start, sources[into[row]], bytes(keys[into[row]])) for row in near.tolist()],
+        )  # fmt: skip
+
+
+def deduplicate_dataset(
+    cleaned: Artifact, out: Artifact, rules: DedupRules, executor: Executor | None = None, scratch: Path | None = None
+) -> dict:
+    """Exact then near deduplication of the ``rows`` parts of ``cleaned``, as a map, two shuffles, a look-up and a
+    filter, into the ``rows`` and ``duplicates`` parts of ``out``.
+
+    1. map (a run of parts a task): every row's exact key and band hashes; records go to ``partitions`` files by
+       key and by band hash (the driver spills them to ``scratch``: ~130 bytes a row).
     2. reduce by key (per partition): each row that repeats an earlier one, with that row.
     3. reduce by band hash (per partition): pairs of rows, exact duplicates left out, that share a band.
-    4. signatures (per shard) of the rows in some pair, then ``cluster_roots`` in the driver: verified
-       pairs, union-find, each row's cluster root. Memory here grows with the pairs, not the rows.
-    5. filter (per shard): rows written with their cluster key, near duplicates recorded.
+    4. look-up (per run) of the signatures of the rows in some pair and of the sources of the rows that others
+       repeat; then ``cluster_roots`` in the driver: verified pairs, union-find, each row's cluster root. Memory
+       here grows with the pairs, not the rows.
+    5. filter (per run): each worker writes its parts' kept rows, with their cluster key, and their duplicate
+       records (the exact ones in row order with the row they repeat, then the near ones with the row kept for
+       their cluster).
 
-    The driver writes every exact duplicate (in row order, with the row it repeats), then the near
-    ones (in row order, with the row kept for their cluster), as one process reading the rows in
-    order would. Steps run on ``executor`` (default: this process); the result does not depend on it.
+    Steps run on ``executor`` (default: this process); the result does not depend on it.
     """
     if rules.near_duplicates not in ("drop", "keep"):
         raise ValueError(f"near_duplicates must be 'drop' or 'keep', got {rules.near_duplicates!r}")
     executor = executor or InProcess()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source_path = cleaned_dir / "rows.parquet"
-    shards = row_ranges(source_path, executor)
-    total = shards[-1].stop if shards else 0
-    hasher = minhasher(rules)
-    record_bytes = 3 * 8 * (1 + hasher.bands)  # a row's exact record and its band records, if it is long enough
-    partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
-    with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=out_dir.parent) as spill:
+    parts = cleaned.parts("rows", executor)
+    total = sum(part.rows for part in parts)
+    with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=scratch) as spill:
         spill = Path(spill)
-        for p in range(partitions):
-            for kind in ("exact", "bands"):
-                (spill / f"{kind}-{p}").touch()
-        with open(spill / "keys", "wb") as keys_file:
-            for part in executor.map(map_shard, shards, (rules, partitions)):
-                keys_file.write(part.keys)
-                for kind, pieces in (("exact", part.exact), ("bands", part.bands)):
-                    for p, piece in enumerate(pieces):
-                        with open(spill / f"{kind}-{p}", "ab") as handle:  # hundreds of partitions: not all open at once
-                            handle.write(piece.tobytes())
-        shuffled = sum((spill / f"{kind}-{p}").stat().st_size for kind in ("exact", "bands") for p in range(partitions))
-        exact_parts = list(executor.map(reduce_exact, (executor.share(spill / f"exact-{p}") for p in range(partitions))))
-        duplicates = np.concatenate(exact_parts) if exact_parts else np.empty((0, 2), dtype=np.int64)
-        duplicates = duplicates[np.argsort(duplicates[:, 0], kind="stable")]
-        (spill / "excluded").write_bytes(duplicates[:, 0].tobytes())
-        excluded = executor.share(spill / "excluded")
-        band_parts = list(executor.map(reduce_bands, (executor.share(spill / f"bands-{p}") for p in range(partitions)), excluded))
-        pairs = unique_pairs(np.concatenate(band_parts) if band_parts else np.empty((0, 2), dtype=np.int64), max(total, 1))
-
-        candidates = np.unique(pairs)
-        bounds = np.searchsorted(candidates, [s.start for s in shards] + [total])
-        wanted = [(shard, candidates[bounds[i] : bounds[i + 1]]) for i, shard in enumerate(shards) if bounds[i + 1] > bounds[i]]
-        signatures = list(executor.map(shard_signatures, wanted, rules))
-        roots = cluster_roots(pairs, candidates, np.concatenate(signatures) if signatures else np.empty((0, rules.num_perm), np.uint32), rules.threshold)
-        merged = candidates[roots != candidates]
-        merged_roots = roots[roots != candidates]
-
-        needed = np.unique(np.concatenate([duplicates.ravel(), merged_roots]))
-        sources: dict[int, str] = {}
-        position = 0
-        for batch in iter_batches(source_path, columns=["source"]):
-            at = needed[(needed >= position) & (needed < position + batch.num_rows)]
-            sources.update(zip(at.tolist(), batch.column("source").take(at - position).to_pylist()))
-            position += batch.num_rows
+        partitions, lsh = _map(executor, list(runs(parts, lambda part: part.rows, executor.shard_rows)), rules, total, spill)
+        shuffled = sum(path.stat().st_size for path in spill.glob("*-*"))
+        duplicates, pairs = _reduce(executor, spill, partitions, total)
+        merged, roots, sources = _clusters(executor, parts, pairs, duplicates, rules)
         keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
-
-        def items(keys: np.ndarray) -> Iterator[FilterItem]:
-            exact_at = np.searchsorted(duplicates[:, 0], [s.start for s in shards] + [total])
-            merged_at = np.searchsorted(merged, [s.start for s in shards] + [total])
-            for i, shard in enumerate(shards):
-                rows, into = merged[merged_at[i] : merged_at[i + 1]], merged_roots[merged_at[i] : merged_at[i + 1]]
-                yield FilterItem(
-                    shard,
-                    keys[shard.start : shard.stop].tobytes(),
-                    duplicates[exact_at[i] : exact_at[i + 1], 0] - shard.start,
-                    [(int(row) - shard.start, sources[int(root)], bytes(keys[root])) for row, root in zip(rows.tolist(), into.tolist())],
-                )
-
-        with ParquetSink(out_dir / "duplicates.parquet", DUPLICATE_SCHEMA) as records, ParquetSink(
-            out_dir / "rows.parquet", ROW_SCHEMA
-        ) as kept:
-            for row, first in duplicates.tolist():
-                records.write({"source": sources[row], "kind": "exact", "duplicate_of": sources[first]})
-            for rows, near in executor.map(filter_shard, items(keys), rules.near_duplicates):
-                kept.write_table(rows)
-                if near:
-                    records.write_table(pa.Table.from_pylist(near, schema=DUPLICATE_SCHEMA))
+        items = _filter_items(parts, keys, duplicates, merged, roots, sources)
+        tasks = runs(items, lambda item: item.part.rows, executor.shard_rows)
+        for run in executor.map(filter_run, tasks, (rules.near_duplicates, out.target(executor))):
+            for rows, records in run:
+                out.add(rows, records)
         del keys
     return {
-        "rows_kept": kept.count,
+        "rows_kept": out.rows("rows"),
         "exact_duplicates": len(duplicates),
         "near_duplicates": len(merged) if rules.near_duplicates == "drop" else 0,
         "near_clusters": total - len(duplicates) - len(merged),
-        "lsh_bands": hasher.bands,
-        "lsh_rows_per_band": hasher.rows_per_band,
+        "lsh_bands": lsh[0],
+        "lsh_rows_per_band": lsh[1],
         "lsh_pairs_verified": len(pairs),
         "shuffle_bytes": shuffled,
     }

@@ -24,8 +24,9 @@ without replacement from the rows each one parsed — exactly ``round(weight × 
 remainders), so the shares miss the weights by less than one row, far inside ±1%. Which rows is a
 seeded choice per component (seeded by the mixture's seed and the component's name, so adding a
 component leaves the draws of the others alone); drawn rows keep their file order, component after
-component, and their sources (``<name>/<file>:<line>``). A component's quarantined rows are kept in
-``components_quarantine.parquet`` and counted per component; the rows it had but that were not drawn
+component, and their sources (``<name>/<file>:<line>``): each part of a component becomes a part of the
+mixture, written by the worker that draws from it. A component's quarantined rows are kept in the
+parts ``components_quarantine-NNNNN.parquet`` and counted per component; the rows it had but that were not drawn
 are counted too (``rows_available - rows_drawn``). Never drawing a row twice keeps repeats out of
 the mix: a repeat would only be removed again as an exact duplicate.
 
@@ -44,10 +45,12 @@ import pyarrow as pa
 import yaml
 
 from ft_assets import layout
+from ft_assets.data.kinds import dataset_kind, first_of_each_kind, source_file
 from ft_assets.data.layouts import ColumnMapping
-from ft_assets.data.parallel import Executor
+from ft_assets.data.parallel import Executor, InProcess
+from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
 from ft_assets.data.readers import read_dataset
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, ParquetSink, iter_batches
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError
 from ft_assets.data.staging import MIXTURE_SUFFIXES, Staged, dataset_name, stage_source
 from ft_assets.partitions import DatasetVersion, InvalidDatasetId, validate_part
 from ft_assets.storage import join_key, sha256_file
@@ -202,48 +205,77 @@ class Component:
     mapping: ColumnMapping | None
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One part of a component, and which of its rows the mixture draws: output part ``index``."""
+
+    rows: Part
+    quarantine: Part
+    picked: np.ndarray  # bool, one a row of the part
+    index: int
+
+
+def draw_run(target: Target, run: list[Draw]) -> list[tuple[Written, Written, dict[str, str]]]:
+    """Each draw of a run: its drawn rows and its component's quarantine written as parts of the mixture, with the first
+    row of each kind among the drawn rows (a data-plane task)."""
+    done = []
+    for draw in run:
+        drawn = read_part(draw.rows).filter(pa.array(draw.picked))
+        quarantine = read_part(draw.quarantine)
+        done.append((
+            target.put_table(part_name("rows", draw.index), drawn, ROW_SCHEMA),
+            target.put_table(part_name("components_quarantine", draw.index), quarantine, QUARANTINE_SCHEMA),
+            first_of_each_kind(drawn),
+        ))  # fmt: skip
+    return done
+
+
+def _draws(read: list[Artifact], picks: list[np.ndarray], executor: Executor) -> list[Draw]:
+    """Every part of every component with the rows drawn from it, numbered in component order."""
+    draws = []
+    for artifact, picked in zip(read, picks):
+        for rows, quarantine in zip(artifact.parts("rows", executor), artifact.parts("quarantine", executor)):
+            draws.append(Draw(rows, quarantine, picked[rows.start : rows.start + rows.rows], len(draws)))
+    return draws
+
+
 def mix_dataset(
-    components: list[Component], work: Path, out_dir: Path, seed: int, rows: int | None, executor: Executor | None = None
+    components: list[Component], work: Path, out: Artifact, seed: int, rows: int | None, executor: Executor | None = None
 ) -> dict:
-    """Read every component (in shards on ``executor``), draw the mixture's rows into ``rows.parquet``; returns
-    ``read_dataset``'s counts for the drawn rows, plus ``source``: the records with each component's figures and digest."""
-    read = []
+    """Read every component into ``work`` (in parts on ``executor``), draw the mixture's rows into the parts ``rows``
+    (and the components' quarantine into ``components_quarantine``) of ``out``; returns ``read_dataset``'s counts for
+    the drawn rows, plus ``source``: the records with each component's figures and digest."""
+    executor = executor or InProcess()
+    read, stats = [], []
     for component in components:
-        name = component.record["name"]
-        read.append(read_dataset(component.files, work / name, component.mapping, executor))
+        read.append(Artifact.folder(work / component.record["name"]))
+        stats.append(read_dataset(component.files, read[-1], component.mapping, executor))
     names = [c.record["name"] for c in components]
     weighted = "weight" in components[0].record
     drawn = draw_counts(
         names,
-        [r["rows_parsed"] for r in read],
+        [s["rows_parsed"] for s in stats],
         [c.record["weight"] for c in components] if weighted else None,
         None if weighted else [c.record["count"] for c in components],
         rows,
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    with ParquetSink(out_dir / "rows.parquet", ROW_SCHEMA) as sink, ParquetSink(
-        out_dir / "components_quarantine.parquet", QUARANTINE_SCHEMA
-    ) as quarantine:
-        for component, stats, count in zip(components, read, drawn):
-            name = component.record["name"]
-            picked = np.zeros(stats["rows_parsed"], dtype=bool)
-            picked[np.random.default_rng(_seed_of(seed, name)).choice(stats["rows_parsed"], size=count, replace=False)] = True
-            position = 0
-            for batch in iter_batches(work / name / "rows.parquet"):
-                sink.write_table(batch.filter(pa.array(picked[position : position + batch.num_rows])))
-                position += batch.num_rows
-            for batch in iter_batches(work / name / "quarantine.parquet"):
-                quarantine.write_table(batch)
-            records.append({
-                **component.record,
-                "digest": files_digest(component.files),
-                "rows_in": stats["rows_in"],
-                "rows_quarantined": stats["rows_quarantined"],
-                "quarantine_reasons": stats["quarantine_reasons"],
-                "rows_available": stats["rows_parsed"],
-                "rows_drawn": count,
-            })  # fmt: skip
+    picks = []
+    for name, counted, count in zip(names, stats, drawn):
+        picks.append(np.zeros(counted["rows_parsed"], dtype=bool))
+        picks[-1][np.random.default_rng(_seed_of(seed, name)).choice(counted["rows_parsed"], size=count, replace=False)] = True
+    kinds: dict[str, dict[str, str]] = {}
+    tasks = list(runs(_draws(read, picks, executor), lambda draw: draw.rows.rows, executor.shard_rows))
+    for run in executor.map(draw_run, tasks, out.target(executor)):
+        for rows_part, quarantine_part, first in run:
+            out.add(rows_part, quarantine_part)
+            for kind, source in first.items():
+                kinds.setdefault(source_file(source), {}).setdefault(kind, source)
+    records = [
+        {**component.record, "digest": files_digest(component.files), "rows_in": counted["rows_in"],
+         "rows_quarantined": counted["rows_quarantined"], "quarantine_reasons": counted["quarantine_reasons"],
+         "rows_available": counted["rows_parsed"], "rows_drawn": count}
+        for component, counted, count in zip(components, stats, drawn)
+    ]  # fmt: skip
     total = sum(drawn)
     return {
         "rows_in": total,
@@ -252,5 +284,6 @@ def mix_dataset(
         "quarantine_reasons": {},
         "blank_lines": 0,
         "rows_per_file": dict(zip(names, drawn)),
+        "data_kind": dataset_kind(kinds),
         "source": {"kind": "mixture", "seed": seed, "rows": total, "components": records},
     }

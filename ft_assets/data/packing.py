@@ -13,14 +13,16 @@ longest remaining example, then the subset of the others that fills the row best
 slots hold real tokens (best-fit decreasing: 97.4%). Each row carries
 ``position_ids`` that restart at every example and the example lengths (``seq_lens``), so training
 builds a block-diagonal causal mask and no example attends to its neighbour. Padding to the longest
-example instead of packing wastes most slots on short chat data (see ``make bench``). The rows go to
-Parquet shards through ``ft_assets.shards``, which owns their schema and file names.
+example instead of packing wastes most slots on short chat data (see ``make bench``). Each window's
+rows go to one Parquet shard (``ft_assets.shards`` owns their schema and file names), written by the
+worker that packed them. The encoding workers leave each part's sequences in the store (~5 bytes a
+token) for the packing workers to read: the driver only cuts windows, in row order, from counts.
 
 Throughput: the Rust tokenizer is the floor, so everything around it is kept small. Chat templates
 that insert contents verbatim (ChatML and most others) are rendered once per conversation shape and
 filled in per row (``ChatEncoder``); texts go to the backend tokenizer in batches without the Python
-wrapper; rows are completed by a bitset subset sum (``_best_subset``) and shards are written from flat
-arrays. On the 200k-row benchmark corpus (SmolLM2 tokenizer, 1,024-token rows) tokenizing and
+wrapper; rows are completed by a bitset subset sum (``ft_assets.data.bins``) and shards are written from
+flat arrays. On the 200k-row benchmark corpus (SmolLM2 tokenizer, 1,024-token rows) tokenizing and
 packing takes 133 s of CPU instead of 232 s, of which ~100 s is the tokenizer itself; output unchanged.
 """
 
@@ -31,7 +33,6 @@ import itertools
 import os
 import re
 import tempfile
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +40,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess
-from ft_assets.data.rows import RowError, RowRange, row_ranges
-from ft_assets.shards import ROWS_PER_SHARD, SCHEMA, ShardWriter
+from ft_assets.data.bins import pack_bins
+from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess, store_at
+from ft_assets.data.parts import Artifact, Part, Target, Written, part_bytes, part_name, read_part, runs, table_bytes
+from ft_assets.data.rows import RowError
+from ft_assets.shards import SCHEMA, packed_table, shard_name
+from ft_assets.storage import join_key
 
 PACK_WINDOW = 16_384  # examples per packing window: bounds memory; costs at most ~1 partly filled row per window
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
@@ -52,6 +56,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 class Example:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # int8, 1 = assistant token the model learns to produce
+    text: str = ""  # what a kind keeps beside the tokens (a prompt's source, turns and columns); chat, pairs: none
 
 
 _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")  # private-use marks: content i is rendered as \ue000i\ue001
@@ -269,141 +274,6 @@ class ChatEncoder:
         return out
 
 
-def _best_subset(room: int, counts: dict[int, int]) -> tuple[tuple[int, int], ...]:
-    """(length, how many) pairs from ``counts`` whose total is the largest ≤ ``room``.
-
-    A bounded subset sum over distinct lengths, longest first, stopping at the first exact fill, with
-    the answer of the textbook dictionary DP (``reach[total] = choice``, first choice found kept):
-
-        reach = {0: ()}
-        for size in lengths, longest first:
-            for total, chosen in list(reach.items()):   # in insertion order
-                for k in 1..counts[size] while total + k·size ≤ room:
-                    reach.setdefault(total + k·size, chosen + ((size, k),))
-            stop once room is in reach
-        return reach[max(reach)]
-
-    That DP touches every reachable total at every stage (2 ms a row at 1,024 tokens). Here the
-    reachable totals of each stage are one Python int used as a bitset (a stage is a few shifts), and
-    the first choice is recovered only along the winning total's chain: among the ways to reach a
-    total, the DP keeps the one whose previous total it inserted first, and insertion order is (stage
-    first reached, then the previous total's own order, then k). 9-18x faster, same rows.
-    """
-    full = (1 << (room + 1)) - 1
-    sizes: list[int] = []  # the length added at each stage
-    reachable_after: list[int] = []  # per stage, bit t set: some subset of the lengths so far sums to t
-    reachable = 1
-    for size in sorted(counts, reverse=True):
-        if size > room:
-            continue
-        grown, shifted = 0, reachable
-        for _ in range(counts[size]):
-            shifted = (shifted << size) & full
-            if not shifted:
-                break
-            grown |= shifted
-        reachable |= grown
-        sizes.append(size)
-        reachable_after.append(reachable)
-        if reachable >> room & 1:
-            break
-
-    def stage(total: int) -> int:
-        """The stage that first reached ``total`` (-1 for 0), by binary search over the bitsets."""
-        if total == 0:
-            return -1
-        low, high = 0, len(sizes) - 1
-        while low < high:
-            middle = (low + high) // 2
-            if reachable_after[middle] >> total & 1:
-                high = middle
-            else:
-                low = middle + 1
-        return low
-
-    came_from: dict[int, tuple[int, int]] = {}  # total -> (previous total, k) of the DP's first choice
-
-    def inserted_before(a: int, b: int) -> tuple[bool, int | None]:
-        """(whether the DP inserted total ``a`` before ``b``, None) or (False, a total to resolve first)."""
-        while True:
-            stage_a, stage_b = stage(a), stage(b)
-            if stage_a != stage_b:
-                return stage_a < stage_b, None
-            for total in (a, b):
-                if total not in came_from:
-                    return False, total
-            (a, k_a), (b, k_b) = came_from[a], came_from[b]
-            if a == b:
-                return k_a < k_b, None
-
-    def resolve(total: int) -> tuple[int, int]:
-        pending = [total]  # an explicit stack: chains can be as long as there are stages
-        while pending:
-            current = pending[-1]
-            if current in came_from:
-                pending.pop()
-                continue
-            at = stage(current)
-            size, before = sizes[at], reachable_after[at - 1] if at else 1
-            best, missing = None, None
-            for k in range(1, min(counts[size], current // size) + 1):
-                if not before >> (current - k * size) & 1:
-                    continue
-                if best is None:
-                    best = (current - k * size, k)
-                    continue
-                earlier, missing = inserted_before(current - k * size, best[0])
-                if missing is not None:
-                    break
-                if earlier:
-                    best = (current - k * size, k)
-            if missing is not None:
-                pending.append(missing)
-            else:
-                came_from[current] = best
-                pending.pop()
-        return came_from[total]
-
-    chosen, total = [], reachable.bit_length() - 1
-    while total:
-        previous, k = resolve(total)
-        chosen.append((sizes[stage(total)], k))
-        total = previous
-    return tuple(reversed(chosen))
-
-
-def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Rows of example indices whose lengths sum to ≤ capacity; deterministic.
-
-    Bin completion: each row takes the longest remaining example, then the subset of the remaining
-    ones that fills it best. Plain best-fit decreasing leaves, in most rows, a gap shorter than any
-    example left (0.974 of slots used on the sample at 512 tokens); completing rows by subset sum
-    closes them (0.997, one row above the lower bound). Cost: ~20 µs per example in a 16k window of
-    the benchmark corpus at 1,024 tokens (175 µs with the dictionary DP).
-    """
-    queues: dict[int, deque[int]] = {}
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        if lengths[i] > capacity:
-            raise ValueError(f"example {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
-        queues.setdefault(lengths[i], deque()).append(i)
-
-    def take(size: int) -> int:
-        index = queues[size].popleft()
-        if not queues[size]:
-            del queues[size]
-        return index
-
-    bins = []
-    while queues:
-        longest = max(queues)
-        row = [take(longest)]
-        room = capacity - longest
-        for size, k in _best_subset(room, {s: len(q) for s, q in queues.items() if s <= room}):
-            row.extend(take(size) for _ in range(k))
-        bins.append(row)
-    return bins
-
-
 def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
     """Packed rows (dicts of numpy arrays) from one window of examples."""
     for members in pack_bins([len(e.input_ids) for e in examples], seq_len):
@@ -467,44 +337,8 @@ class TokenizerFiles:
 _ENCODERS: dict[str, ChatEncoder] = {}  # per process: the encoder of the last TokenizerFiles asked for
 
 
-@dataclass(frozen=True)
-class EncodedShard:
-    """One shard's examples, back to back (``lengths`` tokens each), and the rows it rejected."""
-
-    split: str
-    input_ids: np.ndarray  # int32
-    loss_mask: np.ndarray  # int8
-    lengths: np.ndarray  # int64
-    rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
-    pad_id: int
-    texts: tuple[str, ...] = ()  # per item, what a kind keeps beside its tokens (a prompt's turns and columns); chat, pairs: none
-
-
-def shard_input(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> tuple:
-    """What a tokenize task works on: (encoder, seq_len, split, [(row id, messages)], pad id)."""
-    source, seq_len = settings
-    encoder = source if isinstance(source, ChatEncoder) else source.encoder()
-    split, rows = item
-    if not isinstance(rows, list):
-        table = rows.read(["source", "messages"])
-        rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
-    pad_id = encoder.tokenizer.pad_token_id
-    return encoder, seq_len, split, rows, encoder.tokenizer.eos_token_id if pad_id is None else pad_id
-
-
-def encoded_shard(
-    split: str, kept: list[Example], rejected: list[tuple[str, str, str]], pad_id: int, texts: tuple[str, ...] = ()
-) -> EncodedShard:
-    """The kept sequences back to back (and, for prompts, each one's text)."""
-    lengths = np.array([len(e.input_ids) for e in kept], dtype=np.int64)
-    ids = np.concatenate([e.input_ids for e in kept]) if kept else np.empty(0, dtype=np.int32)
-    mask = np.concatenate([e.loss_mask for e in kept]) if kept else np.empty(0, dtype=np.int8)
-    return EncodedShard(split, ids, mask, lengths, rejected, pad_id, texts)
-
-
-def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple[str, RowRange | list]) -> EncodedShard:
-    """Tokenize one shard of a split (a row range of its file, or (row id, messages) pairs): a data-plane task."""
-    encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
+def encode_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int) -> tuple[list[Example], list[tuple[str, str, str]]]:
+    """(kept examples, rejected rows as (row id, reason, detail)) of (row id, messages) rows."""
     kept: list[Example] = []
     rejected: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), TOKENIZE_BATCH):
@@ -518,117 +352,183 @@ def encode_shard(settings: tuple[ChatEncoder | TokenizerFiles, int], item: tuple
                 rejected.append((row_id, "no_loss_tokens", "no assistant token survived templating"))
             else:
                 kept.append(result)
-    return encoded_shard(split, kept, rejected, pad_id)
-
-
-@dataclass(frozen=True)
-class Window:
-    """``PACK_WINDOW`` examples of a split (fewer at its end), packed together by one task."""
-
-    split: str
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    lengths: np.ndarray
-    pad_id: int
-    texts: tuple[str, ...] = ()  # the items' texts, when their kind keeps any (``EncodedShard.texts``)
-
-    def examples(self) -> list[Example]:
-        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        return [Example(self.input_ids[a:b], self.loss_mask[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
-
-
-def pack_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
-    """The packed rows of one window: a data-plane task."""
-    return window.split, list(pack_rows(window.examples(), seq_len, window.pad_id))
+    return kept, rejected
 
 
 @dataclass(frozen=True)
 class PackKind:
-    """What ``pack_splits`` packs: its two tasks, how many sequences make one item, and its shards."""
+    """What ``pack_splits`` packs: how rows become sequences, how a window of sequences becomes packed rows, how many
+    sequences make one item, and its shards."""
 
-    encode: Callable[[tuple, tuple], EncodedShard]  # (settings, (split, rows)) -> the shard's sequences
-    pack: Callable[[int, Window], tuple[str, list[dict]]]  # (seq_len, window) -> (split, packed rows)
+    encode: Callable[[ChatEncoder, list, int], tuple[list[Example], list]]  # (encoder, rows, seq_len) -> (sequences, rejected)
+    pack: Callable[[list[Example], int, int], Iterator[dict]]  # (a window's sequences, seq_len, pad id) -> packed rows
     sequences: int  # sequences an item (an example: 1; a preference pair: 2), never cut apart by a window
     schema: pa.Schema
     file_split: Callable[[str], str]  # split -> the split name in its shard files
 
 
-EXAMPLES = PackKind(encode_shard, pack_window, 1, SCHEMA, str)
+EXAMPLES = PackKind(encode_rows, pack_rows, 1, SCHEMA, str)
 
 
-def _windows(parts: Iterable[EncodedShard], window: int, stats: dict[str, PackStats], sequences: int = 1) -> Iterator[Window]:
-    """The sequences of the encoded shards, in order, cut into windows of ``window`` sequences per split
-    (a multiple of ``sequences``, and every shard holds whole items: an item is never cut)."""
-    pending: dict[str, list[EncodedShard]] = {}
+ENCODED = "_encoded"  # where, under the artifact's prefix, the encoded sequences wait for their windows (deleted after)
 
-    def cut(split: str, final: bool) -> Iterator[Window]:
-        shards = pending.get(split, [])
-        ids = np.concatenate([p.input_ids for p in shards]) if shards else np.empty(0, np.int32)
-        mask = np.concatenate([p.loss_mask for p in shards]) if shards else np.empty(0, np.int8)
-        lengths = np.concatenate([p.lengths for p in shards]) if shards else np.empty(0, np.int64)
-        texts = tuple(text for p in shards for text in p.texts)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        done = 0
-        while len(lengths) - done >= window or (final and done < len(lengths)):
-            take = min(window, len(lengths) - done)
-            a, b = offsets[done], offsets[done + take]
-            yield Window(split, ids[a:b], mask[a:b], lengths[done : done + take], stats[split].pad_id, texts[done : done + take])
-            done += take
-        a = offsets[done]
-        pending[split] = (
-            [EncodedShard(split, ids[a:], mask[a:], lengths[done:], [], stats[split].pad_id, texts[done:])] if done < len(lengths) else []
-        )
 
-    current = None
-    for part in parts:
-        if part.split != current and current is not None:
-            yield from cut(current, final=True)
-        current = part.split
-        counted = stats[part.split]
-        counted.pad_id = part.pad_id
-        counted.examples += len(part.lengths) // sequences
-        counted.tokens += int(part.lengths.sum())
-        counted.loss_tokens += int(part.loss_mask.sum())
+def encoded_bytes(sequences: list[Example]) -> bytes:
+    """Sequences back to back: their lengths (int64), then every token id (int32), then every loss-mask value (int8),
+    then the byte length of each one's text (int64) and the texts in UTF-8 (none for chat and pairs: 8 bytes a
+    sequence)."""
+    lengths = np.array([len(sequence.input_ids) for sequence in sequences], dtype=np.int64)
+    ids = np.concatenate([s.input_ids for s in sequences]) if sequences else np.empty(0, np.int32)
+    mask = np.concatenate([s.loss_mask for s in sequences]) if sequences else np.empty(0, np.int8)
+    texts = [sequence.text.encode() for sequence in sequences]
+    text_lengths = np.array([len(text) for text in texts], dtype=np.int64)
+    return b"".join([lengths.tobytes(), ids.astype(np.int32).tobytes(), mask.astype(np.int8).tobytes(), text_lengths.tobytes(), *texts])
+
+
+def sequences_of(data, count: int, start: int, stop: int) -> list[Example]:
+    """Sequences ``[start, stop)`` of the ``count`` that ``encoded_bytes`` wrote."""
+    lengths = np.frombuffer(data, dtype=np.int64, count=count)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total, at = int(offsets[-1]), 8 * count
+    ids = np.frombuffer(data, dtype=np.int32, count=total, offset=at)
+    mask = np.frombuffer(data, dtype=np.int8, count=total, offset=at + 4 * total)
+    text_lengths = np.frombuffer(data, dtype=np.int64, count=count, offset=at + 5 * total)
+    text_offsets = (at + 5 * total + 8 * count + np.concatenate([[0], np.cumsum(text_lengths)])).tolist()
+    texts = [str(memoryview(data)[text_offsets[i] : text_offsets[i + 1]], "utf-8") for i in range(start, stop)]
+    return [Example(ids[offsets[i] : offsets[i + 1]], mask[offsets[i] : offsets[i + 1]], text) for i, text in zip(range(start, stop), texts)]
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """One part of a split, encoded: its sequences written (``ENCODED/<split>-NNNNN``) and its figures."""
+
+    split: str
+    written: Written  # rows: the sequences it holds
+    tokens: int
+    loss_tokens: int
+    rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
+    pad_id: int
+
+
+def encode_run(settings: tuple[ChatEncoder | TokenizerFiles, int, PackKind, Target], item: tuple[str, list]) -> list[EncodedPart]:
+    """Tokenize a run of parts of one split, each (a ``Part``, or (row id, messages) rows; its number) into its encoded
+    sequences, written for the packing tasks (a data-plane task)."""
+    source, seq_len, kind, target = settings
+    encoder = source if isinstance(source, ChatEncoder) else source.encoder()
+    pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
+    split, run = item
+    done = []
+    for rows, index in run:
+        if isinstance(rows, Part):
+            table = read_part(rows, ["source", "messages"])
+            rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
+        kept, rejected = kind.encode(encoder, rows, seq_len)
+        written = target.put(part_name(split, index), encoded_bytes(kept), len(kept))
+        tokens, loss_tokens = sum(len(e.input_ids) for e in kept), sum(int(e.loss_mask.sum()) for e in kept)
+        done.append(EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id))
+    return done
+
+
+@dataclass(frozen=True)
+class Window:
+    """``PACK_WINDOW`` items of a split (fewer at its end), cut in row order from its encoded parts (``slices``:
+    (part, first sequence, sequence after the last)), packed by one task into shard ``index``."""
+
+    split: str
+    index: int
+    slices: list[tuple[Part, int, int]]
+    pad_id: int
+
+
+def pack_window(settings: tuple[PackKind, int, Target], window: Window) -> tuple[str, Written]:
+    """Pack one window's sequences and write them as the shard ``<split>-<index>.parquet`` (a data-plane task)."""
+    kind, seq_len, target = settings
+    sequences = [sequence for part, start, stop in window.slices for sequence in sequences_of(part_bytes(part), part.rows, start, stop)]
+    rows = list(kind.pack(sequences, seq_len, window.pad_id))
+    table = packed_table(rows, kind.schema)
+    return window.split, target.put(shard_name(kind.file_split(window.split), window.index), table_bytes(table, kind.schema), len(rows))
+
+
+class _Windows:
+    """Cuts the encoded parts of each split, as they come back in row order, into windows of ``size`` sequences (a
+    whole number of items: a window never cuts a pair apart), and adds up each split's figures."""
+
+    def __init__(self, encoded: Artifact, executor: Executor, size: int, stats: dict[str, PackStats], sequences: int):
+        self.encoded, self.executor, self.size, self.stats, self.sequences = encoded, executor, size, stats, sequences
+        self.pending: list[tuple[Part, int]] = []  # (encoded part, its first sequence not in a window yet)
+        self.split, self.count, self.pad_id = None, 0, 0
+
+    def cut(self, parts: Iterable[list[EncodedPart]]) -> Iterator[Window]:
+        for run in parts:
+            for part in run:
+                if part.split != self.split:
+                    yield from self.flush(final=True)
+                    self.split, self.count = part.split, 0
+                self.add(part)
+                yield from self.flush(final=False)
+        yield from self.flush(final=True)
+
+    def add(self, part: EncodedPart) -> None:
+        self.encoded.add(part.written)
+        counted = self.stats[part.split]
+        counted.pad_id = self.pad_id = part.pad_id
+        counted.examples += part.written.rows // self.sequences
+        counted.tokens += part.tokens
+        counted.loss_tokens += part.loss_tokens
         counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
-        pending.setdefault(part.split, []).append(part)
-        if sum(len(p.lengths) for p in pending[part.split]) >= window:
-            yield from cut(part.split, final=False)
-    if current is not None:
-        yield from cut(current, final=True)
+        if part.written.rows:
+            self.pending.append((self.encoded.part(part.written.name, self.executor), 0))
+
+    def flush(self, final: bool) -> Iterator[Window]:
+        while self.pending and (final or sum(part.rows - at for part, at in self.pending) >= self.size):
+            slices, room = [], self.size
+            while self.pending and room:
+                part, at = self.pending[0]
+                take = min(room, part.rows - at)
+                slices.append((part, at, at + take))
+                room -= take
+                if at + take == part.rows:
+                    self.pending.pop(0)
+                else:
+                    self.pending[0] = (part, at + take)
+            yield Window(self.split, self.count, slices, self.pad_id)
+            self.count += 1
 
 
 def pack_splits(
-    shards: dict[str, Iterable[RowRange | list]],
+    tasks: Iterable[tuple[str, list]],
+    splits: tuple[str, ...],
     encoder: ChatEncoder | TokenizerFiles,
     seq_len: int,
-    out_dir: Path,
+    out: Artifact,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
-    """Encode the shards of each split and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``.
+    """Encode ``tasks`` ((split, [(part or rows, number)]), in row order) and write packed shards ``<split>-NNNNN.parquet``,
+    one a window, to ``out``.
 
-    Two kinds of task on ``executor`` (default: this process), pipelined: ``kind.encode`` per shard of
-    rows, and ``kind.pack`` per ``window`` items of a split, cut from the items in row order as one
-    process would cut them. So the packed rows and shard files are the same whatever the executor and
-    the shards: only how many windows are packed at once changes. ``kind``: ``EXAMPLES`` (chat examples),
-    ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``) or ``prompt_packing.PROMPTS`` (``prompts-…``).
+    Two kinds of task on ``executor`` (default: this process), pipelined: ``encode_run`` per task, whose workers write
+    their parts' encoded sequences under ``out``'s prefix (``ENCODED``), and ``pack_window`` per ``window`` items of a
+    split, cut from the encoded parts in row order as one process would cut them, whose workers read those
+    sequences and write the shard. The driver only cuts windows from the parts' sequence counts. So the packed rows
+    and shard files are the same whatever the executor and the tasks. ``kind``: ``EXAMPLES`` (chat examples),
+    ``pair_packing.PAIRS`` (``pairs-<split>-NNNNN.parquet``) or ``prompt_packing.PROMPTS`` (``prompts-…``, one
+    row a prompt, with its texts). The encoded sequences are deleted at the end.
     """
     executor = executor or InProcess()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stats = {split: PackStats() for split in shards}
-    writers = {split: ShardWriter(out_dir, kind.file_split(split), rows_per_shard, kind.schema) for split in shards}
-    items = ((split, shard) for split, split_shards in shards.items() for shard in split_shards)
-    encoded = executor.map(kind.encode, items, (encoder, seq_len))
-    for split, rows in executor.map(kind.pack, _windows(encoded, window * kind.sequences, stats, kind.sequences), seq_len):
-        for row in rows:
-            writers[split].add(row)
-        stats[split].rows += len(rows)
-        stats[split].slots += len(rows) * seq_len
-    for split, writer in writers.items():
-        writer.flush()
-        stats[split].files = writer.files
+    stats = {split: PackStats() for split in splits}
+    encoded = Artifact(out.url, join_key(out.prefix, ENCODED))
+    windows = _Windows(encoded, executor, window * kind.sequences, stats, kind.sequences)
+    parts = executor.map(encode_run, tasks, (encoder, seq_len, kind, encoded.target(executor)))
+    for split, written in executor.map(pack_window, windows.cut(parts), (kind, seq_len, out.target(executor))):
+        out.add(written)
+        stats[split].rows += written.rows
+        stats[split].slots += written.rows * seq_len
+        stats[split].files.append(written.name)
+    store = store_at(encoded.url)
+    for name in encoded.files:
+        store.delete(join_key(encoded.prefix, name))
     return stats
 
 
@@ -639,28 +539,32 @@ def tokenize_and_pack(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
     kind: PackKind = EXAMPLES,
 ) -> PackStats:
-    """Encode (row id, messages) items and write packed shards ``<split>-NNNNN.parquet`` to ``out_dir``, in this process."""
+    """Encode (row id, messages) items and write packed shards ``<split>-NNNNN.parquet`` (one a window of ``window``
+    items) to the folder ``out_dir``, in this process."""
     rows = iter(rows)
     batches = iter(lambda: list(itertools.islice(rows, DEFAULT_SHARD_ROWS)), [])
-    return pack_splits({split: batches}, encoder, seq_len, out_dir, window, rows_per_shard, kind=kind)[split]
+    tasks = ((split, [(batch, index)]) for index, batch in enumerate(batches))
+    return pack_splits(tasks, (split,), encoder, seq_len, Artifact.folder(out_dir), window, kind=kind)[split]
 
 
 def tokenize_splits(
-    split_dir: Path,
+    split: Artifact,
     splits: tuple[str, ...],
     encoder: TokenizerFiles,
     seq_len: int,
-    out_dir: Path,
+    out: Artifact,
     window: int = PACK_WINDOW,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
 ) -> dict[str, PackStats]:
-    """``pack_splits`` of ``split_dir/<split>.parquet`` for each split, in row ranges of ``executor.shard_rows``."""
+    """``pack_splits`` of the parts of each split of ``split``, a run of parts of at most ``executor.shard_rows`` rows
+    a task."""
     executor = executor or InProcess()
-    return pack_splits(
-        {split: row_ranges(split_dir / f"{split}.parquet", executor) for split in splits}, encoder, seq_len, out_dir, window,
-        executor=executor, kind=kind,
-    )  # fmt: skip
+    tasks = [
+        (name, [(part, part.index) for part in run])
+        for name in splits
+        for run in runs(split.parts(name, executor), lambda part: part.rows, executor.shard_rows)
+    ]
+    return pack_splits(tasks, splits, encoder, seq_len, out, window, executor=executor, kind=kind)

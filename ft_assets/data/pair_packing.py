@@ -26,23 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.data.packing import (
-    PACK_WINDOW,
-    TOKENIZE_BATCH,
-    ChatEncoder,
-    EncodedShard,
-    Example,
-    PackKind,
-    PackStats,
-    Window,
-    encoded_shard,
-    pack_bins,
-    shard_input,
-    tokenize_and_pack,
-)
+from ft_assets.data.bins import pack_bins
+from ft_assets.data.packing import PACK_WINDOW, TOKENIZE_BATCH, ChatEncoder, Example, PackKind, PackStats, tokenize_and_pack
 from ft_assets.data.preference import split_pair
 from ft_assets.data.rows import RowError
-from ft_assets.shards import PAIR_SCHEMA, ROWS_PER_SHARD, pair_split
+from ft_assets.shards import PAIR_SCHEMA, pair_split
 
 
 @dataclass(frozen=True)
@@ -100,11 +88,10 @@ def pack_pair_rows(pairs: list[Pair], seq_len: int, pad_id: int) -> Iterator[dic
                "segment_ids": segment_ids}  # fmt: skip
 
 
-def encode_pair_shard(settings: tuple, item: tuple) -> EncodedShard:
-    """Tokenize one shard of preference pairs (``encode_shard``'s contract): each kept pair is its chosen
-    then its rejected sequence, back to back; a pair with a failed side, longer than a row or with nothing
-    to learn is rejected whole. A data-plane task."""
-    encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
+def encode_pair_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int) -> tuple[list[Example], list]:
+    """(kept sequences, rejected rows) of (row id, pair row) rows (``encode_rows``' contract): each kept pair is its chosen
+    then its rejected sequence, back to back; a pair with a failed side, longer than a row or with nothing to learn is
+    rejected whole."""
     kept: list[Example] = []
     rejected: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), TOKENIZE_BATCH // 2):  # two sequences a pair
@@ -118,17 +105,15 @@ def encode_pair_shard(settings: tuple, item: tuple) -> EncodedShard:
                 rejected.append((row_id, "no_loss_tokens", "a reply has no token left after templating"))
             else:
                 kept += [result.chosen, result.rejected]
-    return encoded_shard(split, kept, rejected, pad_id)
+    return kept, rejected
 
 
-def pack_pair_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
-    """The packed rows of one window of pairs (chosen, rejected, chosen, ...): a data-plane task."""
-    sequences = window.examples()
-    pairs = [Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])]
-    return window.split, list(pack_pair_rows(pairs, seq_len, window.pad_id))
+def pack_pair_sequences(sequences: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
+    """The packed rows of one window of pairs' sequences (chosen, rejected, chosen, ...)."""
+    return pack_pair_rows([Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])], seq_len, pad_id)
 
 
-PAIRS = PackKind(encode_pair_shard, pack_pair_window, 2, PAIR_SCHEMA, pair_split)
+PAIRS = PackKind(encode_pair_rows, pack_pair_sequences, 2, PAIR_SCHEMA, pair_split)
 
 
 def tokenize_and_pack_pairs(
@@ -138,8 +123,7 @@ def tokenize_and_pack_pairs(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
-    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` to ``out_dir``, in this
-    process; ``examples`` counts pairs. (The data plane shards them: ``tokenize_splits(..., kind=PAIRS)``.)"""
-    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, rows_per_shard, kind=PAIRS)
+    """Encode (row id, pair row) items and write ``pairs-<split>-NNNNN.parquet`` (one a window of ``window`` pairs) to
+    ``out_dir``, in this process; ``examples`` counts pairs. (The data plane shards them: ``tokenize_splits(..., kind=PAIRS)``.)"""
+    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, kind=PAIRS)

@@ -1,30 +1,34 @@
 """Where the data plane's shards run: in this process, in a pool of worker processes, or as Ray tasks.
 
-Every data-plane stage is a pure function over one shard of rows, ``fn(common, shard)``: ``common``
-holds what all shards of the stage share (the cleaning rules, the tokenizer), the shard says which
-rows it covers (a row range of a Parquet file, a line range of a JSONL file, a whole input file),
-and the function returns its part of the output as values (Arrow tables, numpy arrays, counts).
-The stage's driver, the asset's own process, cuts the shards, hands them to an ``Executor`` and
-writes the parts in shard order as they come back. So:
+Every data-plane stage is a pure function over one shard, ``fn(common, shard)``: ``common`` holds
+what all shards of the stage share (the cleaning rules, the tokenizer, where to write), the shard
+says what it covers (a run of parts of the input artifact, a line range of a JSONL file, a whole
+input file, a partition of the deduplication shuffle), and the function writes its parts of the
+output itself (``ft_assets.data.parts``) and returns small values: the parts' descriptors, counts,
+the shuffle's records. The stage's driver, the asset's own process, cuts the shards, hands them to
+an ``Executor`` and adds up what comes back in shard order. So:
 
-- Shards are cut from the data and ``shard_rows`` alone, never from the number of workers, and
-  parts are written in shard order whatever order they finish in: one process, N processes and a
-  Ray cluster write the same files, byte for byte (``test_parallel.py`` compares their digests).
+- The parts are cut from the data alone (``parts.PART_ROWS``) and shards are runs of whole parts,
+  never cut from the number of workers: one process, N processes and a Ray cluster write the same
+  files, byte for byte, whatever ``shard_rows`` is (``test_parallel.py`` compares their digests).
 - ``InProcess`` (``workers=1``) runs every shard in turn in this process: the data plane as it
   always ran. Any executor runs a stage of a single shard here too, so a small version never
   starts a pool.
 - ``ProcessPool`` runs ``workers`` spawned processes on this machine. A worker that dies (SIGKILL,
   the OOM killer) breaks the pool: it is restarted and the shards that were in flight run again,
-  up to ``MAX_ATTEMPTS`` times in all. A part is written only once it is back whole, and the
-  stage publishes nothing until every part is, so a kill never leaves a partial output.
+  up to ``MAX_ATTEMPTS`` times in all. A part is renamed into place (or PUT) only once it is whole,
+  its rerun writes the same bytes over it, and the artifact is committed only when every shard is
+  back, so a kill never leaves a partial output.
 - ``RayTasks`` runs one Ray task a shard on the Ray cluster this process is connected to (the
   assets connect through dagster-ray, ``ft_assets.data.resources``); Ray reruns the task of a dead
-  worker (``max_retries``). Input files reach the workers through Ray's object store (``share``),
-  so the cluster needs no filesystem shared with the driver.
+  worker (``max_retries``). ``remote`` (a cluster that may span machines): the workers reach the
+  files of this machine (the inputs, the shuffle's spill, a local store) through Ray's object store
+  (``share``) and send back the bytes of parts they cannot write; an S3 store they read and write
+  themselves, by its URL (``StoreObject``), so the cluster needs no filesystem shared with the driver.
 
-At most ``2 × workers`` shards are in flight, so the driver holds a bounded number of parts however
-large the dataset version is, and a worker holds one shard (``shard_rows`` rows; an input file that
-cannot be split by lines or row groups, gzip, CSV or a JSON array, is one shard).
+At most ``2 × workers`` shards are in flight, so the driver holds a bounded number of results however
+large the dataset version is, and a worker holds one part at a time (``PART_ROWS`` rows; an input
+file that cannot be split by lines or row groups, gzip, CSV or a JSON array, is one part).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
+
+from ft_assets.storage import ObjectStore, open_store, store_kind
 
 # Ray (the optional `ray` extra, ~1.5 s to import) and grpc are imported inside the functions that use them,
 # so that in-process and pool runs never load them.
@@ -75,45 +81,71 @@ class RayFile:
     name: str
 
 
-FileRef = Path | RayFile  # how a worker reaches an input file: a path on this machine, or the object store
+@dataclass(frozen=True)
+class StoreObject:
+    """An object of the store, which a worker reads itself: by the store's URL (a directory of this machine, or
+    ``s3://bucket/prefix``, for which boto3 takes the endpoint and credentials from the worker's environment)."""
+
+    url: str
+    key: str
 
 
-def open_file(file: FileRef) -> BinaryIO:
-    """The file's bytes as a binary file object, wherever the worker runs."""
-    if isinstance(file, RayFile):
-        import ray
+FileRef = Path | RayFile | StoreObject  # how a worker reaches a file: a path here, Ray's object store, or the store
 
-        return io.BytesIO(ray.get(file.ref))
-    return open(file, "rb")
+_STORES: dict[str, ObjectStore] = {}  # per process: the stores opened by URL (an S3 client takes ~0.1 s to make)
 
 
-def read_all(file: FileRef):
-    """The whole file as a bytes-like object (a read-only view of the object store's copy for Ray)."""
+def store_at(url: str) -> ObjectStore:
+    """The store at ``url``, opened once per process."""
+    if url not in _STORES:
+        _STORES[url] = open_store(url)
+    return _STORES[url]
+
+
+def _local(file: FileRef) -> Path | None:
+    """The file's path when it is one of this machine (an object of a local store included)."""
+    if isinstance(file, Path):
+        return file
+    if isinstance(file, StoreObject) and store_kind(file.url) == "file":
+        return store_at(file.url).path(file.key)
+    return None
+
+
+def _remote_bytes(file: RayFile | StoreObject):
+    """The bytes of a file that is not on this machine: Ray's read-only view of its copy, or the object's body."""
     if isinstance(file, RayFile):
         import ray
 
         return ray.get(file.ref)
-    return Path(file).read_bytes()
+    return store_at(file.url).get_bytes(file.key)
+
+
+def open_file(file: FileRef) -> BinaryIO:
+    """The file's bytes as a binary file object, wherever the worker runs."""
+    path = _local(file)
+    return open(path, "rb") if path is not None else io.BytesIO(_remote_bytes(file))
+
+
+def read_all(file: FileRef):
+    """The whole file as a bytes-like object (a read-only view of the object store's copy for Ray)."""
+    path = _local(file)
+    return path.read_bytes() if path is not None else _remote_bytes(file)
 
 
 def read_range(file: FileRef, start: int, stop: int) -> bytes:
-    """Bytes ``[start, stop)`` of the file (only those are copied, wherever the file is)."""
-    if isinstance(file, RayFile):
-        import ray
-
-        return bytes(ray.get(file.ref)[start:stop])
-    with open(file, "rb") as handle:
+    """Bytes ``[start, stop)`` of the file (only those are copied from a file of this machine or of Ray's object store)."""
+    path = _local(file)
+    if path is None:
+        return bytes(_remote_bytes(file)[start:stop])
+    with open(path, "rb") as handle:
         handle.seek(start)
         return handle.read(stop - start)
 
 
 def arrow_file(file: FileRef):
     """The file as a pyarrow readable (memory-mapped on this machine), for Parquet and Arrow readers."""
-    if isinstance(file, RayFile):
-        import ray
-
-        return pa.BufferReader(pa.py_buffer(ray.get(file.ref)))
-    return pa.memory_map(str(file))
+    path = _local(file)
+    return pa.memory_map(str(path)) if path is not None else pa.BufferReader(pa.py_buffer(_remote_bytes(file)))
 
 
 def peak_rss_mib() -> float:
@@ -178,6 +210,7 @@ class Executor:
     usage: dict[str, WorkerUsage] = field(default_factory=dict)  # per worker process (host:pid)
     log: Callable[[str], None] | None = None  # where a long stage reports its progress (the run's log)
     progress_every_s: float = PROGRESS_EVERY_S
+    remote: bool = False  # whether workers may run on other machines, out of reach of this machine's files
 
     kind = "in-process"
 
@@ -225,8 +258,13 @@ class Executor:
             yield self._here(fn, common, shard)
 
     def share(self, path: Path) -> FileRef:
-        """How this executor's workers reach a file of the driver's scratch folder."""
+        """How this executor's workers reach a file of this machine (the driver's scratch folder, a local store)."""
         return path
+
+    def reaches(self, url: str) -> bool:
+        """Whether the workers can read and write the store at ``url`` themselves: an S3 store always (the
+        cluster needs its endpoint and credentials), a directory only from this machine."""
+        return store_kind(url) == "s3" or not self.remote
 
     def describe(self) -> str:
         return "1 process (in-process)"
@@ -426,8 +464,13 @@ class ProcessPool(Executor):
 
 @dataclass
 class RayTasks(Executor):
-    """One Ray task a shard on the cluster this process is connected to (``ray.init`` done by the caller)."""
+    """One Ray task a shard on the cluster this process is connected to (``ray.init`` done by the caller).
 
+    ``remote``: the cluster may have nodes on other machines (the default); False for a Ray started on
+    this machine, whose workers read and write this machine's files directly.
+    """
+
+    remote: bool = True
     kind = "ray"
 
     def __post_init__(self):
@@ -443,6 +486,8 @@ class RayTasks(Executor):
         return f"Ray, {self.workers} tasks at a time"
 
     def share(self, path: Path) -> FileRef:
+        if not self.remote:
+            return path
         import ray
 
         return RayFile(ray.put(np.fromfile(path, dtype=np.uint8)), Path(path).name)

@@ -6,8 +6,9 @@ model learns from the replies it generates in training. Prompts are not packed: 
 each one on its own, so a shard row (``prompts-<split>-NNNNN.parquet``, schema in ``ft_assets.shards``)
 is one prompt, its token ids beside its source, its turns and its other columns as JSON (what the
 reward functions read). The shared pipeline (``pack_splits``) still runs it: the encode task keeps
-each prompt's texts beside its tokens (``EncodedShard.texts``) and the "pack" task writes one row
-per prompt, in row order, so the shards are the same whatever the executor.
+each prompt's texts beside its tokens (``Example.text``, written with the encoded sequences under the
+artifact) and the "pack" task writes one row per prompt of its window, in row order, so the shards are
+the same whatever the executor (one shard a window of 16,384 prompts).
 
 A prompt longer than ``seq_len`` tokens is quarantined (``too_long_tokens``): ``seq_len`` bounds the
 prompt, and training bounds prompt + reply by ``max_seq_len``.
@@ -16,35 +17,21 @@ prompt, and training bounds prompt + reply by ``max_seq_len``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from ft_assets.data.packing import (
-    PACK_WINDOW,
-    TOKENIZE_BATCH,
-    ChatEncoder,
-    EncodedShard,
-    Example,
-    PackKind,
-    PackStats,
-    Window,
-    encoded_shard,
-    shard_input,
-    tokenize_and_pack,
-)
+from ft_assets.data.packing import PACK_WINDOW, TOKENIZE_BATCH, ChatEncoder, Example, PackKind, PackStats, tokenize_and_pack
 from ft_assets.data.prompts import split_prompt
 from ft_assets.data.rows import RowError
-from ft_assets.shards import PROMPT_SCHEMA, ROWS_PER_SHARD, prompt_split
+from ft_assets.shards import PROMPT_SCHEMA, prompt_split
 
 
-def encode_prompt_shard(settings: tuple, item: tuple) -> EncodedShard:
-    """Tokenize one shard of prompts (``encode_shard``'s contract): each kept prompt's tokens, and its source,
-    turns and columns as one JSON text. A data-plane task."""
-    encoder, seq_len, split, rows, pad_id = shard_input(settings, item)
+def encode_prompt_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int) -> tuple[list[Example], list]:
+    """(kept prompts, rejected rows) of (row id, prompt row) rows (``encode_rows``' contract): each kept prompt's tokens,
+    and its source, turns and columns as one JSON text."""
     kept: list[Example] = []
-    texts: list[str] = []
     rejected: list[tuple[str, str, str]] = []
     for start in range(0, len(rows), TOKENIZE_BATCH):
         batch = [(row_id, *split_prompt(messages)) for row_id, messages in rows[start : start + TOKENIZE_BATCH]]
@@ -54,22 +41,19 @@ def encode_prompt_shard(settings: tuple, item: tuple) -> EncodedShard:
             elif len(result) > seq_len:
                 rejected.append((row_id, "too_long_tokens", f"{len(result)} prompt tokens > seq_len {seq_len}"))
             else:
-                kept.append(Example(result, np.zeros(len(result), dtype=np.int8)))
-                texts.append(json.dumps([row_id, turns, columns], ensure_ascii=False))
-    return encoded_shard(split, kept, rejected, pad_id, tuple(texts))
+                kept.append(Example(result, np.zeros(len(result), dtype=np.int8), json.dumps([row_id, turns, columns], ensure_ascii=False)))
+    return kept, rejected
 
 
-def pack_prompt_window(seq_len: int, window: Window) -> tuple[str, list[dict]]:
-    """One shard row per prompt of the window, in order (``PROMPT_SCHEMA`` columns): a data-plane task."""
-    rows = []
-    for example, text in zip(window.examples(), window.texts, strict=True):
-        source, turns, columns = json.loads(text)
-        rows.append({"input_ids": example.input_ids, "source": source, "messages": json.dumps(turns, ensure_ascii=False),
-                     "columns": json.dumps(columns, ensure_ascii=False, sort_keys=True)})  # fmt: skip
-    return window.split, rows
+def prompt_rows(prompts: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
+    """One shard row per prompt of a window, in order (``PROMPT_SCHEMA`` columns): nothing is packed or padded."""
+    for prompt in prompts:
+        source, turns, columns = json.loads(prompt.text)
+        yield {"input_ids": prompt.input_ids, "source": source, "messages": json.dumps(turns, ensure_ascii=False),
+               "columns": json.dumps(columns, ensure_ascii=False, sort_keys=True)}  # fmt: skip
 
 
-PROMPTS = PackKind(encode_prompt_shard, pack_prompt_window, 1, PROMPT_SCHEMA, prompt_split)
+PROMPTS = PackKind(encode_prompt_rows, prompt_rows, 1, PROMPT_SCHEMA, prompt_split)
 
 
 def tokenize_prompts(
@@ -79,8 +63,7 @@ def tokenize_prompts(
     out_dir: Path,
     split: str,
     window: int = PACK_WINDOW,
-    rows_per_shard: int = ROWS_PER_SHARD,
 ) -> PackStats:
-    """Encode (row id, prompt row) items and write ``prompts-<split>-NNNNN.parquet`` to ``out_dir``, in this process
-    (the data plane shards them: ``tokenize_splits(..., kind=PROMPTS)``)."""
-    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, rows_per_shard, kind=PROMPTS)
+    """Encode (row id, prompt row) items and write ``prompts-<split>-NNNNN.parquet`` (one a window of ``window`` prompts)
+    to ``out_dir``, in this process (the data plane shards them: ``tokenize_splits(..., kind=PROMPTS)``)."""
+    return tokenize_and_pack(rows, encoder, seq_len, out_dir, split, window, kind=PROMPTS)

@@ -138,7 +138,8 @@ class DataExecutorResource(dg.ConfigurableResource):
                 options["runtime_env"] = self.ray_runtime_env
             if self.ray_address == "local":
                 options["num_cpus"] = self.workers or os.cpu_count()
-            with ray_cluster(self.ray_address, options).yield_for_execution(context), RayTasks(self.workers, self.shard_rows) as executor:
+            local = self.ray_address == "local"  # its workers share this machine's files, a local store included
+            with ray_cluster(self.ray_address, options).yield_for_execution(context), RayTasks(self.workers, self.shard_rows, remote=not local) as executor:
                 yield executor
             return
         workers = self.workers or os.cpu_count() or 1

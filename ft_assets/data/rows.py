@@ -4,8 +4,8 @@ A bad *row* raises ``RowError(reason, detail)``, which every stage turns into a 
 (``QUARANTINE_SCHEMA``), so no row is dropped unaccounted; a bad *file* raises ``DatasetFileError``,
 which fails the dataset version, because rows that cannot be read cannot be counted.
 
-Every stage reads its input row by row and writes its outputs through ``ParquetSink``, which
-flushes every ``FLUSH_ROWS`` rows, so memory stays flat however large the dataset version is.
+Every part of a stage's output (``ft_assets.data.parts``) is written through ``ParquetSink``, in row
+groups of exactly ``FLUSH_ROWS`` rows, so its bytes depend on its rows alone.
 
 Converting rows between Arrow and Python dicts costs ~10 µs a chat row each way (pyarrow 26), so
 stages that only drop or relabel rows (split, the last deduplication pass) never convert: they
@@ -14,14 +14,11 @@ filter Arrow batches and append them with ``ParquetSink.write_table``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from ft_assets.data.parallel import Executor, FileRef, arrow_file
 
 FLUSH_ROWS = 8192  # rows buffered per Parquet row group
 
@@ -71,13 +68,13 @@ class ParquetSink:
     how they arrived, so rows written one by one and the same rows written as the parts of a sharded
     stage give the same file, byte for byte."""
 
-    def __init__(self, path: Path, schema: pa.Schema):
-        self.path, self.schema = path, schema
+    def __init__(self, where: Path | pa.NativeFile, schema: pa.Schema):
+        self.schema = schema
         self.buffer: list[dict] = []
         self.tables: list[pa.Table] = []  # Arrow rows not yet written: less than a row group, then one table
         self.pending = 0
         self.count = 0
-        self.writer = pq.ParquetWriter(path, schema)
+        self.writer = pq.ParquetWriter(where, schema)
 
     def write(self, record: dict) -> None:
         self.buffer.append(record)
@@ -126,36 +123,6 @@ class ParquetSink:
         self.close()
 
 
-@dataclass(frozen=True)
-class RowRange:
-    """Rows ``[start, stop)`` of a row file: the shard a stage after ``raw_dataset`` works on."""
-
-    file: FileRef
-    start: int
-    stop: int
-
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        """The rows, reading only the row groups they lie in."""
-        parquet = pq.ParquetFile(arrow_file(self.file))
-        groups, first, at = [], None, 0
-        for group in range(parquet.metadata.num_row_groups):
-            end = at + parquet.metadata.row_group(group).num_rows
-            if end > self.start and at < self.stop:
-                groups.append(group)
-                first = at if first is None else first
-            at = end
-        if not groups:
-            return parquet.schema_arrow.empty_table() if columns is None else parquet.schema_arrow.empty_table().select(columns)
-        return parquet.read_row_groups(groups, columns=columns).slice(self.start - first, self.stop - self.start)
-
-
-def row_ranges(path: Path, executor: Executor) -> list[RowRange]:
-    """The row file at ``path`` cut into shards of ``executor.shard_rows`` rows, reachable by its workers."""
-    total = pq.ParquetFile(path).metadata.num_rows
-    file = executor.share(path)
-    return [RowRange(file, start, min(start + executor.shard_rows, total)) for start in range(0, total, executor.shard_rows)]
-
-
 def iter_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     yield from pq.ParquetFile(path).iter_batches(batch_size=FLUSH_ROWS, columns=columns)
 
@@ -165,10 +132,10 @@ def iter_records(path: Path, columns: list[str] | None = None) -> Iterator[dict]
         yield from batch.to_pylist()
 
 
-def sample_rows(path: Path, n: int = 5, width: int = 200) -> list[dict]:
+def sample_rows(records: Iterable[dict], n: int = 5, width: int = 200) -> list[dict]:
     """The first ``n`` rows as (source, conversation text) for the asset's UI metadata."""
     sample = []
-    for record in iter_records(path):
+    for record in records:
         if len(sample) >= n:
             break
         text = " / ".join(f"{m['role']}: {m['content']}" for m in record["messages"]).replace("\n", " ")

@@ -3,19 +3,19 @@
 The hash is taken over the row's near-duplicate *cluster* key (the content hash of the cluster's
 first row), not over the row itself: all members of a cluster share one key, so a cluster can never
 straddle train and eval even when near-duplicates are kept. Position in the file plays no part, so
-appending rows to a dataset never reshuffles the rows that were already there.
+appending rows to a dataset never reshuffles the rows that were already there. Part k of the rows
+becomes the parts ``train-k`` and ``eval-k``, written by the worker that splits it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ft_assets.data.parallel import Executor, InProcess
-from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, RowRange, row_ranges
+from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
+from ft_assets.data.rows import ROW_SCHEMA
 
 TRAIN, EVAL = "train", "eval"
 
@@ -27,25 +27,33 @@ def split_of(cluster_key: str, eval_fraction: float, salt: str = "ft-assets") ->
     return EVAL if int.from_bytes(digest, "little") / 2**64 < eval_fraction else TRAIN
 
 
-def split_shard(settings: tuple[float, str], shard: RowRange) -> tuple:
-    """(train rows, eval rows) of one shard; only the cluster column is read into Python."""
-    eval_fraction, salt = settings
-    table = shard.read()
-    to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_())
-    return table.filter(pc.invert(to_eval)), table.filter(to_eval)
+def split_run(settings: tuple[float, str, Target], run: list[Part]) -> list[tuple[Written, Written]]:
+    """Each part of a run into its ``train`` and ``eval`` parts (a data-plane task); only the cluster column is read
+    into Python, the rows are filtered as Arrow tables."""
+    eval_fraction, salt, target = settings
+    done = []
+    for part in run:
+        table = read_part(part)
+        to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_())
+        done.append((
+            target.put_table(part_name(TRAIN, part.index), table.filter(pc.invert(to_eval)), ROW_SCHEMA),
+            target.put_table(part_name(EVAL, part.index), table.filter(to_eval), ROW_SCHEMA),
+        ))  # fmt: skip
+    return done
 
 
 def split_dataset(
-    dedup_dir: Path, out_dir: Path, eval_fraction: float, salt: str = "ft-assets", executor: Executor | None = None
+    deduplicated: Artifact, out: Artifact, eval_fraction: float, salt: str = "ft-assets", executor: Executor | None = None
 ) -> dict:
-    """``dedup_dir/rows.parquet`` into ``train.parquet`` and ``eval.parquet``, in shards on ``executor``
-    (default: this process); the rows are filtered as Arrow tables, never converted."""
+    """The ``rows`` parts of ``deduplicated`` into the ``train`` and ``eval`` parts of ``out``, a run of parts a task
+    on ``executor`` (default: this process)."""
+    split_of("", eval_fraction)  # a bad fraction fails here, before any task
     executor = executor or InProcess()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with ParquetSink(out_dir / "train.parquet", ROW_SCHEMA) as train, ParquetSink(
-        out_dir / "eval.parquet", ROW_SCHEMA
-    ) as evaluation:
-        for train_rows, eval_rows in executor.map(split_shard, row_ranges(dedup_dir / "rows.parquet", executor), (eval_fraction, salt)):
-            train.write_table(train_rows)
-            evaluation.write_table(eval_rows)
-    return {"train_rows": train.count, "eval_rows": evaluation.count}
+    counts = {TRAIN: 0, EVAL: 0}
+    tasks = list(runs(deduplicated.parts("rows", executor), lambda part: part.rows, executor.shard_rows))
+    for run in executor.map(split_run, tasks, (eval_fraction, salt, out.target(executor))):
+        for train, evaluation in run:
+            out.add(train, evaluation)
+            counts[TRAIN] += train.rows
+            counts[EVAL] += evaluation.rows
+    return {"train_rows": counts[TRAIN], "eval_rows": counts[EVAL]}

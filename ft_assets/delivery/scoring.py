@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ft_assets import rewards as rw
+from ft_assets.data.parts import check_layout, part_paths
 from ft_assets.data.rows import iter_records
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp
@@ -100,9 +101,11 @@ class ChatScorer:
         self.metric = metric if metric in ev.METRICS else ev.REWARD_METRIC  # a reward function's mean: reward_mean
 
     def load(self, fetch: Fetch, train_eval_split: dict, tokenized_shards: dict) -> int:
-        split_dir = fetch(train_eval_split, "split", include=lambda rel: rel == "eval.parquet")
+        check_layout(train_eval_split["files"], train_eval_split["uri"])
+        split_dir = fetch(train_eval_split, "split", include=lambda rel: rel.startswith("eval-"))
         self.shards_dir = fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("eval-"))
-        self.examples = ev.eval_examples(list(iter_records(split_dir / "eval.parquet")), self.max_examples)
+        records = (record for path in part_paths(split_dir, "eval") for record in iter_records(path))
+        self.examples = ev.eval_examples(list(records), self.max_examples)
         if not self.examples:
             raise ValueError("the eval split is empty; raise train_eval_split.eval_fraction")
         return len(self.examples)
