@@ -29,7 +29,7 @@ from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, iter_records, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
-from ft_assets.materialize import STORE_KIND, Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import join_key
@@ -95,6 +95,7 @@ def raw_dataset(
         stats["objective"] = objective.name
         stats["accounting"] = RowAccounting(stats["rows_in"]).quarantined(stats["quarantine_reasons"]).as_dict()
         sample = table(sample_rows(m.out / "rows.parquet"))
+        dataset = dataset_metadata(stats["rows_parsed"], m.out / "rows.parquet")
         ref = m.publish(keys_of.data("raw"), stats)
     context.log.info(f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing")
     origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
@@ -106,8 +107,9 @@ def raw_dataset(
         rows_quarantined=stats["rows_quarantined"],
         blank_lines=stats["blank_lines"],
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
-        rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
+        rows_per_file=table([{"file": name, "rows": rows} for name, rows in stats["rows_per_file"].items()], columns=["file", "rows"]),
         sample=sample,
+        **dataset,
         **origin,
     )
 
@@ -158,6 +160,7 @@ def cleaned_dataset(
             max_quarantine_fraction=config.max_quarantine_fraction,
         )  # fmt: skip
         sample = table(sample_rows(m.out / "rows.parquet"))
+        dataset = dataset_metadata(stats["rows_kept"], m.out / "rows.parquet")
         ref = m.publish(layout.of(m.partition).data("cleaned"), stats, {"raw_dataset": raw_dataset})
     context.log.info(f"{stats['rows_kept']} rows kept, {stats['rows_quarantined']} quarantined by cleaning")
     return m.output(
@@ -168,6 +171,7 @@ def cleaned_dataset(
         quarantine_fraction=dg.MetadataValue.float(round(accounting.quarantine_fraction, 4)),
         quarantine_reasons=_reasons(accounting.quarantine_reasons),
         sample=sample,
+        **dataset,
     )
 
 
@@ -184,6 +188,7 @@ def deduplicated_dataset(
         stats = deduplicate_dataset(m.fetch(cleaned_dataset), m.out, config.rules(), data_executor.executor)
         accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(stats["exact_duplicates"], stats["near_duplicates"])
         stats.update(objective=cleaned_dataset["stats"]["objective"], accounting=accounting.as_dict())
+        dataset = dataset_metadata(stats["rows_kept"], m.out / "rows.parquet")
         ref = m.publish(layout.of(m.partition).data("deduplicated"), stats, {"cleaned_dataset": cleaned_dataset})
     context.log.info(
         f"{stats['rows_kept']} unique rows; {stats['exact_duplicates']} exact and {stats['near_duplicates']} near duplicates"
@@ -195,6 +200,7 @@ def deduplicated_dataset(
         near_duplicates=stats["near_duplicates"],
         near_clusters=stats["near_clusters"],
         lsh_bands_x_rows=f"{stats['lsh_bands']} x {stats['lsh_rows_per_band']}",
+        **dataset,
     )
 
 
@@ -214,8 +220,9 @@ def train_eval_split(
         before = deduplicated_dataset["stats"]
         stats.update(eval_fraction=config.eval_fraction, objective=before["objective"], accounting=before["accounting"])
         sample = table(sample_rows(m.out / "eval.parquet"))
+        dataset = dataset_metadata(stats["train_rows"] + stats["eval_rows"], m.out / "train.parquet")  # both files: one schema
         ref = m.publish(layout.of(m.partition).data("split"), stats, {"deduplicated_dataset": deduplicated_dataset})
-    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample)
+    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample, **dataset)
 
 
 def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
@@ -280,6 +287,8 @@ def tokenized_shards(
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
         stats = shard_stats(per_split, config.seq_len, objective.name, accounting)
+        packed_rows = stats["train_packed_rows"] + stats["eval_packed_rows"]
+        dataset = dataset_metadata(packed_rows, m.out / stats["train_files"][0])  # every shard file: one schema
         ref = m.publish(
             layout.of(m.partition).data("shards"), stats, {"train_eval_split": train_eval_split, "base_model": base_model}
         )
@@ -301,4 +310,5 @@ def tokenized_shards(
         near_duplicates=accounting.near_duplicates,
         accounting=dg.MetadataValue.md(accounting.line()),
         quarantine_reasons=_reasons(accounting.quarantine_reasons),
+        **dataset,
     )
