@@ -4,11 +4,12 @@ The Dagster UI (1.13) draws a markdown value in place only below 1,000 character
 behind a "[Show Markdown]" link (``ft_assets_tests/test_ui.py`` records it). A matplotlib PNG of a
 60-step loss curve was ~20,000 characters of base64, so it always hid. These charts are one SVG,
 URL-encoded into a ``data:image/svg+xml`` URI, whose markdown stays within ``MAX_MARKDOWN`` (999)
-characters for any input. The trade-off, to fit: a curve is drawn through at most 64 points (the means
-of equal runs of its history; fewer if the labels are long), the axes carry only their end values, no
-gridlines; a bar chart writes each bar's value on it instead of a y axis, and drops the value labels,
-then the oldest groups, when there are too many bars to fit. Every bar is at least ``MIN_BAR_PX`` tall,
-so a bar of 0 is still seen; names sit under the bars or in the title line, never on them.
+characters for any input. The trade-off, to fit: a curve is drawn through at most 64 points (its first
+and last, between them the means of equal runs of its history; fewer if the labels are long), the axes
+carry only their end values, no gridlines; a bar chart writes each bar's value by it instead of a y
+axis, and drops the value labels, then the oldest groups, when there are too many bars to fit. Every
+bar is at least ``MIN_BAR_PX`` tall, so a bar of 0 is still seen; names sit under the bars or on the
+title line, never on them.
 
 Plain functions of numbers to strings: no plotting library, tested without Dagster.
 """
@@ -71,11 +72,14 @@ def _fitted(candidates, title: str) -> str:
 
 
 def downsample(points: list[tuple[float, float]], n: int) -> list[tuple[float, float]]:
-    """At most ``n`` points: the means of ``n`` equal runs of ``points`` (all of them when there are no more than ``n``)."""
+    """At most ``n`` (>= 2) points: the first and the last as they are, between them the means of ``n - 2`` equal runs
+    of the others (all the points when there are no more than ``n``)."""
     if len(points) <= n:
         return list(points)
-    runs = [points[len(points) * i // n : len(points) * (i + 1) // n] for i in range(n)]
-    return [(sum(p[0] for p in run) / len(run), sum(p[1] for p in run) / len(run)) for run in runs]
+    inner, k = points[1:-1], n - 2
+    runs = [inner[len(inner) * i // k : len(inner) * (i + 1) // k] for i in range(k)]
+    means = [(sum(p[0] for p in run) / len(run), sum(p[1] for p in run) / len(run)) for run in runs]
+    return [points[0], *means, points[-1]]
 
 
 def _span(values: list[float]) -> tuple[float, float]:
@@ -126,7 +130,7 @@ def bar_geometry(groups: dict[str, dict[str, float]]) -> tuple[float, list[dict]
 
     Every bar is at least ``MIN_BAR_PX`` tall, so a value of 0 is a visible stub on the zero line."""
     names = list(dict.fromkeys(name for values in groups.values() for name in values))
-    if len(groups) == 1:
+    if len(groups) == 1 and len(names) > 1:
         [(group, values_of)] = groups.items()
         zero, bars = bar_geometry({name: {name: value} for name, value in values_of.items()})
         return zero, [{**bar, "group": group} for bar in bars]
