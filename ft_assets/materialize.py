@@ -174,6 +174,7 @@ class Materialization:
         (and for a data asset, where its shards ran and how many ran again after a worker died)."""
         if self.executor is not None:
             metadata.update(executor=self.executor.describe(), shard_retries=self.executor.retried - self.retried_before)
-        return dg.Output(
-            ref, metadata={**metadata, **ref_metadata(ref), "duration_s": round(time.perf_counter() - self.started, 3)}
-        )  # the asset's own figures first: the page lists entries in this order
+        shown = dict(metadata)  # the asset's own figures first: the page lists entries in this order
+        for name, value in ref_metadata(ref).items():
+            shown.setdefault(name, value)  # a figure of the asset's own under the same name wins
+        return dg.Output(ref, metadata={**shown, "duration_s": round(time.perf_counter() - self.started, 3)})
