@@ -18,7 +18,7 @@ from ft_assets.delivery.assets import answer_rows, eval_metadata, same_answer, s
 from ft_assets.delivery.scoring import Report
 from ft_assets.materialize import dataset_metadata, figures, megabytes, ref_metadata, rounded, settings_table
 from ft_assets.plots import MAX_MARKDOWN
-from ft_assets.training.assets import adapter_metadata, checkpoint_table
+from ft_assets.training.assets import adapter_metadata, checkpoint_table, figure_metadata
 from ft_assets_tests.charts import SVG, bars, svg_of
 
 NOT_SHOWN_AS_IS = (dg.JsonMetadataValue,)  # a dict or list where a table or a number fits
@@ -95,6 +95,16 @@ def test_the_adapter_leads_with_rounded_figures_and_shows_no_json_blob():
 def test_a_run_without_an_eval_loss_leaves_it_out():
     metadata = adapter_metadata({**ADAPTER_STATS, "eval_loss": None, "eval_metrics": {}}, [(1, 2.0)])  # GRPO: no reference reply
     assert "eval_loss" not in metadata and "train_loss" in metadata
+
+
+def test_a_grpo_run_shows_its_last_figures_rounded_and_its_reward_curve():
+    history = [(step, {"reward_mean": step / 3000, "reward_std": 0.5 - step / 9000, "kl": 0.0123456, "completion_length": 17.25})
+               for step in range(1, 3001)]  # fmt: skip
+    metadata = figure_metadata(history)
+    assert metadata["reward_mean"] == dg.MetadataValue.float(1.0) and metadata["kl"] == dg.MetadataValue.float(0.01235)
+    curve = svg_of(metadata["reward_curve"].value)
+    assert len(metadata["reward_curve"].value) <= MAX_MARKDOWN and len(list(curve.iter(f"{SVG}polyline"))) == 2
+    assert figure_metadata([]) == {}
 
 
 def test_checkpoint_table_reads_each_step_from_its_folder_name():
