@@ -1,5 +1,10 @@
 """The skeleton every artifact asset shares, and the metadata it shows in the UI.
 
+The metadata leads with numbers a person reads at a glance (``figures``: 4 significant digits, sizes
+in MB, nothing for a figure that does not exist), Dagster's own table entries on the datasets
+(``dataset_metadata``: the asset page's "Row count" and "Columns"), and tables where a dict would
+otherwise show as a JSON blob (``table``, ``settings_table``).
+
 An artifact asset opens the store, works in a scratch folder, fetches its input artifacts (sha256
 verified), calls one plain function of its plane, publishes the output folder as an artifact
 (manifest last) and returns its reference with metadata. ``Materialization`` is that skeleton, so an
@@ -19,11 +24,14 @@ other planes' assets download their inputs (``fetch``) and publish the folder ``
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import dagster as dg
+import pyarrow as pa
 
 from ft_assets import refs
 from ft_assets.data.parts import Artifact
@@ -38,8 +46,49 @@ def ref_metadata(ref: dict) -> dict:
     return {
         "uri": dg.MetadataValue.path(ref["uri"]),
         "manifest_digest": ref["digest"],
-        "bytes": dg.MetadataValue.int(ref["bytes"]),
+        "size_mb": dg.MetadataValue.float(megabytes(ref["bytes"])),
         "files": dg.MetadataValue.int(len(ref["files"])),
+    }
+
+
+def megabytes(size: int) -> float:
+    """A size in bytes as MB (10^6 bytes), as a person reads it: 771636891 -> 771.6."""
+    return rounded(size / 1e6)
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """``value`` to ``digits`` significant digits (0.6666666666666666 -> 0.6667, 1234.5678 -> 1235.0); None stays None."""
+    if value is None or value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def figures(**values: float | int | None) -> dict:
+    """Headline numbers as metadata: ints as they are, floats to 4 significant digits; a figure that does not
+    exist (None, NaN) is left out rather than shown as an empty cell or NaN."""
+    shown = {}
+    for name, value in values.items():
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            continue
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        shown[name] = dg.MetadataValue.int(value) if is_int else dg.MetadataValue.float(rounded(float(value)))
+    return shown
+
+
+def arrow_columns(schema: pa.Schema) -> dg.TableSchema:
+    """The columns of an Arrow schema (what a dataset's Parquet parts are written with) and their types, for the
+    asset page's "Columns" section."""
+    types = {field.name: str(field.type).replace("element: ", "").replace("item: ", "") for field in schema}
+    return dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in types.items()])  # list<element: int32> -> list<int32>
+
+
+def dataset_metadata(row_count: int, schema: pa.Schema) -> dict:
+    """Dagster's standard table metadata of a dataset asset: its row count and the columns of ``schema``.
+
+    (Written as the keys, because dagster 1.13 does not export ``TableMetadataSet`` at the top level.)"""
+    return {
+        "dagster/row_count": dg.MetadataValue.int(row_count),
+        "dagster/column_schema": dg.MetadataValue.table_schema(arrow_columns(schema)),
     }
 
 
@@ -69,6 +118,18 @@ def table(rows: list[dict], columns: list[str] | None = None) -> dg.MetadataValu
         for row in rows
     ]
     return dg.MetadataValue.table(records=records, schema=schema)
+
+
+def settings_table(settings: dict, key: str = "setting") -> dg.MetadataValue:
+    """A flat dict (settings, a run's figures) as a two-column table: one row per key, nested values as compact JSON."""
+    def shown(value) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, float):
+            return str(rounded(value))
+        return json.dumps(value, default=str) if isinstance(value, dict | list | tuple) else str(value)
+
+    return table([{key: name, "value": shown(value)} for name, value in settings.items()], columns=[key, "value"])
 
 
 class Materialization:
@@ -130,10 +191,11 @@ class Materialization:
         )  # fmt: skip
 
     def output(self, ref: dict, **metadata) -> dg.Output:
-        """The asset's return value: its reference, with the artifact's metadata, the given figures and the duration
+        """The asset's return value: its reference, with the given figures, the artifact's metadata and the duration
         (and for a data asset, where its shards ran and how many ran again after a worker died)."""
         if self.executor is not None:
             metadata.update(executor=self.executor.describe(), shard_retries=self.executor.retried - self.retried_before)
-        return dg.Output(
-            ref, metadata={**ref_metadata(ref), **metadata, "duration_s": round(time.perf_counter() - self.started, 3)}
-        )
+        shown = dict(metadata)  # the asset's own figures first: the page lists entries in this order
+        for name, value in ref_metadata(ref).items():
+            shown.setdefault(name, value)  # a figure of the asset's own under the same name wins
+        return dg.Output(ref, metadata={**shown, "duration_s": round(time.perf_counter() - self.started, 3)})

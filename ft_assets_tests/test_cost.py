@@ -166,7 +166,7 @@ def test_cost_report_aggregates_per_dataset_version():
     assert v1.effective_hours == pytest.approx(2.5)
     assert v1.eth_usd_per_hour == pytest.approx(3.30 / 2.5)  # hour-weighted, not the mean of 1.2 and 1.4
     assert v1.idle_share == pytest.approx(1 - 2.5 / 4.0)
-    assert v2.actual_vs_estimate == pytest.approx(0.60 / 0.50) and v2.usd_per_million_tokens == pytest.approx(0.60)
+    assert v2.actual_vs_estimate == pytest.approx(0.60 / 0.50) and v2.usd_per_mtok_actual == pytest.approx(0.60)
 
     total = report.total
     assert (total.runs, total.restarts, total.wall_hours, total.step_hours) == (3, 2, 5.0, 3.5)
@@ -174,9 +174,12 @@ def test_cost_report_aggregates_per_dataset_version():
     assert total.actual_vs_estimate == pytest.approx(1.80 / 1.50)
     assert total.eth_usd_per_hour == pytest.approx(3.90 / 3.5) and total.idle_share == pytest.approx(0.3)
 
-    table = report.to_markdown()
-    assert "| chats@v1 | 2 | 2 | 1.00 | 3.30 | 1.20x | 1.32 | 38% | - |" in table
-    assert table.splitlines()[-1].startswith("| (all) | 3 | 2 | 1.50 | 3.90 |")
+    rows = report.table_rows()
+    assert rows[0] == {
+        "dataset_version": "chats@v1", "runs": 2, "restarts": 2, "estimate_usd": 1.0, "actual_usd": 3.3, "actual_vs_estimate": 1.2,
+        "eth_usd_per_hour": 1.32, "idle_share": 0.375, "usd_per_mtok_actual": None,
+    }  # fmt: skip
+    assert [rows[-1][k] for k in ("dataset_version", "runs", "restarts", "estimate_usd", "actual_usd")] == ["(all)", 3, 2, 1.5, 3.9]
     assert v1.as_dict()["eth_usd_per_hour"] == pytest.approx(1.32)
 
 

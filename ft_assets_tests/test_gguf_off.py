@@ -10,6 +10,7 @@ take ends the same way, with its own one-line reason: ``test_gguf_export.test_re
 import json
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import yaml
 
@@ -48,6 +49,13 @@ def test_gguf_off_publishes_the_model_without_one(home, capsys, tiny_model_dir):
     assert (lineage["gguf"], lineage["gguf_reason"], lineage["eval"]["gguf_file"]) == ({}, GGUF_OFF, None)
     smoke = read_ref(store, "acks@v1", "serving_smoke")["stats"]
     assert (smoke["file"], smoke["answers"], smoke["reason"]) == (None, [], f"no GGUF to serve: {GGUF_OFF}")
+    # The asset pages say so: published_model names no file but the reason; eval_report has no GGUF figure.
+    with dg.DagsterInstance.get() as instance:
+        published, evaluated = (instance.get_latest_materialization_event(dg.AssetKey(a)).asset_materialization.metadata
+                                for a in ("published_model", "eval_report"))  # fmt: skip
+    assert published["shipped_gguf"].value == f"none: {GGUF_OFF}" and "shipped_metric" not in published
+    assert published["result"].value.endswith("(no GGUF shipped)") and published["finetuned_metric"].value == pytest.approx(summary["finetuned_metric"], rel=1e-3)
+    assert "gguf_metric" not in evaluated and evaluated["gguf_file"].value == "none shipped"
 
     # The same version again: nothing reruns (no Dagster run), and the summary says why there is no GGUF.
     assert main(["run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config)]) == 0

@@ -10,9 +10,13 @@ does, from ``$DAGSTER_HOME``), and headless Chromium (Debian's package, driven b
   the SVG geometry (an edge starts at its upstream node and ends at its downstream node);
 - ``tokenized_shards``' page: the latest materialization's packing efficiency and row accounting,
   equal to what the CLI reported;
+- each dataset's page: Dagster's "Row count" and "Columns" of its Parquet files as they lie in the
+  store, and its headline numbers (sizes in MB, not bytes);
 - the ``data_plane`` job's Runs tab: it lists the CLI's run, which re-executes as the same job version;
 - how the asset page shows each kind of metadata value (``RENDERING``), on a probe asset: what shows
-  without a click and what hides behind a "[Show Markdown]" link.
+  without a click and what hides behind a "[Show Markdown]" link; among them the training plane's loss
+  curve and the delivery plane's eval chart and answers, as their own functions build them (this
+  fixture runs the data plane only), the eval chart's every bar drawn, its base of 0 included.
 
 ``dagster dev`` must not warn that a ``dagster.yaml`` in its folder "will not be used" (the repository's
 top-level link is not where ``make ui`` runs it).
@@ -21,7 +25,10 @@ Screenshots land in ``test-artifacts/ui/``. ``FT_UPDATE_DOCS=1`` also writes the
 ``docs/lineage.png`` for the README.
 """
 
+import base64
+import io
 import json
+import math
 import os
 import re
 import shutil
@@ -35,12 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from ft_assets.cli import main
 from ft_assets.definitions import defs
-from ft_assets.plots import line_chart
+from ft_assets.delivery import evaluate as ev
+from ft_assets.delivery.assets import eval_metadata
+from ft_assets.delivery.scoring import Report
+from ft_assets.training.assets import loss_curve
+from ft_assets_tests.charts import SVG, svg_of
 from ft_assets_tests.pg import free_port
 
 pytestmark = pytest.mark.integration
@@ -288,18 +300,61 @@ def test_the_jobs_runs_tab_lists_the_clis_run_and_it_re_executes_as_the_same_job
     assert button.is_enabled() and button.locator('[aria-label="warning"]').count() == 0
 
 
+def test_each_dataset_page_shows_its_row_count_columns_and_size_in_mb(dagster_ui, page):
+    for asset in DATA_LINEAGE:
+        folder = Path(dagster_ui.summary["artifacts"][asset])  # the local store: the artifact's folder
+        tables = sorted(p for p in folder.glob("*.parquet") if not p.name.startswith(("quarantine", "duplicates")))  # the rows' parts
+        rows, columns = sum(pq.ParquetFile(p).metadata.num_rows for p in tables), pq.read_schema(tables[0]).names
+        page.goto(f"{dagster_ui.url}/assets/{asset}")
+        row_count = page.locator("div", has=page.get_by_text("Row count", exact=True)).last
+        row_count.wait_for()
+        assert row_count.inner_text().split()[-1] == f"{rows:,}", asset  # Dagster's Overview shows dagster/row_count
+        for column in columns:  # ... and dagster/column_schema in its "Columns" section
+            page.get_by_text(column, exact=True).first.wait_for(timeout=10_000)
+        assert float(metadata_value(page, "size_mb")) > 0 and page.get_by_text("bytes", exact=True).count() == 0, asset
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "tokenized_shards_overview.png"), full_page=True)
+
+
 # How the asset page shows a materialization's metadata, by kind of value (Dagster 1.13, the webserver's
 # ui-core/src/metadata/MetadataEntry.tsx; the asset's Overview and its Events view both pass
 # expandSmallValues): numbers and text as they are, floats unrounded; tables always inline; JSON and
 # markdown inline under 1,000 characters, else behind a "[Show JSON]" / "[Show Markdown]" link to a
 # dialog. Images in markdown may be data: URIs. So a chart shows without a click only as markdown under
-# 1,000 characters (an SVG data URI), never as a matplotlib PNG (tens of kB).
+# 1,000 characters (an SVG data URI, ``ft_assets.plots``), never as a matplotlib PNG (tens of kB).
 PROBE = "ui_metadata_probe"
 SVG_CURVE = (
     "<svg xmlns='http://www.w3.org/2000/svg' width='240' height='60'><polyline fill='none' stroke='#4a78d6' "
     "stroke-width='2' points='0,5 30,20 60,32 90,41 120,47 150,52 180,54 210,55 240,56'/></svg>"
 )
 WORDS_999 = ("loss " * 200)[:999]
+
+
+def png_chart() -> str:
+    """A matplotlib line chart as a base64 PNG in markdown: how the charts were drawn before ``ft_assets.plots``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot([1, 2, 3], [2.0, 1.0, 0.5])
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=96)
+    plt.close(fig)
+    return f"![loss](data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()})"
+
+
+# The training and delivery planes' charts and answers, as their own functions build them for a long run
+# whose base model scores 0: this fixture runs the data plane only, so they are shown on the probe.
+LOSS_CURVE = loss_curve([(step, 7.5 * math.exp(-step / 300) + 0.05) for step in range(1, 5001)])
+EVAL = eval_metadata(
+    ev.gate("exact_match", 0.0, 0.95, 0.9, min_improvement=0.1, max_gguf_drop=0.1),
+    Report({"base_eval_loss": 7.5, "finetuned_eval_loss": 0.08}, [], [
+        {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "exact_match": 1.0, "source": "a:1"},
+    ], {}, ""),
+    20, "eval conversations", "toolcalls-ui1-f16.gguf",
+)  # fmt: skip
 RENDERING = [  # (label, value, how it shows: "text" as written / "table" / "image" drawn / "link" to click)
     ("a_float", dg.MetadataValue.float(2 / 3), "text", "0.6666666666666666"),
     ("an_int", dg.MetadataValue.int(771636891), "text", "771636891"),
@@ -310,24 +365,41 @@ RENDERING = [  # (label, value, how it shows: "text" as written / "table" / "ima
     ("markdown_999_chars", dg.MetadataValue.md(WORDS_999), "text", WORDS_999.strip()),
     ("markdown_1000_chars", dg.MetadataValue.md(WORDS_999 + "s"), "link", "[Show Markdown]"),
     ("svg_chart_in_markdown", dg.MetadataValue.md(f"![loss](data:image/svg+xml,{urllib.parse.quote(SVG_CURVE)})"), "image", ""),
-    ("png_chart_in_markdown", dg.MetadataValue.md(line_chart({"train": [(1, 2.0), (2, 1.0), (3, 0.5)]}, "loss", "step", "loss")), "link", "[Show Markdown]"),
+    ("lora_adapter_loss_curve", dg.MetadataValue.md(LOSS_CURVE), "image", ""),
+    ("eval_report_chart", EVAL["chart"], "image", ""),
+    ("eval_report_answers", EVAL["answers"], "table", "correct"),
+    ("png_chart_in_markdown", dg.MetadataValue.md(png_chart()), "link", "[Show Markdown]"),
 ]  # fmt: skip
 
+# The colour of the drawn image at each point, read back from a canvas at the image's own size.
+PIXELS_JS = """(img, points) => {
+  const canvas = document.createElement('canvas');
+  canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+  const g = canvas.getContext('2d'); g.drawImage(img, 0, 0);
+  return points.map(([x, y]) => Array.from(g.getImageData(x, y, 1, 1).data.slice(0, 3)));
+}"""
 
-def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(dagster_ui, page):
+
+@pytest.fixture(scope="module")
+def probe(dagster_ui) -> str:
+    """The probe asset's page, after one materialization event carrying ``RENDERING``'s values."""
     with dg.DagsterInstance.get() as instance:  # the instance the UI serves
         instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=PROBE, metadata={label: value for label, value, _, _ in RENDERING}))
-    page.goto(f"{dagster_ui.url}/assets/{PROBE}?view=events")  # no definition: the latest event's metadata
+    return f"{dagster_ui.url}/assets/{PROBE}?view=events"  # no definition: the latest event's metadata
+
+
+def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(probe, page):
+    page.goto(probe)
     page.get_by_text(RENDERING[-1][0], exact=True).wait_for()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "metadata_rendering.png"), full_page=True)
     for label, _, shows, text in RENDERING:
-        row = page.locator("tr", has=page.locator("td", has_text=re.compile(rf"^\s*{label}\s*$"))).first
-        value = row.locator("td").nth(1)
+        value = probe_value(page, label)
         if shows == "image":
             image = value.locator("img")
             image.wait_for()
             assert image.evaluate("img => img.complete && img.naturalWidth") > 0, f"{label}: the chart is not drawn"
+            value.screenshot(path=str(ARTIFACTS / f"{label}.png"))
         else:
             assert value.locator("img").count() == 0, label
             assert (value.locator("table").count() > 0) == (shows == "table"), label
@@ -337,3 +409,23 @@ def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(dagster_u
     drawn = page.locator('img[src^="data:image/png"]')
     drawn.wait_for()
     assert drawn.evaluate("img => img.naturalWidth") > 0  # the PNG is drawn once the dialog opens
+
+
+def probe_value(page, label: str):
+    """The value cell of the probe's metadata row ``label``."""
+    return page.locator("tr", has=page.locator("td", has_text=re.compile(rf"^\s*{label}\s*$"))).first.locator("td").nth(1)
+
+
+def test_the_eval_chart_draws_every_bar_on_the_page_its_base_of_0_included(probe, page):
+    svg = svg_of(EVAL["chart"].value)
+    bars = [(path.get("fill"), match) for path in svg.iter(f"{SVG}path") if path.get("fill")
+            for match in re.finditer(r"M(\d+),(\d+)h(\d+)v(\d+)", path.get("d"))]  # fmt: skip
+    assert len(bars) == 3
+    centres = [[int(m[1]) + int(m[3]) // 2, int(m[2]) + int(m[4]) // 2] for _, m in bars]
+    page.goto(probe)
+    image = probe_value(page, "eval_report_chart").locator("img")
+    image.wait_for()
+    drawn = image.evaluate(PIXELS_JS, centres)
+    expected = [[int(c * 2, 16) for c in fill[1:]] for fill, _ in bars]  # '#37c' -> [51, 119, 204]
+    for (fill, _), pixel, colour in zip(bars, drawn, expected):
+        assert max(abs(a - b) for a, b in zip(pixel, colour)) <= 8, f"bar {fill} is not drawn: {pixel} at its centre"

@@ -10,6 +10,11 @@
 The worker declares what it is billed as with ``FT_GPU_TIER`` (an offering name of the cost model)
 and ``FT_RENTAL_MODE`` (spot / on_demand), set in the gpu pool's launcher config. A worker that
 declares nothing (a laptop, the CPU demo) is priced at the plan's tier, and the metadata says so.
+
+$ per million tokens has two definitions, each under its own name in the metadata:
+``usd_per_mtok_planned`` (training_plan, repeated by training_cost) is the tier's price over the planned
+throughput; ``usd_per_mtok_actual`` (training_cost, cost_report) is the actual dollars over the tokens
+trained, idle time, storage and egress included. On the CPU demo they differ by tens of percent.
 """
 
 import json
@@ -26,7 +31,7 @@ from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.gpu_plan import NoGpuFits, plan_training
 from ft_assets.control.planner import ModelShape, Throughput, objective_cost, throughput
 from ft_assets.manifests import read_manifest
-from ft_assets.materialize import STORE_KIND, Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, figures, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import has_ref, read_ref
@@ -110,21 +115,24 @@ def training_plan(
         ref,
         gpu_tier=str(plan.tier),
         rental_mode=plan.mode,
-        vram_gib=dg.MetadataValue.float(round(plan.vram.total_gib, 2)),
-        estimated_hours=dg.MetadataValue.float(round(plan.est_hours, 3)),
-        estimated_cost_usd=dg.MetadataValue.float(round(plan.est_cost_usd, 4)),
+        **figures(
+            estimated_cost_usd=plan.est_cost_usd, estimated_hours=plan.est_hours, vram_gib=plan.vram.total_gib,
+            trained_tokens=work.tokens, tokens_per_second=planned.tokens_per_second if planned else None,
+            mfu=planned.mfu if planned else None, usd_per_mtok_planned=planned.usd_per_million_tokens if planned else None,
+        ),  # fmt: skip
         vram_breakdown=dg.MetadataValue.md(f"needs {plan.vram.breakdown()}"),
-        planned_run=dg.MetadataValue.json(resolved.as_dict()),
+        planned_run=settings_table(resolved.as_dict()),
         candidates=table(plan.candidate_rows()),
         warnings=dg.MetadataValue.md("\n".join(f"- {w}" for w in plan.warnings) or "none"),
-        **throughput_metadata(planned),
     )
 
 
-def throughput_metadata(figures: Throughput | None) -> dict:
-    """tokens_per_second, mfu and usd_per_million_tokens as Dagster metadata (NaN where unknown)."""
-    values = figures.as_dict() if figures else dict.fromkeys(("tokens_per_second", "mfu", "usd_per_million_tokens"))
-    return {name: dg.MetadataValue.float(float("nan") if value is None else round(value, 4)) for name, value in values.items()}
+def mfu_metadata(mfu: float | None, device: str) -> dict:
+    """The measured MFU, or why there is none: a device whose bf16 peak the cost model does not know (a CPU).
+    ``device`` is a TrainingResult's ('cpu x1', 'cuda x4')."""
+    if mfu is not None:
+        return figures(mfu=mfu)
+    return {"mfu": f"n/a: trained on {device.split()[0]}, whose peak FLOP/s the cost model does not list"}
 
 
 class CostConfig(dg.Config):
@@ -213,19 +221,20 @@ def training_cost(
         {"item": "egress", "usd": round(report.egress_usd, 6)},
         {"item": "total", "usd": round(report.total_usd, 4)},
     ]  # fmt: skip
-    chart = bar_chart({"cost": {"compute": report.compute_usd, "storage": report.storage_usd, "egress": report.egress_usd}}, "training run cost", "USD")
+    chart = bar_chart({"cost": {"compute": report.compute_usd, "storage": report.storage_usd, "egress": report.egress_usd}}, "training run cost, USD")
+    planned = training_plan["stats"]["throughput"] or {}
     return m.output(
         ref,
-        breakdown=table(breakdown),
-        effective_hours=dg.MetadataValue.float(report.effective_hours),
-        utilization=dg.MetadataValue.md(f"{report.utilization:.1%} ({report.utilization_source})"),
+        **figures(
+            actual_cost_usd=report.total_usd, estimated_cost_usd=stats["estimated_cost_usd"], usd_per_mtok_actual=report.usd_per_million_tokens,
+            usd_per_mtok_planned=planned.get("usd_per_million_tokens"), eth_usd_per_hour=report.eth_usd_per_hour,
+            effective_hours=report.effective_hours, idle_share=report.idle_share, tokens_per_second=speed.tokens_per_second,
+            restarts=report.restarts,
+        ),  # fmt: skip
+        **mfu_metadata(speed.mfu, lora_adapter["stats"]["device"]),
         chart=dg.MetadataValue.md(chart),
-        actual_cost_usd=dg.MetadataValue.float(report.total_usd),
-        estimated_cost_usd=dg.MetadataValue.float(stats["estimated_cost_usd"]),
-        eth_usd_per_hour=dg.MetadataValue.float(report.eth_usd_per_hour if report.eth_usd_per_hour is not None else float("nan")),
-        idle_share=dg.MetadataValue.float(report.idle_share),
-        restarts=report.restarts,
-        **throughput_metadata(speed),
+        breakdown=table(breakdown),
+        utilization=dg.MetadataValue.md(f"{report.utilization:.1%} ({report.utilization_source})"),
     )
 
 
@@ -251,9 +260,10 @@ def cost_report(context: dg.AssetExecutionContext, store: ObjectStoreResource) -
         ref = m.publish(layout.of(m.partition).control("cost_report"), {"runs": len(records), "total": totals, "generated_at": time.time()})
     return m.output(
         ref,
-        report=dg.MetadataValue.md(report.to_markdown()),
         runs=len(records),
+        **figures(actual_usd=report.total.actual_usd, estimated_usd=report.total.estimated_usd, usd_per_mtok_actual=report.total.usd_per_mtok_actual),
         chart=dg.MetadataValue.md(
-            bar_chart({r.dataset_version: {"estimate": r.estimated_usd or 0.0, "actual": r.actual_usd} for r in report.rows}, "estimate vs actual", "USD")
+            bar_chart({r.dataset_version: {"estimate": r.estimated_usd or 0.0, "actual": r.actual_usd} for r in report.rows}, "estimate vs actual, USD")
         ),
+        report=table(report.table_rows()),
     )

@@ -4,6 +4,10 @@
 training plan made, per dataset version and over all of them. ETH and idle share are hour-weighted
 (all dollars over all effective hours), not means of the per-run figures, so one short run does not
 weigh as much as a long one.
+
+Its $ per million tokens is ``usd_per_mtok_actual``: the actual dollars over the tokens trained, idle
+time, checkpoint storage and egress included. ``training_plan``'s ``usd_per_mtok_planned`` is the other
+definition (the tier's price over the planned throughput); the two names say which is which.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ class CostReportRow:
         return 1.0 - self.step_hours / self.wall_hours if self.wall_hours > 0 else 0.0
 
     @property
-    def usd_per_million_tokens(self) -> float | None:
+    def usd_per_mtok_actual(self) -> float | None:
+        """Actual dollars (compute, storage, egress) over the tokens trained, per million tokens."""
         return self.actual_usd / self.tokens_trained * 1e6 if self.tokens_trained else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,7 +71,7 @@ class CostReportRow:
             "actual_usd": self.actual_usd,
             "eth_usd_per_hour": self.eth_usd_per_hour,
             "idle_share": self.idle_share,
-            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "usd_per_mtok_actual": self.usd_per_mtok_actual,
         }
         return {**asdict(self), **extra}
 
@@ -78,17 +83,18 @@ class CostReport:
     rows: tuple[CostReportRow, ...]
     total: CostReportRow
 
-    def to_markdown(self) -> str:
-        """A table for asset metadata (MetadataValue.md)."""
-        header = "| dataset version | runs | restarts | estimate $ | actual $ | actual/est | ETH $/h | idle | $/M tok |"
-        lines = [header, "|" + "---|" * 9]
-        for row in (*self.rows, self.total):
-            lines.append(
-                f"| {row.dataset_version} | {row.runs} | {row.restarts} | {_money(row.estimated_usd)} | "
-                f"{_money(row.actual_usd)} | {_ratio(row.actual_vs_estimate)} | {_money(row.eth_usd_per_hour)} | "
-                f"{row.idle_share:.0%} | {_money(row.usd_per_million_tokens)} |"
-            )
-        return "\n".join(lines)
+    def table_rows(self) -> list[dict[str, Any]]:
+        """The report as rows for a metadata table: one per dataset version, then the total; 4 significant digits,
+        None where a figure does not exist (no estimate, no tokens)."""
+        return [
+            {
+                "dataset_version": row.dataset_version, "runs": row.runs, "restarts": row.restarts,
+                "estimate_usd": _rounded(row.estimated_usd), "actual_usd": _rounded(row.actual_usd),
+                "actual_vs_estimate": _rounded(row.actual_vs_estimate), "eth_usd_per_hour": _rounded(row.eth_usd_per_hour),
+                "idle_share": _rounded(row.idle_share), "usd_per_mtok_actual": _rounded(row.usd_per_mtok_actual),
+            }  # fmt: skip
+            for row in (*self.rows, self.total)
+        ]
 
 
 def aggregate_cost_report(records: Iterable[CostRecord]) -> CostReport:
@@ -123,9 +129,6 @@ def _sum_records(label: str, records: list[CostRecord]) -> CostReportRow:
     )
 
 
-def _money(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.2f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def _rounded(value: float | None) -> float | None:
+    """4 significant digits (dollars of a tiny demo run are fractions of a cent)."""
+    return None if value is None else float(f"{value:.4g}")

@@ -26,10 +26,10 @@ from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
-from ft_assets.data.rows import QUARANTINE_SCHEMA, DatasetFileError, ParquetSink, sample_rows
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, ParquetSink, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
-from ft_assets.materialize import STORE_KIND, Materialization, table
+from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import join_key
@@ -96,6 +96,7 @@ def raw_dataset(
         stats["objective"] = objective.name
         stats["accounting"] = RowAccounting(stats["rows_in"]).quarantined(stats["quarantine_reasons"]).as_dict()
         sample = table(sample_rows(out.records("rows")))
+        dataset = dataset_metadata(stats["rows_parsed"], ROW_SCHEMA)
         ref = m.publish(out, stats)
     context.log.info(f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing")
     origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
@@ -107,8 +108,9 @@ def raw_dataset(
         rows_quarantined=stats["rows_quarantined"],
         blank_lines=stats["blank_lines"],
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
-        rows_per_file=dg.MetadataValue.json(stats["rows_per_file"]),
+        rows_per_file=table([{"file": name, "rows": rows} for name, rows in stats["rows_per_file"].items()], columns=["file", "rows"]),
         sample=sample,
+        **dataset,
         **origin,
     )
 
@@ -160,6 +162,7 @@ def cleaned_dataset(
             max_quarantine_fraction=config.max_quarantine_fraction,
         )  # fmt: skip
         sample = table(sample_rows(out.records("rows")))
+        dataset = dataset_metadata(stats["rows_kept"], ROW_SCHEMA)
         ref = m.publish(out, stats, {"raw_dataset": raw_dataset})
     context.log.info(f"{stats['rows_kept']} rows kept, {stats['rows_quarantined']} quarantined by cleaning")
     return m.output(
@@ -170,6 +173,7 @@ def cleaned_dataset(
         quarantine_fraction=dg.MetadataValue.float(round(accounting.quarantine_fraction, 4)),
         quarantine_reasons=_reasons(accounting.quarantine_reasons),
         sample=sample,
+        **dataset,
     )
 
 
@@ -187,6 +191,7 @@ def deduplicated_dataset(
         stats = deduplicate_dataset(m.input(cleaned_dataset), out, config.rules(), data_executor.executor, m.work)
         accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(stats["exact_duplicates"], stats["near_duplicates"])
         stats.update(objective=cleaned_dataset["stats"]["objective"], accounting=accounting.as_dict())
+        dataset = dataset_metadata(stats["rows_kept"], ROW_SCHEMA)
         ref = m.publish(out, stats, {"cleaned_dataset": cleaned_dataset})
     context.log.info(
         f"{stats['rows_kept']} unique rows; {stats['exact_duplicates']} exact and {stats['near_duplicates']} near duplicates"
@@ -198,6 +203,7 @@ def deduplicated_dataset(
         near_duplicates=stats["near_duplicates"],
         near_clusters=stats["near_clusters"],
         lsh_bands_x_rows=f"{stats['lsh_bands']} x {stats['lsh_rows_per_band']}",
+        **dataset,
     )
 
 
@@ -218,8 +224,9 @@ def train_eval_split(
         before = deduplicated_dataset["stats"]
         stats.update(eval_fraction=config.eval_fraction, objective=before["objective"], accounting=before["accounting"])
         sample = table(sample_rows(out.records("eval")))
+        dataset = dataset_metadata(stats["train_rows"] + stats["eval_rows"], ROW_SCHEMA)
         ref = m.publish(out, stats, {"deduplicated_dataset": deduplicated_dataset})
-    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample)
+    return m.output(ref, train_rows=stats["train_rows"], eval_rows=stats["eval_rows"], eval_sample=sample, **dataset)
 
 
 def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
@@ -285,6 +292,7 @@ def tokenized_shards(
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
         stats = shard_stats(per_split, config.seq_len, objective.name, accounting)
+        dataset = dataset_metadata(stats["train_packed_rows"] + stats["eval_packed_rows"], objective.pack_kind.schema)
         ref = m.publish(out, stats, {"train_eval_split": train_eval_split, "base_model": base_model})
     if not accounting.invariant_holds:
         context.log.error(f"row accounting does not balance: {accounting}")
@@ -304,4 +312,5 @@ def tokenized_shards(
         near_duplicates=accounting.near_duplicates,
         accounting=dg.MetadataValue.md(accounting.line()),
         quarantine_reasons=_reasons(accounting.quarantine_reasons),
+        **dataset,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import layout, objectives
+from ft_assets import rewards as rw
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp, model_registry, portable, signing, vllm
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig, VllmConfig
@@ -36,7 +37,7 @@ from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_
 from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage
 from ft_assets.delivery.publish import push_to_hub
 from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
-from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata, table
+from ft_assets.materialize import STORE_KIND, Materialization, figures, megabytes, op_config, ref_metadata, rounded, table
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import make_ref, publish, read_ref
@@ -116,7 +117,10 @@ def gguf_model(
         ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "gguf"), stats, {"merged_model": merged_model})
     if not shipped:
         return m.output(ref, shipped="none", gguf_reason=reason)
-    return m.output(ref, files=table(gguf_rows(files, shipped)), shipped=shipped, shipped_qtype=files[shipped]["qtype"])
+    return m.output(
+        ref, shipped=shipped, shipped_qtype=files[shipped]["qtype"], **figures(shipped_mb=megabytes(files[shipped]["bytes"])),
+        files=table(gguf_rows(files, shipped)),
+    )  # fmt: skip
 
 
 def _written_and_checked(context, m: Materialization, merged_dir: Path, stem: str, config: GgufConfig) -> tuple[dict[str, dict], str | None]:
@@ -141,11 +145,11 @@ def _written_and_checked(context, m: Materialization, merged_dir: Path, stem: st
 def gguf_rows(files: dict[str, dict], shipped: str) -> list[dict]:
     """gguf_model's metadata table: one row per file."""
     return [
-        {"file": name, "type": e["qtype"], "MB": round(e["bytes"] / 1e6, 2), "shipped": name == shipped,
-         "llamacpp_rel_logit_error": e["llamacpp"]["rel_error"], "llamacpp_top1": e["llamacpp"]["top1_agreement"],
-         "llamacpp_kl": e["llamacpp"]["kl_divergence"], "greedy_equal": f"{e['llamacpp']['greedy_match']}/{e['llamacpp']['greedy_prompts']}",
+        {"file": name, "type": e["qtype"], "MB": megabytes(e["bytes"]), "shipped": name == shipped,
+         "llamacpp_rel_logit_error": rounded(e["llamacpp"]["rel_error"]), "llamacpp_top1": rounded(e["llamacpp"]["top1_agreement"]),
+         "llamacpp_kl": rounded(e["llamacpp"]["kl_divergence"]), "greedy_equal": f"{e['llamacpp']['greedy_match']}/{e['llamacpp']['greedy_prompts']}",
          "greedy_near_ties": e["llamacpp"]["greedy_near_ties"], "token_ids_equal": e["llamacpp"]["tokens_match"],
-         "transformers_rel_logit_error": e.get("transformers", {}).get("rel_error"),
+         "transformers_rel_logit_error": rounded(e.get("transformers", {}).get("rel_error")),
          "tensor_types": ", ".join(f"{t} {n}" for t, n in sorted(e["tensor_types"].items()))}
         for name, e in files.items()
     ]  # fmt: skip
@@ -240,7 +244,7 @@ def eval_report(
         f"{scorer.metric}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}{shipped_figure}; {report.summary}"
     )
     _track(context, lora_adapter, report.tracked)
-    return m.output(ref, gguf_file=shipped or "none shipped", **eval_metadata(verdict, report, size, scorer.unit))
+    return m.output(ref, **eval_metadata(verdict, report, size, scorer.unit, shipped))
 
 
 def _score_shipped(context, m: Materialization, scorer, gguf_model: dict, size: int):
@@ -257,24 +261,64 @@ def _score_shipped(context, m: Materialization, scorer, gguf_model: dict, size: 
         raise dg.Failure(str(exc)) from exc
 
 
-def eval_metadata(verdict: ev.Gate, report, size: int, unit: str) -> dict:
-    """eval_report's metadata: the headline figures, the comparison, the chart and the samples."""
+def eval_metadata(verdict: ev.Gate, report, size: int, unit: str, shipped: str | None) -> dict:
+    """eval_report's metadata: the metric base → fine-tuned → shipped GGUF and the eval losses as numbers, the chart,
+    the comparison, and the answers with whether each is correct."""
     bars = {"base": verdict.base_metric, "fine-tuned": verdict.finetuned_metric}
     if verdict.gguf_metric is not None:
         bars["shipped GGUF"] = verdict.gguf_metric
-    chart = bar_chart({verdict.metric_name: bars}, f"{verdict.metric_name} on {size} {unit}", verdict.metric_name)
-    nan = float("nan")
     return dict(
+        metric=verdict.metric_name,
+        **figures(
+            base_metric=verdict.base_metric, finetuned_metric=verdict.finetuned_metric, gguf_metric=verdict.gguf_metric,
+            improvement=verdict.improvement, gguf_drop=verdict.gguf_drop, base_eval_loss=report.stats["base_eval_loss"],
+            finetuned_eval_loss=report.stats["finetuned_eval_loss"], examples=size,
+        ),  # fmt: skip
+        gguf_file=shipped or "none shipped",
+        chart=dg.MetadataValue.md(bar_chart({verdict.metric_name: bars}, f"{verdict.metric_name} on {size} {unit}")),
         comparison=table(report.comparison),
-        chart=dg.MetadataValue.md(chart),
-        samples=table(report.samples),
-        base_metric=dg.MetadataValue.float(verdict.base_metric),
-        finetuned_metric=dg.MetadataValue.float(verdict.finetuned_metric),
-        gguf_metric=dg.MetadataValue.float(nan if verdict.gguf_metric is None else verdict.gguf_metric),
-        gguf_drop=dg.MetadataValue.float(nan if verdict.gguf_drop is None else verdict.gguf_drop),
-        base_eval_loss=dg.MetadataValue.float(nan if report.stats["base_eval_loss"] is None else report.stats["base_eval_loss"]),
-        finetuned_eval_loss=dg.MetadataValue.float(nan if report.stats["finetuned_eval_loss"] is None else report.stats["finetuned_eval_loss"]),
+        answers=table(answer_rows(report.samples, verdict.metric_name)),
     )
+
+
+def answer_rows(samples: list[dict], metric: str) -> list[dict]:
+    """The eval's answers (or pairs) with a ``correct`` column, next to the fine-tuned model's answer:
+
+    - scored by a task metric (exact_match, token_f1, rouge_l): the answer earns full marks, 1.0;
+    - a preference pair: the fine-tuned model prefers the chosen reply (its margin is above 0);
+    - scored by rewards: the reply is the reference's tool call (same name and arguments), or its very text.
+    """
+    rows = []
+    for sample in samples:
+        if "prefers chosen" in sample:
+            rows.append({("correct" if key == "prefers chosen" else key): value for key, value in sample.items()})
+            continue
+        if metric in ev.METRICS:
+            correct = sample[metric] >= 1.0
+        else:
+            correct = same_answer(sample["fine-tuned"], sample["reference"])
+        row = {}
+        for key, value in sample.items():
+            row[key] = value
+            if key == "fine-tuned":
+                row["correct"] = correct
+        rows.append(row)
+    return rows
+
+
+def same_answer(reply: str, reference: str | None) -> bool | None:
+    """A reply is the reference: the same tool call when the reference is one (JSON, as the reward rows hold it), else
+    the same text (surrounding whitespace aside); None for a prompt without a reference."""
+    try:
+        expected = json.loads(reference)
+    except (TypeError, ValueError):
+        expected = reference
+    if expected is None:
+        return None
+    call = rw.parse_call(expected)
+    if call is not None:
+        return rw.parse_call(reply.strip()) == call
+    return reply.strip() == str(expected).strip()
 
 
 def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict) -> None:
@@ -347,6 +391,7 @@ def published_model(
     return dg.Output(
         ref,
         metadata={
+            **shipped_metadata(verdict, eval_report["stats"], refs["gguf_model"]["stats"]),
             **ref_metadata(ref),
             "code_version": lineage["code_version"],
             "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": objects.uri(a["key"])} for a in lineage["artifacts"]]),
@@ -355,6 +400,25 @@ def published_model(
             "model_registry": model_registry.summary(registered),
         },
     )
+
+
+def shipped_metadata(verdict: ev.Gate, evaluation: dict, gguf: dict) -> dict:
+    """published_model's headline: the metric base → fine-tuned → shipped GGUF, and which GGUF shipped (or why none did).
+
+    ``evaluation``: eval_report's stats (the file it scored); ``gguf``: gguf_model's stats (its size, or the reason for none)."""
+    scores = f"{verdict.metric_name}: base {verdict.base_metric:.4g} → fine-tuned {verdict.finetuned_metric:.4g}"
+    shipped = evaluation["gguf_file"]
+    if shipped:
+        what = {"shipped_gguf": shipped, "shipped_qtype": evaluation["gguf_qtype"], **figures(shipped_mb=megabytes(gguf["files"][shipped]["bytes"]))}
+        scores += f" → shipped {evaluation['gguf_qtype']} GGUF {verdict.gguf_metric:.4g}"
+    else:
+        what = {"shipped_gguf": f"none: {gguf.get('reason') or 'no GGUF exported'}"}
+        scores += " (no GGUF shipped)"
+    return {
+        "result": scores, "metric": verdict.metric_name,
+        **figures(base_metric=verdict.base_metric, finetuned_metric=verdict.finetuned_metric, shipped_metric=verdict.gguf_metric),
+        **what,
+    }  # fmt: skip
 
 
 def _register(context, ref: dict, lineage: dict, verdict: ev.Gate, signature: dict, lora_adapter: dict) -> dict | None:
@@ -453,7 +517,8 @@ def vllm_smoke(
     equal = ", ".join(f"{label} {count}/{stats['prompts']}" for label, count in stats["greedy_equal"].items())
     context.log.info(f"vLLM greedy answers equal to transformers': {equal}; loaded in {stats['load_seconds']} s")
     return m.output(
-        ref, vllm="served", answers=table(stats["rows"]), greedy_equal=equal,
-        load_seconds=dg.MetadataValue.json(stats["load_seconds"]),
-        tokens_per_second=dg.MetadataValue.float(stats["tokens_per_second"] or float("nan")),
+        ref, vllm="served", greedy_equal=equal,
+        **figures(tokens_per_second=stats["tokens_per_second"]),
+        load_seconds=table([{"server": label, "seconds": seconds} for label, seconds in stats["load_seconds"].items()], columns=["server", "seconds"]),
+        answers=table(stats["rows"]),
     )  # fmt: skip

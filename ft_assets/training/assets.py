@@ -18,9 +18,9 @@ from pydantic import Field
 from ft_assets import layout, objectives
 from ft_assets.delivery import portable
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
-from ft_assets.materialize import STORE_KIND, Materialization, op_config, ref_metadata
+from ft_assets.materialize import STORE_KIND, Materialization, figures, op_config, ref_metadata, settings_table, table
 from ft_assets.partitions import dataset_version
-from ft_assets.plots import line_chart
+from ft_assets.plots import line_chart, number_label
 from ft_assets.refs import make_ref, read_ref
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
@@ -116,12 +116,12 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
     return dg.Output(
         ref,
         metadata={
-            **ref_metadata(ref),
             "model_id": source.model_id,
-            "parameters": dg.MetadataValue.int(summary.get("parameters") or 0),
+            **figures(parameters=summary.get("parameters")),
             "architecture": str(summary.get("architecture")),
+            **ref_metadata(ref),
             "source_sha256": fingerprint,
-            "chat_template": dg.MetadataValue.json(summary.get("chat_template") or {}),
+            "chat_template": settings_table(summary.get("chat_template") or {}, key="field"),
             "cached": cached,
             "duration_s": round(time.perf_counter() - started, 3),
         },
@@ -243,28 +243,36 @@ def lora_adapter(
 
 
 def adapter_metadata(stats: dict, history: list[tuple[int, float]]) -> dict:
-    """lora_adapter's metadata: the run's figures, settings and loss curve."""
-    nan = float("nan")
+    """lora_adapter's metadata: the run's headline figures, its loss curve, then its settings and checkpoints as tables."""
+    evaluated = {name: value for name, value in (stats["eval_metrics"] or {}).items() if name != "eval_loss" and isinstance(value, int | float)}
     return dict(
+        **figures(
+            train_loss=stats["train_loss"], eval_loss=stats["eval_loss"], **evaluated, steps=stats["steps"],
+            tokens_seen=stats["tokens_seen"], tokens_per_second=stats["tokens_per_second"], wall_seconds=stats["wall_seconds"],
+            effective_training_fraction=stats["effective_training_fraction"], resumed_from_step=stats["resumed_from_step"] or 0,
+        ),  # fmt: skip
+        loss_curve=dg.MetadataValue.md(loss_curve(history)),
         method=stats["method"],
         objective=stats["objective"],
-        settings=dg.MetadataValue.json(stats["resolved"]),
         device=stats["device"],
-        steps=stats["steps"],
-        train_loss=dg.MetadataValue.float(stats["train_loss"] if stats["train_loss"] is not None else nan),
-        eval_loss=dg.MetadataValue.float(stats["eval_loss"] if stats["eval_loss"] is not None else nan),
-        eval_metrics=dg.MetadataValue.json(stats["eval_metrics"]),
-        tokens_seen=stats["tokens_seen"],
-        tokens_per_second=dg.MetadataValue.float(round(stats["tokens_per_second"], 1)),
         attn_implementation=stats["attn_implementation"],
-        wall_seconds=round(stats["wall_seconds"], 1),
-        effective_training_fraction=dg.MetadataValue.float(round(stats["effective_training_fraction"], 4)),
-        resumed_from_step=stats["resumed_from_step"] or 0,
-        checkpoints=dg.MetadataValue.json(stats["checkpoints"]),
-        loss_curve=dg.MetadataValue.md(line_chart({"train loss": history}, "training loss", "step", "loss")),
+        settings=settings_table(stats["resolved"]),
+        checkpoints=checkpoint_table(stats["checkpoints"]),
         run_id=stats["run_id"],
         **figure_metadata(stats["figure_history"]),
     )
+
+
+def loss_curve(history: list[tuple[int, float]]) -> str:
+    """The training loss by step as a chart that shows on the asset page, its first and last value in the title."""
+    title = f"training loss {number_label(history[0][1])} → {number_label(history[-1][1])}" if history else "training loss"
+    return line_chart({"train loss": history}, title, "step")
+
+
+def checkpoint_table(uris: list[str]) -> dg.MetadataValue:
+    """The run's checkpoints in the store, one row each: its step and where it is."""
+    steps = [int(layout.CHECKPOINT_RE.match(uri.rstrip("/").rsplit("/", 1)[-1]).group(1)) for uri in uris]
+    return table([{"step": step, "uri": uri} for step, uri in zip(steps, uris)], columns=["step", "uri"])
 
 
 def figure_metadata(history: list) -> dict:
@@ -272,8 +280,8 @@ def figure_metadata(history: list) -> dict:
     if not history:
         return {}
     last = history[-1][1]
-    curves = {name.replace("_", " "): [(step, figures[name]) for step, figures in history] for name in ("reward_mean", "reward_std")}
+    curves = {name.replace("_", " "): [(step, values[name]) for step, values in history] for name in ("reward_mean", "reward_std")}
     return {
-        **{name: dg.MetadataValue.float(round(value, 4)) for name, value in last.items()},
-        "reward_curve": dg.MetadataValue.md(line_chart(curves, "rollout reward", "step", "reward")),
+        **figures(**last),
+        "reward_curve": dg.MetadataValue.md(line_chart(curves, "rollout reward", "step")),
     }

@@ -1,0 +1,186 @@
+"""What the asset pages show, from the plain functions that build the metadata (no Dagster run).
+
+Numbers first: headline figures are top-level int/float entries to 4 significant digits, a figure that
+does not exist is left out (never an empty cell or NaN), sizes are in MB, dicts are tables rather than
+JSON blobs, charts are markdown the page draws in place, and each $ per million tokens says which it is.
+"""
+
+import math
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ft_assets.control.assets import mfu_metadata
+from ft_assets.delivery import evaluate as ev
+from ft_assets.delivery.assets import answer_rows, eval_metadata, same_answer, shipped_metadata
+from ft_assets.delivery.scoring import Report
+from ft_assets.materialize import dataset_metadata, figures, megabytes, ref_metadata, rounded, settings_table
+from ft_assets.plots import MAX_MARKDOWN
+from ft_assets.training.assets import adapter_metadata, checkpoint_table, figure_metadata
+from ft_assets_tests.charts import SVG, bars, svg_of
+
+NOT_SHOWN_AS_IS = (dg.JsonMetadataValue,)  # a dict or list where a table or a number fits
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(2 / 3, 0.6667), (0.10050251256281408, 0.1005), (1234.5678, 1235.0), (0.000123456, 0.0001235), (0.0, 0.0), (None, None)],
+)
+def test_rounded_keeps_four_significant_digits(value, expected):
+    assert rounded(value) == expected
+
+
+def test_figures_keep_ints_round_floats_and_leave_out_what_does_not_exist():
+    shown = figures(steps=60, train_loss=0.04567891, eval_loss=None, mfu=float("nan"), share=2 / 3)
+    assert shown == {"steps": dg.MetadataValue.int(60), "train_loss": dg.MetadataValue.float(0.04568), "share": dg.MetadataValue.float(0.6667)}
+
+
+def test_sizes_are_shown_in_megabytes():
+    ref = {"uri": "/store/x", "digest": "d", "bytes": 771636891, "files": {"a": {}, "b": {}}}
+    metadata = ref_metadata(ref)
+    assert metadata["size_mb"] == dg.MetadataValue.float(771.6) and "bytes" not in metadata
+    assert megabytes(94_310_000) == 94.31
+
+
+def test_a_dataset_carries_dagsters_row_count_and_column_schema(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(
+        pa.table({
+            "messages": [[{"role": "user", "content": "hi"}]], "source": ["a.jsonl:1"], "input_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
+        }),
+        path,
+    )  # fmt: skip
+    metadata = dataset_metadata(1234, pq.read_schema(path))
+    assert metadata["dagster/row_count"] == dg.MetadataValue.int(1234)
+    schema = metadata["dagster/column_schema"].schema
+    assert [(c.name, c.type) for c in schema.columns] == [
+        ("messages", "list<struct<role: string, content: string>>"), ("source", "string"), ("input_ids", "list<int32>"),
+    ]  # fmt: skip
+
+
+def test_settings_are_a_table_of_rounded_values():
+    value = settings_table({"method": "lora", "epochs": 0.10050251256281408, "targets": ["q_proj", "v_proj"], "warmup": None})
+    assert isinstance(value, dg.TableMetadataValue)
+    assert [(r.data["setting"], r.data["value"]) for r in value.records] == [
+        ("method", "lora"), ("epochs", "0.1005"), ("targets", '["q_proj", "v_proj"]'), ("warmup", "none"),
+    ]  # fmt: skip
+
+
+ADAPTER_STATS = {
+    "method": "lora", "objective": "sft", "device": "cpu x1", "steps": 60, "train_loss": 0.0412345678, "eval_loss": 0.0523456789,
+    "eval_metrics": {"eval_loss": 0.0523456789, "eval_perplexity": 1.053745}, "tokens_seen": 61_440,
+    "tokens_per_second": 1234.56789, "wall_seconds": 49.87654, "effective_training_fraction": 0.8123456, "resumed_from_step": None,
+    "attn_implementation": "sdpa", "resolved": {"method": "lora", "epochs": 0.10050251256281408, "batch_size": 2},
+    "checkpoints": ["/store/runs/acks/v1/train/r1/checkpoint-00000030/", "/store/runs/acks/v1/train/r1/checkpoint-00000060/"],
+    "run_id": "r1", "figure_history": [],
+}  # fmt: skip
+
+
+def test_the_adapter_leads_with_rounded_figures_and_shows_no_json_blob():
+    history = [(step, 7.5 * math.exp(-step / 400) + 0.04) for step in range(1, 20_001)]
+    metadata = adapter_metadata(ADAPTER_STATS, history)
+    assert list(metadata)[:3] == ["train_loss", "eval_loss", "eval_perplexity"]  # the page lists entries in this order
+    assert metadata["train_loss"] == dg.MetadataValue.float(0.04123) and metadata["eval_loss"] == dg.MetadataValue.float(0.05235)
+    assert metadata["steps"] == dg.MetadataValue.int(60) and metadata["tokens_per_second"] == dg.MetadataValue.float(1235.0)
+    assert metadata["effective_training_fraction"] == dg.MetadataValue.float(0.8123)
+    assert not [name for name, value in metadata.items() if isinstance(value, NOT_SHOWN_AS_IS)]
+    assert [r.data["value"] for r in metadata["settings"].records if r.data["setting"] == "epochs"] == ["0.1005"]
+    assert [r.data["step"] for r in metadata["checkpoints"].records] == [30, 60]
+    curve = metadata["loss_curve"].value
+    assert len(curve) <= MAX_MARKDOWN and "training loss 7.521 → 0.04" == svg_of(curve).findtext(f"{SVG}text")
+
+
+def test_a_run_without_an_eval_loss_leaves_it_out():
+    metadata = adapter_metadata({**ADAPTER_STATS, "eval_loss": None, "eval_metrics": {}}, [(1, 2.0)])  # GRPO: no reference reply
+    assert "eval_loss" not in metadata and "train_loss" in metadata
+
+
+def test_a_grpo_run_shows_its_last_figures_rounded_and_its_reward_curve():
+    history = [(step, {"reward_mean": step / 3000, "reward_std": 0.5 - step / 9000, "kl": 0.0123456, "completion_length": 17.25})
+               for step in range(1, 3001)]  # fmt: skip
+    metadata = figure_metadata(history)
+    assert metadata["reward_mean"] == dg.MetadataValue.float(1.0) and metadata["kl"] == dg.MetadataValue.float(0.01235)
+    curve = svg_of(metadata["reward_curve"].value)
+    assert len(metadata["reward_curve"].value) <= MAX_MARKDOWN and len(list(curve.iter(f"{SVG}polyline"))) == 2
+    assert figure_metadata([]) == {}
+
+
+def test_checkpoint_table_reads_each_step_from_its_folder_name():
+    value = checkpoint_table(["s3://b/runs/x/checkpoint-00000100", "s3://b/runs/x/checkpoint-00001000/"])
+    assert [(r.data["step"], r.data["uri"]) for r in value.records] == [(100, "s3://b/runs/x/checkpoint-00000100"), (1000, "s3://b/runs/x/checkpoint-00001000/")]
+
+
+@pytest.mark.parametrize(
+    "mfu, device, shown",
+    [(0.2934567, "cuda x1", dg.MetadataValue.float(0.2935)),
+     (None, "cpu x1", "n/a: trained on cpu, whose peak FLOP/s the cost model does not list")],
+)  # fmt: skip
+def test_mfu_is_a_number_on_a_known_gpu_and_says_why_not_elsewhere(mfu, device, shown):
+    assert mfu_metadata(mfu, device) == {"mfu": shown}
+
+
+def gate(base, tuned, gguf):
+    return ev.gate("exact_match", base, tuned, gguf, min_improvement=0.1, max_gguf_drop=0.05)
+
+
+SFT_SAMPLES = [
+    {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "GGUF f16 (llama.cpp)": "ok", "exact_match": 1.0, "source": "a:1"},
+    {"prompt": "call mom", "reference": "ok", "base": "", "fine-tuned": "okay", "GGUF f16 (llama.cpp)": "okay", "exact_match": 0.0, "source": "a:2"},
+]  # fmt: skip
+
+
+def test_eval_report_shows_the_metric_base_to_shipped_as_numbers_a_chart_with_every_bar_and_answers_with_correct():
+    report = Report({"base_eval_loss": 7.5123456, "finetuned_eval_loss": 0.0812345}, [{"": "exact_match", "base": 0.0}], SFT_SAMPLES, {}, "")
+    metadata = eval_metadata(gate(0.0, 0.95, 0.95), report, 20, "eval conversations", "acks-v1-f16.gguf")
+    assert metadata["metric"] == "exact_match" and metadata["gguf_file"] == "acks-v1-f16.gguf"
+    assert [metadata[k] for k in ("base_metric", "finetuned_metric", "gguf_metric")] == [dg.MetadataValue.float(v) for v in (0.0, 0.95, 0.95)]
+    assert metadata["base_eval_loss"] == dg.MetadataValue.float(7.512) and metadata["examples"] == dg.MetadataValue.int(20)
+    assert not [name for name, value in metadata.items() if isinstance(value, NOT_SHOWN_AS_IS)]
+    chart = metadata["chart"].value
+    assert len(chart) <= MAX_MARKDOWN and len(bars(svg_of(chart))) == 3  # the base's 0 is a bar too
+    answers = metadata["answers"]
+    assert [c.name for c in answers.schema.columns][:5] == ["prompt", "reference", "base", "fine-tuned", "correct"]
+    assert [r.data["correct"] for r in answers.records] == [True, False]
+
+
+def test_without_a_gguf_the_eval_report_has_no_gguf_figures_and_two_bars():
+    report = Report({"base_eval_loss": None, "finetuned_eval_loss": None}, [], [], {}, "")
+    metadata = eval_metadata(gate(0.0, 0.5, None), report, 8, "eval prompts", None)
+    assert "gguf_metric" not in metadata and "gguf_drop" not in metadata and "base_eval_loss" not in metadata
+    assert metadata["gguf_file"] == "none shipped" and len(bars(svg_of(metadata["chart"].value))) == 2
+
+
+def test_answers_are_correct_by_the_objectives_own_measure():
+    pairs = [{"chosen": "a", "rejected": "b", "base margin": -0.1, "fine-tuned margin": 0.3, "prefers chosen": True}]
+    assert answer_rows(pairs, ev.PREFERENCE_METRIC) == [{"chosen": "a", "rejected": "b", "base margin": -0.1, "fine-tuned margin": 0.3, "correct": True}]
+    call = '{"name": "set_timer", "arguments": {"minutes": 5}}'
+    rewarded = [
+        {"prompt": "p", "reference": '"{\\"name\\": \\"set_timer\\", \\"arguments\\": {\\"minutes\\": 5}}"', "base": "x",
+         "fine-tuned": ' {"arguments": {"minutes": 5}, "name": "set_timer"} ', "reward": 3.0, "source": "s"},
+        {"prompt": "p", "reference": "null", "base": "x", "fine-tuned": call, "reward": 0.6, "source": "s"},
+    ]  # fmt: skip
+    assert [row["correct"] for row in answer_rows(rewarded, ev.REWARD_METRIC)] == [True, None]  # no reference: not known
+
+
+@pytest.mark.parametrize(
+    "reply, reference, correct",
+    [('{"name": "f", "arguments": {}}', '{"name": "f", "arguments": {}}', True),
+     ('{"name": "g", "arguments": {}}', '{"name": "f", "arguments": {}}', False),
+     ("Paris ", '"Paris"', True), ("Paris", "Paris", True), ("Lyon", '"Paris"', False), ("x", None, None)],
+)  # fmt: skip
+def test_same_answer(reply, reference, correct):
+    assert same_answer(reply, reference) is correct
+
+
+def test_published_model_says_which_gguf_shipped_and_its_metric_or_why_none():
+    gguf = {"shipped": "acks-v1-f16.gguf", "files": {"acks-v1-f16.gguf": {"qtype": "f16", "bytes": 12_345_678}}, "reason": None}
+    shipped = shipped_metadata(gate(0.0, 0.95, 0.9), {"gguf_file": "acks-v1-f16.gguf", "gguf_qtype": "f16"}, gguf)
+    assert shipped["result"] == "exact_match: base 0 → fine-tuned 0.95 → shipped f16 GGUF 0.9"
+    assert shipped["shipped_gguf"] == "acks-v1-f16.gguf" and shipped["shipped_mb"] == dg.MetadataValue.float(12.35)
+    assert shipped["shipped_metric"] == dg.MetadataValue.float(0.9) and shipped["finetuned_metric"] == dg.MetadataValue.float(0.95)
+    off = {"shipped": None, "files": {}, "reason": "GGUF export is off (gguf_model qtypes: [])"}
+    none = shipped_metadata(gate(0.0, 0.95, None), {"gguf_file": None, "gguf_qtype": None}, off)
+    assert none["shipped_gguf"] == "none: GGUF export is off (gguf_model qtypes: [])" and "shipped_metric" not in none
+    assert none["result"] == "exact_match: base 0 → fine-tuned 0.95 (no GGUF shipped)"
