@@ -20,6 +20,8 @@ trained, idle time, storage and egress included. On the CPU demo they differ by 
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import dagster as dg
 from pydantic import Field
@@ -28,15 +30,19 @@ from ft_assets import layout, objectives
 from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
-from ft_assets.control.gpu_plan import NoGpuFits, plan_training
+from ft_assets.control.gpu_plan import NoGpuFits, TrainingPlan, plan_training
 from ft_assets.control.planner import ModelShape, Throughput, objective_cost, throughput
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.refs import has_ref, read_ref
+from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.settings import TrainingSettings, training_config
+
+if TYPE_CHECKING:  # names for annotations only: the training modules import torch
+    from ft_assets.training.config import ResolvedTraining, TrainingConfig
+    from ft_assets.training.steps import StepWork
 
 CONTROL = dict(partitions_def=dataset_version, group_name="control", io_manager_key="refs")
 class PlanConfig(TrainingSettings):
@@ -54,6 +60,39 @@ def _cost_model(path: str):
         raise dg.Failure(str(exc)) from exc
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    resolved: "ResolvedTraining"  # the settings with every default filled in
+    work: "StepWork"  # what the objective computes: rows, trained tokens, the reference's forward, generation
+    flops: float  # hardware FLOPs a trained token
+    factor: float  # training-equivalent tokens a trained token (the objective's extra work)
+    plan: TrainingPlan
+    planned: Throughput | None  # the tier's tokens/s, MFU and $ per million tokens; None: delivery rents no GPU
+
+
+def plan_run(
+    training: "TrainingConfig", shape: ModelShape, shards: ShardStats, purpose: str, region: str | None, cost_model, cuda: bool
+) -> PlannedRun:
+    """The plan of a training run of these settings on these shards; ``NoGpuFits`` or a ValueError says why none."""
+    objective = objectives.of_stats(shards)
+    resolved = training.resolve(shards["train_packed_rows"], cuda, objective)
+    work = objective.step.work(training, shards, resolved)
+    flops, factor = objective_cost(
+        shape, resolved.method, work.attention_len, training.gradient_checkpointing, work.reference_forward, work.generated_share,
+        work.decode_batch, cost_model.mfu(resolved.method),
+    )  # fmt: skip
+    plan = plan_training(
+        shape, resolved.method, work.seq_len, work.micro_batch, training.gradient_checkpointing, train_tokens=round(work.tokens * factor),
+        cost_model=cost_model, purpose=purpose, data_region=region,
+        lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
+        attention=training.attn_implementation, gpus=training.world_size, parallelism=training.parallelism,
+    )  # fmt: skip
+    planned = None
+    if plan.tier is not None:  # the plan's tokens/s is of training-equivalent tokens: trained tokens go factor times slower
+        planned = throughput(plan.tokens_per_second / factor, flops, cost_model.offering(plan.tier), plan.usd_per_hour, plan.gpus)
+    return PlannedRun(resolved, work, flops, factor, plan, planned)
+
+
 @dg.asset(**CONTROL, kinds={"python", "json", STORE_KIND}, tags={"ft/pool": "any"})
 def training_plan(
     context: dg.AssetExecutionContext, config: PlanConfig, store: ObjectStoreResource, tokenized_shards: dict, base_model: dict
@@ -62,32 +101,17 @@ def training_plan(
     import torch
 
     training = training_config(config, "training_plan")
-    shape = ModelShape.from_config(base_model["model_config"], name=base_model["stats"]["model_id"], params=base_model["stats"].get("parameters"))
-    shards = tokenized_shards["stats"]
-    objective = objectives.of_stats(shards)
-    try:
-        resolved = training.resolve(shards["train_packed_rows"], torch.cuda.is_available(), objective)
-    except ValueError as exc:
-        raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
-    method = resolved.method
+    base = stats_of(base_model, BaseModelStats)
+    shape = ModelShape.from_config(base_model["model_config"], name=base["model_id"], params=base.get("parameters"))
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
-    cost_model = _cost_model(config.cost_model_path)
-    work = objective.step.work(training, shards, resolved)  # the objective's rows, tokens, reference forward, generation
-    flops, factor = objective_cost(
-        shape, method, work.attention_len, training.gradient_checkpointing, work.reference_forward, work.generated_share,
-        work.decode_batch, cost_model.mfu(method),
-    )  # fmt: skip
     try:
-        plan = plan_training(
-            shape, method, work.seq_len, work.micro_batch, training.gradient_checkpointing, train_tokens=round(work.tokens * factor),
-            cost_model=cost_model, purpose=config.purpose, data_region=region,
-            lora_r=training.lora_r, lora_targets=training.target_modules, lora_dropout=training.lora_dropout,
-            attention=training.attn_implementation, gpus=training.world_size, parallelism=training.parallelism,
-        )  # fmt: skip
+        run = plan_run(training, shape, stats_of(tokenized_shards, ShardStats), config.purpose, region,
+                       _cost_model(config.cost_model_path), torch.cuda.is_available())  # fmt: skip
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
     except ValueError as exc:
-        raise dg.Failure(f"training_plan: {exc}") from exc
+        raise dg.Failure(f"training_plan for {context.partition_key}: {exc}") from exc
+    resolved, work, flops, factor, plan, planned = run.resolved, run.work, run.flops, run.factor, run.plan, run.planned
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
@@ -95,10 +119,6 @@ def training_plan(
         f"(the objective's extra work) needs {plan.vram.total_gib:.1f} GiB{' per GPU' if plan.gpus > 1 else ''} → {plan.describe()}, "
         f"~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
-    planned = None  # delivery rents no GPU
-    if plan.tier is not None:
-        # the plan's tokens/s is of training-equivalent tokens: trained tokens go factor times slower
-        planned = throughput(plan.tokens_per_second / factor, flops, cost_model.offering(plan.tier), plan.usd_per_hour, plan.gpus)
     with Materialization(context, store, "plan") as m:
         (m.out / "plan.json").write_text(json.dumps(plan.as_dict(), indent=2, default=str))
         stats = {

@@ -40,7 +40,7 @@ from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, megabytes, op_config, ref_metadata, rounded, table
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.refs import make_ref, publish, read_ref
+from ft_assets.refs import AdapterStats, ArtifactRef, EvalStats, GgufStats, make_ref, publish, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.tracking import record
 
@@ -335,17 +335,7 @@ def published_model(
 ) -> dg.Output[dict]:
     """The gated model in the registry with its lineage manifest; a published run is never overwritten."""
     verdict = ev.Gate.of(eval_report["stats"])
-    if not verdict.beats_base:
-        raise dg.Failure(
-            f"not publishing {context.partition_key}: fine-tuned {verdict.metric_name} {verdict.finetuned_metric:.3f} does not beat "
-            f"base {verdict.base_metric:.3f} by {verdict.min_improvement:.3f} (see eval_report)"
-        )
-    if not verdict.gguf_within_drop:
-        raise dg.Failure(
-            f"not publishing {context.partition_key}: the shipped {eval_report['stats']['gguf_file']} scores {verdict.metric_name} "
-            f"{verdict.gguf_metric:.3f} in llama.cpp, {verdict.gguf_drop:.3f} below the merged model's {verdict.finetuned_metric:.3f} "
-            f"(at most {verdict.max_gguf_drop:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
-        )
+    _refuse_ungated(context.partition_key, verdict, stats_of(eval_report, EvalStats))
     try:
         key = signing.signing_key()
     except signing.SigningError as exc:
@@ -367,19 +357,7 @@ def published_model(
             stats = {"already_published": True, "signature": signature}
             ref = make_ref(objects, "published_model", context.partition_key, existing, stats, {}, config=op_config(context))
         else:
-            fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
-            if lora_adapter["stats"]["method"] != "full":  # the adapter alone: what multi-LoRA servers load
-                fetch_artifact(objects, refs["lora_adapter"]["prefix"], out / "adapter")
-            gguf = refs["gguf_model"]["stats"]
-            if gguf["shipped"]:
-                fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
-            else:  # merged weights, adapter, eval and lineage; the lineage says why there is no GGUF
-                context.log.warning(f"publishing without a GGUF: {gguf.get('reason')}")
-            fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
-            lineage = build_lineage(context.partition_key, refs, prefix)
-            (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
-            signature = signing.sign_directory(out, key) if key else dict(signing.UNSIGNED)  # model.sig: every file above
-            context.log.info(f"{prefix}: {signing.summary(signature)}")
+            lineage, signature = _assemble(context, objects, refs, prefix, out, key)
             ref = publish(
                 objects, "published_model", context.partition_key, prefix, out, {"already_published": False, "signature": signature},
                 {name: refs[name] for name in ("eval_report", "gguf_model", "merged_model", "lora_adapter")},
@@ -400,6 +378,40 @@ def published_model(
             "model_registry": model_registry.summary(registered),
         },
     )
+
+
+def _refuse_ungated(partition: str, verdict: ev.Gate, evaluation: EvalStats) -> None:
+    """A Failure saying which gate the model missed: beating the base, or the shipped GGUF within its drop."""
+    if not verdict.beats_base:
+        raise dg.Failure(
+            f"not publishing {partition}: fine-tuned {verdict.metric_name} {verdict.finetuned_metric:.3f} does not beat "
+            f"base {verdict.base_metric:.3f} by {verdict.min_improvement:.3f} (see eval_report)"
+        )
+    if not verdict.gguf_within_drop:
+        raise dg.Failure(
+            f"not publishing {partition}: the shipped {evaluation['gguf_file']} scores {verdict.metric_name} "
+            f"{verdict.gguf_metric:.3f} in llama.cpp, {verdict.gguf_drop:.3f} below the merged model's {verdict.finetuned_metric:.3f} "
+            f"(at most {verdict.max_gguf_drop:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
+        )
+
+
+def _assemble(context, objects, refs: dict[str, ArtifactRef], prefix: str, out: Path, key) -> tuple[dict, dict]:
+    """The registry folder ``out``: merged weights, the adapter (what multi-LoRA servers load), the shipped GGUF,
+    the eval, ``lineage.json`` and, with a signing key, ``model.sig`` over every file; (lineage, signature)."""
+    fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
+    if stats_of(refs["lora_adapter"], AdapterStats)["method"] != "full":
+        fetch_artifact(objects, refs["lora_adapter"]["prefix"], out / "adapter")
+    gguf = stats_of(refs["gguf_model"], GgufStats)
+    if gguf["shipped"]:
+        fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
+    else:  # merged weights, adapter, eval and lineage; the lineage says why there is no GGUF
+        context.log.warning(f"publishing without a GGUF: {gguf.get('reason')}")
+    fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
+    lineage = build_lineage(context.partition_key, refs, prefix)
+    (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+    signature = signing.sign_directory(out, key) if key else dict(signing.UNSIGNED)
+    context.log.info(f"{prefix}: {signing.summary(signature)}")
+    return lineage, signature
 
 
 def shipped_metadata(verdict: ev.Gate, evaluation: dict, gguf: dict) -> dict:

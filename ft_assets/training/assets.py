@@ -62,6 +62,28 @@ class BaseModelConfig(dg.Config):
     )
 
 
+def _stored_base(context, config: BaseModelConfig, store: ObjectStoreResource, objects, prefix: str, source, template):
+    """(manifest, cached): the base already in the store at ``prefix``, else converted from ``source`` (with the chat
+    template settled: its own, or ``template``) and published there."""
+    try:
+        manifest = read_manifest(objects, prefix)
+        verify_artifact(objects, manifest)
+        context.log.info(f"base model {source.model_id} already in the store at {objects.uri(prefix)}")
+        return manifest, True
+    except (ArtifactNotFound, ArtifactCorrupt):
+        pass
+    with store.scratch("base-model") as work:
+        try:
+            bm.materialize_source(
+                source, work / "model", config.allow_pickle_weights, log=context.log.info, trust_remote_code=config.trust_remote_code
+            )
+            chat_template = bm.settle_chat_template(work / "model", template, source.model_id, log=context.log.info)
+        except (bm.BaseModelError, ChatTemplateError) as exc:
+            raise dg.Failure(str(exc)) from exc
+        meta = {"model_id": source.model_id, "chat_template": chat_template, **bm.describe(work / "model")}
+        return publish_dir(objects, prefix, work / "model", meta=meta), False
+
+
 @dg.asset(
     partitions_def=dataset_version,
     group_name="model",  # feeds every plane: in "training" the collapsed lineage drew a data <-> training cycle
@@ -80,28 +102,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store
         raise dg.Failure(str(exc)) from exc
     objects = store.open()
     prefix = layout.base_model(bm.model_slug(source), bm.artifact_digest(fingerprint, template))
-    try:
-        manifest = read_manifest(objects, prefix)
-        verify_artifact(objects, manifest)
-        cached = True
-        context.log.info(f"base model {source.model_id} already in the store at {objects.uri(prefix)}")
-    except (ArtifactNotFound, ArtifactCorrupt):
-        cached = False
-        with store.scratch("base-model") as work:
-            try:
-                bm.materialize_source(
-                    source,
-                    work / "model",
-                    config.allow_pickle_weights,
-                    log=context.log.info,
-                    trust_remote_code=config.trust_remote_code,
-                )
-                chat_template = bm.settle_chat_template(work / "model", template, source.model_id, log=context.log.info)
-            except (bm.BaseModelError, ChatTemplateError) as exc:
-                raise dg.Failure(str(exc)) from exc
-            summary = bm.describe(work / "model")
-            meta = {"model_id": source.model_id, "chat_template": chat_template, **summary}
-            manifest = publish_dir(objects, prefix, work / "model", meta=meta)
+    manifest, cached = _stored_base(context, config, store, objects, prefix, source, template)
     summary = {k: v for k, v in manifest.meta.items() if k != "config"}
     ref = make_ref(
         objects,
