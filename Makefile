@@ -56,7 +56,7 @@ system-deps:
 	sh scripts/install-system-deps.sh
 
 test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).
 test-fast: $(STAMP)
