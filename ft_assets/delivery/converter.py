@@ -13,7 +13,7 @@ construction and nothing is fetched at run time.
 
 The converter runs in a child process (``convert``): it puts its own ``gguf-py`` first on
 ``sys.path``, which must not replace the gguf package of this process, and importing torch there
-costs ~8 s, so one child writes every type asked for. Around it this module adds three things, each
+costs ~8 s, so one child writes every type asked for. Around it this module adds four things, each
 because the converter alone fails on models our users bring:
 
 1. **An unknown BPE pre-tokenizer.** The converter names the pre-tokenizer (``tokenizer.ggml.pre``) by
@@ -29,18 +29,25 @@ because the converter alone fails on models our users bring:
    refused in one line (``GgufUnsupported``): the model is still published, without a GGUF.
 2. **A byte-level BPE where the family's converter wants SentencePiece.** Gemma 2 and Phi-3 read a
    ``tokenizer.model``; a directory that has only a byte-level ``tokenizer.json`` (Phi-4, a retrained
-   tokenizer) goes through the converter's own GPT-2 vocabulary writer instead of stopping.
+   tokenizer) goes through the converter's own GPT-2 vocabulary writer instead of stopping (one with
+   byte fallback, SentencePiece's kind, goes to fix 4).
 3. **Gemma 2/3 layer pattern.** llama.cpp assumes 1 global layer in 2 (Gemma 2) or in 6 (Gemma 3)
    unless the file lists them; the converter does not, so ``layer_types`` from config.json is written
    (``attention.sliding_window_pattern``). Without it a Gemma 3 whose pattern differs attends through
    the wrong window.
+4. **A SentencePiece BPE with only its tokenizer.json.** A Gemma 3 converted from a GGUF (a user's own
+   Gemma 3 270M as ``base_model.source``) or saved by transformers 5 has no ``tokenizer.model``; Gemma 3's
+   converter then writes it as GPT-2 byte-level BPE, Llama's with every score equal (``_set_vocab_llama_hf``),
+   and llama.cpp tokenizes either differently from transformers. ``write_sentencepiece_from_json`` writes
+   it as llama.cpp's SentencePiece vocabulary with the merge ranks as scores
+   (``ft_assets.delivery.sentencepiece_vocab``: why, and the shapes it refuses).
 
 An architecture the converter has no layout for is named in one line (``GgufUnsupported``). llama.cpp
 also keys Phi-3 token attributes on ``general.name`` (a name containing "phi3" or "phi-3" gets
 right-stripping special tokens and needs ``</s>``): name files after the model's purpose, not its base.
 
-Only the standard library is imported at module level: the child imports this module before it puts
-the vendored gguf first on ``sys.path``.
+Only the standard library (and ``sentencepiece_vocab``, which imports nothing else) is imported at
+module level: the child imports this module before it puts the vendored gguf first on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ import tarfile
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from ft_assets.delivery import sentencepiece_vocab
 
 CONVERTER_PATHS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")  # what is kept of the sdist
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes itself; other types come from llama.cpp's quantizer
@@ -236,7 +245,7 @@ class _Refused(Exception):
 
 
 def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
-    """Import llama.cpp's converter with its own gguf-py, add the three fixes, and run each (model_dir, name, outtype, path) job."""
+    """Import llama.cpp's converter with its own gguf-py, add the four fixes, and run each (model_dir, name, outtype, path) job."""
     sys.path[0:0] = [str(converter_dir / "gguf-py"), str(converter_dir)]
     import convert_hf_to_gguf as script  # noqa: PLC0415 -- only after its gguf-py is first on sys.path
     import gguf  # noqa: PLC0415 -- the vendored one
@@ -263,7 +272,7 @@ def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
 
 
 def _model_class_with_fixes(get_model_class, gguf):
-    """``get_model_class`` of the converter, returning the family's class with fixes 2 and 3 of the module docstring."""
+    """``get_model_class`` of the converter, returning the family's class with fixes 2, 3 and 4 of the module docstring."""
     layer_pattern_archs = {gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3}
 
     def model_class(architecture: str, mmproj: bool = False):
@@ -274,6 +283,19 @@ def _model_class_with_fixes(get_model_class, gguf):
 
         class WithFixes(family):
             model_arch = family.model_arch
+
+            # Fix 4: every way a family's set_vocab writes a vocabulary, for a SentencePiece-style tokenizer.json alone.
+            def _set_vocab_sentencepiece(self, add_to_gguf=True):
+                if not write_sentencepiece_from_json(self, gguf):
+                    super()._set_vocab_sentencepiece(add_to_gguf)
+
+            def _set_vocab_llama_hf(self):
+                if not write_sentencepiece_from_json(self, gguf):
+                    super()._set_vocab_llama_hf()
+
+            def _set_vocab_gpt2(self):
+                if not write_sentencepiece_from_json(self, gguf):
+                    super()._set_vocab_gpt2()
 
             def set_vocab(self):
                 try:
@@ -294,6 +316,40 @@ def _model_class_with_fixes(get_model_class, gguf):
         return WithFixes
 
     return model_class
+
+
+def write_sentencepiece_from_json(model, gguf) -> bool:
+    """Fix 4: write the SentencePiece vocabulary of ``model`` (the converter's instance) from its tokenizer.json.
+
+    Only for a directory with no tokenizer.model whose tokenizer is a byte-fallback BPE; returns False
+    for any other, which the family's own writer then takes. The pipeline read is the one transformers
+    loads (as for fix 1). A byte-fallback BPE of a shape llama.cpp would not reproduce is refused.
+    """
+    on_disk = model.dir_model / "tokenizer.json"
+    if (model.dir_model / "tokenizer.model").is_file() or not on_disk.is_file():
+        return False
+    if not sentencepiece_vocab.is_sentencepiece_bpe(json.loads(on_disk.read_text(encoding="utf-8"))):
+        return False  # byte-level: the family's writer loads it once, not twice
+    from transformers import AutoTokenizer  # noqa: PLC0415 -- child process only, and only for this case
+
+    tokenizer = json.loads(AutoTokenizer.from_pretrained(model.dir_model).backend_tokenizer.to_str())
+    if not sentencepiece_vocab.is_sentencepiece_bpe(tokenizer):
+        return False
+    max_id = max([*tokenizer["model"]["vocab"].values(), *(added["id"] for added in tokenizer.get("added_tokens", []))])
+    try:
+        prefix = sentencepiece_vocab.add_space_prefix(tokenizer)
+        tokens, scores, types = sentencepiece_vocab.sentencepiece_vocab(tokenizer, model.hparams.get("vocab_size") or max_id + 1)
+    except sentencepiece_vocab.NotSentencePiece as exc:
+        raise _Refused(f"{model.dir_model}: {exc}") from None
+    writer = model.gguf_writer
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([token.encode("utf-8") for token in tokens])
+    writer.add_token_scores(scores)
+    writer.add_token_types([gguf.TokenType[name] for name in types])
+    writer.add_add_space_prefix(prefix)
+    gguf.SpecialVocab(model.dir_model, n_vocab=len(tokens)).add_to_gguf(writer)
+    return True
 
 
 def _main(argv: list[str]) -> int:
