@@ -10,10 +10,11 @@ and the serving smoke.
 The Q8_0 file carries Gemma's SentencePiece vocabulary although the converted base has only a
 tokenizer.json (``converter.py``, fix 4): llama.cpp gives transformers' token ids on every test string.
 
-Cost on 2 cores: 10 min 22 s under a load average of 3.3-4.5 (other sessions), of which converting
-the source GGUF 2 min 49 s (transformers parses its 262,144-token vocabulary in Python), 8 LoRA steps
-of 2 x 64 tokens 1 min 54 s, gguf_model 2 min 52 s (the Q8_0 file, then transformers' reference and
-llama.cpp's check; transformers' second GGUF reader, another 2 min, is off), eval_report 57 s.
+Cost on 2 cores with nothing else running (load average <= 1.3): 4 min 27 s, of which converting the
+source GGUF 1 min 49 s (transformers parses its 262,144-token vocabulary in Python), 8 LoRA steps of
+2 x 64 tokens 16 s (88 tok/s), gguf_model 52 s (the Q8_0 file, transformers' reference, llama.cpp's
+check; transformers' second GGUF reader, another 2 min, is off), eval_report 18 s. 7-10 min while
+other sessions share the cores (load average 3-4.5).
 """
 
 import json
