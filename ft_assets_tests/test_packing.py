@@ -1,4 +1,5 @@
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from ft_assets.data.bins import pack_bins
@@ -98,6 +99,8 @@ def test_tokenize_and_pack_efficiency_and_rejections(encoder, tmp_path):
     assert stats.rows <= -(-stats.tokens // 256) + windows
     assert stats.packing_efficiency >= 0.95
     assert stats.files == [f"train-{i:05d}.parquet" for i in range(windows)]  # a shard a window
+    quarantined = pq.read_table(tmp_path / "quarantine-train-00000.parquet").to_pylist()  # written by the encode task
+    assert [(q["source"], q["stage"], q["reason"]) for q in quarantined] == [("f:long", "tokenize", "too_long_tokens")]
     packed = [r for f in stats.files for r in iter_records(tmp_path / f)]
     assert len(packed) == stats.rows
     assert sum(len(r["seq_lens"]) for r in packed) == 300

@@ -141,7 +141,11 @@ def test_prompts_flow_from_files_to_prompt_shards(tiny_model_dir, tmp_path):
     assert packed["train"].loss_tokens == 0 and shard_files(tmp_path / "shards", prompt_split("train"))
     assert not shard_files(tmp_path / "shards", "train")  # no chat shards a chat reader could pick up
     written = sorted(path.name for path in (tmp_path / "shards").rglob("*") if path.is_file())
-    assert written == sorted(stage["shards"].files) == sorted(packed["train"].files + packed["eval"].files)  # encoded parts deleted
+    quarantine = [name for name in written if name.startswith("quarantine-")]  # the refused rows, written by their encode task
+    assert written == sorted(stage["shards"].files) == sorted(packed["train"].files + packed["eval"].files + quarantine)  # encoded parts deleted
+    assert [(q["source"], q["reason"]) for name in quarantine for q in pq.read_table(tmp_path / "shards" / name).to_pylist()] == [
+        ("p.jsonl:43", "too_long_tokens")
+    ]
 
     from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, ParquetSink, sample_rows
+from ft_assets.data.rows import ROW_SCHEMA, DatasetFileError, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
 from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata, table
@@ -234,14 +234,6 @@ def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
     return TokenizerFiles.from_dir(m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors")))
 
 
-def _quarantine_rejected(path: Path, rejected: list) -> dict[str, int]:
-    """The rows the tokenizer refused, into ``quarantine.parquet``; their count by reason."""
-    with ParquetSink(path, QUARANTINE_SCHEMA) as quarantine:
-        for source, err in rejected:
-            quarantine.write({"source": source, "stage": "tokenize", "reason": err.reason, "detail": err.detail, "raw": ""})
-    return dict(Counter(err.reason for _, err in rejected))
-
-
 def shard_stats(per_split: dict, seq_len: int, objective: str, accounting: RowAccounting) -> dict:
     """tokenized_shards' stats: what was packed, per split and in all, and the final row accounting."""
     train, evaluation = per_split["train"], per_split["eval"]
@@ -288,7 +280,8 @@ def tokenized_shards(
                 f"{split}: {packed.examples} {objective.items}, {packed.tokens} tokens in {packed.rows} rows "
                 f"(packing efficiency {packed.packing_efficiency:.4f})"
             )
-        rejected = _quarantine_rejected(m.out / "quarantine.parquet", per_split["train"].rejected + per_split["eval"].rejected)
+        # the encode tasks wrote the refused rows as quarantine-<split>-NNNNN parts: the count by reason
+        rejected = dict(Counter(err.reason for _, err in per_split["train"].rejected + per_split["eval"].rejected))
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
         stats = shard_stats(per_split, config.seq_len, objective.name, accounting)

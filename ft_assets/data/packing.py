@@ -43,7 +43,7 @@ import pyarrow as pa
 from ft_assets.data.bins import pack_bins
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess, store_at
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_bytes, part_name, read_part, runs, table_bytes
-from ft_assets.data.rows import RowError
+from ft_assets.data.rows import QUARANTINE_SCHEMA, RowError
 from ft_assets.shards import SCHEMA, packed_table, shard_name
 from ft_assets.storage import join_key
 
@@ -408,12 +408,16 @@ class EncodedPart:
     loss_tokens: int
     rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
     pad_id: int
+    quarantine: Written | None  # the rejected rows, as the artifact's part ``quarantine-<split>-NNNNN``; None: none
 
 
-def encode_run(settings: tuple[ChatEncoder | TokenizerFiles, int, PackKind, Target], item: tuple[str, list]) -> list[EncodedPart]:
+def encode_run(
+    settings: tuple[ChatEncoder | TokenizerFiles, int, PackKind, Target, Target], item: tuple[str, list]
+) -> list[EncodedPart]:
     """Tokenize a run of parts of one split, each (a ``Part``, or (row id, messages) rows; its number) into its encoded
-    sequences, written for the packing tasks (a data-plane task)."""
-    source, seq_len, kind, target = settings
+    sequences, written for the packing tasks, and the rows it rejected, written as the output's quarantine part
+    (a data-plane task)."""
+    source, seq_len, kind, target, out = settings
     encoder = source if isinstance(source, ChatEncoder) else source.encoder()
     pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
     split, run = item
@@ -425,8 +429,16 @@ def encode_run(settings: tuple[ChatEncoder | TokenizerFiles, int, PackKind, Targ
         kept, rejected = kind.encode(encoder, rows, seq_len)
         written = target.put(part_name(split, index), encoded_bytes(kept), len(kept))
         tokens, loss_tokens = sum(len(e.input_ids) for e in kept), sum(int(e.loss_mask.sum()) for e in kept)
-        done.append(EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id))
+        done.append(EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id, quarantine_part(out, split, index, rejected)))
     return done
+
+
+def quarantine_part(out: Target, split: str, index: int, rejected: list[tuple[str, str, str]]) -> Written | None:
+    """The rows the tokenizer refused in part ``index`` of ``split``, as the part ``quarantine-<split>-NNNNN``."""
+    if not rejected:
+        return None
+    rows = [{"source": row_id, "stage": "tokenize", "reason": reason, "detail": detail, "raw": ""} for row_id, reason, detail in rejected]
+    return out.put_table(part_name(f"quarantine-{split}", index), pa.Table.from_pylist(rows, schema=QUARANTINE_SCHEMA), QUARANTINE_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -456,6 +468,7 @@ class _Windows:
     def __init__(self, encoded: Artifact, executor: Executor, size: int, stats: dict[str, PackStats], sequences: int):
         self.encoded, self.executor, self.size, self.stats, self.sequences = encoded, executor, size, stats, sequences
         self.pending: list[tuple[Part, int]] = []  # (encoded part, its first sequence not in a window yet)
+        self.quarantined: list[Written] = []  # the output's quarantine parts the encode tasks wrote
         self.split, self.count, self.pad_id = None, 0, 0
 
     def cut(self, parts: Iterable[list[EncodedPart]]) -> Iterator[Window]:
@@ -476,6 +489,8 @@ class _Windows:
         counted.tokens += part.tokens
         counted.loss_tokens += part.loss_tokens
         counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
+        if part.quarantine is not None:
+            self.quarantined.append(part.quarantine)
         if part.written.rows:
             self.pending.append((self.encoded.part(part.written.name, self.executor), 0))
 
@@ -509,7 +524,8 @@ def pack_splits(
     one a window, to ``out``.
 
     Two kinds of task on ``executor`` (default: this process), pipelined: ``encode_run`` per task, whose workers write
-    their parts' encoded sequences under ``out``'s prefix (``ENCODED``), and ``pack_window`` per ``window`` items of a
+    their parts' encoded sequences under ``out``'s prefix (``ENCODED``) and the rows the tokenizer refused (``out``'s parts
+    ``quarantine-<split>-NNNNN``), and ``pack_window`` per ``window`` items of a
     split, cut from the encoded parts in row order as one process would cut them, whose workers read those
     sequences and write the shard. The driver only cuts windows from the parts' sequence counts. So the packed rows
     and shard files are the same whatever the executor and the tasks. ``kind``: ``EXAMPLES`` (chat examples),
@@ -520,12 +536,13 @@ def pack_splits(
     stats = {split: PackStats() for split in splits}
     encoded = Artifact(out.url, join_key(out.prefix, ENCODED))
     windows = _Windows(encoded, executor, window * kind.sequences, stats, kind.sequences)
-    parts = executor.map(encode_run, tasks, (encoder, seq_len, kind, encoded.target(executor)))
+    parts = executor.map(encode_run, tasks, (encoder, seq_len, kind, encoded.target(executor), out.target(executor)))
     for split, written in executor.map(pack_window, windows.cut(parts), (kind, seq_len, out.target(executor))):
         out.add(written)
         stats[split].rows += written.rows
         stats[split].slots += written.rows * seq_len
         stats[split].files.append(written.name)
+    out.add(*windows.quarantined)
     store = store_at(encoded.url)
     for name in encoded.files:
         store.delete(join_key(encoded.prefix, name))
