@@ -14,8 +14,8 @@ import pytest
 
 from ft_assets.control.assets import mfu_metadata
 from ft_assets.delivery import evaluate as ev
-from ft_assets.delivery.assets import answer_rows, eval_metadata, same_answer, shipped_metadata
-from ft_assets.delivery.scoring import Report
+from ft_assets.delivery.assets import eval_metadata, shipped_metadata
+from ft_assets.delivery.scoring import ChatScorer, Report, Scored, same_answer
 from ft_assets.materialize import dataset_metadata, figures, megabytes, ref_metadata, rounded, settings_table
 from ft_assets.plots import MAX_MARKDOWN
 from ft_assets.training.assets import adapter_metadata, checkpoint_table, figure_metadata
@@ -126,8 +126,8 @@ def gate(base, tuned, gguf):
 
 
 SFT_SAMPLES = [
-    {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "GGUF f16 (llama.cpp)": "ok", "exact_match": 1.0, "source": "a:1"},
-    {"prompt": "call mom", "reference": "ok", "base": "", "fine-tuned": "okay", "GGUF f16 (llama.cpp)": "okay", "exact_match": 0.0, "source": "a:2"},
+    {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "correct": True, "GGUF f16 (llama.cpp)": "ok", "exact_match": 1.0, "source": "a:1"},
+    {"prompt": "call mom", "reference": "ok", "base": "", "fine-tuned": "okay", "correct": False, "GGUF f16 (llama.cpp)": "okay", "exact_match": 0.0, "source": "a:2"},
 ]  # fmt: skip
 
 
@@ -152,16 +152,20 @@ def test_without_a_gguf_the_eval_report_has_no_gguf_figures_and_two_bars():
     assert metadata["gguf_file"] == "none shipped" and len(bars(svg_of(metadata["chart"].value))) == 2
 
 
-def test_answers_are_correct_by_the_objectives_own_measure():
-    pairs = [{"chosen": "a", "rejected": "b", "base margin": -0.1, "fine-tuned margin": 0.3, "prefers chosen": True}]
-    assert answer_rows(pairs, ev.PREFERENCE_METRIC) == [{"chosen": "a", "rejected": "b", "base margin": -0.1, "fine-tuned margin": 0.3, "correct": True}]
-    call = '{"name": "set_timer", "arguments": {"minutes": 5}}'
-    rewarded = [
-        {"prompt": "p", "reference": '"{\\"name\\": \\"set_timer\\", \\"arguments\\": {\\"minutes\\": 5}}"', "base": "x",
-         "fine-tuned": ' {"arguments": {"minutes": 5}, "name": "set_timer"} ', "reward": 3.0, "source": "s"},
-        {"prompt": "p", "reference": "null", "base": "x", "fine-tuned": call, "reward": 0.6, "source": "s"},
-    ]  # fmt: skip
-    assert [row["correct"] for row in answer_rows(rewarded, ev.REWARD_METRIC)] == [True, None]  # no reference: not known
+@pytest.mark.parametrize(
+    "metric, tuned, correct",
+    [("exact_match", ['{"name": "f", "arguments": {"a": 1}}', "okay"], [True, False]),  # a task metric: full marks
+     ("ft_assets.rewards:tool_call_json", ['{"name": "f", "arguments": {}}', "{"], [False, False]),  # a reward: the reference's answer
+     ("ft_assets.rewards:tool_call_json", ['{"name": "f", "arguments": {"a": 1}}', "ok"], [True, True])],
+)  # fmt: skip
+def test_a_chat_scorers_answers_say_correct_by_its_own_measure(metric, tuned, correct):
+    scorer = ChatScorer(metric, 10, 8, {})
+    scorer.examples = [ev.EvalExample("a:1", [{"role": "user", "content": "call f"}], '{"name": "f", "arguments": {"a": 1}}'),
+                       ev.EvalExample("a:2", [{"role": "user", "content": "say ok"}], "ok")]  # fmt: skip
+    scored = Scored(0.5, {"eval_loss": 1.0, "perplexity": 2.7}, tuned)
+    report = scorer.report(Scored(0.0, {"eval_loss": 2.0, "perplexity": 7.4}, ["", ""]), scored, None, "GGUF")
+    assert [row["correct"] for row in report.samples] == correct
+    assert list(report.samples[0])[:5] == ["prompt", "reference", "base", "fine-tuned", "correct"]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ from pathlib import Path
 import dagster as dg
 
 from ft_assets import layout, objectives
-from ft_assets import rewards as rw
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery import llamacpp, model_registry, portable, signing, vllm
 from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig, VllmConfig
@@ -277,48 +276,8 @@ def eval_metadata(verdict: ev.Gate, report, size: int, unit: str, shipped: str |
         gguf_file=shipped or "none shipped",
         chart=dg.MetadataValue.md(bar_chart({verdict.metric_name: bars}, f"{verdict.metric_name} on {size} {unit}")),
         comparison=table(report.comparison),
-        answers=table(answer_rows(report.samples, verdict.metric_name)),
+        answers=table(report.samples),  # each row's `correct` by the objective's own measure (scoring.py)
     )
-
-
-def answer_rows(samples: list[dict], metric: str) -> list[dict]:
-    """The eval's answers (or pairs) with a ``correct`` column, next to the fine-tuned model's answer:
-
-    - scored by a task metric (exact_match, token_f1, rouge_l): the answer earns full marks, 1.0;
-    - a preference pair: the fine-tuned model prefers the chosen reply (its margin is above 0);
-    - scored by rewards: the reply is the reference's tool call (same name and arguments), or its very text.
-    """
-    rows = []
-    for sample in samples:
-        if "prefers chosen" in sample:
-            rows.append({("correct" if key == "prefers chosen" else key): value for key, value in sample.items()})
-            continue
-        if metric in ev.METRICS:
-            correct = sample[metric] >= 1.0
-        else:
-            correct = same_answer(sample["fine-tuned"], sample["reference"])
-        row = {}
-        for key, value in sample.items():
-            row[key] = value
-            if key == "fine-tuned":
-                row["correct"] = correct
-        rows.append(row)
-    return rows
-
-
-def same_answer(reply: str, reference: str | None) -> bool | None:
-    """A reply is the reference: the same tool call when the reference is one (JSON, as the reward rows hold it), else
-    the same text (surrounding whitespace aside); None for a prompt without a reference."""
-    try:
-        expected = json.loads(reference)
-    except (TypeError, ValueError):
-        expected = reference
-    if expected is None:
-        return None
-    call = rw.parse_call(expected)
-    if call is not None:
-        return rw.parse_call(reply.strip()) == call
-    return reply.strip() == str(expected).strip()
 
 
 def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict) -> None:

@@ -318,6 +318,6 @@ def pair_rows(tokenizer, rows, base, tuned, beta: float, n: int = 10) -> list[di
             "rejected": tokenizer.decode(rejected, skip_special_tokens=True).strip(),
             "base margin": round(margins[0], 4),
             "fine-tuned margin": round(margins[1], 4),
-            "prefers chosen": margins[1] > 0,
+            "correct": margins[1] > 0,  # the fine-tuned model prefers the chosen reply
         })  # fmt: skip
     return table

@@ -129,9 +129,11 @@ class ChatScorer:
         ]  # fmt: skip
         gguf_answers = gguf.answers if gguf else [None] * len(self.examples)
         scores = ev.answer_scores(tuned.answers, self.examples, self.scored_by)
+        rewarded = self.metric == ev.REWARD_METRIC  # a reward scores it: correct is the reference's answer, not full marks
         samples = [
             {"prompt": ev.last_user_turn(e.prompt), "reference": e.reference, "base": a, "fine-tuned": b_,
-             gguf_label: c, self.metric: round(score, 3), "source": e.source}
+             "correct": same_answer(b_, e.reference) if rewarded else score >= 1.0, gguf_label: c, self.metric: round(score, 3),
+             "source": e.source}
             for e, a, b_, c, score in zip(self.examples, base.answers, tuned.answers, gguf_answers, scores)
         ]  # fmt: skip
         tracked = {self.metric: tuned.metric, f"base_{self.metric}": base.metric}
@@ -141,7 +143,6 @@ class ChatScorer:
             "base_eval_loss": b["eval_loss"], "finetuned_eval_loss": t["eval_loss"],
             "base_perplexity": b["perplexity"], "finetuned_perplexity": t["perplexity"],
         }  # fmt: skip
-        rewarded = self.metric == ev.REWARD_METRIC
         stats.update(reward_functions=[self.scored_by] if rewarded else None, finetuned_reward_mean=tuned.metric if rewarded else None,
                      base_reward_mean=base.metric if rewarded else None)  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}")
@@ -250,11 +251,11 @@ class RewardScorer:
         ]  # fmt: skip
         totals = rw.totals(tuned.detail)
         gguf_answers = gguf.answers if gguf else [None] * len(self.prompts)
-        samples = [
-            {"prompt": ev.last_user_turn(p.messages), "reference": json.dumps(p.columns.get(rw.REFERENCE_COLUMN)), "base": a,
-             "fine-tuned": b, gguf_label: c, "reward": round(r, 3), "source": p.source}
-            for p, a, b, c, r in zip(self.prompts, base.answers, tuned.answers, gguf_answers, totals)
-        ]  # fmt: skip
+        samples = []
+        for p, a, b, c, r in zip(self.prompts, base.answers, tuned.answers, gguf_answers, totals):
+            reference = json.dumps(p.columns.get(rw.REFERENCE_COLUMN))
+            samples.append({"prompt": ev.last_user_turn(p.messages), "reference": reference, "base": a, "fine-tuned": b,
+                            "correct": same_answer(b, reference), gguf_label: c, "reward": round(r, 3), "source": p.source})  # fmt: skip
         tracked = {"reward_mean": tuned.metric, "base_reward_mean": base.metric}
         if gguf:
             tracked["gguf_reward_mean"] = gguf.metric
@@ -264,6 +265,21 @@ class RewardScorer:
             "base_rewards": base.figures, "finetuned_rewards": tuned.figures, "gguf_rewards": gguf.figures if gguf else None,
         }  # fmt: skip
         return Report(stats, comparison, samples, tracked, f"reward {base.metric:.3f} → {tuned.metric:.3f}")
+
+
+def same_answer(reply: str, reference: str | None) -> bool | None:
+    """A reply is the reference: the same tool call when the reference is one (JSON, as the reward rows hold it), else
+    the same text (surrounding whitespace aside); None for a prompt without a reference (not known)."""
+    try:
+        expected = json.loads(reference)
+    except (TypeError, ValueError):
+        expected = reference
+    if expected is None:
+        return None
+    call = rw.parse_call(expected)
+    if call is not None:
+        return rw.parse_call(reply.strip()) == call
+    return reply.strip() == str(expected).strip()
 
 
 def _mean(values: list[float]) -> float:
