@@ -60,11 +60,13 @@ def build_shards(corpus: Path, work: Path, seq_len: int, model_dir: Path) -> Pat
 
 
 def shard_lengths(shards: Path) -> tuple[list[int], int, int]:
-    """(example lengths in shard order, packed rows, seq_len) of every ``*.parquet`` shard."""
+    """(example lengths in shard order, packed rows, seq_len) of every train and eval shard (not the quarantine parts)."""
     import pyarrow.parquet as pq
 
+    from ft_assets.shards import shard_files
+
     lengths, rows, seq_len = [], 0, 0
-    for path in sorted(shards.glob("*-*.parquet")):
+    for path in [*shard_files(shards, "eval"), *shard_files(shards, "train")]:  # the order the files sort in
         table_ = pq.read_table(path, columns=["seq_lens", "input_ids"])
         rows += table_.num_rows
         if table_.num_rows:

@@ -353,7 +353,8 @@ LOSS_CURVE = loss_curve([(step, 7.5 * math.exp(-step / 300) + 0.05) for step in 
 EVAL = eval_metadata(
     ev.gate("exact_match", 0.0, 0.95, 0.9, min_improvement=0.1, max_gguf_drop=0.1),
     Report({"base_eval_loss": 7.5, "finetuned_eval_loss": 0.08}, [], [
-        {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "exact_match": 1.0, "source": "a:1"},
+        {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "correct": True, "exact_match": 1.0,
+         "source": "a:1"},  # as ChatScorer.report makes them
     ], {}, ""),
     20, "eval conversations", "toolcalls-ui1-f16.gguf",
 )  # fmt: skip
