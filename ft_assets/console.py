@@ -71,7 +71,9 @@ class _Quiet(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         meta = getattr(record, "dagster_meta", {})
         event = meta.get("dagster_event")
-        return shown(event.event_type_value if event else None, record.levelno, meta.get("orig_message") or "", verbose=False)
+        return shown(
+            event.event_type_value if event else None, record.levelno, meta.get("orig_message") or "", verbose=False
+        )
 
 
 @dg.logger(

@@ -215,7 +215,13 @@ def acquire(store: ObjectStore, partition: str, run_id: str, run_status: RunStat
                 f"{EXPIRY_SECONDS:.0f} s after its last heartbeat."
             )
         generation = state.generation + 1 if state else 1
-        owner = {"run_id": run_id, "lease_id": uuid.uuid4().hex, "partition": partition, "created_at": now(), **process_identity()}
+        owner = {
+            "run_id": run_id,
+            "lease_id": uuid.uuid4().hex,
+            "partition": partition,
+            "created_at": now(),
+            **process_identity(),
+        }
         key = join_key(prefix, f"{generation:08d}", OWNER)
         created = store.put_bytes_if_absent(key, json.dumps(owner, indent=2).encode())
         if not created:

@@ -29,8 +29,6 @@ class ArtifactCorrupt(StoreError):
     """An artifact's files do not match its manifest (missing file, size or sha256 mismatch)."""
 
 
-
-
 @dataclass(frozen=True)
 class Manifest:
     prefix: str
@@ -66,7 +64,11 @@ def begin_artifact(store: ObjectStore, prefix: str) -> None:
 
 
 def publish_dir(
-    store: ObjectStore, prefix: str, local_dir: str | Path, meta: dict | None = None, parts: dict[str, dict] | None = None
+    store: ObjectStore,
+    prefix: str,
+    local_dir: str | Path,
+    meta: dict | None = None,
+    parts: dict[str, dict] | None = None,
 ) -> Manifest:
     """Upload every file under ``local_dir`` to ``prefix``, then write the manifest last.
 
@@ -106,7 +108,9 @@ def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
         raise ArtifactNotFound(f"no complete artifact at {store.uri(prefix)} (no {MANIFEST})")
     try:
         raw = store.get_json(key)
-        return Manifest(prefix=raw["prefix"], files=raw["files"], meta=raw.get("meta", {}), created_at=raw["created_at"])
+        return Manifest(
+            prefix=raw["prefix"], files=raw["files"], meta=raw.get("meta", {}), created_at=raw["created_at"]
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise ArtifactCorrupt(f"unreadable manifest {store.uri(key)}: {exc}") from exc
 

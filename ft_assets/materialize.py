@@ -11,15 +11,17 @@ verified), calls one plain function of its plane, publishes the output folder as
 asset body holds only what is its own::
 
     with Materialization(context, store, "clean", data_executor) as m:
-        out = m.begin(layout.of(m.partition).data("cleaned"))
-        stats = clean_dataset(m.input(raw_dataset), out, config.rules(), data_executor.executor)
+        out = Artifact.begin(m.store, layout.of(m.partition).data("cleaned"))
+        rows = Artifact.committed(m.store, raw_dataset["prefix"])
+        stats = clean_dataset(rows, out, config.rules(), data_executor.executor, objective.clean_row)
         ref = m.publish(out, stats, upstream={"raw_dataset": raw_dataset})
     return m.output(ref, rows_kept=stats["rows_kept"])
 
-A data asset's workers read and write the store themselves (``ft_assets.data.parts``): ``input`` names
-the parts of an input artifact, ``begin`` clears the output's prefix for the parts the workers write,
-and ``publish`` commits them from their descriptors, with whatever the driver wrote to ``out``. The
-other planes' assets download their inputs (``fetch``) and publish the folder ``out``.
+A data asset's workers read and write the store themselves (``ft_assets.data.parts``: ``Artifact``
+names the parts of an input artifact, ``Artifact.begin`` clears the output's prefix for the parts the
+workers write), and ``publish``, given that artifact, commits its parts from their descriptors with
+whatever the driver wrote to ``out``. The other planes' assets download their inputs (``fetch``) and
+publish the folder ``out``. This module imports no plane: every plane's assets import it.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ import math
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import dagster as dg
 import pyarrow as pa
 
 from ft_assets import refs
-from ft_assets.data.parts import Artifact
-from ft_assets.manifests import begin_artifact, fetch_artifact
+from ft_assets.manifests import fetch_artifact
 from ft_assets.storage import store_kind
 
 STORE_KIND = store_kind()  # the asset kind of this deployment's store ("s3" or "file"), shown in the graph
@@ -79,7 +81,9 @@ def arrow_columns(schema: pa.Schema) -> dg.TableSchema:
     """The columns of an Arrow schema (what a dataset's Parquet parts are written with) and their types, for the
     asset page's "Columns" section."""
     types = {field.name: str(field.type).replace("element: ", "").replace("item: ", "") for field in schema}
-    return dg.TableSchema(columns=[dg.TableColumn(name, kind) for name, kind in types.items()])  # list<element: int32> -> list<int32>
+    return dg.TableSchema(
+        columns=[dg.TableColumn(name, kind) for name, kind in types.items()]
+    )  # list<element: int32> -> list<int32>
 
 
 def dataset_metadata(row_count: int, schema: pa.Schema) -> dict:
@@ -122,6 +126,7 @@ def table(rows: list[dict], columns: list[str] | None = None) -> dg.MetadataValu
 
 def settings_table(settings: dict, key: str = "setting") -> dg.MetadataValue:
     """A flat dict (settings, a run's figures) as a two-column table: one row per key, nested values as compact JSON."""
+
     def shown(value) -> str:
         if value is None:
             return "none"
@@ -130,6 +135,13 @@ def settings_table(settings: dict, key: str = "setting") -> dg.MetadataValue:
         return json.dumps(value, default=str) if isinstance(value, dict | list | tuple) else str(value)
 
     return table([{key: name, "value": shown(value)} for name, value in settings.items()], columns=[key, "value"])
+
+
+class PartsArtifact(Protocol):
+    """What ``publish`` reads of a data stage's artifact (``ft_assets.data.parts.Artifact``)."""
+
+    prefix: str
+    files: dict[str, dict]  # part name -> its manifest entry
 
 
 class Materialization:
@@ -167,24 +179,21 @@ class Materialization:
         fetch_artifact(self.store, ref["prefix"], target, include=include)
         return target
 
-    def input(self, ref: dict) -> Artifact:
-        """The artifact of an input reference, for a data stage's workers to read from the store themselves."""
-        return Artifact.committed(self.store, ref["prefix"])
-
-    def begin(self, prefix: str) -> Artifact:
-        """An empty artifact at ``prefix`` that a data stage's workers write their parts into (what an earlier
-        attempt left there is deleted first, its manifest before anything); ``publish`` commits it."""
-        begin_artifact(self.store, prefix)
-        return Artifact(self.store.url, prefix)
-
-    def publish(self, prefix: str | Artifact, stats: dict, upstream: dict[str, dict] | None = None, folder: Path | None = None, **extra) -> dict:
-        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference; given an ``Artifact``
-        (``begin``), its parts are committed with it, by their descriptors.
+    def publish(
+        self,
+        prefix: str | PartsArtifact,
+        stats: dict,
+        upstream: dict[str, dict] | None = None,
+        folder: Path | None = None,
+        **extra,
+    ) -> dict:
+        """Publish ``folder`` (default: ``out``) at ``prefix`` and return the asset's reference; given a data stage's
+        ``Artifact`` (``Artifact.begin``), its parts are committed with it, by their descriptors.
 
         The reference records the asset's resolved settings, so a rerun can tell whether it is current.
         """
-        parts = prefix.files if isinstance(prefix, Artifact) else None
-        prefix = prefix.prefix if isinstance(prefix, Artifact) else prefix
+        parts = None if isinstance(prefix, str) else prefix.files
+        prefix = prefix if isinstance(prefix, str) else prefix.prefix
         return refs.publish(
             self.store, self.asset, self.partition, prefix, folder or self.out, stats, upstream, parts,
             config=op_config(self.context), **extra,
@@ -194,7 +203,9 @@ class Materialization:
         """The asset's return value: its reference, with the given figures, the artifact's metadata and the duration
         (and for a data asset, where its shards ran and how many ran again after a worker died)."""
         if self.executor is not None:
-            metadata.update(executor=self.executor.describe(), shard_retries=self.executor.retried - self.retried_before)
+            metadata.update(
+                executor=self.executor.describe(), shard_retries=self.executor.retried - self.retried_before
+            )
         shown = dict(metadata)  # the asset's own figures first: the page lists entries in this order
         for name, value in ref_metadata(ref).items():
             shown.setdefault(name, value)  # a figure of the asset's own under the same name wins

@@ -22,6 +22,20 @@ from urllib.parse import quote
 MAX_MARKDOWN = 999  # the longest markdown the asset page draws in place (1,000 and more: a "[Show Markdown]" link)
 MIN_BAR_PX = 3  # the least height of a bar: a value of 0 still shows as a bar
 MAX_POINTS = 64  # points of a curve before it must shrink to fit; a loss curve needs no more at 270 px wide
+CURVE_SIZES = (
+    MAX_POINTS,
+    48,
+    36,
+    28,
+    20,
+    16,
+    12,
+    8,
+    6,
+    4,
+    2,
+)  # the points a curve is tried with, most first, until it fits
+MAX_DOTS = 8  # dots beside a curve (the eval losses); more are the means of equal runs, as a curve's points are
 COLORS = ("#37c", "#e72", "#3a3", "#c33", "#85c")  # one per series, in order
 URI_SAFE = "/:=',.-"  # left as they are in the data URI; <, >, #, spaces, parentheses and the rest are %-encoded
 WIDTH, HEIGHT = 320, 130
@@ -52,9 +66,14 @@ def _text(x: float, y: float, text: str, anchor: str = "", fill: str = "") -> st
     return f"<text x='{x:g}' y='{y:g}'{attributes}>{escaped}</text>"
 
 
-def _title_line(title: str, legend: list[str]) -> str:
-    """The title, then each series' name in its colour: above the plot area, never on a bar or a curve."""
+def _title_line(title: str, legend: list[str], colored: tuple[str, str] | None = None) -> str:
+    """The title, then each series' name in its colour: above the plot area, never on a bar or a curve.
+
+    ``colored`` = (a part of the title, a colour): that part of the title in that colour (a legend in the title)."""
     parts = [_text(4, 13, title)]
+    if colored and colored[0] in title:
+        part = colored[0].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        parts = [parts[0].replace(part, f"<tspan fill='{colored[1]}'>{part}</tspan>", 1)]
     x = RIGHT
     for i in reversed(range(len(legend))):
         parts.append(_text(x, 13, legend[i], "end", COLORS[i % len(COLORS)]))
@@ -68,7 +87,9 @@ def _fitted(candidates, title: str) -> str:
         markdown = svg_markdown(svg, title)
         if len(markdown) <= MAX_MARKDOWN:
             return markdown
-    raise ChartTooLarge(f"chart {title!r} does not fit in {MAX_MARKDOWN} characters of markdown; shorten its title or names")
+    raise ChartTooLarge(
+        f"chart {title!r} does not fit in {MAX_MARKDOWN} characters of markdown; shorten its title or names"
+    )
 
 
 def downsample(points: list[tuple[float, float]], n: int) -> list[tuple[float, float]]:
@@ -90,37 +111,54 @@ def _span(values: list[float]) -> tuple[float, float]:
     return low, high
 
 
-def line_chart(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str) -> str:
+def line_chart(
+    series: dict[str, list[tuple[float, float]]],
+    title: str,
+    xlabel: str,
+    dots: tuple[str, list[tuple[float, float]]] | None = None,
+) -> str:
     """Curves of (x, y) points as markdown: the title and each series' name on top, y's range left, x's range below.
 
-    Points whose y is NaN or infinite are left out; a chart without any point says "no points"."""
+    ``dots`` = (name, points): points drawn as dots on the same axes (a few measurements beside a curve: the eval
+    losses of a loss curve), in the next colour; their name is the part of the title in that colour, or written
+    under the plot where the title does not hold it. Points whose y is NaN or infinite are left out; a chart
+    without any point says "no points"."""
     clean = {name: [(x, y) for x, y in points if math.isfinite(y)] for name, points in series.items()}
     clean = {name: points for name, points in clean.items() if points}
-    if not clean:
+    dotted = [(x, y) for x, y in (dots[1] if dots else []) if math.isfinite(y)]
+    if not clean and not dotted:
         return _fitted([SVG_OPEN + _title_line(title, []) + _text(LEFT, 60, "no points") + "</svg>"], title)
-    xs = [x for points in clean.values() for x, _ in points]
-    ys = [y for points in clean.values() for _, y in points]
+    xs = [x for points in clean.values() for x, _ in points] + [x for x, _ in dotted]
+    ys = [y for points in clean.values() for _, y in points] + [y for _, y in dotted]
     (x0, x1), (y0, y1) = _span(xs), _span(ys)
+    dot_color = COLORS[len(clean) % len(COLORS)]
+    named_above = bool(dotted) and dots[0] in title
     frame = (
-        SVG_OPEN + _title_line(title, list(clean) if len(clean) > 1 else [])
+        SVG_OPEN + _title_line(title, list(clean) if len(clean) > 1 else [], (dots[0], dot_color) if dotted else None)
         + f"<path d='M{LEFT},{TOP}V{BOTTOM}H{RIGHT}' fill='none' stroke='#999'/>"
         + _text(LEFT - 4, TOP + 8, number_label(y1, 3), "end") + _text(LEFT - 4, BOTTOM, number_label(y0, 3), "end")
         + _text(LEFT, BOTTOM + 13, number_label(x0)) + _text(RIGHT, BOTTOM + 13, f"{xlabel} {number_label(x1)}", "end")
+        + (_text((LEFT + RIGHT) / 2, BOTTOM + 13, f"\u25a0 {dots[0]}", "middle", dot_color) if dotted and not named_above else "")
     )  # fmt: skip
 
-    def polyline(points, color: str) -> str:
-        coords = ",".join(
-            f"{round(LEFT + (x - x0) / (x1 - x0) * (RIGHT - LEFT))},{round(BOTTOM - (y - y0) / (y1 - y0) * (BOTTOM - TOP))}"
-            for x, y in points
+    def at(x: float, y: float) -> tuple[int, int]:
+        return round(LEFT + (x - x0) / (x1 - x0) * (RIGHT - LEFT)), round(
+            BOTTOM - (y - y0) / (y1 - y0) * (BOTTOM - TOP)
         )
+
+    def polyline(points, color: str) -> str:
+        coords = ",".join("%d,%d" % at(x, y) for x, y in points)
         return f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{coords}'/>"
+
+    # every dot, a 4 px square, in one path of 4 px strokes: ~10 characters a dot, where a <circle> costs ~50
+    marks = "".join("M%d,%dh4" % (lambda cx, cy: (cx - 2, cy))(*at(x, y)) for x, y in downsample(dotted, MAX_DOTS))
+    dotted_path = f"<path d='{marks}' stroke='{dot_color}' stroke-width='4'/>" * bool(marks)
 
     def drawn(n: int) -> str:
         lines = (polyline(downsample(points, n), COLORS[i % len(COLORS)]) for i, points in enumerate(clean.values()))
-        return frame + "".join(lines) + "</svg>"
+        return frame + "".join(lines) + dotted_path + "</svg>"
 
-    sizes = [MAX_POINTS >> k for k in range(MAX_POINTS.bit_length() - 1)]  # 64, 32, 16, 8, 4, 2
-    return _fitted((drawn(n) for n in sizes), title)
+    return _fitted((drawn(n) for n in CURVE_SIZES), title)
 
 
 def bar_geometry(groups: dict[str, dict[str, float]]) -> tuple[float, list[dict]]:
@@ -151,7 +189,7 @@ def bar_geometry(groups: dict[str, dict[str, float]]) -> tuple[float, list[dict]
     return zero, bars
 
 
-def bar_chart(groups: dict[str, dict[str, float]], title: str) -> str:
+def bar_chart(groups: dict[str, dict[str, float]], title: str, digits: int = 4) -> str:
     """Bars as markdown. ``groups``: group -> {series name: value}; one cluster of bars per group.
 
     One group: each bar's name under it. Several: the group's name under its cluster and the series' names,
@@ -164,20 +202,30 @@ def bar_chart(groups: dict[str, dict[str, float]], title: str) -> str:
     def drawn(kept: dict[str, dict[str, float]], labels: bool) -> str:
         zero, bars = bar_geometry(kept)
         shown = title if len(kept) == len(groups) else f"{title} (last {len(kept)} of {len(groups)})"
-        parts = [SVG_OPEN, _title_line(shown, names if len(kept) > 1 else []), f"<path d='M{LEFT},{zero:.0f}H{RIGHT}' stroke='#999'/>"]
+        parts = [
+            SVG_OPEN,
+            _title_line(shown, names if len(kept) > 1 else []),
+            f"<path d='M{LEFT},{zero:.0f}H{RIGHT}' stroke='#999'/>",
+        ]
         for color in dict.fromkeys(bar["color"] for bar in bars):  # one path per colour: the cheapest form of many bars
-            d = "".join(f"M{b['x']:.0f},{b['y']:.0f}h{b['width']:.0f}v{b['height']:.0f}h-{b['width']:.0f}z" for b in bars if b["color"] == color)
+            d = "".join(
+                f"M{b['x']:.0f},{b['y']:.0f}h{b['width']:.0f}v{b['height']:.0f}h-{b['width']:.0f}z"
+                for b in bars
+                if b["color"] == color
+            )
             parts.append(f"<path fill='{color}' d='{d}'/>")
         for b in bars:
             middle = b["x"] + b["width"] / 2
             if labels:
                 above = b["y"] - 3 if b["value"] >= 0 else b["y"] + b["height"] + 10
-                parts.append(_text(round(middle), round(above), number_label(b["value"]), "middle"))
+                parts.append(_text(round(middle), round(above), number_label(b["value"], digits), "middle"))
             if len(kept) == 1:
                 parts.append(_text(round(middle), BOTTOM + 13, b["name"], "middle"))
         if len(kept) > 1:
             slot = (RIGHT - LEFT) / len(kept)
-            parts += [_text(round(LEFT + (g + 0.5) * slot), BOTTOM + 13, group, "middle") for g, group in enumerate(kept)]
+            parts += [
+                _text(round(LEFT + (g + 0.5) * slot), BOTTOM + 13, group, "middle") for g, group in enumerate(kept)
+            ]
         return "".join(parts) + "</svg>"
 
     order = list(groups)

@@ -90,6 +90,10 @@ class PlanStats(TypedDict):
     estimated_cost_usd: float
     flops_per_token: float
     warnings: list[str]
+    gpus: int  # num_processes x num_nodes of the settings planned for
+    training_config: dict  # the TrainingConfig planned for (lora_adapter's), as model_dump() writes it
+    resolved: dict  # ResolvedTraining.as_dict(): the method, steps and learning rate the run uses
+    planned_for: str  # whose settings: the lora_adapter of a run, or its defaults (a preview)
 
 
 class AdapterStats(TypedDict):
@@ -109,6 +113,7 @@ class AdapterStats(TypedDict):
     tokens_per_second: float
     mlflow_run_id: str | None
     restarts: list[dict]
+    worker_image: dict  # ft_assets.training.worker_image: the image's digest (None outside one, with the reason)
 
 
 class CostStats(TypedDict):
@@ -120,10 +125,13 @@ class CostStats(TypedDict):
     estimated_hours: float
 
 
-class GgufStats(TypedDict):
-    files: dict[str, dict]  # file name -> its qtype, bytes and llama.cpp figures
+class ExportStats(TypedDict):  # every export's asset (ft_assets.delivery.exports: gguf_model, ...)
+    export: str  # the export's name: "gguf"
+    files: dict[str, dict]  # file name -> its variant (GGUF: qtype), bytes, sha256 and its runtime's figures
     shipped: str | None  # the file that ships; None: none (``reason``)
-    reason: NotRequired[str | None]  # why no GGUF ships (qtypes: [], an architecture llama.cpp cannot take)
+    reason: str | None  # why none ships, in one line (turned off, refused by its converter or runtime)
+    required: bool  # a refusal fails the run
+    max_drop: float  # what its gate allows below the merged model
 
 
 class EvalStats(TypedDict):
@@ -132,10 +140,9 @@ class EvalStats(TypedDict):
     finetuned_metric: float
     base_eval_loss: float | None
     finetuned_eval_loss: float | None
-    gguf_file: str | None
-    gguf_qtype: str | None
-    gguf_metric: float | None
-    gguf_drop: float | None
+    # export name -> its gate verdict (ft_assets.delivery.gate.ExportVerdict): file, metric, reason
+    exports: dict[str, dict]
+    general: NotRequired[dict | None]  # general_eval's verdict (delivery.regression.GeneralVerdict.as_dict)
 
 
 STATS: dict[str, type] = {
@@ -145,9 +152,8 @@ STATS: dict[str, type] = {
     "training_plan": PlanStats,
     "lora_adapter": AdapterStats,
     "training_cost": CostStats,
-    "gguf_model": GgufStats,
     "eval_report": EvalStats,
-}
+}  # every export's asset: ExportStats
 Stats = TypeVar("Stats")
 
 
@@ -181,7 +187,8 @@ def make_ref(
         "files": sorted(manifest.files),
         "stats": stats,
         "upstream": {
-            name: {"asset": ref["asset"], "uri": ref["uri"], "digest": ref["digest"]} for name, ref in (upstream or {}).items()
+            name: {"asset": ref["asset"], "uri": ref["uri"], "digest": ref["digest"]}
+            for name, ref in (upstream or {}).items()
         },
         "created_at": time.time(),
         **extra,

@@ -16,7 +16,8 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from ft_assets import locks, refs
+from ft_assets import layout, locks, refs
+from ft_assets.partitions import DatasetVersion
 from ft_assets.storage import ObjectStore, open_store
 
 PARTITION_TAG = "dagster/partition"
@@ -45,6 +46,15 @@ class ObjectStoreResource(dg.ConfigurableResource):
             yield Path(path)
 
 
+def variant_refusal(partition: str, assets: list[str]) -> str:
+    """Why a variant's run may not write its version's data-plane outputs."""
+    version = DatasetVersion.from_key(partition)
+    return (
+        f"{', '.join(assets)} of {partition}: the variants of a version share its data plane; materialize "
+        f"{'them' if len(assets) > 1 else 'it'} for {version.version_key} (a variant trains and delivers only)"
+    )
+
+
 class ArtifactRefIOManager(dg.ConfigurableIOManager):
     """Stores each asset's JSON-able return value (a reference, never the artifact) in the store.
 
@@ -62,6 +72,9 @@ class ArtifactRefIOManager(dg.ConfigurableIOManager):
         partition = run.tags.get(PARTITION_TAG) if run is not None else None
         if partition is None:  # not a run of one partition
             return
+        shared = sorted(key.path[-1] for key in run.asset_selection or () if key.path[-1] in layout.VERSION_ASSETS)
+        if shared and DatasetVersion.from_key(partition).variant:
+            raise dg.Failure(variant_refusal(partition, shared))
         instance = context.instance
 
         def run_status(run_id: str) -> str | None:
@@ -103,7 +116,10 @@ class ArtifactRefIOManager(dg.ConfigurableIOManager):
             return
         json.dumps(obj)  # fail loudly here, not in a reader, if a non-JSON value slipped in
         self._check_lease()
-        refs.write_ref(self.store.open(), *self._where(context), obj)
+        partition, asset = self._where(context)
+        if asset in layout.VERSION_ASSETS and DatasetVersion.from_key(partition).variant:
+            raise dg.Failure(variant_refusal(partition, [asset]))
+        refs.write_ref(self.store.open(), partition, asset, obj)
 
     def load_input(self, context: dg.InputContext) -> dict:
         try:

@@ -58,7 +58,9 @@ def load_reward(spec: str) -> Reward:
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise ValueError(f"rewards: {spec!r}: no file {path.resolve()}; give a path that exists where the run executes")
+            raise ValueError(
+                f"rewards: {spec!r}: no file {path.resolve()}; give a path that exists where the run executes"
+            )
         module_spec = importlib.util.spec_from_file_location(f"ft_rewards_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
@@ -66,7 +68,9 @@ def load_reward(spec: str) -> Reward:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
-            raise ValueError(f"rewards: {spec!r}: cannot import {target!r} ({exc}); install it, or name a file as path/to/file.py:function") from exc
+            raise ValueError(
+                f"rewards: {spec!r}: cannot import {target!r} ({exc}); install it, or name a file as path/to/file.py:function"
+            ) from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"rewards: {spec!r}: {target} has no function {name!r}")
@@ -77,7 +81,9 @@ def load_rewards(specs: list[str]) -> list[Reward]:
     return [load_reward(spec) for spec in specs]
 
 
-def score(rewards: list[Reward], prompts: list[list[dict]], replies: list[str], columns: list[dict]) -> list[list[float]]:
+def score(
+    rewards: list[Reward], prompts: list[list[dict]], replies: list[str], columns: list[dict]
+) -> list[list[float]]:
     """Each reward function's reward of each reply (NaN where it returned None), one list per function.
 
     ``prompts`` and ``columns`` are each reply's prompt turns and its row's other columns, aligned with ``replies``.
@@ -90,11 +96,15 @@ def score(rewards: list[Reward], prompts: list[list[dict]], replies: list[str], 
         values = reward.fn(prompts=prompts, completions=completions, **kwargs)
         if not isinstance(values, list | tuple) or len(values) != len(replies):
             got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
-            raise ValueError(f"reward {reward.name} returned {got} for {len(replies)} completions; return one float (or None) each")
+            raise ValueError(
+                f"reward {reward.name} returned {got} for {len(replies)} completions; return one float (or None) each"
+            )
         try:
             scored.append([math.nan if value is None else float(value) for value in values])
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"reward {reward.name} returned a non-number ({exc}); return one float (or None) each") from exc
+            raise ValueError(
+                f"reward {reward.name} returned a non-number ({exc}); return one float (or None) each"
+            ) from exc
     return scored
 
 
@@ -129,7 +139,9 @@ def parse_call(text) -> dict | None:
 
 def _calls(completions, answer) -> list[tuple[dict | None, dict | None]]:
     references = answer if answer is not None else [None] * len(completions)
-    return [(parse_call(_text(c)), parse_call(ref) if ref is not None else None) for c, ref in zip(completions, references)]
+    return [
+        (parse_call(_text(c)), parse_call(ref) if ref is not None else None) for c, ref in zip(completions, references)
+    ]
 
 
 def tool_call_json(prompts, completions, **columns) -> list[float]:
@@ -139,7 +151,10 @@ def tool_call_json(prompts, completions, **columns) -> list[float]:
 
 def tool_call_name(prompts, completions, answer=None, **columns) -> list[float | None]:
     """1 if the reply calls the reference's function, else 0; None for a row without a reference."""
-    return [None if ref is None else float(call is not None and call["name"] == ref["name"]) for call, ref in _calls(completions, answer)]
+    return [
+        None if ref is None else float(call is not None and call["name"] == ref["name"])
+        for call, ref in _calls(completions, answer)
+    ]
 
 
 def tool_call_arguments(prompts, completions, answer=None, **columns) -> list[float | None]:
@@ -166,6 +181,12 @@ def tool_call_format(prompts, completions, answer=None, **columns) -> list[float
     for completion, ref in zip(completions, references):
         text = _text(completion)
         limit = 2 * len(ref if isinstance(ref, str) else json.dumps(ref)) if ref is not None else 200
-        checks = (text.startswith("{"), text.endswith("}"), '"name"' in text, '"arguments"' in text, 0 < len(text) <= limit)
+        checks = (
+            text.startswith("{"),
+            text.endswith("}"),
+            '"name"' in text,
+            '"arguments"' in text,
+            0 < len(text) <= limit,
+        )
         out.append(sum(checks) / FORMAT_CHECKS)
     return out

@@ -30,7 +30,7 @@ turn comes after it and is generated in training. ``prompts-<split>-NNNNN.parque
 - ``messages`` (string): its turns, as JSON (what the reward functions get as ``prompts``);
 - ``columns`` (string): its other columns, as a JSON object (what they get as keyword arguments).
 
-The data plane writes one shard a packing window (``ft_assets.data.packing``: 16,384 examples, ~2,000
+The data plane writes one shard a packing window (``ft_assets.data.tokenizing``: 16,384 examples, ~2,000
 rows of 1,024 tokens on the benchmark corpus; 16,384 prompts), each built by ``packed_table`` in the
 worker that packed it; readers take a split's shards in the order of their numbers. ``load_packed_rows``
 reads a whole split into memory as three int32 tensors, 12 bytes/token (0.6 GB per 50M tokens): any
@@ -65,7 +65,11 @@ SCHEMA = pa.schema(
         ("seq_lens", pa.list_(pa.int32())),
     ]
 )
-TRAINING_COLUMNS = ("input_ids", "loss_mask", "position_ids")  # what the reader loads: seq_lens is implied by position_ids
+TRAINING_COLUMNS = (
+    "input_ids",
+    "loss_mask",
+    "position_ids",
+)  # what the reader loads: seq_lens is implied by position_ids
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards
@@ -83,7 +87,9 @@ def shard_name(split: str, index: int) -> str:
 def shard_files(shards_dir: Path, split: str) -> list[Path]:
     """The shards of ``split`` in ``shards_dir``, in the order their rows are numbered (by their numbers, which
     outgrow 5 digits past 99,999 windows)."""
-    numbers = {path: path.name[len(split) + 1 : -len(".parquet")] for path in Path(shards_dir).glob(f"{split}-*.parquet")}
+    numbers = {
+        path: path.name[len(split) + 1 : -len(".parquet")] for path in Path(shards_dir).glob(f"{split}-*.parquet")
+    }
     return sorted((path for path, number in numbers.items() if number.isdigit()), key=lambda path: int(numbers[path]))
 
 
@@ -193,7 +199,9 @@ def load_packed_rows(shards_dir: Path, split: str, max_seq_len: int) -> PackedRo
     if arrays is None:
         return None
     input_ids, loss_mask, position_ids = (torch.from_numpy(array) for array in arrays)
-    return PackedRows(input_ids=input_ids, labels=_labels(input_ids, loss_mask, position_ids), position_ids=position_ids)
+    return PackedRows(
+        input_ids=input_ids, labels=_labels(input_ids, loss_mask, position_ids), position_ids=position_ids
+    )
 
 
 @dataclass(frozen=True)
@@ -284,7 +292,9 @@ def load_prompt_rows(shards_dir: Path, split: str, max_seq_len: int) -> PromptRo
     for path in files:
         table = pq.read_table(path, columns=[field.name for field in PROMPT_SCHEMA])
         for ids, source, messages, columns in zip(*(table.column(field.name).to_pylist() for field in PROMPT_SCHEMA)):
-            prompts.append(Prompt(torch.tensor(ids, dtype=torch.long), source, json.loads(messages), json.loads(columns)))
+            prompts.append(
+                Prompt(torch.tensor(ids, dtype=torch.long), source, json.loads(messages), json.loads(columns))
+            )
     rows = PromptRows(prompts)
     if rows.seq_len > max_seq_len:
         raise ValueError(

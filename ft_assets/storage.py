@@ -36,7 +36,17 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 8.0
 # S3 error codes worth another attempt: the server is up but overloaded, restarting or timing out.
 TRANSIENT_CODES = frozenset(
-    {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "ConditionalRequestConflict", "500", "502", "503", "504"}
+    {
+        "InternalError",
+        "ServiceUnavailable",
+        "SlowDown",
+        "RequestTimeout",
+        "ConditionalRequestConflict",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +74,9 @@ def backoff_seconds(attempt: int) -> float:
 
 
 def _disk_error(what: str, path: str | Path, exc: OSError) -> StoreError:
-    hint = " (free space there, or point FT_SCRATCH at a bigger disk)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    hint = (
+        " (free space there, or point FT_SCRATCH at a bigger disk)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    )
     return StoreError(f"{what} {path}: {exc.strerror or exc}{hint}")
 
 
@@ -305,7 +317,9 @@ class S3Store(ObjectStore):
         self.client = client or boto3.client(
             "s3",
             **_env_credentials(),
-            config=BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60),
+            config=BotoConfig(
+                retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60
+            ),
         )
         from boto3.s3.transfer import TransferConfig
 
@@ -337,7 +351,15 @@ class S3Store(ObjectStore):
                         "check that the object store is up and reachable, then rerun"
                     ) from exc
                 delay = backoff_seconds(attempt)
-                logger.warning("%s %s: %s; retrying in %.1f s (attempt %d/%d)", what, self.uri(key), error, delay, attempt, self.max_attempts)
+                logger.warning(
+                    "%s %s: %s; retrying in %.1f s (attempt %d/%d)",
+                    what,
+                    self.uri(key),
+                    error,
+                    delay,
+                    attempt,
+                    self.max_attempts,
+                )
                 time.sleep(delay)
 
     def _classify(self, what: str, key: str, exc: Exception) -> StoreError | None:
@@ -385,7 +407,13 @@ class S3Store(ObjectStore):
         # retry after a lost response sees its own object and answers False: callers re-read to tell.
         try:
             self._call(
-                "create of", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+                "create of",
+                key,
+                self.client.put_object,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+                IfNoneMatch="*",
             )
         except ObjectExists:
             return False
@@ -397,7 +425,12 @@ class S3Store(ObjectStore):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._call(
-                "download of", key, self.client.download_file, self.bucket, self._key(key), str(tmp),
+                "download of",
+                key,
+                self.client.download_file,
+                self.bucket,
+                self._key(key),
+                str(tmp),
                 Config=self.transfer,
             )
             os.replace(tmp, path)

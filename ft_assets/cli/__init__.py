@@ -40,5 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - a bug, not a user error: still one line (and JSON), trace with --verbose
             if args.verbose:
                 traceback.print_exc()
-            return fail(args, partial, f"internal error {type(exc).__name__}: {exc} (rerun with --verbose for the trace)", exc)
+            return fail(
+                args, partial, f"internal error {type(exc).__name__}: {exc} (rerun with --verbose for the trace)", exc
+            )
         return command.report(args, result)

@@ -89,7 +89,9 @@ def code_location(instance: dg.DagsterInstance) -> Iterator[WorkspaceProcessCont
     with context:
         error = context.create_request_context().get_code_location_error(CODE_LOCATION)
         if error is not None:
-            raise CliError(f"cannot load the code location {CODE_LOCATION} ({DEFINITIONS}): {error.message.strip()} (see {code_server_log()})")
+            raise CliError(
+                f"cannot load the code location {CODE_LOCATION} ({DEFINITIONS}): {error.message.strip()} (see {code_server_log()})"
+            )
         yield context
 
 
@@ -114,7 +116,9 @@ def direct_launch_notice(instance: dg.DagsterInstance) -> str:
 def start(instance: dg.DagsterInstance, context: WorkspaceProcessContext, run: dg.DagsterRun, plane: str) -> None:
     """Submit the run to the coordinator, or hand it to the launcher when no daemon would take it off the queue."""
     direct = launches_directly(instance)
-    log(f"{'launching' if direct else 'submitting'} {run.job_name} run {run.run_id} for {run.tags['dagster/partition']} ...")
+    log(
+        f"{'launching' if direct else 'submitting'} {run.job_name} run {run.run_id} for {run.tags['dagster/partition']} ..."
+    )
     workspace = context.create_request_context()
     try:
         if direct:
@@ -122,7 +126,9 @@ def start(instance: dg.DagsterInstance, context: WorkspaceProcessContext, run: d
         else:
             instance.submit_run(run.run_id, workspace)
     except Exception as exc:  # the instance has written the failure into the run's log already
-        raise PlaneFailed(f"{run.job_name} run {run.run_id} could not start: {str(exc).strip().splitlines()[0]}", plane, run.run_id) from exc
+        raise PlaneFailed(
+            f"{run.job_name} run {run.run_id} could not start: {str(exc).strip().splitlines()[0]}", plane, run.run_id
+        ) from exc
 
 
 def follow(instance: dg.DagsterInstance, run_id: str, verbose: bool) -> dg.DagsterRun:
@@ -143,14 +149,20 @@ def follow(instance: dg.DagsterInstance, run_id: str, verbose: bool) -> dg.Dagst
             return run
         if run.status == dg.DagsterRunStatus.QUEUED:
             if not daemon_running(instance):
-                raise CliError(f"run {run_id} is queued but no dagster-daemon is running any more: start it again, or cancel the run in the UI")
+                raise CliError(
+                    f"run {run_id} is queued but no dagster-daemon is running any more: start it again, or cancel the run in the UI"
+                )
             if not said_queued:
-                log(f"run {run_id} is queued; the daemon launches it when its pool ({run.tags.get('ft/pool', '?')}) has a free slot")
+                log(
+                    f"run {run_id} is queued; the daemon launches it when its pool ({run.tags.get('ft/pool', '?')}) has a free slot"
+                )
                 said_queued = True
         time.sleep(POLL_S)
 
 
-def create_run(instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, key: str, run_config: dict) -> dg.DagsterRun:
+def create_run(
+    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, key: str, run_config: dict
+) -> dg.DagsterRun:
     """A run of ``job`` for partition ``key`` whose origin is the code location's job (as the UI creates one)."""
     remote_job = remote(context, job.name)
     return instance.create_run_for_job(
@@ -167,7 +179,9 @@ def remote(context: WorkspaceProcessContext, job_name: str):
     return next(iter(location.get_repositories().values())).get_full_job(job_name)
 
 
-def retry(instance: dg.DagsterInstance, context: WorkspaceProcessContext, failed: dg.DagsterRun, number: int) -> dg.DagsterRun:
+def retry(
+    instance: dg.DagsterInstance, context: WorkspaceProcessContext, failed: dg.DagsterRun, number: int
+) -> dg.DagsterRun:
     """Re-execute a failed run as the daemon's run retries do: the same tags and config, linked to it in the UI."""
     workspace = context.create_request_context()
     strategy = ReexecutionStrategy[failed.tags.get(RETRY_STRATEGY_TAG, ReexecutionStrategy.FROM_FAILURE.name)]
@@ -180,7 +194,9 @@ def retry(instance: dg.DagsterInstance, context: WorkspaceProcessContext, failed
         extra_tags={RETRY_NUMBER_TAG: str(number)},
         use_parent_run_tags=True,
     )
-    instance.add_run_tags(failed.run_id, {AUTO_RETRY_RUN_ID_TAG: new.run_id})  # a daemon started later does not retry it again
+    instance.add_run_tags(
+        failed.run_id, {AUTO_RETRY_RUN_ID_TAG: new.run_id}
+    )  # a daemon started later does not retry it again
     return new
 
 
@@ -200,12 +216,36 @@ def daemon_retry(instance: dg.DagsterInstance, failed: dg.DagsterRun) -> str | N
 
 
 def launch_plane(
-    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, plane: str, key: str, run_config: dict, verbose: bool
+    instance: dg.DagsterInstance,
+    context: WorkspaceProcessContext,
+    job: dg.JobDefinition,
+    plane: str,
+    key: str,
+    run_config: dict,
+    verbose: bool,
 ) -> list[str]:
     """Submit one plane's run, follow it, follow or make its retries; the run ids (several after retries)."""
-    retries = int(job.tags.get("dagster/max_retries", 0))
+    return finish_plane(
+        instance, context, job, plane, key, submit_plane(instance, context, job, plane, key, run_config), verbose
+    )
+
+
+def submit_plane(
+    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, plane: str, key: str,
+    run_config: dict,
+) -> dg.DagsterRun:  # fmt: skip
+    """Create and submit (or launch) one plane's run for ``key``; it runs in its own process from here."""
     run = create_run(instance, context, job, key, run_config)
     start(instance, context, run, plane)
+    return run
+
+
+def finish_plane(
+    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, plane: str, key: str,
+    run: dg.DagsterRun, verbose: bool,
+) -> list[str]:  # fmt: skip
+    """Follow a submitted run to its end, following or making its retries; the run ids, or ``PlaneFailed``."""
+    retries = int(job.tags.get("dagster/max_retries", 0))
     run_ids = [run.run_id]
     while True:
         run = follow(instance, run_ids[-1], verbose)
@@ -217,7 +257,9 @@ def launch_plane(
             run_ids.append(retried)
             continue
         if run.tags.get(PREEMPTED_TAG) == "true" and len(run_ids) <= retries:
-            log(f"{job.name} run {run.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
+            log(
+                f"{job.name} run {run.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint"
+            )
             run = retry(instance, context, run, len(run_ids))
             start(instance, context, run, plane)
             run_ids.append(run.run_id)
@@ -241,10 +283,36 @@ class PlaneLauncher:
     def __exit__(self, *exc_info) -> None:
         self.stack.close()
 
-    def run(self, job: dg.JobDefinition, plane: str, key: str, run_config: dict) -> list[str]:
+    def _context(self) -> WorkspaceProcessContext:
         if self.context is None:
-            log(f"loading the code location {CODE_LOCATION} ({DEFINITIONS}); its output and its runs' go to {code_server_log()}")
+            log(
+                f"loading the code location {CODE_LOCATION} ({DEFINITIONS}); its output and its runs' go to {code_server_log()}"
+            )
             self.context = self.stack.enter_context(code_location(self.instance))
             if launches_directly(self.instance):
                 log(direct_launch_notice(self.instance))
-        return launch_plane(self.instance, self.context, job, plane, key, steps_in_one_process(run_config), self.verbose)
+        return self.context
+
+    def run(self, job: dg.JobDefinition, plane: str, key: str, run_config: dict) -> list[str]:
+        return launch_plane(
+            self.instance, self._context(), job, plane, key, steps_in_one_process(run_config), self.verbose
+        )
+
+    def run_all(
+        self, job: dg.JobDefinition, plane: str, targets: dict[str, dict]
+    ) -> dict[str, list[str] | PlaneFailed]:
+        """One run of ``job`` per partition of ``targets`` (key -> run config), all submitted before any is followed:
+        the queue runs them side by side up to their pool's limit (the GPU pool's for training). Each key's run ids,
+        or the ``PlaneFailed`` that ended it (the others still finish)."""
+        context = self._context()
+        submitted = {
+            key: submit_plane(self.instance, context, job, plane, key, steps_in_one_process(config))
+            for key, config in targets.items()
+        }
+        outcome = {}
+        for key, run in submitted.items():
+            try:
+                outcome[key] = finish_plane(self.instance, context, job, plane, key, run, self.verbose)
+            except PlaneFailed as exc:
+                outcome[key] = exc
+        return outcome

@@ -35,21 +35,27 @@ def add_run(sub) -> None:
     run.add_argument("--until", choices=PLANES, default="delivery", help="last plane to run (default: delivery)")
     run.add_argument("--config", help="Dagster run config YAML (an 'ops:' section keyed by asset name)")
     run.add_argument(
-        "--data-workers", type=worker_count, metavar="N",
+        "--data-workers",
+        type=worker_count,
+        metavar="N",
         help="data plane: shards run at once (default: every core, or every CPU of the Ray cluster; 1: one process)",
     )
     run.add_argument(
         "--ray-address", metavar="ADDR|local",
         help="data plane on Ray: 'local' starts Ray on this machine; ray://head:10001 or head:6379 uses a running cluster",
     )  # fmt: skip
-    run.add_argument("--force", action="store_true", help="rerun planes that are already materialized from the same inputs")
+    run.add_argument(
+        "--force", action="store_true", help="rerun planes that are already materialized from the same inputs"
+    )
     run.add_argument(
         "--in-process", action="store_true",
         help="execute each plane's run in this process instead of submitting it through the instance's run queue and "
         "launcher (no code server, no worker process; the run is not attached to the code location, so the UI cannot "
         "re-execute it)",
     )  # fmt: skip
-    run.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure")
+    run.add_argument(
+        "--json", action="store_true", help="print a JSON summary as the last line of stdout, also on failure"
+    )
     run.add_argument(
         "--verbose", action="store_true",
         help="print every run event with its stack trace, and the libraries' progress bars and warnings",
@@ -58,7 +64,9 @@ def add_run(sub) -> None:
 
 def add_lineage(sub) -> None:
     lineage = sub.add_parser("lineage", help="print the chain behind a published model, from the store alone")
-    lineage.add_argument("uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)")
+    lineage.add_argument(
+        "uri", help="<store>/registry/<name>/<version>/<run> (a path, s3:// URI, or a key in $FT_STORE)"
+    )
     lineage.add_argument("--json", action="store_true", help="print the chain as one JSON object")
     lineage.add_argument("--fast", action="store_true", help="compare manifest digests only; do not re-hash every file")
     lineage.add_argument(
@@ -79,23 +87,45 @@ def gpu_count(text: str) -> int | None:
 
 
 def add_plan(sub) -> None:
-    plan = sub.add_parser("plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone")
-    plan.add_argument("--model-config", required=True, help="a transformers config.json, or the model directory holding it")
+    plan = sub.add_parser(
+        "plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone"
+    )
+    plan.add_argument(
+        "--model-config", required=True, help="a transformers config.json, or the model directory holding it"
+    )
     plan.add_argument("--method", choices=("lora", "qlora", "full"), required=True)
     plan.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
     plan.add_argument("--batch", type=int, default=1, help="packed rows per forward pass (default 1)")
     plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    plan.add_argument("--attn-implementation", default="auto", choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"))
+    plan.add_argument(
+        "--attn-implementation",
+        default="auto",
+        choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"),
+    )
     plan.add_argument(
         "--gpus", type=gpu_count, default=1,
         help="GPUs to spread the run over (default 1); 'auto': the fewest of 1, 2, 4, 8, ... 64 that fit, cheapest",
     )  # fmt: skip
     plan.add_argument(
         "--parallelism", choices=("ddp", "fsdp"),
-        help="how the GPUs share the model: ddp (a copy each) or fsdp (sharded; the default above one GPU)",
+        help="how the GPUs share the model: ddp (a copy each) or fsdp (sharded; the default above one GPU, and what "
+        "--gpus auto plans above one)",
     )  # fmt: skip
-    plan.add_argument("--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)")
-    plan.add_argument("--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)")
+    plan.add_argument(
+        "--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)"
+    )
+    plan.add_argument(
+        "--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)"
+    )
+    plan.add_argument(
+        "--mac", metavar="TIER",
+        help="your Mac's unified-memory tier (m4-16gb, m4-24gb, m4-32gb, m4pro-48gb, m4pro-64gb, m4max-64gb, m4max-128gb, "
+        "m3max-128gb: gpu_offerings.yaml's macs): planned beside the rented GPUs (MLX backend), so the plan says whether "
+        "the run fits on it or must rent, and what renting would cost",
+    )  # fmt: skip
+    plan.add_argument(
+        "--mac-usd-per-hour", type=float, default=0.0, help="what an hour of your Mac costs you, amortized (default 0)"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON, the last line of stdout")
     plan.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
 

@@ -74,7 +74,7 @@ def failure_reason(events: list[dg.DagsterEvent], run_id: str) -> str:
     for event in events:
         if event.event_type_value == "ASSET_CHECK_EVALUATION":
             evaluation = event.event_specific_data
-            if not evaluation.passed:
+            if not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR:  # a warning blocks nothing
                 return f"blocking check {evaluation.check_name} failed: {evaluation.description}"
     for event in events:
         if event.is_step_failure:
@@ -106,10 +106,14 @@ def wait_for_partition(store: ObjectStore, instance: dg.DagsterInstance, key: st
 
     said = None
     deadline = time.monotonic() + locks.EXPIRY_SECONDS + 2 * poll_seconds
-    while (state := locks.read_lease(store, key)) is not None and (busy := locks.busy_reason(state, run_status, time.time())):
+    while (state := locks.read_lease(store, key)) is not None and (
+        busy := locks.busy_reason(state, run_status, time.time())
+    ):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CliError(f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first")
+            raise CliError(
+                f"{busy.message}; it is still renewing its lease, so it is alive: wait for it, or stop it first"
+            )
         if (state.generation, state.owner["run_id"]) != said:
             log(f"{busy.message}; waiting up to {min(busy.frees_in, left):.0f} s for it to free")
             said = (state.generation, state.owner["run_id"])
@@ -137,6 +141,12 @@ def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, k
             return run_ids
         preempted = instance.get_run_by_id(result.run_id).tags.get(PREEMPTED_TAG) == "true"
         if preempted and len(run_ids) <= retries:
-            log(f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint")
+            log(
+                f"{job.name} run {result.run_id} was preempted; retrying ({len(run_ids)}/{retries}), it resumes from its checkpoint"
+            )
             continue
-        raise PlaneFailed(f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result.all_events, result.run_id)}", plane, result.run_id)
+        raise PlaneFailed(
+            f"{job.name} failed for {key} (run {result.run_id}): {failure_reason(result.all_events, result.run_id)}",
+            plane,
+            result.run_id,
+        )

@@ -51,9 +51,13 @@ def train_after_data(context: dg.RunStatusSensorContext):
     if partition is None:
         return dg.SkipReason(f"run {context.dagster_run.run_id} has no partition")
     if _driven_by_cli(context):
-        return dg.SkipReason(f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself")
+        return dg.SkipReason(
+            f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself"
+        )
     if training_window_cron():
-        return dg.SkipReason(f"{partition}: training held for the cheap window ({WINDOW_ENV}={training_window_cron()!r})")
+        return dg.SkipReason(
+            f"{partition}: training held for the cheap window ({WINDOW_ENV}={training_window_cron()!r})"
+        )
     context.log.info(f"{partition}: data plane done, requesting training")
     return dg.RunRequest(run_key=f"training:{partition}:{context.dagster_run.run_id}", partition_key=partition)
 
@@ -70,7 +74,9 @@ def deliver_after_training(context: dg.RunStatusSensorContext):
     if partition is None:
         return dg.SkipReason(f"run {context.dagster_run.run_id} has no partition")
     if _driven_by_cli(context):
-        return dg.SkipReason(f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself")
+        return dg.SkipReason(
+            f"{partition}: `ft-assets run` started run {context.dagster_run.run_id} and runs the next plane itself"
+        )
     context.log.info(f"{partition}: training done, requesting delivery")
     return dg.RunRequest(run_key=f"delivery:{partition}:{context.dagster_run.run_id}", partition_key=partition)
 
@@ -82,7 +88,10 @@ def pending_training(store, partitions: list[str]) -> list[tuple[str, float]]:
         if not has_ref(store, partition, "tokenized_shards"):
             continue
         shards_at = read_ref(store, partition, "tokenized_shards")["created_at"]
-        if not has_ref(store, partition, "lora_adapter") or read_ref(store, partition, "lora_adapter")["created_at"] < shards_at:
+        if (
+            not has_ref(store, partition, "lora_adapter")
+            or read_ref(store, partition, "lora_adapter")["created_at"] < shards_at
+        ):
             pending.append((partition, shards_at))
     return pending
 
@@ -99,6 +108,8 @@ def training_window(context: dg.ScheduleEvaluationContext, store: ObjectStoreRes
     if not pending:
         return dg.SkipReason("no dataset version is waiting for training")
     return [
-        dg.RunRequest(run_key=f"window:{partition}:{shards_at}", partition_key=partition, tags={"ft/trigger": "training-window"})
+        dg.RunRequest(
+            run_key=f"window:{partition}:{shards_at}", partition_key=partition, tags={"ft/trigger": "training-window"}
+        )
         for partition, shards_at in pending
     ]

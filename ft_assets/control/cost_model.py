@@ -37,7 +37,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-RentalMode = Literal["spot", "on_demand"]
+from ft_assets.control.market import MarketError, market_offerings
+
+RentalMode = Literal["spot", "on_demand", "slurm"]  # slurm: an HPC allocation, billed per GPU-hour used
 
 GB = 10**9  # storage and egress are billed per GB; see the module docstring on units
 GIB = 2**30  # GPU memory
@@ -55,6 +57,14 @@ class GpuOffering(BaseModel):
     spot_usd_per_h: float | None = Field(
         default=None, ge=0, description="Spot/preemptible price, $/hour; empty if the provider has no spot."
     )
+    slurm_usd_per_h: float | None = Field(
+        default=None,
+        ge=0,
+        description="This GPU's price on a Slurm cluster's allocation, $/GPU-hour: what the HPC center charges per "
+        "GPU-hour (empty: not priced). Billed for the allocation's time only, from the job's start (a queued job costs "
+        "nothing). The planner never rents it: a worker in a Slurm job declares it (FT_RENTAL_MODE=slurm, the default "
+        "there).",
+    )
     region: str = Field(min_length=1, description="Where the worker runs, e.g. 'us-east-1'.")
     bf16_tflops: float = Field(gt=0, description="Dense (non-sparse) bf16 tensor-core TFLOPS from the datasheet.")
     mfu_scale: float = Field(
@@ -70,20 +80,39 @@ class GpuOffering(BaseModel):
         description="The most GPUs of this offering one run may rent: GPUs a host x hosts linked by a fast fabric "
         "(NVLink within a host, InfiniBand/EFA between hosts). 1: single-GPU runs only.",
     )
+    memory_share: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of ``vram_gib`` the GPU may use: 1 for a GPU's own memory; a Mac's unified memory is shared "
+        "with macOS, and Metal lets the GPU wire about 3/4 of it by default.",
+    )
+    unified_memory: bool = Field(
+        default=False,
+        description="A Mac (Apple silicon): memory shared by CPU and GPU, trained with the MLX backend; owned, so "
+        "never preempted (no spot restarts) and priced at the amortized rate you set (mac_usd_per_h).",
+    )
     note: str = Field(default="", description="Where the numbers come from; shown next to the plan.")
+    accelerator: str = Field(
+        default="",
+        description="The card's name in SkyPilot's catalog (e.g. 'A10G', 'A100-80GB'): what the SkyPilot gpu pool "
+        "rents for this offering. Empty: not rentable through SkyPilot.",
+    )
 
     def usd_per_hour(self, mode: RentalMode) -> float | None:
-        """The hourly price in a rental mode; None when the offering has no spot price."""
-        return self.on_demand_usd_per_h if mode == "on_demand" else self.spot_usd_per_h
+        """The hourly price in a rental mode; None when the offering has no price in that mode."""
+        return {"on_demand": self.on_demand_usd_per_h, "spot": self.spot_usd_per_h, "slurm": self.slurm_usd_per_h}[mode]
 
 
-def _packaged_offerings() -> tuple[GpuOffering, ...]:
-    """The offerings of the price list shipped next to this module (``gpu_offerings.yaml``), in its order."""
+def _packaged(section: str, prefix: str = "") -> tuple[GpuOffering, ...]:
+    """The offerings of a section of the price list shipped next to this module (``gpu_offerings.yaml``), in order."""
     text = (resources.files(__package__) / "gpu_offerings.yaml").read_text(encoding="utf-8")
-    return tuple(GpuOffering(name=name, **fields) for name, fields in yaml.safe_load(text)["offerings"].items())
+    return tuple(GpuOffering(name=prefix + name, **fields) for name, fields in yaml.safe_load(text)[section].items())
 
 
-DEFAULT_OFFERINGS: tuple[GpuOffering, ...] = _packaged_offerings()
+DEFAULT_OFFERINGS: tuple[GpuOffering, ...] = _packaged("offerings")
+MAC_PREFIX = "mac-"  # a Mac's offering name: mac-<tier>
+MACS: dict[str, GpuOffering] = {o.name.removeprefix(MAC_PREFIX): o for o in _packaged("macs", MAC_PREFIX)}
 
 
 class CostModel(BaseModel):
@@ -139,6 +168,36 @@ class CostModel(BaseModel):
         description="Extra wall time on spot, as a share of training time: restarts after preemption and the "
         "steps lost since the last checkpoint. An assumption; compare with cost_report's actual idle share.",
     )
+    prices: str = Field(
+        default="gpu_offerings.yaml: list prices seen in 2024-2025, shipped with ft-assets",
+        description="Where the offerings' prices come from; the plan repeats it.",
+    )
+    prices_fetched_at: float | None = Field(
+        default=None,
+        description="When those prices were fetched (Unix time; the oldest catalog file). Empty: a fixed list.",
+    )
+    mac: str | None = Field(
+        default=None,
+        description=f"Your Mac, by its unified-memory tier ({', '.join(MACS)}): planned beside the rented GPUs as the "
+        f"offering {MAC_PREFIX}<tier>, so a plan says whether the run fits on it or must rent. Empty: no Mac.",
+    )
+    mac_usd_per_h: float = Field(
+        default=0.0, ge=0, description="What an hour of your Mac costs you, amortized (0: it is paid for)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _with_the_mac(cls, data: Any) -> Any:
+        """The named Mac as one more offering, at ``mac_usd_per_h`` in both rental modes (it is never preempted)."""
+        if not isinstance(data, dict) or not data.get("mac"):
+            return data
+        tier = data["mac"]
+        if tier not in MACS:
+            raise ValueError(f"mac {tier!r} is not a Mac tier of gpu_offerings.yaml; choose one of {', '.join(MACS)}")
+        rate = data.get("mac_usd_per_h", 0.0)
+        mac = MACS[tier].model_copy(update={"on_demand_usd_per_h": rate, "spot_usd_per_h": rate})
+        offerings = [o for o in data.get("offerings", DEFAULT_OFFERINGS) if _name(o) != mac.name]
+        return {**data, "offerings": (*offerings, mac)}
 
     @model_validator(mode="after")
     def _unique_offerings(self) -> CostModel:
@@ -149,6 +208,11 @@ class CostModel(BaseModel):
         if duplicated:
             raise ValueError(f"offering names must be unique; duplicated: {duplicated}")
         return self
+
+    def with_mac(self, tier: str | None, usd_per_h: float = 0.0) -> CostModel:
+        """This cost model with your Mac (``tier`` of ``MACS``) among the offerings, or none (``tier`` None)."""
+        rented = [o for o in self.offerings if not o.unified_memory]
+        return CostModel.model_validate({**dict(self), "offerings": rented, "mac": tier, "mac_usd_per_h": usd_per_h})
 
     def offering(self, name: str) -> GpuOffering:
         for candidate in self.offerings:
@@ -165,12 +229,16 @@ class CostModel(BaseModel):
             raise ValueError(f"unknown method {method!r}: use 'full', 'lora' or 'qlora'") from None
 
 
+def _name(offering: GpuOffering | dict) -> str:
+    return offering.name if isinstance(offering, GpuOffering) else offering.get("name", "")
+
+
 class CostModelError(ValueError):
     """A cost-model YAML file is unreadable or invalid; the message names the file, line and key."""
 
 
 OFFERING_FIELDS = tuple(GpuOffering.model_fields)
-TOP_LEVEL_FIELDS = tuple(CostModel.model_fields)
+TOP_LEVEL_FIELDS = (*CostModel.model_fields, "market")  # market: ft_assets.control.market's settings
 
 
 def load_cost_model(path: str | Path | None = None) -> CostModel:
@@ -206,9 +274,18 @@ def load_cost_model(path: str | Path | None = None) -> CostModel:
         if key not in TOP_LEVEL_FIELDS:
             problem((key,), f"unknown key; known keys: {', '.join(TOP_LEVEL_FIELDS)}")
     values = {key: value for key, value in data.items() if key in TOP_LEVEL_FIELDS}
+    base = DEFAULT_OFFERINGS
+    market = values.pop("market", None)
+    if market is not None:  # offerings priced from SkyPilot's catalog instead of the shipped list
+        try:
+            offerings, source = market_offerings(market, DEFAULT_OFFERINGS)
+            base = tuple(GpuOffering(**fields) for fields in offerings)
+            values = {**source, **values}
+        except MarketError as exc:
+            problem(("market", *exc.key), str(exc))
     offering_names: list[str] = []
-    if "offerings" in values:
-        merged = _merge_offerings(values["offerings"], problem)
+    if "offerings" in values or base is not DEFAULT_OFFERINGS:
+        merged = _merge_offerings(values.get("offerings") or {}, problem, base)
         offering_names = [entry.get("name", "?") for entry in merged]
         values["offerings"] = merged
     if problems:
@@ -224,12 +301,12 @@ def load_cost_model(path: str | Path | None = None) -> CostModel:
         raise CostModelError("invalid cost model:\n  " + "\n  ".join(problems)) from None
 
 
-def _merge_offerings(raw: Any, problem) -> list[dict]:
-    """Default offerings as dicts, with the YAML mapping name -> fields | null applied in order."""
+def _merge_offerings(raw: Any, problem, base: tuple[GpuOffering, ...] = DEFAULT_OFFERINGS) -> list[dict]:
+    """``base`` offerings (the defaults) as dicts, with the YAML mapping name -> fields | null applied in order."""
     if not isinstance(raw, dict):
         problem(("offerings",), f"expected a mapping of offering name to fields (or null), got {_kind(raw)}")
         return []
-    merged = {o.name: o.model_dump() for o in DEFAULT_OFFERINGS}
+    merged = {o.name: o.model_dump() for o in base}
     for name, fields in raw.items():
         name = str(name)
         if fields is None:

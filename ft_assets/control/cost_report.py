@@ -88,10 +88,15 @@ class CostReport:
         None where a figure does not exist (no estimate, no tokens)."""
         return [
             {
-                "dataset_version": row.dataset_version, "runs": row.runs, "restarts": row.restarts,
-                "estimate_usd": _rounded(row.estimated_usd), "actual_usd": _rounded(row.actual_usd),
-                "actual_vs_estimate": _rounded(row.actual_vs_estimate), "eth_usd_per_hour": _rounded(row.eth_usd_per_hour),
-                "idle_share": _rounded(row.idle_share), "usd_per_mtok_actual": _rounded(row.usd_per_mtok_actual),
+                "dataset_version": row.dataset_version,
+                "runs": row.runs,
+                "restarts": row.restarts,
+                "estimate_usd": _rounded(row.estimated_usd),
+                "actual_usd": _rounded(row.actual_usd),
+                "actual_vs_estimate": _rounded(row.actual_vs_estimate),
+                "eth_usd_per_hour": _rounded(row.eth_usd_per_hour),
+                "idle_share": _rounded(row.idle_share),
+                "usd_per_mtok_actual": _rounded(row.usd_per_mtok_actual),
             }  # fmt: skip
             for row in (*self.rows, self.total)
         ]

@@ -5,7 +5,9 @@ dollars with the cost model (``cost_model.py``) and into the price of one *effec
 The bill is not the GPU's speed but the time it sits idle (data not ready, model loading, restarts
 after a preemption, uploads), so the headline number divides the whole bill by the useful hours::
 
-    compute $   = rate($/h of the tier in the rental mode used) x wall hours (summed over restarts)
+    compute $   = rate($/h of the tier in the rental mode used) x wall hours (summed over restarts),
+                  or the launcher's bill when it priced every attempt where it ran (a SkyPilot managed
+                  job: each attempt's hours, and the gap before it, at its cloud/region's catalog price)
     storage $   = checkpoint GB x retention hours / 730 h per month x $/GB-month
     egress $    = egress GB x $/GB
     utilization = mean NVML GPU utilization over the wall time when measured, else
@@ -42,7 +44,9 @@ class RunMeasurements(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gpu_tier: str = Field(description="Name of the GPU offering the run rented (a cost-model offering name).")
-    rental_mode: RentalMode = Field(description="'spot' or 'on_demand': how the worker was rented.")
+    rental_mode: RentalMode = Field(
+        description="'spot', 'on_demand' or 'slurm' (a Slurm allocation's GPU-hours): how the worker was rented."
+    )
     wall_seconds: float = Field(
         ge=0, description="Paid worker time: from the worker's start to its end, summed over every restart."
     )
@@ -63,7 +67,15 @@ class RunMeasurements(BaseModel):
         description="Mean NVML GPU utilization over the whole wall time, idle periods included (0-1); empty "
         "when no NVML / torch.cuda was available.",
     )
-    gpus: int = Field(default=1, ge=1, description="GPUs the run rented at once, over all nodes: each is billed the tier's rate.")
+    gpus: int = Field(
+        default=1, ge=1, description="GPUs the run rented at once, over all nodes: each is billed the tier's rate."
+    )
+    billed_compute_usd: float | None = Field(
+        default=None,
+        ge=0,
+        description="Compute as the launcher billed it, every attempt at the price where it ran (SkyPilot's "
+        "ft/sky-attempts); empty: wall_seconds at the offering's rate.",
+    )
 
     @model_validator(mode="after")
     def _steps_inside_wall(self) -> RunMeasurements:
@@ -127,19 +139,23 @@ def compute_eth(
             f"the run was measured on {measured.gpu_tier} ({measured.rental_mode}) but priced as "
             f"{offering.name} ({mode}); price it with the tier and mode it ran on"
         )
-    rate = offering.usd_per_hour(mode)
-    if rate is None:
-        raise ValueError(f"offering {offering.name} has no spot price; add spot_usd_per_h to the cost model")
-    rate *= measured.gpus
-
     wall_hours = measured.wall_seconds / 3600
+    rate = offering.usd_per_hour(mode)
+    if measured.billed_compute_usd is not None:  # the attempts' own prices: the rate is their blend
+        rate = measured.billed_compute_usd / wall_hours if wall_hours else (rate or 0.0) * measured.gpus
+    elif rate is None:
+        field = "on_demand_usd_per_h" if mode == "on_demand" else f"{mode}_usd_per_h"
+        raise ValueError(f"offering {offering.name} has no {mode} price; add {field} to the cost model (FT_COST_MODEL)")
+    else:
+        rate *= measured.gpus
+
     step_fraction = measured.step_seconds / measured.wall_seconds if measured.wall_seconds else 0.0
     if measured.gpu_utilization is not None:
         utilization, source = measured.gpu_utilization, "nvml"
     else:
         utilization, source = step_fraction, "step_time"
     effective_hours = wall_hours * utilization
-    compute_usd = rate * wall_hours
+    compute_usd = measured.billed_compute_usd if measured.billed_compute_usd is not None else rate * wall_hours
     storage_usd = (
         measured.checkpoint_bytes / GB * measured.checkpoint_retention_hours / HOURS_PER_MONTH
     ) * cost_model.storage_usd_per_gb_month

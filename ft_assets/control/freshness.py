@@ -33,7 +33,9 @@ def asset_settings(job: dg.JobDefinition, parents: dict[str, list[str]], run_con
     return {name: (op.get("config") or {}) for name, op in resolved["ops"].items() if name in parents}
 
 
-def plane_is_current(store: ObjectStore, job: dg.JobDefinition, parents: dict[str, list[str]], key: str, run_config: dict) -> bool:
+def plane_is_current(
+    store: ObjectStore, job: dg.JobDefinition, parents: dict[str, list[str]], key: str, run_config: dict
+) -> bool:
     """Whether every asset of the plane has an output for ``key`` made with these settings from today's inputs.
 
     The plane is current when each reference's recorded settings equal those this run would use

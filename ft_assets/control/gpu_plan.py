@@ -1,33 +1,43 @@
 """training_plan's choice: which GPU offering, how many of them, spot or on-demand, how long and what it costs.
 
-``plan_training`` takes the run's memory per GPU (``ft_assets.control.planner.estimate_vram``) and
-prices every offering of the cost model that fits:
+``plan_training`` takes one ``PlanRequest`` (``ft_assets.control.planner``: the model, the run's
+``TrainingConfig``, its method and the objective's ``StepWork``), the run's memory per GPU from it
+(``estimate_vram``), and prices every offering of the cost model that fits:
 
-- on one GPU (``gpus=1``, the default: the run as its settings describe it when they ask for one);
-- on ``gpus=N`` GPUs (DDP or FSDP, ``parallelism``; FSDP by default above one GPU: DDP does not
-  lower the memory a GPU needs, it only adds speed);
-- or, with ``gpus=None``, on the fewest of 1, 2, 4, 8, 16, 32 or 64 GPUs of each offering that fit
-  (FSDP above one; more than 8 are whole 8-GPU nodes), e.g. Llama-2-13B full fine-tuning
-  (203.8 GiB on one GPU) on 4 x A100 80 GB.
+- on the GPUs the settings ask for: ``num_processes`` x ``num_nodes`` (1 by default), with their
+  ``parallelism`` (DDP or FSDP; DDP does not lower the memory a GPU needs, it only adds speed);
+- or, with ``fewest_gpus`` (``ft-assets plan --gpus auto``), on the fewest of 1, 2, 4, 8, 16, 32 or 64
+  GPUs of each offering that fit (FSDP above one; more than 8 are whole 8-GPU nodes), e.g. Llama-2-13B
+  full fine-tuning (203.8 GiB on one GPU) on 4 x A100 80 GB.
 
-Cost: hours = startup + tokens x epochs / tokens/s of all N GPUs (x 1.1 on spot for restarts); cost =
-N x $/h x hours. N GPUs are never cheaper than one that fits (the same GPU-hours, less the scaling
-loss), so more GPUs are chosen only where fewer do not fit. Rental mode follows the purpose:
-experiments that checkpoint run on spot, validation runs on-demand, delivery rents no GPU (merge and
-export run on CPU). When nothing fits, ``NoGpuFits`` says what would: gradient checkpointing, micro
-batch 1, QLoRA, and FSDP over several of the largest GPUs.
+Cost: hours = startup + training-equivalent tokens / tokens/s of all N GPUs (x 1.1 on spot for
+restarts); cost = N x $/h x hours. Your Mac (the cost model's ``mac``: an Apple silicon tier, unified memory) is one
+more offering: one process, its memory as the MLX backend spends it (``mlx_request``: sdpa, full logits) within the
+share Metal lets the GPU wire, never preempted, at the amortized rate you set ($0 by default), so a run that fits
+on it is planned there, and the plan's candidates show what renting would cost instead (``ft-assets plan --mac``). N GPUs are never cheaper than one that fits (the same GPU-hours,
+less the scaling loss), so more GPUs are chosen only where fewer do not fit. Rental mode follows the
+purpose: experiments run on spot (every run resumes from its checkpoints), validation runs on-demand,
+delivery rents no GPU (merge and export run on CPU). When nothing fits, ``NoGpuFits`` says what would:
+gradient checkpointing, micro batch 1, QLoRA, and FSDP over several of the largest GPUs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from ft_assets.control.cost_model import CostModel, GpuOffering, RentalMode
-from ft_assets.control.model_shape import ModelShape
-from ft_assets.control.planner import GPUS_PER_NODE, LossPath, VramEstimate, estimate_vram, tokens_per_second
-from ft_assets.training.config import AttentionImplementation, Method, Parallelism
+from ft_assets.control.planner import (
+    GPUS_PER_NODE,
+    PlanRequest,
+    Throughput,
+    VramEstimate,
+    estimate_vram,
+    objective_cost,
+    throughput,
+    tokens_per_second,
+)
+from ft_assets.training.config import Method, Parallelism
 
 Purpose = Literal["experiment", "validation", "delivery"]
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # what gpus=None tries: powers of two up to 8 nodes of 8
@@ -69,15 +79,20 @@ class TrainingPlan:
     gpu: str | None
     region: str | None
     vram: VramEstimate  # per GPU, on ``gpus`` GPUs
-    total_tokens: int  # train tokens x epochs
-    tokens_per_second: float | None  # all GPUs
+    total_tokens: int  # training-equivalent tokens: the run's trained tokens x work_factor
+    tokens_per_second: float | None  # all GPUs, of training-equivalent tokens
     est_hours: float
     est_cost_usd: float
     usd_per_hour: float | None  # all GPUs
+    flops_per_token: float  # hardware FLOPs a trained token costs (objective_cost): what measured MFU is against
+    work_factor: float  # training-equivalent tokens a trained token (the objective's extra work)
     warnings: tuple[str, ...] = ()
     candidates: tuple[TierCandidate, ...] = ()
     gpus: int = 1
     parallelism: Parallelism = "ddp"
+    throughput: Throughput | None = None  # trained tokens/s, MFU and $ per million tokens on the tier; None: no GPU
+    prices: str = ""  # where the offerings' prices come from (CostModel.prices: the shipped list, SkyPilot's catalog)
+    prices_fetched_at: float | None = None  # when the catalog was fetched (Unix time); None: a fixed list
 
     @property
     def nodes(self) -> int:
@@ -87,7 +102,11 @@ class TrainingPlan:
     def describe(self) -> str:
         """'2 x h100-80gb (NVIDIA H100 80GB), fsdp, spot' or 'a10g-24gb (NVIDIA A10G), spot'."""
         count = f"{self.gpus} x " if self.gpus > 1 else ""
-        spread = f", {self.parallelism} over {self.nodes} nodes" if self.nodes > 1 else (f", {self.parallelism}" if self.gpus > 1 else "")
+        spread = (
+            f", {self.parallelism} over {self.nodes} nodes"
+            if self.nodes > 1
+            else (f", {self.parallelism}" if self.gpus > 1 else "")
+        )
         return f"{count}{self.tier} ({self.gpu}){spread}, {self.mode}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -109,8 +128,8 @@ class TrainingPlan:
                 "fits": c.fits,
                 "usd_per_hour": c.usd_per_hour,
                 "tokens_per_second": round(c.tokens_per_second),
-                "hours": round(c.hours, 2),
-                "cost_usd": None if c.cost_usd is None else round(c.cost_usd, 2),
+                "hours": float(f"{c.hours:.4g}"),  # 4 significant digits, as the page's figures
+                "cost_usd": None if c.cost_usd is None else float(f"{c.cost_usd:.4g}"),
                 "note": "chosen" if (c.name, c.gpus) == (self.tier, self.gpus) else c.reason,
             }
             for c in sorted(self.candidates, key=lambda c: (c.cost_usd is None, c.cost_usd or 0.0, c.name))
@@ -126,92 +145,66 @@ class NoGpuFits(ValueError):
         self.candidates = candidates
 
 
-def rental_mode_for(purpose: Purpose, resumable: bool) -> tuple[RentalMode | Literal["none"], list[str]]:
-    """Spot for experiments that resume from checkpoints, on-demand for validation, none for delivery."""
+def rental_mode_for(purpose: Purpose) -> tuple[RentalMode | Literal["none"], list[str]]:
+    """Spot for experiments (every run resumes from its checkpoints), on-demand for validation, none for delivery."""
     if purpose == "delivery":
         return "none", []
     if purpose == "validation":
         return "on_demand", []
     if purpose != "experiment":
         raise ValueError(f"unknown purpose {purpose!r}: use 'experiment', 'validation' or 'delivery'")
-    if resumable:
-        return "spot", []
-    return "on_demand", [
-        "experiment does not resume from checkpoints: renting on-demand, since a spot preemption would "
-        "lose all progress"
-    ]
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """What the run computes, for pricing it on any offering and GPU count."""
-
-    shape: ModelShape
-    method: Method
-    seq_len: int
-    micro_batch: int
-    grad_checkpointing: bool
-    lora_r: int = 16
-    lora_targets: Sequence[str] = ()  # (): every projection the model has (model_shape.lora_targets_of)
-    lora_dropout: float = 0.05
-    attention: AttentionImplementation = "auto"
-    loss: LossPath = "chunked"
-
-    def vram(self, gpus: int = 1, parallelism: Parallelism = "ddp", **changes) -> VramEstimate:
-        """Memory per GPU on ``gpus`` GPUs, with ``changes`` to the run (method, micro_batch, grad_checkpointing)."""
-        run = replace(self, **changes)
-        return estimate_vram(
-            run.shape, run.method, run.seq_len, run.micro_batch, run.grad_checkpointing, run.lora_r, run.lora_targets,
-            run.lora_dropout, run.attention, run.loss, gpus=gpus, parallelism=parallelism,
-        )  # fmt: skip
+    return "spot", []
 
 
 def plan_training(
-    shape: ModelShape,
-    method: Method,
-    seq_len: int,
-    micro_batch: int,
-    grad_checkpointing: bool,
-    train_tokens: int,
-    epochs: float = 1,
-    cost_model: CostModel | None = None,
-    purpose: Purpose = "experiment",
-    data_region: str | None = None,
+    request: PlanRequest,
+    cost_model: CostModel,
+    purpose: Purpose,
+    data_region: str | None,
     *,
-    lora_r: int = 16,
-    lora_targets: Sequence[str] = (),
-    lora_dropout: float = 0.05,
-    resumable: bool = True,
-    attention: AttentionImplementation = "auto",
-    loss: LossPath = "chunked",
-    gpus: int | None = 1,
-    parallelism: Parallelism | None = None,
+    fewest_gpus: bool = False,
 ) -> TrainingPlan:
-    """Cheapest fitting GPU offering (and count: ``gpus``, None for the fewest that fit), rental mode, hours and cost.
+    """Cheapest fitting GPU offering for the run ``request`` describes, its rental mode, hours and cost.
 
-    ``train_tokens`` is the token count of the train shards (one epoch); ``data_region`` where they are
-    stored; ``parallelism`` defaults to ddp on one GPU and fsdp on several. Raises NoGpuFits, with what
-    would fit instead, when no offering has enough memory.
+    The run's GPUs are its settings' ``num_processes`` x ``num_nodes`` with their ``parallelism``; with
+    ``fewest_gpus`` (``ft-assets plan --gpus auto``) the fewest of ``GPU_COUNTS`` that fit, FSDP above one.
+    What it prices is the objective's work: its trained tokens times the extra work of the objective
+    (``objective_cost``), at the planned tokens/s. ``data_region`` is where the shards are stored. Raises
+    NoGpuFits, with what would fit instead, when no offering has enough memory.
     """
-    cost_model = cost_model or CostModel()
-    if train_tokens < 1 or epochs <= 0:
-        raise ValueError(f"train_tokens must be >= 1 and epochs > 0 (got {train_tokens}, {epochs})")
-    if gpus is not None and gpus < 1:
-        raise ValueError(f"gpus must be >= 1 or None for the fewest that fit (got {gpus})")
-    run = RunShape(shape, method, seq_len, micro_batch, grad_checkpointing, lora_r, tuple(lora_targets), lora_dropout, attention, loss)
-    counts = GPU_COUNTS if gpus is None else (gpus,)
-    estimates = {n: run.vram(n, parallelism or ("fsdp" if n > 1 else "ddp")) for n in counts}
-    total_tokens = round(train_tokens * epochs)
-    mode, warnings = rental_mode_for(purpose, resumable)
+    shape, method, work, settings = request.shape, request.method, request.work, request.settings
+    if work.tokens < 1:
+        raise ValueError(f"the run trains no tokens (got {work.tokens}): nothing to plan")
+    counts = GPU_COUNTS if fewest_gpus else (settings.world_size,)
+    estimates = {
+        n: estimate_vram(request, n, ("fsdp" if n > 1 else "ddp") if fewest_gpus else settings.parallelism)
+        for n in counts
+    }
+    flops, factor = objective_cost(
+        shape, method, work.attention_len, settings.gradient_checkpointing, work.reference_forward, work.generated_share,
+        work.decode_batch, cost_model.mfu(method),
+    )  # fmt: skip
+    total_tokens = round(work.tokens * factor)
+    mode, warnings = rental_mode_for(purpose)
     if mode == "none":
-        return TrainingPlan(purpose, method, "none", None, None, None, estimates[counts[0]], total_tokens, None, 0.0, 0.0, None)
+        vram = estimates[counts[0]]
+        return TrainingPlan(purpose, method, "none", None, None, None, vram, total_tokens, None, 0.0, 0.0, None, flops, factor,
+                            gpus=vram.gpus, parallelism=vram.parallelism, prices=cost_model.prices,
+                            prices_fetched_at=cost_model.prices_fetched_at)  # fmt: skip
+
+    on_a_mac = {1: estimate_vram(mlx_request(request), 1, "ddp")}  # one process, mlx-lm's attention and loss
 
     def price_all(rental_mode: RentalMode) -> tuple[TierCandidate, ...]:
-        return tuple(_fewest_that_fit(o, rental_mode, estimates, run, total_tokens, cost_model) for o in cost_model.offerings)
+        return tuple(
+            _fewest_that_fit(o, rental_mode, on_a_mac if o.unified_memory else estimates, request, total_tokens, cost_model)
+            for o in cost_model.offerings
+        )  # fmt: skip
 
     candidates = price_all(mode)
     if not any(c.fits for c in candidates):
-        raise NoGpuFits(_no_fit_message(run, estimates[counts[0]], candidates, cost_model), estimates[counts[0]], candidates)
+        raise NoGpuFits(
+            _no_fit_message(request, estimates[counts[0]], candidates, cost_model), estimates[counts[0]], candidates
+        )
     eligible = [c for c in candidates if not c.reason]
     if not eligible:  # only possible on spot: nothing that fits has a spot price
         warnings.append("no offering that fits has a spot price: falling back to on-demand")
@@ -225,6 +218,10 @@ def plan_training(
             f"download and checkpoint upload crosses regions, billed as egress at ${cost_model.egress_usd_per_gb}/GB "
             f"and slower; store the data in {chosen.region} or add an offering in {data_region}"
         )
+    # the plan's tokens/s is of training-equivalent tokens: trained tokens go factor times slower
+    planned = throughput(
+        chosen.tokens_per_second / factor, flops, cost_model.offering(chosen.name), chosen.usd_per_hour, chosen.gpus
+    )
     return TrainingPlan(
         purpose=purpose,
         method=method,
@@ -232,7 +229,7 @@ def plan_training(
         tier=chosen.name,
         gpu=chosen.gpu,
         region=chosen.region,
-        vram=estimates[chosen.gpus],
+        vram=on_a_mac[1] if cost_model.offering(chosen.name).unified_memory else estimates[chosen.gpus],
         total_tokens=total_tokens,
         tokens_per_second=chosen.tokens_per_second,
         est_hours=chosen.hours,
@@ -242,22 +239,42 @@ def plan_training(
         candidates=candidates,
         gpus=chosen.gpus,
         parallelism=chosen.parallelism,
+        flops_per_token=flops,
+        work_factor=factor,
+        throughput=planned,
+        prices=cost_model.prices,
+        prices_fetched_at=cost_model.prices_fetched_at,
     )
 
 
+def mlx_request(request: PlanRequest) -> PlanRequest:
+    """The run as the MLX backend does it on a Mac: one process, sdpa attention (score matrices counted, as mlx's
+    attention gradient keeps them) and every forward's logits held (mlx_recipe has no chunked loss)."""
+    settings = request.settings.model_copy(update={"attn_implementation": "sdpa", "num_processes": 1, "num_nodes": 1})
+    return replace(request, settings=settings, loss="full")
+
+
 def _fewest_that_fit(
-    offering: GpuOffering, mode: RentalMode, estimates: dict[int, VramEstimate], run: RunShape, total_tokens: int, cost_model: CostModel
+    offering: GpuOffering,
+    mode: RentalMode,
+    estimates: dict[int, VramEstimate],
+    run: PlanRequest,
+    total_tokens: int,
+    cost_model: CostModel,
 ) -> TierCandidate:
     """``offering`` on the fewest of the GPU counts in ``estimates`` (up to its ``max_gpus``) that fit; on the first
     count if none does."""
-    usable = offering.vram_gib * (1 - cost_model.vram_headroom)
+    usable = offering.vram_gib * offering.memory_share * (1 - cost_model.vram_headroom)
     counts = [n for n in estimates if n <= offering.max_gpus] or [next(iter(estimates))]
     gpus = next((n for n in counts if estimates[n].total_gib <= usable), counts[0])
     vram = estimates[gpus]
     fits = vram.total_gib <= usable and gpus <= offering.max_gpus
     rate = offering.usd_per_hour(mode)
-    speed = tokens_per_second(run.shape, run.method, run.seq_len, run.grad_checkpointing, offering, cost_model, gpus)
-    train_hours = total_tokens / speed / 3600 * (1 + (cost_model.spot_restart_overhead if mode == "spot" else 0))
+    speed = tokens_per_second(
+        run.shape, run.method, run.work.seq_len, run.settings.gradient_checkpointing, offering, cost_model, gpus
+    )
+    restarts = cost_model.spot_restart_overhead if mode == "spot" and not offering.unified_memory else 0  # a Mac: owned
+    train_hours = total_tokens / speed / 3600 * (1 + restarts)
     hours = cost_model.startup_minutes / 60 + train_hours
     if gpus > offering.max_gpus:
         reason = f"rents at most {offering.max_gpus} GPU(s) a run"
@@ -285,7 +302,9 @@ def _fewest_that_fit(
     )
 
 
-def _no_fit_message(run: RunShape, vram: VramEstimate, candidates: tuple[TierCandidate, ...], cost_model: CostModel) -> str:
+def _no_fit_message(
+    run: PlanRequest, vram: VramEstimate, candidates: tuple[TierCandidate, ...], cost_model: CostModel
+) -> str:
     largest = max(candidates, key=lambda c: c.usable_gib)
     shape = run.shape
     what = f"{vram.method} of {shape.name or 'the model'} ({shape.params / 1e9:.2f}B params)"
@@ -308,15 +327,19 @@ def _no_fit_message(run: RunShape, vram: VramEstimate, candidates: tuple[TierCan
         method = "qlora"
         options.append(("method qlora", method, checkpointing, batch))
     for number, (label, method, checkpointing, batch) in enumerate(options):
-        estimate = run.vram(vram.gpus, vram.parallelism, method=method, grad_checkpointing=checkpointing, micro_batch=batch)
+        estimate = estimate_vram(run.variant(method, checkpointing, batch), vram.gpus, vram.parallelism)
         fitting = [c.name for c in candidates if estimate.total_gib <= c.usable_gib]
         verdict = f"fits {', '.join(fitting)}" if fitting else "still too big"
         per_gpu = f" per GPU on {vram.gpus}" if vram.gpus > 1 else ""
         lines.append(f"  - {'+ ' if number else ''}{label}: ~{estimate.total_gib:.1f} GiB{per_gpu}, {verdict}")
     most = cost_model.offering(largest.name).max_gpus
     counts = [n for n in GPU_COUNTS if vram.gpus < n <= most]
-    sharded = next(((n, e) for n in counts if (e := run.vram(n, "fsdp")).total_gib <= largest.usable_gib), None)
+    sharded = next(
+        ((n, e) for n in counts if (e := estimate_vram(run, n, "fsdp")).total_gib <= largest.usable_gib), None
+    )
     if sharded is not None:
-        lines.append(f"  - or {vram.method} as it is, parallelism fsdp on {sharded[0]} x {largest.name}: ~{sharded[1].total_gib:.1f} GiB per GPU")
+        lines.append(
+            f"  - or {vram.method} as it is, parallelism fsdp on {sharded[0]} x {largest.name}: ~{sharded[1].total_gib:.1f} GiB per GPU"
+        )
     lines.append("  - add a larger offering to the cost model")
     return "\n".join(lines)

@@ -9,16 +9,20 @@ Two pieces, both configured in ``dagster.yaml``:
   it cleans data or train on a CPU box. Materialize the planes separately instead (each plane has
   its own job, and `ft-assets run` and the automation sensors already do that).
 - ``PoolRunLauncher`` wraps one ordinary Dagster launcher per pool (locally ``DefaultRunLauncher``
-  for both; in production ``EcsRunLauncher`` with a GPU task definition or ``K8sRunLauncher`` with
-  ``nvidia.com/gpu`` limits for ``gpu``) and hands each run to the launcher of its pool.
+  for both; in production ``EcsRunLauncher`` with a GPU task definition, ``K8sRunLauncher`` with
+  ``nvidia.com/gpu`` limits or ``SlurmRunLauncher`` (``ft_assets.control.slurm``) for ``gpu``) and hands
+  each run to the launcher of its pool, and run monitoring's health checks and resumes to it.
 
 A training run asks its pool for the GPUs its training settings need: ``num_processes`` per node
-(``gpus_per_node``), the count ``training_plan`` planned for. ``PoolRunLauncher`` writes it as the inner
-launcher's own per-run override before handing the run over (``gpu_request_tags``): ``dagster-k8s/config``
-container resources ``nvidia.com/gpu`` for K8sRunLauncher, ``ecs/container_overrides``
-``resourceRequirements`` GPU for EcsRunLauncher; an override already on the run wins. With
-``num_nodes`` > 1 the run's pod is node 0 and ``lora_adapter`` starts the other nodes itself, as
-copies of that pod (``ft_assets.training.nodes``), so they ask for the same GPUs.
+(``gpus_per_node``), read from the run config's lora_adapter settings by ``run_training_config``, the
+one reader ``training_plan`` plans with too, so the GPUs asked for are the GPUs planned for.
+``PoolRunLauncher`` writes it as the inner launcher's own per-run override before handing the run over
+(``gpu_request_tags``): ``dagster-k8s/config`` container resources ``nvidia.com/gpu`` for
+K8sRunLauncher, ``ecs/container_overrides`` ``resourceRequirements`` GPU for EcsRunLauncher; an
+override already on the run wins. Settings TrainingConfig refuses fail the run before it reaches a
+pool, with that one line in its log. With ``num_nodes`` > 1 the run's pod is node 0 and
+``lora_adapter`` starts the other nodes itself, as copies of that pod (``ft_assets.training.nodes``),
+so they ask for the same GPUs.
 
 Why not just tag the training job: asset tags do not become run tags, so a training asset
 materialized ad hoc from the UI arrives as an anonymous asset job. The routing therefore looks at,
@@ -35,19 +39,29 @@ import json
 import yaml
 
 from dagster import Array, Field, Permissive, Shape, _check as check
-from dagster._core.launcher.base import CheckRunHealthResult, LaunchRunContext, RunLauncher, WorkerStatus
+from dagster._core.launcher.base import (
+    CheckRunHealthResult,
+    LaunchRunContext,
+    ResumeRunContext,
+    RunLauncher,
+    WorkerStatus,
+)
 from dagster._core.run_coordinator.base import SubmitRunContext
 from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordinator
 from dagster._core.storage.dagster_run import DagsterRun
 from dagster._serdes import ConfigurableClass, ConfigurableClassData
+
+from ft_assets.training.settings import run_training_config
 
 POOL_TAG = "ft/pool"
 PLANE_TAG = "ft/plane"
 GPU, CPU, ANY = "gpu", "cpu", "any"
 DEFAULT_GPU_ASSETS = ("lora_adapter",)  # the only step that needs an accelerator
 DEFAULT_ANY_ASSETS = ("base_model", "training_plan")  # cheap, needed by both sides: never force a pool
-TRAINING_OP = "lora_adapter"  # whose settings say how many GPUs a node of the run needs
-K8S_CONFIG_TAG, ECS_OVERRIDES_TAG = "dagster-k8s/config", "ecs/container_overrides"  # the inner launchers' per-run overrides
+K8S_CONFIG_TAG, ECS_OVERRIDES_TAG = (
+    "dagster-k8s/config",
+    "ecs/container_overrides",
+)  # the inner launchers' per-run overrides
 
 
 class MixedPoolRun(ValueError):
@@ -87,9 +101,9 @@ def _asset_names(run: DagsterRun) -> list[str] | None:
 
 
 def gpus_per_node(run_config: Mapping[str, Any]) -> int:
-    """GPUs one node of a training run needs: the run config's ``num_processes`` for lora_adapter (default 1)."""
-    settings = ((run_config.get("ops") or {}).get(TRAINING_OP) or {}).get("config") or {}
-    return int(settings.get("num_processes", 1))
+    """GPUs one node of a training run needs: its training settings' ``num_processes`` (``run_training_config``);
+    a ValueError names a setting TrainingConfig refuses."""
+    return run_training_config(run_config).num_processes
 
 
 def gpu_request_tags(launcher: str, gpus: int, tags: Mapping[str, str]) -> dict[str, str]:
@@ -117,13 +131,20 @@ class PoolRunCoordinator(QueuedRunCoordinator):
     def config_type(cls):
         base = dict(super().config_type())
         base["gpu_assets"] = Field(Array(str), is_required=False, description="Asset names that need the gpu pool.")
-        base["any_assets"] = Field(Array(str), is_required=False, description="Asset names that may run in either pool.")
+        base["any_assets"] = Field(
+            Array(str), is_required=False, description="Asset names that may run in either pool."
+        )
         return base
 
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]):
         config = dict(config_value)
-        return cls(inst_data=inst_data, gpu_assets=config.pop("gpu_assets", None), any_assets=config.pop("any_assets", None), **config)
+        return cls(
+            inst_data=inst_data,
+            gpu_assets=config.pop("gpu_assets", None),
+            any_assets=config.pop("any_assets", None),
+            **config,
+        )
 
     def submit_run(self, context: SubmitRunContext) -> DagsterRun:
         run = context.dagster_run
@@ -156,7 +177,9 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
 
     @classmethod
     def config_type(cls):
-        launcher = Shape({"module": str, "class": str, "config": Field(Permissive(), is_required=False, default_value={})})
+        launcher = Shape(
+            {"module": str, "class": str, "config": Field(Permissive(), is_required=False, default_value={})}
+        )
         return {"pools": Shape({GPU: launcher, CPU: launcher})}
 
     @classmethod
@@ -166,9 +189,9 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
     def launcher(self, pool: str) -> RunLauncher:
         if pool not in self._launchers:
             spec = self._pool_specs[pool]
-            inner = ConfigurableClassData(spec["module"], spec["class"], yaml.safe_dump(dict(spec.get("config") or {}))).rehydrate(
-                as_type=RunLauncher
-            )
+            inner = ConfigurableClassData(
+                spec["module"], spec["class"], yaml.safe_dump(dict(spec.get("config") or {}))
+            ).rehydrate(as_type=RunLauncher)
             inner.register_instance(self._instance)
             self._launchers[pool] = inner
         return self._launchers[pool]
@@ -182,7 +205,13 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
         inner = self.launcher(pool)
         tags = {POOL_TAG: pool}
         if pool == GPU:
-            tags.update(gpu_request_tags(type(inner).__name__, gpus_per_node(run.run_config), run.tags))
+            try:
+                gpus = gpus_per_node(run.run_config)
+            except ValueError as exc:
+                self._instance.report_engine_event(f"ft-assets refused this run: {exc}", run, cls=self.__class__)
+                self._instance.report_run_failed(run)
+                return
+            tags.update(gpu_request_tags(type(inner).__name__, gpus, run.tags))
         self._instance.add_run_tags(run.run_id, tags)
         self._instance.report_engine_event(
             f"ft-assets routed this run to the {pool} pool ({type(inner).__name__})", run, cls=self.__class__
@@ -194,13 +223,30 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
         return bool(run) and self.launcher(self._pool_of(run)).terminate(run_id)
 
     @property
+    def supports_resume_run(self) -> bool:
+        """A pool can resume a run whose worker died (SlurmRunLauncher: a requeued job, K8sRunLauncher)."""
+        return any(self.launcher(pool).supports_resume_run for pool in (GPU, CPU))
+
+    def resume_run(self, context: ResumeRunContext) -> None:
+        run = context.dagster_run
+        inner = self.launcher(self._pool_of(run))
+        if not inner.supports_resume_run:  # run monitoring resumes any pool's run: this pool's fails instead
+            message = f"the {self._pool_of(run)} pool's {type(inner).__name__} cannot resume a run whose worker died"
+            self._instance.report_engine_event(message, run, cls=self.__class__)
+            self._instance.report_run_failed(run, message)
+            return
+        inner.resume_run(context)
+
+    @property
     def supports_check_run_worker_health(self) -> bool:
-        return all(self.launcher(pool).supports_check_run_worker_health for pool in (GPU, CPU))
+        """Run monitoring checks the runs of the pools whose launchers report health (a Slurm gpu pool beside a
+        local cpu pool: the gpu runs)."""
+        return any(self.launcher(pool).supports_check_run_worker_health for pool in (GPU, CPU))
 
     def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
         inner = self.launcher(self._pool_of(run))
-        if not inner.supports_check_run_worker_health:
-            return CheckRunHealthResult(WorkerStatus.UNKNOWN, "pool launcher does not report worker health")
+        if not inner.supports_check_run_worker_health:  # as if monitoring did not check it: only its timeouts apply
+            return CheckRunHealthResult(WorkerStatus.RUNNING, f"{type(inner).__name__} does not report worker health")
         return inner.check_run_worker_health(run)
 
     def dispose(self) -> None:

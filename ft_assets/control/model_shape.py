@@ -30,7 +30,9 @@ class DecoderLayout:
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
     qk_norm: bool = False  # an RMSNorm over head_dim on the queries and one on the keys (Qwen3, Gemma 3)
     layer_norms: int = 2  # hidden-size norms per layer: Gemma 2 and 3 add one before and one after the MLP
-    bias_settings: bool = True  # config.json's attention_bias / mlp_bias switch biases on (Llama; Qwen3, Gemma: attention)
+    bias_settings: bool = (
+        True  # config.json's attention_bias / mlp_bias switch biases on (Llama; Qwen3, Gemma: attention)
+    )
 
 
 LAYOUTS = {

@@ -30,7 +30,7 @@ tokens per micro-batch. It models the training plane's recipe (``ft_assets.train
               flash_attention_2 (varlen from position_ids) and flex_attention (document mask) keep none.
       logits  16 V x T_logits: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for
               backward, its fp32 gradient and the bf16 one back into lm_head. T_logits = T with a
-              full-logit loss (Hugging Face's), one chunk (``training.loss.chunk_tokens``: 64 MiB of fp32
+              full-logit loss (Hugging Face's), one chunk (``training.chunking.chunk_tokens``: 64 MiB of fp32
               logits) with the recipe's chunked loss. Calibrated on Unsloth's table of the longest
               Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k tokens from
               12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
@@ -111,14 +111,16 @@ delivery rents no GPU (merge and export run on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ft_assets.control.cost_model import GIB, CostModel, GpuOffering
 from ft_assets.control.model_shape import ModelShape, lora_params, lora_targets_of
-from ft_assets.training.config import AttentionImplementation, Method, Parallelism
-from ft_assets.training.loss import chunk_tokens
+from ft_assets.training.config import AttentionImplementation, Method, Parallelism, TrainingConfig
+from ft_assets.training.chunking import chunk_tokens
+
+if TYPE_CHECKING:  # a name for annotations only: the training step module imports torch
+    from ft_assets.training.steps import StepWork
 
 METHODS: tuple[Method, ...] = get_args(Method)  # ("qlora", "lora", "full")
 
@@ -129,7 +131,9 @@ ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32; with fp32 weight and grad
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes + double-quantized absmax: 0.516 B
 LOGITS_BYTES_PER_TOKEN_PER_VOCAB = 16  # bf16 logits 2 + fp32 upcast 4 + log-softmax 4 + grads 4 (fp32) + 2 (bf16)
 DROPOUT_MASK_BYTES = 1  # torch keeps a bool mask per dropped element
-SCORE_BYTES = 10  # per score element at the peak: bf16 scores 2 + fp32 softmax 4 + bf16 probabilities kept 2 + their grad 2
+SCORE_BYTES = (
+    10  # per score element at the peak: bf16 scores 2 + fp32 softmax 4 + bf16 probabilities kept 2 + their grad 2
+)
 CUDA_CONTEXT_GIB = 0.6  # measured on the H200 (CUDA 13 driver, lazy module loading): NVML use minus torch reserved
 ALLOCATOR_SLACK = 0.04  # reserved over allocated (block rounding, fragmentation), fitted on the H200 run
 DENSE_SCORE_ATTENTION = ("sdpa", "eager")  # packed rows get a dense block mask: per-head seq x seq scores
@@ -137,6 +141,7 @@ LossPath = Literal["chunked", "full"]
 GPUS_PER_NODE = 8  # the largest GPU host (8 x H100/A100 per node): more GPUs are more nodes
 FSDP_GATHERED_LAYERS = 2  # decoder layers unsharded at once under FSDP: the one computing and the one prefetched
 SCALING_EFFICIENCY = {"node": 0.9, "nodes": 0.8}  # throughput per GPU on several GPUs (an assumption, not measured)
+
 
 @dataclass(frozen=True)
 class VramEstimate:
@@ -151,7 +156,9 @@ class VramEstimate:
     gpus: int  # GPUs the run is spread over; every figure is per GPU
     parallelism: Parallelism
     trainable_params: int
-    weights_gib: float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest); FSDP: the shard + what is gathered
+    weights_gib: (
+        float  # model weights as stored (fp32 master, bf16 or NF4 + fp32 rest); FSDP: the shard + what is gathered
+    )
     adapter_gib: float  # LoRA adapter weights (0 for full)
     gradients_gib: float
     optimizer_gib: float  # AdamW exp_avg + exp_avg_sq
@@ -171,37 +178,58 @@ class VramEstimate:
         return {**asdict(self), "total_gib": self.total_gib}
 
     def breakdown(self) -> str:
-        shown = ", ".join(f"{p} {getattr(self, p + '_gib'):.1f}" for p in self.PARTS if getattr(self, p + "_gib") >= 0.05)
+        shown = ", ".join(
+            f"{p} {getattr(self, p + '_gib'):.1f}" for p in self.PARTS if getattr(self, p + "_gib") >= 0.05
+        )
         return f"{self.total_gib:.1f} GiB ({shown})"
 
 
-def estimate_vram(
-    shape: ModelShape,
-    method: Method,
-    seq_len: int,
-    micro_batch: int,
-    grad_checkpointing: bool,
-    lora_r: int = 16,
-    lora_targets: Sequence[str] = (),
-    lora_dropout: float = 0.05,
-    attention: AttentionImplementation = "auto",
-    loss: LossPath = "chunked",
-    gpus: int = 1,
-    parallelism: Parallelism = "ddp",
-) -> VramEstimate:
-    """Peak VRAM of one GPU fine-tuning ``shape`` on ``gpus`` GPUs (formula in the module docstring).
+@dataclass(frozen=True)
+class PlanRequest:
+    """One run as the planner sees it: the model, the run's settings, its method and what its objective computes.
 
-    ``attention`` and ``loss`` name the path: the recipe's default (``auto``: flash or flex attention
-    on a GPU, and the chunked loss of ``ft_assets.training.loss``), or e.g. sdpa and the full-logits
-    loss of a plain Hugging Face run.
+    ``settings`` is the run's ``TrainingConfig`` (LoRA rank, targets and dropout, attention, gradient
+    checkpointing, processes x nodes, parallelism): every default is TrainingConfig's, declared there once.
+    ``work`` is the objective's ``StepWork`` (rows of seq_len, micro-batch, trained tokens, the reference's
+    forward, generation). ``training_plan`` makes one from the data; ``ft-assets plan`` from its options.
     """
-    _check_inputs(method, seq_len, micro_batch, lora_r, gpus, attention, loss, parallelism)
+
+    shape: ModelShape
+    settings: TrainingConfig
+    method: Method  # settings.method resolved (ResolvedTraining.method): which weights train
+    work: StepWork
+    loss: LossPath = "chunked"  # the recipe's (ft_assets.training.loss); "full": Hugging Face's loss over every logit
+
+    def variant(self, method: Method, grad_checkpointing: bool, micro_batch: int) -> PlanRequest:
+        """The same run with another method, gradient checkpointing or micro-batch (what a no-fit suggests)."""
+        settings = self.settings.model_copy(update={"gradient_checkpointing": grad_checkpointing})
+        return replace(self, method=method, settings=settings, work=replace(self.work, micro_batch=micro_batch))
+
+
+def estimate_vram(
+    request: PlanRequest, gpus: int | None = None, parallelism: Parallelism | None = None
+) -> VramEstimate:
+    """Peak VRAM of one GPU of the run, on ``gpus`` GPUs with ``parallelism`` (the settings' processes x nodes and
+    parallelism unless given; formula in the module docstring).
+
+    The settings' ``attn_implementation`` and the request's ``loss`` name the path: the recipe's default
+    (``auto``: flash or flex attention on a GPU, and the chunked loss of ``ft_assets.training.loss``), or
+    e.g. sdpa and the full-logits loss of a plain Hugging Face run.
+    """
+    shape, method, settings, loss = request.shape, request.method, request.settings, request.loss
+    seq_len, micro_batch, attention = request.work.seq_len, request.work.micro_batch, settings.attn_implementation
+    gpus = settings.world_size if gpus is None else gpus
+    parallelism = parallelism or settings.parallelism
+    _check_inputs(method, seq_len, micro_batch, gpus, attention, loss, parallelism)
+    grad_checkpointing = settings.gradient_checkpointing
     tokens = seq_len * micro_batch
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     per_layer_token = BF16_BYTES * (2 * h + 3 * q + 2 * kv) + BF16_BYTES * (2 * h + 4 * i)  # attention + MLP
-    trainable, weights, adapter, gradients, optimizer, adapter_per_token = _model_state(shape, method, lora_r, lora_targets, lora_dropout)
+    trainable, weights, adapter, gradients, optimizer, adapter_per_token = _model_state(shape, method, settings)
     per_layer_token += adapter_per_token
-    weights, adapter, gradients, optimizer = _per_gpu(shape, method, (weights, adapter, gradients, optimizer), gpus, parallelism)
+    weights, adapter, gradients, optimizer = _per_gpu(
+        shape, method, (weights, adapter, gradients, optimizer), gpus, parallelism
+    )
     layers_alive = 1 if grad_checkpointing else shape.layers  # whose saved tensors coexist at the peak
     if grad_checkpointing:
         activations = shape.layers * BF16_BYTES * h * tokens + per_layer_token * tokens
@@ -235,39 +263,51 @@ def estimate_vram(
     )
 
 
-def _check_inputs(method, seq_len, micro_batch, lora_r, gpus, attention, loss, parallelism) -> None:
-    """A ValueError naming the setting ``estimate_vram`` cannot plan."""
+def _check_inputs(method, seq_len, micro_batch, gpus, attention, loss, parallelism) -> None:
+    """A ValueError naming what ``estimate_vram`` cannot plan (TrainingConfig has checked the settings' ranges)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if loss not in get_args(LossPath) or attention not in get_args(AttentionImplementation):
         raise ValueError(f"unknown loss {loss!r} or attention {attention!r}")
-    if seq_len < 1 or micro_batch < 1 or lora_r < 1 or gpus < 1:
-        raise ValueError(f"seq_len, micro_batch, lora_r and gpus must be >= 1 (got {seq_len}, {micro_batch}, {lora_r}, {gpus})")
+    if seq_len < 1 or micro_batch < 1 or gpus < 1:
+        raise ValueError(f"seq_len, micro_batch and gpus must be >= 1 (got {seq_len}, {micro_batch}, {gpus})")
     if parallelism not in get_args(Parallelism):
         raise ValueError(f"unknown parallelism {parallelism!r}: use one of {', '.join(get_args(Parallelism))}")
 
 
 def _model_state(
-    shape: ModelShape, method: Method, lora_r: int, lora_targets: Sequence[str], lora_dropout: float
+    shape: ModelShape, method: Method, settings: TrainingConfig
 ) -> tuple[int, float, float, float, float, float]:
     """(trainable parameters, weight, adapter, gradient and AdamW bytes of the whole model, the adapter's saved bytes
     per token and layer) of ``method``: full trains every fp32 weight; LoRA and QLoRA train the adapter beside bf16
     or NF4 weights and save each targeted projection's input (and dropout mask) and its rank-r product."""
     if method == "full":
-        return shape.params, FP32_BYTES * shape.params, 0, FP32_BYTES * shape.params, ADAMW_STATE_BYTES * shape.params, 0
+        return (
+            shape.params,
+            FP32_BYTES * shape.params,
+            0,
+            FP32_BYTES * shape.params,
+            ADAMW_STATE_BYTES * shape.params,
+            0,
+        )
+    lora_r, lora_targets = settings.lora_r, settings.target_modules
     trainable = lora_params(shape, lora_r, lora_targets)
     if method == "lora":
         weights = BF16_BYTES * shape.params
     else:
         quantized = shape.layer_linear_params
         weights = NF4_BYTES_PER_PARAM * quantized + FP32_BYTES * (shape.params - quantized)
-    saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if lora_dropout > 0 else 0)
+    saved_per_input = BF16_BYTES + (DROPOUT_MASK_BYTES if settings.lora_dropout > 0 else 0)
     projections = shape.projections()
-    per_token = sum(saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets))
+    per_token = sum(
+        saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets)
+    )
     return trainable, weights, FP32_BYTES * trainable, FP32_BYTES * trainable, ADAMW_STATE_BYTES * trainable, per_token
 
 
-def _per_gpu(shape: ModelShape, method: Method, whole: tuple[float, ...], gpus: int, parallelism: Parallelism) -> tuple[float, ...]:
+def _per_gpu(
+    shape: ModelShape, method: Method, whole: tuple[float, ...], gpus: int, parallelism: Parallelism
+) -> tuple[float, ...]:
     """Weights, adapter, gradients and AdamW bytes of the whole model -> what one of ``gpus`` GPUs holds (docstring)."""
     weights, adapter, gradients, optimizer = whole
     if gpus == 1:
@@ -277,7 +317,9 @@ def _per_gpu(shape: ModelShape, method: Method, whole: tuple[float, ...], gpus: 
     root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + shape.hidden
     layer = (shape.params - root) / shape.layers
     if method == "qlora":  # 4-bit layers gathered as they are stored; the root upcast to fp32, cast to bf16 for compute
-        gathered = FSDP_GATHERED_LAYERS * shape.layer_linear_params / shape.layers * NF4_BYTES_PER_PARAM + BF16_BYTES * root
+        gathered = (
+            FSDP_GATHERED_LAYERS * shape.layer_linear_params / shape.layers * NF4_BYTES_PER_PARAM + BF16_BYTES * root
+        )
     else:
         gathered = BF16_BYTES * (root + FSDP_GATHERED_LAYERS * layer)
     unsharded_grads = FSDP_GATHERED_LAYERS * layer * FP32_BYTES if method == "full" else 0
@@ -293,13 +335,21 @@ def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkp
     return forward_matmul * (1 + backward_matmul + recompute) + forward_attention * (1 + 2 + recompute)
 
 
-DECODE_RIDGE_FLOPS_PER_BYTE = 200.0  # bf16 TFLOPS / memory bandwidth of the offerings' GPUs: A100 156, A10G 208, H100 295, L4 403
+DECODE_RIDGE_FLOPS_PER_BYTE = (
+    200.0  # bf16 TFLOPS / memory bandwidth of the offerings' GPUs: A100 156, A10G 208, H100 295, L4 403
+)
 DECODE_BANDWIDTH_SHARE = 0.5  # of the memory bandwidth model.generate sustains while decoding (an assumption)
 
 
 def objective_cost(
-    shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool, reference_forward: bool, generated_share: float,
-    decode_batch: int, training_mfu: float,
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    grad_checkpointing: bool,
+    reference_forward: bool,
+    generated_share: float,
+    decode_batch: int,
+    training_mfu: float,
 ) -> tuple[float, float]:
     """(hardware FLOPs per trained token, training-equivalent tokens per trained token) of an objective's step: the
     reference's forward (DPO; GRPO with beta > 0) and, for GRPO, generating ``generated_share`` of the tokens, decoded
@@ -310,7 +360,9 @@ def objective_cost(
     if not generated_share:
         return train + reference, (train + reference) / train
     decode_mfu = min(training_mfu, DECODE_BANDWIDTH_SHARE * decode_batch / DECODE_RIDGE_FLOPS_PER_BYTE)
-    equivalent = train + reference + (1 - generated_share) * forward + generated_share * forward * training_mfu / decode_mfu
+    equivalent = (
+        train + reference + (1 - generated_share) * forward + generated_share * forward * training_mfu / decode_mfu
+    )
     return train + reference + forward, equivalent / train
 
 
@@ -351,5 +403,7 @@ def throughput(
     of them made the tokens; the price is that of all of them, as the run is billed.
     """
     mfu = tokens_per_second * flops / (gpus * offering.bf16_tflops * 1e12) if offering is not None else None
-    price = usd_per_hour / (tokens_per_second * 3600) * 1e6 if usd_per_hour is not None and tokens_per_second > 0 else None
+    price = (
+        usd_per_hour / (tokens_per_second * 3600) * 1e6 if usd_per_hour is not None and tokens_per_second > 0 else None
+    )
     return Throughput(tokens_per_second=tokens_per_second, mfu=mfu, usd_per_million_tokens=price)

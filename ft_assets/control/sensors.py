@@ -9,7 +9,6 @@ as object keys or partition keys are skipped with a logged reason instead of fai
 (one bad upload must not stop the others).
 """
 
-
 from dataclasses import dataclass, field
 
 import dagster as dg

@@ -5,7 +5,9 @@ every 5 min) a forgotten worker is stopped at most 35 min after its last activit
 model's A10G price of $1.50/h, against $72 for one left running over a weekend (48 h).
 
 Which machines: running EC2 instances tagged ``ft-assets:role = gpu-worker`` (``ROLE_TAG_KEY`` /
-``ROLE_TAG_VALUE``; put the tag in the worker's launch template). Nothing else is ever touched.
+``ROLE_TAG_VALUE``; put the tag in the worker's launch template). Nothing else is ever touched. RunPod pods,
+Vast.ai instances and SkyPilot clusters follow the same rules when ``rented_workers.providers`` lists them
+(``ft_assets.control.rented_workers``).
 
 When a worker was last active: the latest of
 
@@ -26,6 +28,13 @@ canceling; a suspended run holds no worker, as in Dagster), a worker whose heart
 read, and every worker while a gpu-pool run (``ft/pool = gpu``) is starting or started without a
 worker tag: it runs on one of them and nobody can say which.
 
+A Slurm gpu pool (``SlurmRunLauncher``) has no machines to stop: Slurm frees a job's allocation when
+it ends. What can sit idle there is a job no run needs any more (its run ended or was canceled while
+the job waits in the queue, or hangs after its run finished): with such a pool the sensor lists the
+launcher's jobs (named ``ft-assets-<run id>``) and ``scancel``s the ones whose run has been settled
+for longer than the threshold. A job whose run this instance does not know is left alone (another
+deployment may share the account).
+
 Stop or terminate: ``stop`` (the default) keeps the root volume, so a restarted worker finds its
 downloaded base model again, and bills only that disk (gp3: $0.08/GB-month). ``terminate`` frees
 everything and is the only choice for one-time spot instances, which EC2 refuses to stop (the
@@ -35,6 +44,7 @@ refusal is logged; the sensor does not terminate instead on its own).
 from __future__ import annotations
 
 import os
+from functools import partial
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -49,7 +59,9 @@ from dagster._core.storage.dagster_run import RunRecord
 from pydantic import Field
 
 from ft_assets.control.cost_model import CostModel
-from ft_assets.control.launcher import GPU, POOL_TAG
+from ft_assets.control.rented_workers import RentedWorkersResource, rented_tick
+from ft_assets.control.launcher import GPU, POOL_TAG, PoolRunLauncher
+from ft_assets.control.slurm import JobState, SlurmError, SlurmRunLauncher
 from ft_assets.training.ec2_metadata import WORKER_TAG
 
 ROLE_TAG_KEY = "ft-assets:role"  # EC2 instance tag that marks a machine as ours to stop
@@ -280,6 +292,65 @@ def unplaced_gpu_runs(instance: dg.DagsterInstance) -> list[str]:
     return [record.dagster_run.run_id for record in records if WORKER_TAG not in record.dagster_run.tags]
 
 
+@dataclass(frozen=True)
+class IdleSlurmJob:
+    """A Slurm job of the gpu pool that no unfinished run needs."""
+
+    run_id: str
+    job: JobState
+    why: str
+
+    def describe(self, now: datetime) -> str:
+        billed = self.job.billed_seconds(now) / 60
+        held = f"running {billed:.0f} min on its allocation" if self.job.started else "queued, not billed yet"
+        return f"Slurm job {self.job.job_id} ({self.job.state}, {held}): {self.why}"
+
+
+def find_idle_slurm_jobs(
+    jobs: Iterable[tuple[str, JobState]], runs: Mapping[str, WorkerRun], now: datetime, threshold: timedelta
+) -> list[IdleSlurmJob]:
+    """The queued or running jobs (run id, job) whose run in ``runs`` settled longer than ``threshold`` ago."""
+    idle = []
+    for run_id, job in jobs:
+        run = runs.get(run_id)
+        if not job.active or job.state == "COMPLETING" or run is None or run.status not in SETTLED_STATUSES:
+            continue
+        if run.ended_at is not None and now - run.ended_at <= threshold:
+            continue
+        ago = f" {int((now - run.ended_at).total_seconds() // 60)} min ago" if run.ended_at is not None else ""
+        idle.append(IdleSlurmJob(run_id, job, f"its run {run_id} ended {run.status.value}{ago}"))
+    return idle
+
+
+def slurm_gpu_pool(instance: dg.DagsterInstance) -> SlurmRunLauncher | None:
+    """The gpu pool's SlurmRunLauncher, when the instance's launcher has one."""
+    launcher = instance.run_launcher
+    if isinstance(launcher, PoolRunLauncher) and isinstance(launcher.launcher(GPU), SlurmRunLauncher):
+        return launcher.launcher(GPU)
+    return None
+
+
+def cancel_idle_slurm_jobs(context, slurm: SlurmRunLauncher, threshold: timedelta, dry_run: bool, now: datetime) -> str:
+    """``scancel`` each idle job of the Slurm gpu pool (``find_idle_slurm_jobs``); what was done, in one line."""
+    try:
+        jobs = slurm.cli.jobs()
+    except SlurmError as exc:
+        context.log.warning(f"could not list the Slurm jobs, trying again next tick: {exc}")
+        return f"squeue failed: {exc}"
+    records = context.instance.get_run_records(dg.RunsFilter(run_ids=[run_id for run_id, _ in jobs])) if jobs else []
+    idle = find_idle_slurm_jobs(jobs, {r.dagster_run.run_id: worker_run(r) for r in records}, now, threshold)
+    for job in idle:
+        if not dry_run:
+            slurm.cli.cancel(job.job.job_id)
+        context.log.info(f"{'dry run: would scancel' if dry_run else 'scancel'} {job.describe(now)}")
+    if not idle:
+        return (
+            f"{len(jobs)} Slurm job(s) of the gpu pool, none idle for more than {threshold.total_seconds() / 60:g} min"
+        )
+    verb = "dry run: would cancel" if dry_run else "cancelled"
+    return f"{verb} {len(idle)} idle Slurm job(s) ({', '.join(job.job.job_id for job in idle)})"
+
+
 class Ec2WorkersResource(dg.ConfigurableResource):
     """The EC2 GPU workers the idle sensor may stop, and what it does to them.
 
@@ -319,27 +390,45 @@ class Ec2WorkersResource(dg.ConfigurableResource):
 @dg.sensor(
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     default_status=dg.DefaultSensorStatus.STOPPED,
-    description="Stops (or terminates) EC2 GPU workers tagged ft-assets:role=gpu-worker that have had no run for "
-    "longer than the idle threshold. Off by default: turn it on once the worker tags are in place.",
+    description="Stops (or terminates) EC2 GPU workers tagged ft-assets:role=gpu-worker, and the RunPod, Vast.ai and "
+    "SkyPilot workers of rented_workers.providers, that have had no run for longer than the idle threshold; with a "
+    "Slurm gpu pool, cancels its jobs whose run has ended. Off by default: turn it on once the worker tags are in place.",
 )
-def idle_gpu_worker_sensor(context: dg.SensorEvaluationContext, ec2_workers: Ec2WorkersResource) -> dg.SkipReason:
+def idle_gpu_worker_sensor(
+    context: dg.SensorEvaluationContext, ec2_workers: Ec2WorkersResource, rented_workers: RentedWorkersResource
+) -> dg.SkipReason:
     now = utc_now()
+    slurm = slurm_gpu_pool(context.instance)
+    if slurm is not None:  # a Slurm gpu pool: its jobs, not machines (idle_minutes and dry_run apply)
+        threshold = timedelta(minutes=ec2_workers.idle_minutes)
+        return dg.SkipReason(cancel_idle_slurm_jobs(context, slurm, threshold, ec2_workers.dry_run, now))
+    if not rented_workers.providers:
+        return dg.SkipReason(ec2_tick(context, ec2_workers, now))
+    unplaced = unplaced_gpu_runs(context.instance)
+    if unplaced:
+        return dg.SkipReason(unplaced_message(unplaced))
+    watched = ec2_workers.region or os.environ.get("AWS_DEFAULT_REGION")
+    parts = [f"EC2: {ec2_tick(context, ec2_workers, now)}" if watched else "EC2: no region set, not watched"]
+    threshold = timedelta(minutes=ec2_workers.idle_minutes)
+    parts += rented_tick(context, rented_workers, now, threshold, partial(runs_by_instance, context.instance))
+    return dg.SkipReason("; ".join(parts))
+
+
+def ec2_tick(context: dg.SensorEvaluationContext, ec2_workers: Ec2WorkersResource, now: datetime) -> str:
+    """The EC2 part of a tick: what it did, in one line."""
     ec2 = ec2_workers.client()
     try:
         workers = list_workers(ec2, ec2_workers.role_tag)
     except (BotoCoreError, ClientError) as exc:
         context.log.warning(f"could not list GPU workers, trying again next tick: {exc}")
-        return dg.SkipReason(f"EC2 DescribeInstances failed: {exc}")
+        return f"EC2 DescribeInstances failed: {exc}"
     key, value = ec2_workers.role_tag
     if not workers:
-        return dg.SkipReason(f"no running EC2 instance tagged {key}={value}")
+        return f"no running EC2 instance tagged {key}={value}"
 
     unplaced = unplaced_gpu_runs(context.instance)
     if unplaced:
-        return dg.SkipReason(
-            f"gpu run(s) {', '.join(unplaced)} started without a {WORKER_TAG} tag, so any worker may be busy; "
-            f"stopping nothing (the worker should tag its run, see {__name__})"
-        )
+        return unplaced_message(unplaced)
     for worker in workers:
         try:
             read_heartbeat(instance_tags(worker))
@@ -350,9 +439,7 @@ def idle_gpu_worker_sensor(context: dg.SensorEvaluationContext, ec2_workers: Ec2
     threshold = timedelta(minutes=ec2_workers.idle_minutes)
     idle = find_idle_workers(workers, runs, now, threshold, ec2_workers.role_tag)
     if not idle:
-        return dg.SkipReason(
-            f"{len(workers)} GPU worker(s) running, none idle for more than {ec2_workers.idle_minutes:g} min"
-        )
+        return f"{len(workers)} GPU worker(s) running, none idle for more than {ec2_workers.idle_minutes:g} min"
 
     actions = stop_idle_workers(ec2, idle, ec2_workers.action, ec2_workers.dry_run)
     for action in actions:
@@ -367,7 +454,14 @@ def idle_gpu_worker_sensor(context: dg.SensorEvaluationContext, ec2_workers: Ec2
         summary += f" ({', '.join(a.worker.instance_id for a in done)}; ~${saved:.2f}/h)"
     if len(done) < len(actions):
         summary += f"; {len(actions) - len(done)} refused by EC2, see the log"
-    return dg.SkipReason(summary)
+    return summary
+
+
+def unplaced_message(unplaced: Sequence[str]) -> str:
+    return (
+        f"gpu run(s) {', '.join(unplaced)} started without a {WORKER_TAG} tag, so any worker may be busy; "
+        f"stopping nothing (the worker should tag its run, see {__name__})"
+    )
 
 
 def _gpus(instance_type: str) -> str:

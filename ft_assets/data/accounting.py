@@ -34,7 +34,9 @@ class RowAccounting:
         )
 
     def deduplicated(self, exact: int, near: int) -> RowAccounting:
-        return replace(self, exact_duplicates=self.exact_duplicates + exact, near_duplicates=self.near_duplicates + near)
+        return replace(
+            self, exact_duplicates=self.exact_duplicates + exact, near_duplicates=self.near_duplicates + near
+        )
 
     def kept(self, rows: int) -> RowAccounting:
         return replace(self, rows_kept=rows)

@@ -16,19 +16,20 @@ import dagster as dg
 
 from ft_assets import layout, objectives
 from ft_assets.data.accounting import RowAccounting
+from ft_assets.data.chat_encoding import TokenizerFiles
 from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
-from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.rows import ROW_SCHEMA, DatasetFileError, sample_rows
 from ft_assets.data.sources import describe_source
 from ft_assets.data.split import split_dataset
+from ft_assets.data.tokenizing import tokenize_splits
 from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
@@ -77,7 +78,10 @@ def _mixture_component(m: Materialization, record: dict, mapping: ColumnMapping 
 
 @dg.asset(**DATA, kinds={"python", "parquet", STORE_KIND})
 def raw_dataset(
-    context: dg.AssetExecutionContext, config: RawConfig, store: ObjectStoreResource, data_executor: DataExecutorResource
+    context: dg.AssetExecutionContext,
+    config: RawConfig,
+    store: ObjectStoreResource,
+    data_executor: DataExecutorResource,
 ) -> dg.Output[dict]:
     """Every input file of the dataset version (for a mixture, the rows drawn from its components),
     normalized to one chat schema; bad rows quarantined. The rows choose the objective (conversations:
@@ -85,7 +89,7 @@ def raw_dataset(
     keys_of = layout.of(context.partition_key)
     with Materialization(context, store, "raw", data_executor) as m:
         source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
-        out = m.begin(keys_of.data("raw"))
+        out = Artifact.begin(m.store, keys_of.data("raw"))
         try:
             stats = _read_version(m, out, source, config.mapping(), data_executor.executor)
             objective = objectives.for_data_kind(stats.pop("data_kind"))
@@ -98,8 +102,14 @@ def raw_dataset(
         sample = table(sample_rows(out.records("rows")))
         dataset = dataset_metadata(stats["rows_parsed"], ROW_SCHEMA)
         ref = m.publish(out, stats)
-    context.log.info(f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing")
-    origin = {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))} if stats["source"] else {}
+    context.log.info(
+        f"{stats['rows_in']} rows in ({objective.data_kind}: {objective.name}), {stats['rows_quarantined']} quarantined while parsing"
+    )
+    origin = (
+        {"source": dg.MetadataValue.md("\n".join(describe_source(stats["source"], indent="- ")))}
+        if stats["source"]
+        else {}
+    )
     return m.output(
         ref,
         rows_in=stats["rows_in"],
@@ -108,14 +118,18 @@ def raw_dataset(
         rows_quarantined=stats["rows_quarantined"],
         blank_lines=stats["blank_lines"],
         quarantine_reasons=_reasons(stats["quarantine_reasons"]),
-        rows_per_file=table([{"file": name, "rows": rows} for name, rows in stats["rows_per_file"].items()], columns=["file", "rows"]),
+        rows_per_file=table(
+            [{"file": name, "rows": rows} for name, rows in stats["rows_per_file"].items()], columns=["file", "rows"]
+        ),
         sample=sample,
         **dataset,
         **origin,
     )
 
 
-def _read_version(m: Materialization, out: Artifact, source: dict | None, mapping: ColumnMapping | None, executor) -> dict:
+def _read_version(
+    m: Materialization, out: Artifact, source: dict | None, mapping: ColumnMapping | None, executor
+) -> dict:
     """Read the version's files (or draw a mixture from its components) into ``out``; the reader's stats."""
     if source is not None and source["kind"] == "mixture":
         components = [_mixture_component(m, record, mapping) for record in source["components"]]
@@ -135,7 +149,9 @@ def no_usable_rows(partition: str, stats: dict, raw: Artifact) -> str:
         f"{name}: {count} row(s), all quarantined" if count else f"{name} holds no rows"
         for name, count in stats["rows_per_file"].items()
     )
-    reasons = ", ".join(f"{reason} x{count} (first at {examples[reason]})" for reason, count in stats["quarantine_reasons"].items())
+    reasons = ", ".join(
+        f"{reason} x{count} (first at {examples[reason]})" for reason, count in stats["quarantine_reasons"].items()
+    )
     return (
         f"dataset version {partition} has no usable row ({files}{'; ' + reasons if reasons else ''}). Rows must be in chat "
         "({messages: [{role, content}]}), ShareGPT ({conversations}) or alpaca ({instruction, output}) form, or their "
@@ -154,8 +170,14 @@ def cleaned_dataset(
     """Unicode/whitespace cleanup, length filters and role-order validation; failures quarantined with a reason."""
     objective = objectives.of_stats(raw_dataset["stats"])
     with Materialization(context, store, "clean", data_executor) as m:
-        out = m.begin(layout.of(m.partition).data("cleaned"))
-        stats = clean_dataset(m.input(raw_dataset), out, config.rules(), data_executor.executor, objective.clean_row)
+        out = Artifact.begin(m.store, layout.of(m.partition).data("cleaned"))
+        stats = clean_dataset(
+            Artifact.committed(m.store, raw_dataset["prefix"]),
+            out,
+            config.rules(),
+            data_executor.executor,
+            objective.clean_row,
+        )
         accounting = RowAccounting.of(raw_dataset["stats"]).quarantined(stats["quarantine_reasons"])
         stats.update(
             objective=objective.name, accounting=accounting.as_dict(), quarantine_fraction=accounting.quarantine_fraction,
@@ -187,9 +209,13 @@ def deduplicated_dataset(
 ) -> dg.Output[dict]:
     """Exact dedup on normalized content, then MinHash-LSH near-dedup; every removed row recorded."""
     with Materialization(context, store, "dedup", data_executor) as m:
-        out = m.begin(layout.of(m.partition).data("deduplicated"))
-        stats = deduplicate_dataset(m.input(cleaned_dataset), out, config.rules(), data_executor.executor, m.work)
-        accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(stats["exact_duplicates"], stats["near_duplicates"])
+        out = Artifact.begin(m.store, layout.of(m.partition).data("deduplicated"))
+        stats = deduplicate_dataset(
+            Artifact.committed(m.store, cleaned_dataset["prefix"]), out, config.rules(), data_executor.executor, m.work
+        )
+        accounting = RowAccounting.of(cleaned_dataset["stats"]).deduplicated(
+            stats["exact_duplicates"], stats["near_duplicates"]
+        )
         stats.update(objective=cleaned_dataset["stats"]["objective"], accounting=accounting.as_dict())
         dataset = dataset_metadata(stats["rows_kept"], ROW_SCHEMA)
         ref = m.publish(out, stats, {"cleaned_dataset": cleaned_dataset})
@@ -217,8 +243,14 @@ def train_eval_split(
 ) -> dg.Output[dict]:
     """Deterministic train/eval split by a stable hash of each near-duplicate cluster."""
     with Materialization(context, store, "split", data_executor) as m:
-        out = m.begin(layout.of(m.partition).data("split"))
-        stats = split_dataset(m.input(deduplicated_dataset), out, config.eval_fraction, config.salt, data_executor.executor)
+        out = Artifact.begin(m.store, layout.of(m.partition).data("split"))
+        stats = split_dataset(
+            Artifact.committed(m.store, deduplicated_dataset["prefix"]),
+            out,
+            config.eval_fraction,
+            config.salt,
+            data_executor.executor,
+        )
         if stats["train_rows"] == 0:
             raise dg.Failure(f"{m.partition}: no training rows left after cleaning and deduplication")
         before = deduplicated_dataset["stats"]
@@ -231,7 +263,9 @@ def train_eval_split(
 
 def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
     """The base model's tokenizer as files: each worker loads it once (the driver does not load it at all)."""
-    return TokenizerFiles.from_dir(m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors")))
+    return TokenizerFiles.from_dir(
+        m.fetch(base_model, "tokenizer", include=lambda rel: not rel.endswith(".safetensors"))
+    )
 
 
 def shard_stats(per_split: dict, seq_len: int, objective: str, accounting: RowAccounting) -> dict:
@@ -270,9 +304,9 @@ def tokenized_shards(
     """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest); preference pairs packed whole."""
     objective = objectives.of_stats(train_eval_split["stats"])
     with Materialization(context, store, "tokenize", data_executor) as m:
-        out = m.begin(layout.of(m.partition).data("shards"))
+        out = Artifact.begin(m.store, layout.of(m.partition).data("shards"))
         per_split = tokenize_splits(
-            m.input(train_eval_split), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, out, config.window,
+            Artifact.committed(m.store, train_eval_split["prefix"]), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, out, config.window,
             data_executor.executor, kind=objective.pack_kind,
         )  # fmt: skip
         for split, packed in per_split.items():

@@ -1,13 +1,16 @@
 """Blocking checks that guard the data plane: nothing trains on a mostly-broken or miscounted version."""
 
-
 import dagster as dg
 
 from ft_assets.data.accounting import RowAccounting
 from ft_assets.data.assets import cleaned_dataset, tokenized_shards
 
 
-@dg.asset_check(asset=cleaned_dataset, blocking=True, description="Quarantined fraction of input rows is within the configured limit.")
+@dg.asset_check(
+    asset=cleaned_dataset,
+    blocking=True,
+    description="Quarantined fraction of input rows is within the configured limit.",
+)
 def quarantine_fraction_within_limit(cleaned_dataset: dict) -> dg.AssetCheckResult:
     stats = cleaned_dataset["stats"]
     fraction, limit = stats["quarantine_fraction"], stats["max_quarantine_fraction"]

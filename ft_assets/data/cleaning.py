@@ -143,7 +143,9 @@ def clean_part(rules: CleaningRules, clean: Callable, part: Part, target: Target
         except RowError as exc:
             reasons[exc.reason] += 1
             raw = json.dumps(original, ensure_ascii=False)[:2000]
-            quarantined.append({"source": source, "stage": "clean", "reason": exc.reason, "detail": exc.detail, "raw": raw})
+            quarantined.append(
+                {"source": source, "stage": "clean", "reason": exc.reason, "detail": exc.detail, "raw": raw}
+            )
             continue
         changed += messages != original
         kept.append({"source": source, "cluster": "", "messages": messages})
@@ -163,7 +165,11 @@ def clean_run(settings: tuple[CleaningRules, Callable, Target], run: list[Part])
 
 
 def clean_dataset(
-    raw: Artifact, out: Artifact, rules: CleaningRules, executor: Executor | None = None, clean: Callable = clean_messages
+    raw: Artifact,
+    out: Artifact,
+    rules: CleaningRules,
+    executor: Executor | None = None,
+    clean: Callable = clean_messages,
 ) -> dict:
     """The ``rows`` parts of ``raw`` through ``clean`` (``clean_messages``, or ``preference.clean_pair`` for a
     version of preference pairs, ``prompts.clean_prompt`` for one of prompts) into the ``rows`` and ``quarantine`` parts of ``out``, a run of parts a task on
@@ -175,6 +181,15 @@ def clean_dataset(
     for run in executor.map(clean_run, tasks, (rules, clean, out.target(executor))):
         for part in run:
             out.add(part.rows, part.quarantine)
-            kept, quarantined, changed = kept + part.rows.rows, quarantined + part.quarantine.rows, changed + part.changed
+            kept, quarantined, changed = (
+                kept + part.rows.rows,
+                quarantined + part.quarantine.rows,
+                changed + part.changed,
+            )
             reasons.update(part.reasons)
-    return {"rows_kept": kept, "rows_quarantined": quarantined, "quarantine_reasons": dict(reasons), "rows_modified": changed}
+    return {
+        "rows_kept": kept,
+        "rows_quarantined": quarantined,
+        "quarantine_reasons": dict(reasons),
+        "rows_modified": changed,
+    }

@@ -1,6 +1,5 @@
 """Launchpad configuration of the data-plane assets; every field has a default and a help text."""
 
-
 import dagster as dg
 from pydantic import Field
 
@@ -30,7 +29,9 @@ class RawConfig(dg.Config):
 
 
 class CleanConfig(dg.Config):
-    unicode_form: str = Field(default="NFC", description="Unicode normalization form (NFC keeps '²' and full-width forms; NFKC folds them).")
+    unicode_form: str = Field(
+        default="NFC", description="Unicode normalization form (NFC keeps '²' and full-width forms; NFKC folds them)."
+    )
     min_chars: int = Field(default=1, description="Minimum characters of each user message after cleanup.")
     min_response_chars: int = Field(default=1, description="Minimum characters of each assistant reply after cleanup.")
     max_chars: int = Field(default=32_000, description="Maximum characters of a whole conversation.")
@@ -49,9 +50,12 @@ class DedupConfig(dg.Config):
     ngram: int = Field(default=5, description="Word n-gram size of the MinHash shingles.")
     num_perm: int = Field(default=128, description="MinHash permutations (112-256 is the usual range).")
     threshold: float = Field(default=0.8, description="Jaccard similarity above which rows are near-duplicates.")
-    min_words: int = Field(default=10, description="Rows with fewer words are only exact-deduplicated (too few shingles to judge).")
+    min_words: int = Field(
+        default=10, description="Rows with fewer words are only exact-deduplicated (too few shingles to judge)."
+    )
     near_duplicates: str = Field(
-        default="drop", description="'drop' removes near-duplicates; 'keep' keeps them but the split keeps each cluster together."
+        default="drop",
+        description="'drop' removes near-duplicates; 'keep' keeps them but the split keeps each cluster together.",
     )
 
     def rules(self) -> DedupRules:
@@ -62,9 +66,13 @@ class DedupConfig(dg.Config):
 
 class SplitConfig(dg.Config):
     eval_fraction: float = Field(default=0.1, description="Fraction of near-duplicate clusters that go to eval.")
-    salt: str = Field(default="ft-assets", description="Salt of the stable split hash; change it to draw a different split.")
+    salt: str = Field(
+        default="ft-assets", description="Salt of the stable split hash; change it to draw a different split."
+    )
 
 
 class TokenizeConfig(dg.Config):
     seq_len: int = Field(default=512, description="Tokens per packed row (the training sequence length).")
-    window: int = Field(default=16_384, description="Examples per packing window (bounds memory; larger packs slightly tighter).")
+    window: int = Field(
+        default=16_384, description="Examples per packing window (bounds memory; larger packs slightly tighter)."
+    )

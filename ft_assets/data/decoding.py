@@ -60,7 +60,8 @@ def check_encodable(messages: list[dict]) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise RowError(
-                    "invalid_utf8", f"message {i} {field} holds a lone surrogate escape (\\u{ord(value[exc.start]):04x})"
+                    "invalid_utf8",
+                    f"message {i} {field} holds a lone surrogate escape (\\u{ord(value[exc.start]):04x})",
                 ) from exc
 
 
@@ -138,7 +139,9 @@ class ArrayElements:
         return f"line {line}"
 
     def _fail(self, what: str) -> DatasetFileError:
-        return DatasetFileError(f"{self.name}: {what} at {self._where()}; the array cannot be read past it — fix the file")
+        return DatasetFileError(
+            f"{self.name}: {what} at {self._where()}; the array cannot be read past it — fix the file"
+        )
 
     def __iter__(self) -> Iterator[tuple[object, str, list[RowError]]]:
         """(element, its text, problems met while decoding it)."""
@@ -157,7 +160,9 @@ class ArrayElements:
                 return
             if not first:
                 if head != ",":
-                    raise self._fail("expected ',' or ']' between elements" if head else "the file ends inside the array")
+                    raise self._fail(
+                        "expected ',' or ']' between elements" if head else "the file ends inside the array"
+                    )
                 self.pos += 1
                 self._skip_space()
             first = False

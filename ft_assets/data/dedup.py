@@ -53,7 +53,15 @@ import pyarrow as pa
 from ft_assets.data.parallel import Executor, FileRef, InProcess, read_all
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
 from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA
-from ft_assets.data.shuffle import band_pairs, band_records, cluster_roots, exact_duplicates, exact_records, partition, unique_pairs
+from ft_assets.data.shuffle import (
+    band_pairs,
+    band_records,
+    cluster_roots,
+    exact_duplicates,
+    exact_records,
+    partition,
+    unique_pairs,
+)
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -355,7 +363,11 @@ class DedupMap:
 def map_run(rules: DedupRules, run: list[Part]) -> DedupMap:
     """Exact keys and band hashes of a run's rows (the costly part: one normalization of each message)."""
     hasher = minhasher(rules)
-    features = [row_features(messages, rules) for part in run for messages in read_part(part, ["messages"]).column("messages").to_pylist()]
+    features = [
+        row_features(messages, rules)
+        for part in run
+        for messages in read_part(part, ["messages"]).column("messages").to_pylist()
+    ]
     keys = np.frombuffer(b"".join(f.key for f in features), dtype=np.uint8).reshape(-1, 16)
     hashes, eligible = hasher.band_hashes(features)
     exact = exact_records(keys, run[0].start)  # the parts of a run are consecutive: its rows are numbered on
@@ -369,7 +381,10 @@ def reduce_exact(_, records: FileRef) -> np.ndarray:
 
 
 def reduce_bands(excluded: FileRef, records: FileRef) -> np.ndarray:
-    return band_pairs(np.frombuffer(read_all(records), dtype=np.uint64).reshape(-1, 3), np.frombuffer(read_all(excluded), dtype=np.int64))
+    return band_pairs(
+        np.frombuffer(read_all(records), dtype=np.uint64).reshape(-1, 3),
+        np.frombuffer(read_all(excluded), dtype=np.int64),
+    )
 
 
 def look_up(rules: DedupRules, run: list[tuple[Part, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, list[str]]:
@@ -411,7 +426,9 @@ def filter_part(near_duplicates: str, item: FilterItem) -> tuple[pa.Table, pa.Ta
             clusters[row] = root_key.hex()
     mask = pa.array(kept)
     cluster = pa.array([c for c, keep in zip(clusters, kept.tolist()) if keep], type=pa.string())
-    rows = pa.Table.from_arrays([sources.filter(mask), cluster, table.column("messages").filter(mask)], schema=ROW_SCHEMA)
+    rows = pa.Table.from_arrays(
+        [sources.filter(mask), cluster, table.column("messages").filter(mask)], schema=ROW_SCHEMA
+    )
     return rows, pa.Table.from_pylist(records, schema=DUPLICATE_SCHEMA)
 
 
@@ -432,7 +449,9 @@ def filter_run(settings: tuple[str, Target], run: list[FilterItem]) -> list[tupl
 # --- the stage, in the driver ----------------------------------------------------------------------------
 
 
-def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: int, spill: Path) -> tuple[int, tuple[int, int]]:
+def _map(
+    executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: int, spill: Path
+) -> tuple[int, tuple[int, int]]:
     """Step 1: the map tasks; their keys and records spilled to ``spill`` (``keys``, ``exact-P``, ``bands-P``), bucket b
     in partition b % partitions. Returns the partitions and the LSH banding (bands, rows a band)."""
     partitions, lsh = 0, (0, 0)
@@ -440,7 +459,9 @@ def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: 
         for part in executor.map(map_run, tasks, rules):
             if not partitions:  # a row's exact record and its band records, if it is long enough
                 lsh, record_bytes = part.lsh, 3 * 8 * (1 + part.lsh[0])
-                partitions = min(MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1))
+                partitions = min(
+                    MAX_PARTITIONS, max(executor.workers, math.ceil(total * record_bytes / PARTITION_BYTES), 1)
+                )
                 for p in range(partitions):
                     for kind in ("exact", "bands"):
                         (spill / f"{kind}-{p}").touch()
@@ -449,7 +470,9 @@ def _map(executor: Executor, tasks: list[list[Part]], rules: DedupRules, total: 
                 for p in range(partitions):
                     pieces = [piece for piece in buckets[p::partitions] if len(piece)]
                     if pieces:
-                        with open(spill / f"{kind}-{p}", "ab") as handle:  # hundreds of partitions: not all open at once
+                        with open(
+                            spill / f"{kind}-{p}", "ab"
+                        ) as handle:  # hundreds of partitions: not all open at once
                             handle.write(np.concatenate(pieces).tobytes())
     return partitions, lsh
 
@@ -461,8 +484,12 @@ def _reduce(executor: Executor, spill: Path, partitions: int, total: int) -> tup
     duplicates = duplicates[np.argsort(duplicates[:, 0], kind="stable")]
     (spill / "excluded").write_bytes(duplicates[:, 0].tobytes())
     excluded = executor.share(spill / "excluded")
-    band_parts = list(executor.map(reduce_bands, (executor.share(spill / f"bands-{p}") for p in range(partitions)), excluded))
-    return duplicates, unique_pairs(np.concatenate(band_parts) if band_parts else np.empty((0, 2), dtype=np.int64), max(total, 1))
+    band_parts = list(
+        executor.map(reduce_bands, (executor.share(spill / f"bands-{p}") for p in range(partitions)), excluded)
+    )
+    return duplicates, unique_pairs(
+        np.concatenate(band_parts) if band_parts else np.empty((0, 2), dtype=np.int64), max(total, 1)
+    )
 
 
 def _in_parts(rows: np.ndarray, parts: list[Part]) -> list[np.ndarray]:
@@ -525,11 +552,17 @@ def deduplicate_dataset(
     total = sum(part.rows for part in parts)
     with tempfile.TemporaryDirectory(prefix="ft-dedup-", dir=scratch) as spill:
         spill = Path(spill)
-        partitions, lsh = _map(executor, list(runs(parts, lambda part: part.rows, executor.shard_rows)), rules, total, spill)
+        partitions, lsh = _map(
+            executor, list(runs(parts, lambda part: part.rows, executor.shard_rows)), rules, total, spill
+        )
         shuffled = sum(path.stat().st_size for path in spill.glob("*-*"))
         duplicates, pairs = _reduce(executor, spill, partitions, total)
         merged, roots, sources = _clusters(executor, parts, pairs, duplicates, rules)
-        keys = np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16)) if total else np.empty((0, 16), np.uint8)
+        keys = (
+            np.memmap(spill / "keys", dtype=np.uint8, mode="r", shape=(total, 16))
+            if total
+            else np.empty((0, 16), np.uint8)
+        )
         items = _filter_items(parts, keys, duplicates, merged, roots, sources)
         tasks = runs(items, lambda item: item.part.rows, executor.shard_rows)
         for run in executor.map(filter_run, tasks, (rules.near_duplicates, out.target(executor))):

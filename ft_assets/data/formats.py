@@ -73,14 +73,14 @@ class Rejected:
 
 
 def _preview(raw: bytes) -> str:
-    return raw[:RAW_PREVIEW_CHARS * 4].decode("utf-8", errors="replace")[:RAW_PREVIEW_CHARS]
+    return raw[: RAW_PREVIEW_CHARS * 4].decode("utf-8", errors="replace")[:RAW_PREVIEW_CHARS]
 
 
 @contextmanager
 def _opened(path: FileRef, name: str):
     """The file's bytes, gunzipped for a ``.gz`` name; gzip damage becomes a DatasetFileError naming it."""
     try:
-        with open_file(path) as raw, (gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw) as handle:
+        with open_file(path) as raw, gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw as handle:
             yield handle
     except EOFError as exc:
         raise DatasetFileError(
@@ -164,7 +164,9 @@ def _cell_json(value: str, column: str) -> object:
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise RowError("invalid_json", f"column '{column}' holds no JSON list of turns ({exc.msg} at column {exc.colno})") from exc
+        raise RowError(
+            "invalid_json", f"column '{column}' holds no JSON list of turns ({exc.msg} at column {exc.colno})"
+        ) from exc
 
 
 def iter_csv(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
@@ -204,7 +206,9 @@ def iter_csv(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> 
                     raise RowError("wrong_field_count", f"{len(record)} fields, the header has {len(header)}")
                 for cell in record:
                     check_decoded(cell)
-                row = {key: _cell_json(value, key) if key in turn_lists else value for key, value in zip(header, record)}
+                row = {
+                    key: _cell_json(value, key) if key in turn_lists else value for key, value in zip(header, record)
+                }
                 messages = normalize_record(row, mapping)
                 if any("\\u" in record[header.index(key)] for key in turn_lists if key in header):
                     check_encodable(messages)
@@ -213,7 +217,9 @@ def iter_csv(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> 
                 yield Rejected(source, exc.reason, exc.detail, raw)
 
 
-def _table_rows(name: str, kind: str, batches, mapping: ColumnMapping | None, index: int = 0) -> Iterator[Row | Rejected]:
+def _table_rows(
+    name: str, kind: str, batches, mapping: ColumnMapping | None, index: int = 0
+) -> Iterator[Row | Rejected]:
     """Rows of record batches; ``index``: the rows of the table before the first batch."""
     try:
         for batch in batches:
@@ -275,7 +281,9 @@ def suffix_of(name: str) -> str | None:
     return next((s for s in sorted(SUPPORTED_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
 
-def iter_dataset_file(path: FileRef, name: str, mapping: ColumnMapping | None = None) -> Iterator[Row | Rejected | None]:
+def iter_dataset_file(
+    path: FileRef, name: str, mapping: ColumnMapping | None = None
+) -> Iterator[Row | Rejected | None]:
     suffix = suffix_of(name)
     if suffix is None:
         raise DatasetFileError(f"{name}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")

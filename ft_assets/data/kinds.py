@@ -36,7 +36,11 @@ from ft_assets.data.layouts import COLUMNS, REJECTED
 from ft_assets.data.rows import DatasetFileError
 
 CHAT, PREFERENCE, PROMPT = "chat", "preference", "prompt"  # the kinds of dataset version
-WHAT = {CHAT: "chat rows", PREFERENCE: "preference pairs with 'chosen' and 'rejected'", PROMPT: "prompts (rows that end in a user turn)"}
+WHAT = {
+    CHAT: "chat rows",
+    PREFERENCE: "preference pairs with 'chosen' and 'rejected'",
+    PROMPT: "prompts (rows that end in a user turn)",
+}
 _ROW_NUMBER = re.compile(r"[:#]\d+$")  # a row source is "<file>:<line>" or "<file>#<row>"
 
 
@@ -102,5 +106,7 @@ def dataset_kind(first_rows: dict[str, dict[str, str]]) -> str:
             "a dataset version holds one kind: register them as two versions"
         )
     if len(files) == 3:
-        raise DatasetFileError(f"the version mixes chat, preference and prompt files ({', '.join(files.values())}); register one version per kind")
+        raise DatasetFileError(
+            f"the version mixes chat, preference and prompt files ({', '.join(files.values())}); register one version per kind"
+        )
     return next(iter(files), CHAT)

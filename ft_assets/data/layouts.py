@@ -135,13 +135,17 @@ def _reply(value: object, side: str) -> str:
     if len(messages) != 1:
         raise RowError("wrong_type", f"'{side}' must be one assistant reply, got {len(messages)} messages")
     if messages[0]["role"] != "assistant":
-        raise RowError("bad_role_order", f"the {side} reply has role {messages[0]['role']!r}; a reply is the assistant's")
+        raise RowError(
+            "bad_role_order", f"the {side} reply has role {messages[0]['role']!r}; a reply is the assistant's"
+        )
     return messages[0]["content"]
 
 
 def _implicit_prompt(chosen: object, rejected: object) -> tuple[list[dict], str, str]:
     """Two whole conversations: the turns they share are the prompt, the one reply after it each side's answer."""
-    sides = [_message_list(value, side, "role", "content", None) for value, side in ((chosen, CHOSEN), (rejected, REJECTED))]
+    sides = [
+        _message_list(value, side, "role", "content", None) for value, side in ((chosen, CHOSEN), (rejected, REJECTED))
+    ]
     shared = 0
     while shared < min(map(len, sides)) - 1 and sides[0][shared] == sides[1][shared]:
         shared += 1
@@ -158,8 +162,11 @@ def _implicit_prompt(chosen: object, rejected: object) -> tuple[list[dict], str,
 
 def _prompt(obj: dict) -> list[dict]:
     system = _optional_text(obj, "system")
-    if "instruction" in obj and "prompt" not in obj and "conversations" not in obj:  # alpaca: the same rules as for chat rows
-        return _instruction_turns(_text(obj["instruction"], "'instruction'"), _optional_text(obj, "input"), "", system, [])[:-1]
+    # alpaca: the same rules as for chat rows
+    if "instruction" in obj and "prompt" not in obj and "conversations" not in obj:
+        return _instruction_turns(
+            _text(obj["instruction"], "'instruction'"), _optional_text(obj, "input"), "", system, []
+        )[:-1]
     if "conversations" in obj:
         turns = _message_list(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
     elif isinstance(obj["prompt"], str):
@@ -179,7 +186,10 @@ def pair_messages(obj: dict) -> list[dict]:
         prompt, chosen, rejected = _implicit_prompt(obj[CHOSEN], obj[REJECTED])
     else:
         keys = ", ".join(sorted(map(str, obj))[:8])
-        raise RowError("unknown_format", f"a pair needs a 'prompt' (or two whole conversations as chosen/rejected); found keys: {keys}")
+        raise RowError(
+            "unknown_format",
+            f"a pair needs a 'prompt' (or two whole conversations as chosen/rejected); found keys: {keys}",
+        )
     return prompt + [{"role": CHOSEN, "content": chosen}, {"role": REJECTED, "content": rejected}]
 
 
@@ -233,7 +243,9 @@ class ColumnMapping:
             raise ValueError("columns: every value must be a column name")
         turns = {"prompt", "input", "response", "system"} & set(columns)
         if "messages" in columns and turns:
-            raise ValueError(f"columns: map 'messages' (a list of turns) or prompt/response, not both (got {sorted(columns)})")
+            raise ValueError(
+                f"columns: map 'messages' (a list of turns) or prompt/response, not both (got {sorted(columns)})"
+            )
         if "messages" not in columns and not {"prompt", "response"} <= set(columns):
             raise ValueError(f"columns: map 'messages', or both 'prompt' and 'response' (got {sorted(columns)})")
         if "messages" not in columns and {"role", "content"} & set(columns):
@@ -252,7 +264,9 @@ class ColumnMapping:
         missing = [column for column in self.required if column not in obj]
         if missing:
             keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
-            raise RowError("unknown_format", f"expected {', '.join(missing)} (raw_dataset config columns); found keys: {keys}")
+            raise RowError(
+                "unknown_format", f"expected {', '.join(missing)} (raw_dataset config columns); found keys: {keys}"
+            )
         if self.messages:
             return _message_list(obj[self.messages], self.messages, self.role, self.content, SHAREGPT_ROLES)
         return _instruction_turns(
@@ -293,7 +307,10 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
     if "prompt" in obj and "completion" not in obj:  # prompt + completion is a supervised row (TRL), not a prompt
         return prompt_messages(obj)
     keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
-    raise RowError("unknown_format", f"expected 'messages', 'conversations', 'instruction'+'output' or 'chosen'+'rejected'; found keys: {keys}")
+    raise RowError(
+        "unknown_format",
+        f"expected 'messages', 'conversations', 'instruction'+'output' or 'chosen'+'rejected'; found keys: {keys}",
+    )
 
 
 def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, what: str) -> None:
@@ -309,4 +326,6 @@ def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, 
     present = set(columns)
     layouts = ({"messages"}, {"conversations"}, {"instruction", "output"}, {"chosen", "rejected"}, {"prompt"})
     if not any(layout <= present for layout in layouts):
-        raise DatasetFileError(f"{name}: {what} has none of the accepted layouts ({LAYOUTS}); columns found: {found}; {MAPPING_HINT}")
+        raise DatasetFileError(
+            f"{name}: {what} has none of the accepted layouts ({LAYOUTS}); columns found: {found}; {MAPPING_HINT}"
+        )

@@ -92,7 +92,9 @@ def parse_spec(text: str, where: str) -> dict:
         if unknown:
             raise MixtureError(f"{here}: unknown key(s) {sorted(unknown)}; use {', '.join(sorted(COMPONENT_KEYS))}")
         if ("dataset" in component) == ("source" in component):
-            raise MixtureError(f"{here}: give one of 'dataset' (a registered <name>@<version>) or 'source' (a file, hf://, s3://)")
+            raise MixtureError(
+                f"{here}: give one of 'dataset' (a registered <name>@<version>) or 'source' (a file, hf://, s3://)"
+            )
         share = component.get("weight", component.get("count"))
         if weighted[0] and not (isinstance(share, int | float) and not isinstance(share, bool) and share > 0):
             raise MixtureError(f"{here}: 'weight' must be a positive number")
@@ -139,16 +141,22 @@ def stage_mixture(path: Path, work: Path, store) -> Staged:
         if "dataset" in component:
             keys = layout.of(component["dataset"])
             if store is None or not store.exists(keys.success_marker):
-                raise DatasetFileError(f"{path}: component {component['name']}: no complete dataset version {component['dataset']} in the store")
+                raise DatasetFileError(
+                    f"{path}: component {component['name']}: no complete dataset version {component['dataset']} in the store"
+                )
             if store.exists(keys.source) and store.get_json(keys.source)["kind"] == "mixture":
-                raise DatasetFileError(f"{path}: component {component['name']}: {component['dataset']} is a mixture; list its components instead")
+                raise DatasetFileError(
+                    f"{path}: component {component['name']}: {component['dataset']} is a mixture; list its components instead"
+                )
             record["dataset"] = component["dataset"]
         else:
             origin = str(component["source"])
             relative = path.parent / Path(origin).expanduser()  # paths in a spec are relative to the spec
             where = str(relative) if "://" not in origin and relative.exists() else origin
             if where.endswith(MIXTURE_SUFFIXES):
-                raise DatasetFileError(f"{path}: component {component['name']}: a mixture cannot be a component; list its components instead")
+                raise DatasetFileError(
+                    f"{path}: component {component['name']}: a mixture cannot be a component; list its components instead"
+                )
             staged = stage_source(where, work / component["name"], component.get("split"))
             files += [(join_key(component["name"], rel), local_file) for rel, local_file in staged.files]
             record["source"] = staged.source or {"kind": "files", "uri": origin}
@@ -158,7 +166,9 @@ def stage_mixture(path: Path, work: Path, store) -> Staged:
     return Staged(dataset_name(path.name), files, source)
 
 
-def draw_counts(names: list[str], available: list[int], weights: list[float] | None, counts: list[int] | None, rows: int | None) -> list[int]:
+def draw_counts(
+    names: list[str], available: list[int], weights: list[float] | None, counts: list[int] | None, rows: int | None
+) -> list[int]:
     """Rows to draw from each component: the counts, or the weights' shares of ``rows`` (default: the
     most rows the weights allow) rounded by largest remainders."""
     if counts is not None:
@@ -187,7 +197,9 @@ def draw_counts(names: list[str], available: list[int], weights: list[float] | N
 
 
 def _seed_of(seed: int, name: str) -> np.random.SeedSequence:
-    return np.random.SeedSequence([seed, int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")])
+    return np.random.SeedSequence(
+        [seed, int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")]
+    )
 
 
 def files_digest(files: list[tuple[str, Path]]) -> str:
@@ -240,7 +252,12 @@ def _draws(read: list[Artifact], picks: list[np.ndarray], executor: Executor) ->
 
 
 def mix_dataset(
-    components: list[Component], work: Path, out: Artifact, seed: int, rows: int | None, executor: Executor | None = None
+    components: list[Component],
+    work: Path,
+    out: Artifact,
+    seed: int,
+    rows: int | None,
+    executor: Executor | None = None,
 ) -> dict:
     """Read every component into ``work`` (in parts on ``executor``), draw the mixture's rows into the parts ``rows``
     (and the components' quarantine into ``components_quarantine``) of ``out``; returns ``read_dataset``'s counts for
@@ -262,7 +279,9 @@ def mix_dataset(
     picks = []
     for name, counted, count in zip(names, stats, drawn):
         picks.append(np.zeros(counted["rows_parsed"], dtype=bool))
-        picks[-1][np.random.default_rng(_seed_of(seed, name)).choice(counted["rows_parsed"], size=count, replace=False)] = True
+        picks[-1][
+            np.random.default_rng(_seed_of(seed, name)).choice(counted["rows_parsed"], size=count, replace=False)
+        ] = True
     kinds: dict[str, dict[str, str]] = {}
     tasks = list(runs(_draws(read, picks, executor), lambda draw: draw.rows.rows, executor.shard_rows))
     for run in executor.map(draw_run, tasks, out.target(executor)):

@@ -27,9 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from ft_assets.data.bins import pack_bins
-from ft_assets.data.packing import PACK_WINDOW, TOKENIZE_BATCH, ChatEncoder, Example, PackKind, PackStats, tokenize_and_pack
+from ft_assets.data.chat_encoding import TOKENIZE_BATCH, ChatEncoder
+from ft_assets.data.packing import PackKind
 from ft_assets.data.preference import split_pair
 from ft_assets.data.rows import RowError
+from ft_assets.data.sequences import Example
+from ft_assets.data.tokenizing import PACK_WINDOW, PackStats, tokenize_and_pack
 from ft_assets.shards import PAIR_SCHEMA, pair_split
 
 
@@ -88,7 +91,9 @@ def pack_pair_rows(pairs: list[Pair], seq_len: int, pad_id: int) -> Iterator[dic
                "segment_ids": segment_ids}  # fmt: skip
 
 
-def encode_pair_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int) -> tuple[list[Example], list]:
+def encode_pair_rows(
+    encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int
+) -> tuple[list[Example], list]:
     """(kept sequences, rejected rows) of (row id, pair row) rows (``encode_rows``' contract): each kept pair is its chosen
     then its rejected sequence, back to back; a pair with a failed side, longer than a row or with nothing to learn is
     rejected whole."""
@@ -100,7 +105,9 @@ def encode_pair_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], s
             if isinstance(result, RowError):
                 rejected.append((row_id, result.reason, result.detail))
             elif len(result) > seq_len:
-                rejected.append((row_id, "too_long_tokens", f"{len(result)} tokens (both sides of the pair) > seq_len {seq_len}"))
+                rejected.append(
+                    (row_id, "too_long_tokens", f"{len(result)} tokens (both sides of the pair) > seq_len {seq_len}")
+                )
             elif not (result.chosen.loss_mask.any() and result.rejected.loss_mask.any()):
                 rejected.append((row_id, "no_loss_tokens", "a reply has no token left after templating"))
             else:
@@ -110,7 +117,9 @@ def encode_pair_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], s
 
 def pack_pair_sequences(sequences: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
     """The packed rows of one window of pairs' sequences (chosen, rejected, chosen, ...)."""
-    return pack_pair_rows([Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])], seq_len, pad_id)
+    return pack_pair_rows(
+        [Pair(chosen, rejected) for chosen, rejected in zip(sequences[0::2], sequences[1::2])], seq_len, pad_id
+    )
 
 
 PAIRS = PackKind(encode_pair_rows, pack_pair_sequences, 2, PAIR_SCHEMA, pair_split)

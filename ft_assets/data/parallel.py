@@ -303,7 +303,9 @@ def _worker_main(connection) -> None:
         try:
             connection.send(reply)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            connection.send(("error", RuntimeError(f"a shard's result or error cannot be sent back: {exc}; {reply[1]!r:.500}")))
+            connection.send(
+                ("error", RuntimeError(f"a shard's result or error cannot be sent back: {exc}; {reply[1]!r:.500}"))
+            )
 
 
 @dataclass(eq=False)
@@ -384,9 +386,12 @@ class ProcessPool(Executor):
         process.join(timeout=1)
         task = self._busy.pop(index)
         if task.attempts >= MAX_ATTEMPTS:
-            task.done, task.error = True, ShardFailed(
-                f"the worker process running this shard died {task.attempts} times (killed by a signal, or by the OS for "
-                "lack of memory?); lower the data executor's shard_rows, or give the workers more memory"
+            task.done, task.error = (
+                True,
+                ShardFailed(
+                    f"the worker process running this shard died {task.attempts} times (killed by a signal, or by the OS for "
+                    "lack of memory?); lower the data executor's shard_rows, or give the workers more memory"
+                ),
             )
         else:
             self.retried += 1
@@ -533,7 +538,9 @@ def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) ->
     hostport = address.removeprefix("ray://").rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise RayUnreachable(f"Ray address {address!r}: expected ray://host:port (Ray Client) or host:port (the head's GCS)")
+        raise RayUnreachable(
+            f"Ray address {address!r}: expected ray://host:port (Ray Client) or host:port (the head's GCS)"
+        )
     hint = "check the address and that the cluster's head node is up and reachable from here"
     started = time.monotonic()
     try:

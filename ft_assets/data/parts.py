@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from ft_assets.data.parallel import Executor, FileRef, StoreObject, read_all, store_at
 from ft_assets.data.rows import ParquetSink
-from ft_assets.manifests import ArtifactCorrupt, read_manifest
+from ft_assets.manifests import ArtifactCorrupt, begin_artifact, read_manifest
 from ft_assets.storage import ObjectStore, join_key
 
 PART_ROWS = 16_384  # input rows a part covers: ~10 MB of chat rows, two row groups; 6,100 parts a stage at 100M rows
@@ -60,7 +60,9 @@ def family_index(name: str) -> tuple[str, int] | None:
 def part_paths(folder: Path, family: str) -> list[Path]:
     """The parts of ``family`` in a local folder (an artifact fetched from the store), in order."""
     named = {path: family_index(path.name) for path in Path(folder).glob(f"{family}-*.parquet")}
-    return sorted((path for path, found in named.items() if found and found[0] == family), key=lambda path: named[path][1])
+    return sorted(
+        (path for path, found in named.items() if found and found[0] == family), key=lambda path: named[path][1]
+    )
 
 
 def check_layout(names: Iterable[str], where: str) -> None:
@@ -105,7 +107,9 @@ def part_bytes(part: Part):
     """The bytes of a part, after checking them against the sha256 its manifest lists (or its writer reported)."""
     data = read_all(part.file)
     if hashlib.sha256(data).hexdigest() != part.sha256:
-        raise ArtifactCorrupt(f"part {part.name} does not match the sha256 of its manifest; the artifact is corrupt, rebuild it")
+        raise ArtifactCorrupt(
+            f"part {part.name} does not match the sha256 of its manifest; the artifact is corrupt, rebuild it"
+        )
     return data
 
 
@@ -161,6 +165,13 @@ class Artifact:
         """An artifact of its own in a local folder (tests, benchmarks): the folder is the store, the prefix empty."""
         Path(path).mkdir(parents=True, exist_ok=True)
         return cls(str(Path(path).resolve()))
+
+    @classmethod
+    def begin(cls, store: ObjectStore, prefix: str) -> Artifact:
+        """An empty artifact at ``prefix`` that a data stage's workers write their parts into (what an earlier
+        attempt left there is deleted first, its manifest before anything); ``Materialization.publish`` commits it."""
+        begin_artifact(store, prefix)
+        return cls(store.url, prefix)
 
     @classmethod
     def committed(cls, store: ObjectStore, prefix: str) -> Artifact:

@@ -55,5 +55,10 @@ def clean_pair(messages: list[dict], rules: CleaningRules) -> list[dict]:
     except RowError as exc:
         raise RowError(exc.reason, f"rejected reply: {exc.detail}") from exc
     if kept[-1]["content"] == other[-1]["content"]:
-        raise RowError("identical_answers", "the chosen and the rejected reply are the same after cleanup: nothing to prefer")
-    return kept[:-1] + [{"role": CHOSEN, "content": kept[-1]["content"]}, {"role": REJECTED, "content": other[-1]["content"]}]
+        raise RowError(
+            "identical_answers", "the chosen and the rejected reply are the same after cleanup: nothing to prefer"
+        )
+    return kept[:-1] + [
+        {"role": CHOSEN, "content": kept[-1]["content"]},
+        {"role": REJECTED, "content": other[-1]["content"]},
+    ]

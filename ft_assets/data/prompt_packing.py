@@ -22,13 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ft_assets.data.packing import PACK_WINDOW, TOKENIZE_BATCH, ChatEncoder, Example, PackKind, PackStats, tokenize_and_pack
+from ft_assets.data.chat_encoding import TOKENIZE_BATCH, ChatEncoder
+from ft_assets.data.packing import PackKind
 from ft_assets.data.prompts import split_prompt
 from ft_assets.data.rows import RowError
+from ft_assets.data.sequences import Example
+from ft_assets.data.tokenizing import PACK_WINDOW, PackStats, tokenize_and_pack
 from ft_assets.shards import PROMPT_SCHEMA, prompt_split
 
 
-def encode_prompt_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int) -> tuple[list[Example], list]:
+def encode_prompt_rows(
+    encoder: ChatEncoder, rows: list[tuple[str, list[dict]]], seq_len: int
+) -> tuple[list[Example], list]:
     """(kept prompts, rejected rows) of (row id, prompt row) rows (``encode_rows``' contract): each kept prompt's tokens,
     and its source, turns and columns as one JSON text."""
     kept: list[Example] = []
@@ -41,7 +46,13 @@ def encode_prompt_rows(encoder: ChatEncoder, rows: list[tuple[str, list[dict]]],
             elif len(result) > seq_len:
                 rejected.append((row_id, "too_long_tokens", f"{len(result)} prompt tokens > seq_len {seq_len}"))
             else:
-                kept.append(Example(result, np.zeros(len(result), dtype=np.int8), json.dumps([row_id, turns, columns], ensure_ascii=False)))
+                kept.append(
+                    Example(
+                        result,
+                        np.zeros(len(result), dtype=np.int8),
+                        json.dumps([row_id, turns, columns], ensure_ascii=False),
+                    )
+                )
     return kept, rejected
 
 

@@ -116,7 +116,8 @@ class ReadPart:
     unknown: int  # rows rejected as unknown_format
     first_unknown: tuple[str, str] | None  # (source, detail) of the first of them
     error: str | None  # the DatasetFileError that stops the whole file, raised by the driver in file order
-    kinds: dict[str, str]  # the source of the first row of each kind (chat, preference, prompt): ``kinds.first_of_each_kind``
+    # the source of the first row of each kind (chat, preference, prompt): ``kinds.first_of_each_kind``
+    kinds: dict[str, str]
 
 
 def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Table, pa.Table, dict]:
@@ -141,7 +142,15 @@ def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Tabl
                 if item.reason == "unknown_format":
                     counts["unknown"] += 1
                     counts["first_unknown"] = counts["first_unknown"] or (item.source, item.detail)
-                quarantine.append({"source": item.source, "stage": "raw", "reason": item.reason, "detail": item.detail, "raw": item.raw})
+                quarantine.append(
+                    {
+                        "source": item.source,
+                        "stage": "raw",
+                        "reason": item.reason,
+                        "detail": item.detail,
+                        "raw": item.raw,
+                    }
+                )
             convert()
     except DatasetFileError as exc:
         counts["error"] = str(exc)
@@ -188,7 +197,13 @@ class _Counts:
         if self.current.get("name") != part.name:
             self.finish()
             before = self.rows + self.quarantined
-            self.current = {"name": part.name, "before": before, "parsed": self.rows, "unknown": 0, "first_unknown": None}
+            self.current = {
+                "name": part.name,
+                "before": before,
+                "parsed": self.rows,
+                "unknown": 0,
+                "first_unknown": None,
+            }
         self.rows += part.rows.rows
         self.quarantined += part.quarantine.rows
         self.blank_lines += part.blank_lines
@@ -206,7 +221,11 @@ class _Counts:
             return
         name = self.current["name"]
         self.per_file[name] = self.rows + self.quarantined - self.current["before"]
-        if self.rows == self.current["parsed"] and self.current["unknown"] and self.current["unknown"] == self.per_file[name]:
+        if (
+            self.rows == self.current["parsed"]
+            and self.current["unknown"]
+            and self.current["unknown"] == self.per_file[name]
+        ):
             source, detail = self.current["first_unknown"]
             raise DatasetFileError(f"{name}: no row has an accepted layout ({source}: {detail}); {MAPPING_HINT}")
 
@@ -227,7 +246,9 @@ def read_dataset(
     executor = executor or InProcess()
     shards = input_parts(files, executor, part_rows)
     counts = _Counts()
-    tasks = list(runs(shards, lambda shard: shard.rows or executor.shard_rows, executor.shard_rows))  # a whole file: a task of its own
+    tasks = list(
+        runs(shards, lambda shard: shard.rows or executor.shard_rows, executor.shard_rows)
+    )  # a whole file: a task of its own
     for run in executor.map(read_parts, tasks, (mapping, out.target(executor))):
         for part in run:
             out.add(part.rows, part.quarantine)

@@ -123,7 +123,9 @@ class DataExecutorResource(dg.ConfigurableResource):
     @contextmanager
     def _open(self, context: dg.InitResourceContext) -> Iterator[Executor]:
         if self.workers < 0 or self.shard_rows < 1:
-            raise dg.Failure(f"data_executor: workers must be >= 0 and shard_rows >= 1 (got {self.workers}, {self.shard_rows})")
+            raise dg.Failure(
+                f"data_executor: workers must be >= 0 and shard_rows >= 1 (got {self.workers}, {self.shard_rows})"
+            )
         if self.ray is not None:  # connected by Dagster as a nested resource
             with RayTasks(self.workers, self.shard_rows) as executor:
                 yield executor
@@ -139,9 +141,12 @@ class DataExecutorResource(dg.ConfigurableResource):
             if self.ray_address == "local":
                 options["num_cpus"] = self.workers or os.cpu_count()
             local = self.ray_address == "local"  # its workers share this machine's files, a local store included
-            with ray_cluster(self.ray_address, options).yield_for_execution(context), RayTasks(self.workers, self.shard_rows, remote=not local) as executor:
+            with (
+                ray_cluster(self.ray_address, options).yield_for_execution(context),
+                RayTasks(self.workers, self.shard_rows, remote=not local) as executor,
+            ):
                 yield executor
             return
         workers = self.workers or os.cpu_count() or 1
-        with (InProcess(1, self.shard_rows) if workers == 1 else ProcessPool(workers, self.shard_rows)) as executor:
+        with InProcess(1, self.shard_rows) if workers == 1 else ProcessPool(workers, self.shard_rows) as executor:
             yield executor

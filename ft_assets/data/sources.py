@@ -48,7 +48,9 @@ def describe_source(source: dict | None, indent: str = "  ") -> list[str]:
         return []
     kind = source["kind"]
     if kind == "hub":
-        return [f"{indent}source {source['uri']} → commit {source['commit']} (split {source['split']}, {len(source['files'])} file(s))"]
+        return [
+            f"{indent}source {source['uri']} → commit {source['commit']} (split {source['split']}, {len(source['files'])} file(s))"
+        ]
     if kind == "s3":
         return [f"{indent}source {source['uri']} ({len(source['files'])} file(s))"]
     if kind == "save_to_disk":

@@ -34,7 +34,9 @@ def split_run(settings: tuple[float, str, Target], run: list[Part]) -> list[tupl
     done = []
     for part in run:
         table = read_part(part)
-        to_eval = pa.array([split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_())
+        to_eval = pa.array(
+            [split_of(key, eval_fraction, salt) == EVAL for key in table.column("cluster").to_pylist()], type=pa.bool_()
+        )
         done.append((
             target.put_table(part_name(TRAIN, part.index), table.filter(pc.invert(to_eval)), ROW_SCHEMA),
             target.put_table(part_name(EVAL, part.index), table.filter(to_eval), ROW_SCHEMA),
@@ -43,7 +45,11 @@ def split_run(settings: tuple[float, str, Target], run: list[Part]) -> list[tupl
 
 
 def split_dataset(
-    deduplicated: Artifact, out: Artifact, eval_fraction: float, salt: str = "ft-assets", executor: Executor | None = None
+    deduplicated: Artifact,
+    out: Artifact,
+    eval_fraction: float,
+    salt: str = "ft-assets",
+    executor: Executor | None = None,
 ) -> dict:
     """The ``rows`` parts of ``deduplicated`` into the ``train`` and ``eval`` parts of ``out``, a run of parts a task
     on ``executor`` (default: this process)."""

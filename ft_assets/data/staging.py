@@ -88,7 +88,12 @@ def _hub_files(folder: Path, split: str, where: str, work: Path) -> list[str]:
 
     try:
         builder = datasets.load_dataset_builder(str(folder), cache_dir=str(work / "datasets-cache"))  # its lock files
-    except (datasets.exceptions.DatasetsError, datasets.data_files.EmptyDatasetError, FileNotFoundError, ValueError) as exc:
+    except (
+        datasets.exceptions.DatasetsError,
+        datasets.data_files.EmptyDatasetError,
+        FileNotFoundError,
+        ValueError,
+    ) as exc:
         raise DatasetFileError(f"{where}: datasets cannot tell which files hold the rows ({exc})") from exc
     data_files = builder.config.data_files or {}
     if split not in data_files:
@@ -108,7 +113,10 @@ def _stage_hub(spec: str, split: str, work: Path) -> Staged:
     try:
         folder = Path(
             snapshot_download(
-                repo, repo_type="dataset", revision=revision, allow_patterns=[f"*{s}" for s in SUPPORTED_SUFFIXES] + ["README.md"]
+                repo,
+                repo_type="dataset",
+                revision=revision,
+                allow_patterns=[f"*{s}" for s in SUPPORTED_SUFFIXES] + ["README.md"],
             )
         )
     except LocalEntryNotFoundError as exc:
@@ -117,13 +125,25 @@ def _stage_hub(spec: str, split: str, work: Path) -> Staged:
             f"(hf download --repo-type dataset {repo} --revision {revision}) or unset HF_HUB_OFFLINE"
         ) from exc
     except HfHubHTTPError as exc:
-        raise DatasetFileError(f"{where}: the Hub refused it ({exc}); check the repo id, the revision and HF_TOKEN") from exc
+        raise DatasetFileError(
+            f"{where}: the Hub refused it ({exc}); check the repo id, the revision and HF_TOKEN"
+        ) from exc
     commit = folder.name  # snapshot_download returns <cache>/datasets--owner--name/snapshots/<commit>
     files = _hub_files(folder, split, where, work)
     unreadable = [f for f in files if not is_data_file(f)]
     if unreadable:
-        raise DatasetFileError(f"{where}: split {split} has files ft-assets cannot read: {', '.join(unreadable[:5])}; use {ACCEPTED}")
-    source = {"kind": "hub", "uri": where, "repo": repo, "revision": revision, "commit": commit, "split": split, "files": files}
+        raise DatasetFileError(
+            f"{where}: split {split} has files ft-assets cannot read: {', '.join(unreadable[:5])}; use {ACCEPTED}"
+        )
+    source = {
+        "kind": "hub",
+        "uri": where,
+        "repo": repo,
+        "revision": revision,
+        "commit": commit,
+        "split": split,
+        "files": files,
+    }
     return Staged(dataset_name(repo.rsplit("/", 1)[-1]), [(f, folder / f) for f in files], source)
 
 

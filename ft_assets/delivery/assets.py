@@ -1,51 +1,79 @@
-"""Delivery-plane assets (group ``delivery``, CPU): merge → GGUF → eval (blocking gate) → publish → serving smokes.
+"""Delivery-plane assets (group ``delivery``, CPU): merge → exports (GGUF) → eval (blocking gate) → publish → serving smokes.
 
 No GPU time is spent here: merging, export and evaluation of a small-to-mid model run on CPU
 workers while the GPU pool trains the next version. Artifacts go to
 ``runs/<name>/<version>/delivery/<run>/``; only a model that passed the eval gate is copied to the
 registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
 
-The GGUF side runs in llama.cpp, the runtime users run (``ft_assets.delivery.llamacpp``; the
-``llamacpp`` extra): ``gguf_model`` checks every file in it and picks the one that ships,
-``eval_report`` scores that file beside the merged model, ``serving_smoke`` serves the published one.
-``vllm_smoke`` serves the published merged model and adapter with vLLM, from a serving venv of its own.
+Each export of ``ft_assets.delivery.exports`` (GGUF today) gets its own asset here (``export_asset``:
+``gguf_model``), made from its module: it writes the files, checks each in the format's own runtime and
+picks the one that ships, or ships none with the reason in one line; ``eval_report`` scores every
+shipped file in its runtime beside the merged model, ``published_model`` copies each into the registry.
+``serving_smoke`` serves the published GGUF with llama.cpp's server; ``vllm_smoke`` serves the published
+merged model and adapter with vLLM, from a serving venv of its own.
 """
 
 import json
 import os
 import shutil
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import dagster as dg
 
-from ft_assets import layout, objectives
-from ft_assets.delivery import evaluate as ev
-from ft_assets.delivery import llamacpp, model_registry, portable, signing, vllm
-from ft_assets.delivery.config import EvalConfig, GgufConfig, MergeConfig, PublishConfig, ServingConfig, VllmConfig
-from ft_assets.delivery.converter import GgufUnsupported
-from ft_assets.delivery.gguf_export import (
-    SUPPORTED_QTYPES,
-    GgufExportError,
-    export_ggufs,
-    modelfile_gguf,
-    verify_gguf,
-    write_modelfile,
+from ft_assets import layout, objectives, portable
+from ft_assets.delivery import comparison, harness, llamacpp, model_registry, regression, signing, vllm
+from ft_assets.delivery.config import (
+    EvalConfig,
+    GeneralEvalConfig,
+    MergeConfig,
+    PublishConfig,
+    ServingConfig,
+    VllmConfig,
+    export_config,
 )
+from ft_assets.delivery.exports import EXPORTS
+from ft_assets.delivery.exports.protocol import Export, ExportRefused, Made
+from ft_assets.delivery.gate import Gate, dropped, gate, shipped
+from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf
+from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, exports_of
 from ft_assets.delivery.lora_registry import served_name
-from ft_assets.delivery.merge import copy_tokenizer, load_full_precision, merge_adapter
-from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage
+from ft_assets.delivery.merge import copy_tokenizer, merge_adapter
 from ft_assets.delivery.publish import push_to_hub
+from ft_assets.delivery.scoring import Shipped
 from ft_assets.manifests import ArtifactNotFound, fetch_artifact, read_manifest
-from ft_assets.materialize import STORE_KIND, Materialization, figures, megabytes, op_config, ref_metadata, rounded, table
+from ft_assets.materialize import (
+    STORE_KIND,
+    Materialization,
+    figures,
+    megabytes,
+    op_config,
+    ref_metadata,
+    rounded,
+    table,
+)
 from ft_assets.partitions import DatasetVersion, dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.refs import AdapterStats, ArtifactRef, EvalStats, GgufStats, make_ref, publish, read_ref, stats_of
+from ft_assets.refs import (
+    AdapterStats,
+    ArtifactRef,
+    EvalStats,
+    ExportStats,
+    has_ref,
+    make_ref,
+    publish,
+    read_ref,
+    stats_of,
+)
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.training.tracking import record
+from ft_assets.storage import join_key
+from ft_assets.training.config import validated
+from ft_assets.training.tracking import record_run
 
-GGUF_QTYPES = (*SUPPORTED_QTYPES, *llamacpp.QUANTIZED)
-GGUF_OFF = "GGUF export is off (gguf_model qtypes: [])"
 DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
+ANSWERS_FILE = "answers.jsonl"  # every eval answer, in eval_report's artifact; the page shows ANSWERS_SHOWN of them
+ANSWERS_SHOWN = 8  # the wrong ones first: what a user reads to see why the metric is what it is
+EXPORT_ASSETS = [export.asset for export in EXPORTS]
 
 
 def _delivery_prefix(partition: str, adapter: dict, what: str) -> str:
@@ -54,7 +82,11 @@ def _delivery_prefix(partition: str, adapter: dict, what: str) -> str:
 
 @dg.asset(**DELIVERY, kinds={"pytorch", "huggingface", "safetensors", STORE_KIND})
 def merged_model(
-    context: dg.AssetExecutionContext, config: MergeConfig, store: ObjectStoreResource, lora_adapter: dict, base_model: dict
+    context: dg.AssetExecutionContext,
+    config: MergeConfig,
+    store: ObjectStoreResource,
+    lora_adapter: dict,
+    base_model: dict,
 ) -> dg.Output[dict]:
     """The adapter folded into a full-precision copy of the base (never a 4-bit one): safetensors + tokenizer."""
     with Materialization(context, store, "merge") as m:
@@ -71,150 +103,231 @@ def merged_model(
         copy_tokenizer(adapter_dir, out)
         portable.make_portable(out)  # loads unchanged in transformers 4.x and 5.x, vLLM, llama.cpp
         ref = m.publish(
-            _delivery_prefix(m.partition, lora_adapter, "merged"), stats, {"lora_adapter": lora_adapter, "base_model": base_model},
+            _delivery_prefix(m.partition, lora_adapter, "merged"),
+            stats,
+            {"lora_adapter": lora_adapter, "base_model": base_model},
             folder=out,
         )
     return m.output(ref, dtype=stats["dtype"])
 
 
-@dg.asset(**DELIVERY, kinds={"llama", "gguf", STORE_KIND})
-def gguf_model(
-    context: dg.AssetExecutionContext, config: GgufConfig, store: ObjectStoreResource, merged_model: dict, lora_adapter: dict
-) -> dg.Output[dict]:
-    """GGUF files (llama.cpp / Ollama) with tokenizer and chat template embedded, each checked in llama.cpp against the merged
-    model; or none, with the reason in one line (``qtypes: []``, or a model llama.cpp cannot take): the model still ships."""
-    unknown = sorted(set(config.qtypes) - set(GGUF_QTYPES))
-    if unknown:
-        raise dg.Failure(f"gguf_model config qtypes={config.qtypes}: choose from {', '.join(GGUF_QTYPES)}, or [] for no GGUF")
-    if config.qtypes and config.ship not in ("auto", *config.qtypes):
-        raise dg.Failure(f"gguf_model config ship={config.ship!r}: 'auto' or one of the exported qtypes {config.qtypes}")
-    version = DatasetVersion.from_key(context.partition_key)
-    stem = f"{version.name}-{version.version}"
-    with Materialization(context, store, "gguf") as m:
-        files, shipped, reason = {}, None, GGUF_OFF
-        if config.qtypes:
-            merged_dir = m.fetch(merged_model, "merged")
-            try:
-                files, chat_template = _written_and_checked(context, m, merged_dir, stem, config)
-                shipped = llamacpp.choose_shipped(files, config.ship, config.ship_max_rel_error)
-                write_modelfile(shipped, m.out / "Modelfile", chat_template, system=config.system_prompt or None)
-                reason = None
-            except GgufUnsupported as exc:
-                files, reason = {}, f"llama.cpp cannot take this model: {exc}"
-                for written in m.out.glob("*.gguf"):  # nothing half-made is published
-                    written.unlink()
-            except (GgufExportError, llamacpp.LlamaCppError) as exc:
-                raise dg.Failure(str(exc)) from exc
-        if shipped:
-            context.log.info(f"shipping {shipped} ({config.ship}; llama.cpp rel. logit error {files[shipped]['llamacpp']['rel_error']:.2e})")
-        else:
-            context.log.warning(f"no GGUF: {reason}")
-        stats = {
-            "files": files, "shipped": shipped, "reason": reason, "ship": config.ship, "ship_max_rel_error": config.ship_max_rel_error,
-            "modelfile": "Modelfile" if shipped else None,
-        }  # fmt: skip
-        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "gguf"), stats, {"merged_model": merged_model})
-    if not shipped:
-        return m.output(ref, shipped="none", gguf_reason=reason)
-    return m.output(
-        ref, shipped=shipped, shipped_qtype=files[shipped]["qtype"], **figures(shipped_mb=megabytes(files[shipped]["bytes"])),
-        files=table(gguf_rows(files, shipped)),
-    )  # fmt: skip
+def export_asset(export: Export) -> dg.AssetsDefinition:
+    """The asset of one export: its files from the merged model, checked in its runtime, or none and why (one line)."""
+    config_class = export_config(export.settings)
+
+    @dg.asset(name=export.asset, description=export.description, kinds={*export.kinds, STORE_KIND}, **DELIVERY)
+    def made(
+        context: dg.AssetExecutionContext,
+        config: config_class,
+        store: ObjectStoreResource,
+        merged_model: dict,
+        lora_adapter: dict,
+    ) -> dg.Output[dict]:
+        settings = export.settings(**config.model_dump())
+        version = DatasetVersion.from_key(context.partition_key)
+        with Materialization(context, store, export.name) as m:
+            made, reason = export_outcome(
+                export, settings, lambda: export.make(m.fetch(merged_model, "merged"), m.out, m.work,
+                                                      f"{version.name}-{version.version}", settings, context.log),
+                context.log,
+            )  # fmt: skip
+            if made is None:
+                shutil.rmtree(m.out)  # nothing half-made is published
+            stats = {
+                "export": export.name, "files": made.files if made else {}, "shipped": made.shipped if made else None,
+                "reason": reason, "required": settings.required, "max_drop": settings.max_drop, **(made.stats if made else {}),
+            }  # fmt: skip
+            ref = m.publish(
+                _delivery_prefix(m.partition, lora_adapter, export.name), stats, {"merged_model": merged_model}
+            )
+        if made is None:
+            return m.output(ref, shipped="none", reason=reason)
+        entry = made.files[made.shipped]
+        return m.output(
+            ref, shipped=made.shipped, **{f"shipped_{export.variant}": entry[export.variant]},
+            **figures(shipped_mb=megabytes(entry["bytes"])),
+            files=table([{k: rounded(v) if isinstance(v, float) else v for k, v in row.items()} for row in made.rows]),
+        )  # fmt: skip
+
+    return made
 
 
-def _written_and_checked(context, m: Materialization, merged_dir: Path, stem: str, config: GgufConfig) -> tuple[dict[str, dict], str | None]:
-    """Every file of ``config.qtypes`` (the converter's in one process, then the quantizer's from the f16 file), each checked
-    in llama.cpp; and the chat template they embed."""
-    converted = [q for q in config.qtypes if q in SUPPORTED_QTYPES]
-    quantized = [q for q in config.qtypes if q in llamacpp.QUANTIZED]
-    outputs = {q: m.out / f"{stem}-{q}.gguf" for q in converted}
-    if quantized and "f16" not in outputs:
-        outputs["f16"] = m.work / f"{stem}-f16.gguf"  # the quantizer's input, not shipped
-    written = export_ggufs(merged_dir, outputs, name=stem)
-    for qtype in quantized:
-        written[qtype] = llamacpp.quantize(outputs["f16"], m.out / f"{stem}-{qtype}.gguf", qtype)
-    reference = llamacpp.reference(merged_dir)
-    files = {
-        Path(written[q]["path"]).name: _checked_gguf(context, merged_dir, Path(written[q]["path"]), written[q], reference, config.verify)
-        for q in config.qtypes
-    }
-    return files, reference.chat_template
+def export_outcome(export: Export, settings, make, log) -> tuple[Made | None, str | None]:
+    """What ``make`` gave (``Made``, None), or why the export ships nothing: (None, its reason in one line).
 
-
-def gguf_rows(files: dict[str, dict], shipped: str) -> list[dict]:
-    """gguf_model's metadata table: one row per file."""
-    return [
-        {"file": name, "type": e["qtype"], "MB": megabytes(e["bytes"]), "shipped": name == shipped,
-         "llamacpp_rel_logit_error": rounded(e["llamacpp"]["rel_error"]), "llamacpp_top1": rounded(e["llamacpp"]["top1_agreement"]),
-         "llamacpp_kl": rounded(e["llamacpp"]["kl_divergence"]), "greedy_equal": f"{e['llamacpp']['greedy_match']}/{e['llamacpp']['greedy_prompts']}",
-         "greedy_near_ties": e["llamacpp"]["greedy_near_ties"], "token_ids_equal": e["llamacpp"]["tokens_match"],
-         "transformers_rel_logit_error": rounded(e.get("transformers", {}).get("rel_error")),
-         "tensor_types": ", ".join(f"{t} {n}" for t, n in sorted(e["tensor_types"].items()))}
-        for name, e in files.items()
-    ]  # fmt: skip
-
-
-def _checked_gguf(context, merged_dir: Path, path: Path, written: dict, reference: "llamacpp.Reference", verify: bool) -> dict:
-    """One file's entry in gguf_model's stats: what was written, llama.cpp's check, transformers' round trip."""
-    check = llamacpp.check_file(path, reference)
-    if not check["tokens_match"]:
-        raise dg.Failure(
-            f"{path.name}: llama.cpp tokenizes {len(check['token_mismatches'])} test strings differently from the HF tokenizer, "
-            f"e.g. {check['token_mismatches'][0]!r}; the tokenizer metadata is wrong",
-            metadata={"token_mismatches": json.dumps(check["token_mismatches"])},
-        )
-    entry = {
-        "qtype": written["qtype"], "bytes": written["bytes"], "sha256": written["sha256"], "tensor_types": written["tensor_types"],
-        "llamacpp": {k: v for k, v in check.items() if k != "token_mismatches"},
-    }  # fmt: skip
-    if verify and written["qtype"] in SUPPORTED_QTYPES:
-        entry["transformers"] = _second_reader(context, merged_dir, path, written["qtype"], check["rel_error"])
-    context.log.info(
-        f"{path.name}: {written['bytes'] / 1e6:.1f} MB {written['tensor_types']}; llama.cpp rel. logit error {check['rel_error']:.2e}, "
-        f"greedy equal on {check['greedy_match']}/{check['greedy_prompts']} prompts ({check['greedy_near_ties']} more part at a near-tie)"
-    )
-    return entry
-
-
-def _second_reader(context, merged_dir: Path, path: Path, qtype: str, llamacpp_rel_error: float) -> dict:
-    """transformers' own GGUF reader on the file, recorded beside llama.cpp's check but not a gate: it reads Llama 3's
-    RoPE scaling, Gemma 2/3 and Qwen3 files differently from llama.cpp (python -m benchmarks.gguf_families), and
-    llama.cpp is the runtime the file ships to."""
+    A setting that cannot work fails here, before any work; a refusal (``ExportRefused``) fails the run only when the
+    export is ``required``, else it is logged and the run goes on without the export."""
     try:
-        report = verify_gguf(merged_dir, path, qtype)
-    except Exception as exc:  # noqa: BLE001 - a second reader, not a gate: an architecture or vocabulary it cannot read is recorded
-        context.log.warning(f"{path.name}: transformers' GGUF reader cannot load it: {' '.join(str(exc).split())[:300]}")
-        return {"error": " ".join(str(exc).split())[:300]}
-    if not report["ok"]:
-        context.log.warning(
-            f"{path.name}: transformers' GGUF reader gives rel. logit error {report['rel_error']:.2e} (tolerance {report['tolerance']}), "
-            f"tokens match {report['tokens_match']}; llama.cpp gives {llamacpp_rel_error:.2e}"
+        export.check(settings)
+    except ValueError as exc:
+        raise dg.Failure(f"{export.asset} config {exc}") from exc
+    reason = export.off(settings)
+    if reason:
+        if settings.required:
+            raise dg.Failure(f"{export.asset} config: required is true, but {reason}")
+        log.warning(f"no {export.title}: {reason}")
+        return None, reason
+    try:
+        return make(), None
+    except ExportRefused as exc:
+        if settings.required:
+            raise dg.Failure(required_refused(export, str(exc))) from exc
+        log.warning(f"no {export.title}: {exc}; the model is published without it")
+        return None, str(exc)
+
+
+def required_refused(export: Export, reason: str) -> str:
+    """The line a run fails with when an export it requires is refused."""
+    return f"{export.title} is required ({export.asset} config required: true) and was refused: {reason}"
+
+
+export_assets = [export_asset(export) for export in EXPORTS]  # gguf_model, ...
+
+
+@dg.asset(**DELIVERY, kinds={"python", "json", STORE_KIND}, deps=EXPORT_ASSETS)
+def general_eval(
+    context: dg.AssetExecutionContext,
+    config: GeneralEvalConfig,
+    store: ObjectStoreResource,
+    merged_model: dict,
+    base_model: dict,
+    lora_adapter: dict,
+) -> dg.Output[dict]:
+    """General-ability tasks (lm-eval: task names or local task files) on the base, the merged model and each shipped
+    file in its runtime (GGUF: llama.cpp's server), each model's drop against the base judged for eval_report's gate
+    (``ft_assets.delivery.regression``). No task chosen: off, and the gate has nothing to hold against the model."""
+    with Materialization(context, store, "general") as m:
+        if config.tasks:
+            made = {export.name: read_ref(m.store, m.partition, export.asset) for export in EXPORTS}
+            try:
+                verdict, run = general_check(config, m.fetch, base_model, merged_model, made, context.log.info)
+            except (harness.HarnessError, ValueError) as exc:
+                raise dg.Failure(f"general_eval for {m.partition}: {exc}") from exc
+            upstream = {"merged_model": merged_model, "base_model": base_model,
+                        **{export.asset: made[export.name] for export in EXPORTS}}  # fmt: skip
+            scores, answers = (
+                {key: [score.as_dict() for score in by_task] for key, by_task in run.scores.items()},
+                run.answers,
+            )
+        else:
+            verdict, upstream = regression.off("no general-ability tasks (general_eval.tasks: [])"), {}
+            scores, answers = {}, {}
+            context.log.info(f"general_eval: {verdict.reason}; the check is off")
+        stats = {**verdict.as_dict(), "limit": config.limit, "seed": config.seed, "tasks_config": config.tasks}
+        (m.out / "general.json").write_text(
+            json.dumps({"verdict": stats, "scores": scores, "answers": answers}, indent=2)
         )
-    return {k: report[k] for k in ("rel_error", "top1_agreement", "tolerance", "tokens_match", "ok")}
+        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "general"), stats, upstream)
+    for line in verdict.lines:
+        context.log.warning(f"general-ability regression ({verdict.on_regression}): {line}")
+    return m.output(ref, **general_metadata(verdict, config.limit))
 
 
-@dg.asset(**DELIVERY, kinds={"pytorch", "llama", "json", STORE_KIND})
+def general_check(config: GeneralEvalConfig, fetch, base_model: dict, merged_model: dict, made: dict, log):
+    """The suite of ``config.tasks`` on the base, the merged model and (``config.shipped``) each export's shipped file,
+    judged against the base: (verdict, the suite's run). ``made``: each export's reference, by name."""
+    suite = harness.load_suite(harness.task_specs(config.tasks))
+    settings = harness.RunSettings(
+        limit=config.limit or None, seed=config.seed, num_fewshot=config.num_fewshot,
+        apply_chat_template=config.apply_chat_template,
+    )  # fmt: skip
+    merged = fetch(merged_model, "merged")
+    subjects = [
+        harness.Subject("base", "base", lambda: nullcontext(harness.hf_model(fetch(base_model, "base"), "base"))),
+        harness.Subject(
+            regression.FINETUNED, "fine-tuned", lambda: nullcontext(harness.hf_model(merged, "fine-tuned"))
+        ),
+    ]
+    for export in EXPORTS if config.shipped else ():
+        stats = stats_of(made[export.name], ExportStats)
+        name = stats["shipped"]
+        if name is None:
+            continue
+        folder = fetch(made[export.name], export.name, include=lambda rel, n=name: rel == n or rel.startswith(f"{n}/"))
+        title = f"shipped {export.title} {stats['files'][name][export.variant]}"
+        runtime = export.runtime(folder / name)
+        subjects.append(harness.Subject(export.name, title, lambda r=runtime, t=title: _served(r, merged, t, settings)))
+    run = harness.run_suite(suite, settings, subjects, log)
+    if any(score.refused for score in run.scores["base"]):
+        raise harness.HarnessError(
+            f"the base model could not run {', '.join(s.task for s in run.scores['base'] if s.refused)}"
+        )
+    scores = {
+        key: {s.task: regression.Score(s.value, s.stderr, s.refused) for s in by_task}
+        for key, by_task in run.scores.items()
+    }
+    metrics = {s.task: (s.metric, s.higher_is_better) for s in run.scores["base"]}
+    verdict = regression.judge(
+        scores, metrics, config.max_drop, config.max_drop_per_task, config.stderr_z, config.on_regression, run.items,
+        run.seconds, {subject.key: subject.title for subject in subjects},
+    )  # fmt: skip
+    return verdict, run
+
+
+@contextmanager
+def _served(runtime, tokenizer_dir: Path, title: str, settings: harness.RunSettings):
+    """An export's lm-eval model (its runtime's server) for the length of its tasks; a runtime that refuses the file, or
+    cannot answer, refuses its tasks with that line (``harness.Refused``) instead of failing the check."""
+    try:
+        with runtime.harness(tokenizer_dir, title, settings.apply_chat_template) as model:
+            yield model
+    except (ExportRefused, harness.HarnessError) as exc:
+        raise harness.Refused(str(exc)) from exc
+
+
+def general_metadata(verdict: regression.GeneralVerdict, limit: int) -> dict:
+    """general_eval's page: each task base → fine-tuned → each shipped file, the drops and what the gate said, a chart,
+    and what the check cost."""
+    if verdict.reason:
+        return {"general": verdict.reason}
+    names = model_names()
+    rows = []
+    for name, task in verdict.tasks.items():
+        row = {"task": name, "metric": task.metric.partition(",")[0], "base": rounded(task.base)}
+        for key, judged in task.models.items():
+            row[names.get(key, key)] = "refused" if judged.refused else rounded(judged.value)
+        row["max_drop"] = task.max_drop
+        row["verdict"] = ", ".join(f"{names.get(m, m)} regressed" for m in task.regressed) or "kept"
+        rows.append(row)
+    refused = sorted({j.refused for t in verdict.tasks.values() for j in t.models.values() if j.refused})
+    return {
+        **general_summary(verdict),
+        "cost": f"{verdict.items} items in {verdict.seconds:.1f} s of lm-eval (limit {limit or 'none'} per task)",
+        "tasks": table(rows),
+        "chart": dg.MetadataValue.md(bar_chart(general_bars(verdict), "general tasks (lm-eval)", digits=3)),
+        **({"refused": "; ".join(refused)} if refused else {}),
+    }
+
+
+def model_names() -> dict[str, str]:
+    """How pages name the scored models: the merged model and each export's shipped file."""
+    return {regression.FINETUNED: "fine-tuned", **{e.name: f"shipped {e.title}" for e in EXPORTS}}
+
+
+@dg.asset(**DELIVERY, kinds={"pytorch", "json", STORE_KIND}, deps=EXPORT_ASSETS)
 def eval_report(
     context: dg.AssetExecutionContext,
     config: EvalConfig,
     store: ObjectStoreResource,
     merged_model: dict,
     base_model: dict,
-    gguf_model: dict,
     train_eval_split: dict,
     tokenized_shards: dict,
     lora_adapter: dict,
+    general_eval: dict,
 ) -> dg.Output[dict]:
-    """Base vs fine-tuned vs the shipped GGUF (through llama.cpp) on the fixed eval split, scored as the objective says
-    (``ft_assets.delivery.scoring``: the task metric on answers, reward accuracy on held-out pairs, or the mean reward
-    of replies to the eval prompts), then gated."""
+    """Base vs fine-tuned vs each export's shipped file (in its own runtime: llama.cpp for GGUF) on the fixed eval split,
+    scored as the objective says (``ft_assets.delivery.scoring``: the task metric on answers, reward accuracy on held-out
+    pairs, or the mean reward of replies to the eval prompts), then gated (``ft_assets.delivery.gate``) with
+    general_eval's verdict beside it (what the fine-tune forgot)."""
     objective = objectives.of_stats(tokenized_shards["stats"])
     try:
-        scorer = objective.scorer(config.metric, config.max_examples, config.max_new_tokens, lora_adapter["training_config"])
+        settings = objective.settings_in(validated(lora_adapter["training_config"]))
+        scorer = objective.scorer(config.metric, config.max_examples, config.max_new_tokens, settings)
     except ValueError as exc:
         raise dg.Failure(str(exc)) from exc
-    shipped = gguf_model["stats"]["shipped"]
     with Materialization(context, store, "eval") as m:
+        made = {export.name: read_ref(m.store, m.partition, export.asset) for export in EXPORTS}
         try:
             size = scorer.load(m.fetch, train_eval_split, tokenized_shards)
         except ValueError as exc:
@@ -223,78 +336,150 @@ def eval_report(
         for label, ref in (("base", base_model), ("fine-tuned", merged_model)):
             context.log.info(f"scoring the {label} model on {size} {scorer.unit} ({scorer.metric})")
             scores[label] = scorer.score(m.fetch(ref, label), context.log.info)
-        gguf = _score_shipped(context, m, scorer, gguf_model, size)
-        qtype = gguf_model["stats"]["files"][shipped]["qtype"] if shipped else None
-        gguf_label = f"GGUF {qtype} (llama.cpp)" if shipped else "GGUF (none shipped)"
-        report = scorer.report(scores["base"], scores["fine-tuned"], gguf, gguf_label)
-        verdict = ev.gate(scorer.metric, scores["base"].metric, scores["fine-tuned"].metric, gguf.metric if gguf else None,
-                          config.min_improvement, config.max_gguf_drop)  # fmt: skip
+        columns, verdicts = score_exports(scorer, made, m.fetch, scores["fine-tuned"].metric, size, context.log)
+        report = scorer.report(scores["base"], scores["fine-tuned"], columns)
+        general = regression.GeneralVerdict.of(general_eval["stats"])
+        verdict = gate(
+            scorer.metric, scores["base"].metric, scores["fine-tuned"].metric, config.min_improvement, verdicts, general
+        )
         stats = {
-            **verdict.as_dict(), **report.stats, "objective": objective.name, "gguf_file": shipped, "gguf_qtype": qtype, "examples": size,
+            **verdict.as_dict(), **report.stats, "objective": objective.name, "examples": size,
+            "export_figures": {column.name: column.scored.figures for column in columns},
         }  # fmt: skip
         (m.out / "report.json").write_text(json.dumps({"stats": stats, "samples": report.samples}, indent=2))
+        (m.out / ANSWERS_FILE).write_text("".join(json.dumps(row) + "\n" for row in report.samples))
         ref = m.publish(
             _delivery_prefix(m.partition, lora_adapter, "eval"), stats,
-            {"merged_model": merged_model, "base_model": base_model, "gguf_model": gguf_model, "train_eval_split": train_eval_split,
-             "tokenized_shards": tokenized_shards},
+            {"merged_model": merged_model, "base_model": base_model, "train_eval_split": train_eval_split,
+             "tokenized_shards": tokenized_shards, "general_eval": general_eval,
+             **{export.asset: made[export.name] for export in EXPORTS}},
         )  # fmt: skip
-    shipped_figure = f" → shipped {qtype} {verdict.gguf_metric:.3f}" if gguf else " (no GGUF shipped)"
+    shipped_figures = "".join(
+        f" → {c.label} {c.scored.metric:.3f}" for c in columns
+    )  # the log line: base → fine-tuned → each shipped file
     context.log.info(
-        f"{scorer.metric}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}{shipped_figure}; {report.summary}"
+        f"{scorer.metric}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}{shipped_figures}; {report.summary}"
     )
-    _track(context, lora_adapter, report.tracked)
-    return m.output(ref, **eval_metadata(verdict, report, size, scorer.unit, shipped))
+    for line in general.lines:
+        context.log.warning(f"general-ability regression ({general.on_regression}): {line}")
+    _track(context, lora_adapter, report.tracked | general_tracked(general))
+    return m.output(
+        ref, **eval_metadata(verdict, report, size, scorer.unit, m.store.uri(join_key(ref["prefix"], ANSWERS_FILE)))
+    )
 
 
-def _score_shipped(context, m: Materialization, scorer, gguf_model: dict, size: int):
-    """The shipped GGUF scored through llama.cpp on the eval set; None when no GGUF ships."""
-    shipped = gguf_model["stats"]["shipped"]
-    if shipped is None:
-        context.log.info(f"no GGUF shipped ({gguf_model['stats'].get('reason', 'none exported')}): scoring the merged model only")
-        return None
-    path = m.fetch(gguf_model, "gguf", include=lambda rel: rel == shipped) / shipped
-    context.log.info(f"scoring the shipped {shipped} through llama.cpp on the same {size} {scorer.unit}")
-    try:
-        return scorer.score_gguf(path, context.log.info)
-    except llamacpp.LlamaCppError as exc:
-        raise dg.Failure(str(exc)) from exc
+def score_exports(scorer, made: dict[str, dict], fetch, finetuned: float, size: int, log) -> tuple[list[Shipped], dict]:
+    """Each export's shipped file scored in its own runtime on the eval set: the report's columns and the gate's verdicts.
+
+    ``made``: each export's reference, by export name; ``fetch``: ``Materialization.fetch``. An export that ships nothing,
+    or whose runtime cannot answer (``ExportRefused``), gets a verdict with its reason; a required one fails the run."""
+    columns, verdicts = [], {}
+    for export in EXPORTS:
+        stats = stats_of(made[export.name], ExportStats)
+        name = stats["shipped"]
+        if name is None:
+            log.info(f"no {export.title} shipped ({stats['reason']}): scoring without it")
+            verdicts[export.name] = dropped(stats["reason"], stats["max_drop"])
+            continue
+        folder = fetch(made[export.name], export.name, include=lambda rel, n=name: rel == n or rel.startswith(f"{n}/"))
+        variant = stats["files"][name][export.variant]
+        log.info(f"scoring the shipped {name} in {export.runtime_name} on the same {size} {scorer.unit}")
+        try:
+            scored = scorer.score_export(export.runtime(folder / name), log.info)
+        except ExportRefused as exc:
+            reason = f"{export.runtime_name} could not answer the eval prompts with {name}: {exc}"
+            if stats["required"]:
+                raise dg.Failure(required_refused(export, reason)) from exc
+            log.warning(f"{reason}; the model is published without {export.title}")
+            verdicts[export.name] = dropped(reason, stats["max_drop"])
+            continue
+        columns.append(Shipped(export.name, f"{export.title} {variant} ({export.runtime_name})", scored))
+        verdicts[export.name] = shipped(name, variant, scored.metric, finetuned, stats["max_drop"])
+    return columns, verdicts
 
 
-def eval_metadata(verdict: ev.Gate, report, size: int, unit: str, shipped: str | None) -> dict:
-    """eval_report's metadata: the metric base → fine-tuned → shipped GGUF and the eval losses as numbers, the chart,
-    the comparison, and the answers with whether each is correct."""
+def eval_metadata(verdict: Gate, report, size: int, unit: str, answers_uri: str) -> dict:
+    """eval_report's page, each figure once: the comparison table holds every model's figures (the task metric to 3
+    decimals, losses to 4 significant digits, as the command line prints them); above it only what is not in it (the
+    improvement the gate judged, each export's file and drop, the general-ability verdict); one chart of the task
+    metric and each general task; a short sample of the answers, the wrong ones first (all of them in the store,
+    ``answers_uri``)."""
     bars = {"base": verdict.base_metric, "fine-tuned": verdict.finetuned_metric}
-    if verdict.gguf_metric is not None:
-        bars["shipped GGUF"] = verdict.gguf_metric
+    per_export = {}
+    for export in EXPORTS:
+        shipped_export = verdict.exports[export.name]
+        if shipped_export.file:
+            bars[f"shipped {export.title}"] = shipped_export.metric
+        per_export[f"{export.name}_file"] = shipped_export.file or f"none: {shipped_export.reason}"
+        if shipped_export.drop is not None:
+            per_export[f"{export.name}_drop"] = dg.MetadataValue.float(round(shipped_export.drop, 3))
+    groups = {verdict.metric_name: bars} | general_bars(verdict.general)
+    wrong_first = sorted(report.samples, key=lambda row: row.get("correct", True) is True)
     return dict(
         metric=verdict.metric_name,
-        **figures(
-            base_metric=verdict.base_metric, finetuned_metric=verdict.finetuned_metric, gguf_metric=verdict.gguf_metric,
-            improvement=verdict.improvement, gguf_drop=verdict.gguf_drop, base_eval_loss=report.stats["base_eval_loss"],
-            finetuned_eval_loss=report.stats["finetuned_eval_loss"], examples=size,
-        ),  # fmt: skip
-        gguf_file=shipped or "none shipped",
-        chart=dg.MetadataValue.md(bar_chart({verdict.metric_name: bars}, f"{verdict.metric_name} on {size} {unit}")),
+        improvement=dg.MetadataValue.float(round(verdict.improvement, 3)),
+        **figures(examples=size),
+        **per_export,
+        **general_summary(verdict.general),
+        chart=dg.MetadataValue.md(
+            bar_chart(groups, f"{verdict.metric_name} on {size} {unit}, general tasks", digits=3)
+        ),
         comparison=table(report.comparison),
-        answers=table(report.samples),  # each row's `correct` by the objective's own measure (scoring.py)
+        answers_shown=f"{min(ANSWERS_SHOWN, len(report.samples))} of {len(report.samples)}, the wrong ones first; "
+        "every answer is in all_answers (one JSON object a line)",
+        answers=table(wrong_first[:ANSWERS_SHOWN]),  # each row's `correct` by the objective's own measure (scoring.py)
+        all_answers=dg.MetadataValue.path(answers_uri),
     )
+
+
+def general_bars(general: regression.GeneralVerdict | None) -> dict[str, dict[str, float]]:
+    """Each general task's bars (base, fine-tuned, each shipped file) for a chart; none when the check was off."""
+    if general is None or general.reason:
+        return {}
+    names = model_names()
+    return {
+        task: {"base": t.base, **{names.get(k, k): j.value for k, j in t.models.items() if j.value is not None}}
+        for task, t in general.tasks.items()
+    }
+
+
+def general_summary(general: regression.GeneralVerdict | None) -> dict:
+    """The general-ability verdict in one line of eval_report's page (and what it cost)."""
+    if general is None:
+        return {}
+    if general.reason:
+        return {"general": general.reason}
+    line = ("regressed: " + "; ".join(general.lines)) if general.regressed else f"kept ({len(general.tasks)} tasks)"
+    return {"general": line, "general_on_regression": general.on_regression}
+
+
+def general_tracked(general: regression.GeneralVerdict) -> dict:
+    """The general tasks' figures as MLflow metrics: ``general/<task>/<model>`` (base, finetuned, each export)."""
+    metrics = {}
+    for name, task in general.tasks.items():
+        metrics[f"general/{name}/base"] = task.base
+        metrics |= {f"general/{name}/{k}": j.value for k, j in task.models.items() if j.value is not None}
+    return metrics
 
 
 def _track(context: dg.AssetExecutionContext, lora_adapter: dict, metrics: dict) -> None:
-    """The eval figures on the training run's MLflow run, when it was tracked."""
-    run_id = lora_adapter["stats"]["mlflow_run_id"]
-    if run_id:
-        uri = lora_adapter["training_config"]["mlflow_tracking_uri"]
-        record(uri, run_id, context.log.warning, metrics=metrics, step=lora_adapter["stats"]["steps"])
+    """The eval figures on the training run's MLflow and W&B runs, when it was tracked."""
+    stats = lora_adapter["stats"]
+    record_run(lora_adapter["training_config"], stats, context.log.warning, metrics=metrics, step=stats["steps"])
 
 
-@dg.asset(**DELIVERY, kinds={"huggingface", "llama", STORE_KIND}, deps=["gguf_model"])
+@dg.asset(**DELIVERY, kinds={"huggingface", STORE_KIND}, deps=EXPORT_ASSETS)
 def published_model(
-    context: dg.AssetExecutionContext, config: PublishConfig, store: ObjectStoreResource, eval_report: dict, lora_adapter: dict
+    context: dg.AssetExecutionContext,
+    config: PublishConfig,
+    store: ObjectStoreResource,
+    eval_report: dict,
+    lora_adapter: dict,
 ) -> dg.Output[dict]:
-    """The gated model in the registry with its lineage manifest; a published run is never overwritten."""
-    verdict = ev.Gate.of(eval_report["stats"])
-    _refuse_ungated(context.partition_key, verdict, stats_of(eval_report, EvalStats))
+    """The gated model in the registry with its lineage manifest, and each export that shipped; never overwritten."""
+    stats_of(eval_report, EvalStats)  # one of an older ft-assets: RefOutdated names what it lacks
+    verdict = Gate.of(eval_report["stats"])
+    _refuse_ungated(context.partition_key, verdict)
     try:
         key = signing.signing_key()
     except signing.SigningError as exc:
@@ -314,24 +499,30 @@ def published_model(
             lineage = json.loads((out / LINEAGE_FILE).read_text())
             signature = signing.recorded(objects, prefix, existing.files)
             stats = {"already_published": True, "signature": signature}
-            ref = make_ref(objects, "published_model", context.partition_key, existing, stats, {}, config=op_config(context))
+            ref = make_ref(
+                objects, "published_model", context.partition_key, existing, stats, {}, config=op_config(context)
+            )
         else:
-            lineage, signature = _assemble(context, objects, refs, prefix, out, key)
+            lineage, signature = _assemble(context, objects, refs, verdict, prefix, out, key)
             ref = publish(
                 objects, "published_model", context.partition_key, prefix, out, {"already_published": False, "signature": signature},
-                {name: refs[name] for name in ("eval_report", "gguf_model", "merged_model", "lora_adapter")},
+                {name: refs[name] for name in ("eval_report", *EXPORT_ASSETS, "merged_model", "lora_adapter")},
                 config=op_config(context),
             )  # fmt: skip
         if config.hub_repo_id:
             push_to_hub(out, config.hub_repo_id, os.environ.get("HF_TOKEN"), config.hub_dry_run, log=context.log.info)
     registered = _register(context, ref, lineage, verdict, signature, lora_adapter)
+    # the published folder's URI on the W&B run (MLflow's registry version, above, points at it already)
+    record_run(lora_adapter["training_config"], lora_adapter["stats"], context.log.warning,
+               artifacts={"published_model": ref["uri"]})  # fmt: skip
     return dg.Output(
         ref,
         metadata={
-            **shipped_metadata(verdict, eval_report["stats"], refs["gguf_model"]["stats"]),
+            **shipped_metadata(verdict, {export.name: refs[export.asset]["stats"] for export in EXPORTS}),
             **ref_metadata(ref),
             "code_version": lineage["code_version"],
-            "lineage": table([{"asset": a["asset"], "digest": a["digest"][:16], "uri": objects.uri(a["key"])} for a in lineage["artifacts"]]),
+            "store": objects.url,
+            "lineage": lineage_table(objects, lineage),
             "already_published": existing is not None,
             "signature": signing.summary(signature),
             "model_registry": model_registry.summary(registered),
@@ -339,32 +530,58 @@ def published_model(
     )
 
 
-def _refuse_ungated(partition: str, verdict: ev.Gate, evaluation: EvalStats) -> None:
-    """A Failure saying which gate the model missed: beating the base, or the shipped GGUF within its drop."""
+def lineage_table(objects, lineage: dict) -> dg.MetadataValue:
+    """published_model's lineage: each artifact, its digest and its key in the store (the store's URL is on the page
+    once, as ``store``: full URIs, ~130 characters of one unbreakable word each, ran past the panel)."""
+    return table([{"asset": a["asset"], "digest": a["digest"][:16], "key": a["key"]} for a in lineage["artifacts"]])
+
+
+def _refuse_ungated(partition: str, verdict: Gate) -> None:
+    reason = ungated(verdict)
+    if reason:
+        raise dg.Failure(f"not publishing {partition}: {reason}")
+
+
+def ungated(verdict: Gate) -> str | None:
+    """Which gate the model missed, in one line (beating the base, its general abilities where that blocks, an export's
+    shipped file within its drop), or None when it passed."""
     if not verdict.beats_base:
-        raise dg.Failure(
-            f"not publishing {partition}: fine-tuned {verdict.metric_name} {verdict.finetuned_metric:.3f} does not beat "
+        return (
+            f"fine-tuned {verdict.metric_name} {verdict.finetuned_metric:.3f} does not beat "
             f"base {verdict.base_metric:.3f} by {verdict.min_improvement:.3f} (see eval_report)"
         )
-    if not verdict.gguf_within_drop:
-        raise dg.Failure(
-            f"not publishing {partition}: the shipped {evaluation['gguf_file']} scores {verdict.metric_name} "
-            f"{verdict.gguf_metric:.3f} in llama.cpp, {verdict.gguf_drop:.3f} below the merged model's {verdict.finetuned_metric:.3f} "
-            f"(at most {verdict.max_gguf_drop:.3f}); ship a more precise type (gguf_model.ship) or see eval_report's answers"
+    if verdict.general is not None and verdict.general.blocks:
+        return (
+            f"it forgot general abilities: {'; '.join(verdict.general.lines)} "
+            "(general_eval on_regression: block; warn publishes it without promoting it, see general_eval's tasks)"
         )
+    for export in EXPORTS:
+        shipped_export = verdict.exports[export.name]
+        if not shipped_export.within_drop:
+            return (
+                f"the shipped {shipped_export.file} scores {verdict.metric_name} "
+                f"{shipped_export.metric:.3f} in {export.runtime_name}, {shipped_export.drop:.3f} below the merged model's "
+                f"{verdict.finetuned_metric:.3f} (at most {export.asset}.max_drop = {shipped_export.max_drop:.3f}); ship a "
+                f"more precise file ({export.asset} config) or see eval_report's answers"
+            )
+    return None
 
 
-def _assemble(context, objects, refs: dict[str, ArtifactRef], prefix: str, out: Path, key) -> tuple[dict, dict]:
-    """The registry folder ``out``: merged weights, the adapter (what multi-LoRA servers load), the shipped GGUF,
-    the eval, ``lineage.json`` and, with a signing key, ``model.sig`` over every file; (lineage, signature)."""
+def _assemble(
+    context, objects, refs: dict[str, ArtifactRef], verdict: Gate, prefix: str, out: Path, key
+) -> tuple[dict, dict]:
+    """The registry folder ``out``: merged weights, the adapter (what multi-LoRA servers load), each export that shipped
+    (in a folder of its name: ``gguf/``), the eval, ``lineage.json`` and, with a signing key, ``model.sig`` over every
+    file; (lineage, signature)."""
     fetch_artifact(objects, refs["merged_model"]["prefix"], out / "merged")
     if stats_of(refs["lora_adapter"], AdapterStats)["method"] != "full":
         fetch_artifact(objects, refs["lora_adapter"]["prefix"], out / "adapter")
-    gguf = stats_of(refs["gguf_model"], GgufStats)
-    if gguf["shipped"]:
-        fetch_artifact(objects, refs["gguf_model"]["prefix"], out / "gguf")
-    else:  # merged weights, adapter, eval and lineage; the lineage says why there is no GGUF
-        context.log.warning(f"publishing without a GGUF: {gguf.get('reason')}")
+    for export in EXPORTS:
+        shipped_export = verdict.exports[export.name]
+        if shipped_export.file:
+            fetch_artifact(objects, refs[export.asset]["prefix"], out / export.name)
+        else:  # the lineage says why
+            context.log.warning(f"publishing without {export.title}: {shipped_export.reason}")
     fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
     lineage = build_lineage(context.partition_key, refs, prefix)
     (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
@@ -373,39 +590,44 @@ def _assemble(context, objects, refs: dict[str, ArtifactRef], prefix: str, out: 
     return lineage, signature
 
 
-def shipped_metadata(verdict: ev.Gate, evaluation: dict, gguf: dict) -> dict:
-    """published_model's headline: the metric base → fine-tuned → shipped GGUF, and which GGUF shipped (or why none did).
+def shipped_metadata(verdict: Gate, made: dict[str, dict]) -> dict:
+    """published_model's headline, once: the metric base → fine-tuned → each shipped export (3 decimals, as eval_report
+    and the command line), the general tasks' verdict, and what each export shipped (or why nothing did).
+    ``made``: each export's asset stats, by export name (the shipped file's size)."""
+    scores = f"{verdict.metric_name}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}"
+    what = {}
+    for export in EXPORTS:
+        shipped_export = verdict.exports[export.name]
+        if shipped_export.file:
+            scores += f" → shipped {shipped_export.variant} {export.title} {shipped_export.metric:.3f}"
+            what |= {
+                f"shipped_{export.name}": shipped_export.file,
+                **figures(**{f"{export.name}_mb": megabytes(made[export.name]["files"][shipped_export.file]["bytes"])}),
+            }
+        else:
+            scores += f" (no {export.title} shipped)"
+            what[f"shipped_{export.name}"] = f"none: {shipped_export.reason}"
+    return {"result": scores, **general_summary(verdict.general), **what}
 
-    ``evaluation``: eval_report's stats (the file it scored); ``gguf``: gguf_model's stats (its size, or the reason for none)."""
-    scores = f"{verdict.metric_name}: base {verdict.base_metric:.4g} → fine-tuned {verdict.finetuned_metric:.4g}"
-    shipped = evaluation["gguf_file"]
-    if shipped:
-        what = {"shipped_gguf": shipped, "shipped_qtype": evaluation["gguf_qtype"], **figures(shipped_mb=megabytes(gguf["files"][shipped]["bytes"]))}
-        scores += f" → shipped {evaluation['gguf_qtype']} GGUF {verdict.gguf_metric:.4g}"
-    else:
-        what = {"shipped_gguf": f"none: {gguf.get('reason') or 'no GGUF exported'}"}
-        scores += " (no GGUF shipped)"
-    return {
-        "result": scores, "metric": verdict.metric_name,
-        **figures(base_metric=verdict.base_metric, finetuned_metric=verdict.finetuned_metric, shipped_metric=verdict.gguf_metric),
-        **what,
-    }  # fmt: skip
 
-
-def _register(context, ref: dict, lineage: dict, verdict: ev.Gate, signature: dict, lora_adapter: dict) -> dict | None:
+def _register(context, ref: dict, lineage: dict, verdict: Gate, signature: dict, lora_adapter: dict) -> dict | None:
     """The published model as a version in MLflow's Model Registry, when the training run was tracked there."""
     uri = lora_adapter["training_config"].get("mlflow_tracking_uri")
     if not uri:
         return None
     release = model_registry.release_of(
-        context.partition_key, ref, lineage, verdict.as_dict(), signature, lora_adapter["stats"]["mlflow_run_id"]
+        context.partition_key, ref, lineage, verdict.flat(), signature, lora_adapter["stats"]["mlflow_run_id"]
     )
     return model_registry.register(uri, release, context.log.info, context.log.warning)
 
 
 @dg.asset(**DELIVERY, kinds={"llama", "openai"})
 def serving_smoke(
-    context: dg.AssetExecutionContext, config: ServingConfig, store: ObjectStoreResource, published_model: dict, lora_adapter: dict
+    context: dg.AssetExecutionContext,
+    config: ServingConfig,
+    store: ObjectStoreResource,
+    published_model: dict,
+    lora_adapter: dict,
 ) -> dg.Output[dict]:
     """The published GGUF behind llama-cpp-python's OpenAI-compatible server on loopback: one chat completion per smoke prompt
     (a model published without a GGUF materializes with that reason, in one line, and no answers).
@@ -418,22 +640,30 @@ def serving_smoke(
         signature = _verified(m, published_model)
         published = m.fetch(published_model, "published", include=lambda rel: rel in ("gguf/Modelfile", LINEAGE_FILE))
         if not (published / "gguf" / "Modelfile").is_file():
-            reason = "no GGUF to serve: " + (json.loads((published / LINEAGE_FILE).read_text()).get("gguf_reason") or "none published")
+            reason = "no GGUF to serve: " + (
+                exports_of(json.loads((published / LINEAGE_FILE).read_text()))["gguf"]["reason"] or "none published"
+            )
             context.log.warning(reason)
             stats = {"file": None, "answers": [], "reason": reason, "signature": signature}
-            ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "serving"), stats, {"published_model": published_model})
+            ref = m.publish(
+                _delivery_prefix(m.partition, lora_adapter, "serving"), stats, {"published_model": published_model}
+            )
             return m.output(ref, file="none", reason=reason)
         try:
             shipped = modelfile_gguf(published / "gguf" / "Modelfile")
             m.fetch(published_model, "published", include=lambda rel: rel == f"gguf/{shipped}")
-            context.log.info(f"serving {shipped} with llama_cpp.server; {len(config.prompts)} chat completions over HTTP")
+            context.log.info(
+                f"serving {shipped} with llama_cpp.server; {len(config.prompts)} chat completions over HTTP"
+            )
             answers = llamacpp.serving_smoke(published / "gguf" / shipped, config.prompts, config.max_tokens)
         except (GgufExportError, llamacpp.LlamaCppError) as exc:
             raise dg.Failure(str(exc)) from exc
         (m.out / "answers.json").write_text(json.dumps(answers, indent=2))
         stats = {"file": shipped, "answers": answers, "server": "llama_cpp.server (OpenAI-compatible, /v1/chat/completions)",
                  "signature": signature}  # fmt: skip
-        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "serving"), stats, {"published_model": published_model})
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "serving"), stats, {"published_model": published_model}
+        )
     return m.output(ref, file=shipped, answers=table(answers), signature=signature)
 
 
@@ -447,12 +677,18 @@ def _verified(m: Materialization, published_model: dict) -> str:
     try:
         return signing.summary(signing.verify_directory(published, trusted))
     except signing.SigningError as exc:
-        raise dg.Failure(f"not serving {published_model['uri']}: {str(exc).replace(str(published), published_model['uri'])}") from exc
+        raise dg.Failure(
+            f"not serving {published_model['uri']}: {str(exc).replace(str(published), published_model['uri'])}"
+        ) from exc
 
 
 @dg.asset(**DELIVERY, kinds={"vllm", "openai", STORE_KIND})
 def vllm_smoke(
-    context: dg.AssetExecutionContext, config: VllmConfig, store: ObjectStoreResource, published_model: dict, lora_adapter: dict,
+    context: dg.AssetExecutionContext,
+    config: VllmConfig,
+    store: ObjectStoreResource,
+    published_model: dict,
+    lora_adapter: dict,
     base_model: dict,
 ) -> dg.Output[dict]:
     """The published model behind vLLM's OpenAI-compatible server (its own serving venv): the merged model, then the base
@@ -470,7 +706,9 @@ def vllm_smoke(
             stats = {"served": False, "reason": reason}
         else:
             signature = _verified(m, published_model)  # with FT_SIGNING_PUBLIC_KEY: only verified files are served
-            published = m.fetch(published_model, "published", include=lambda rel: rel.startswith(("merged/", "adapter/")))
+            published = m.fetch(
+                published_model, "published", include=lambda rel: rel.startswith(("merged/", "adapter/"))
+            )
             lora = (published / "adapter" / "adapter_config.json").is_file()  # a full fine-tune publishes no adapter
             context.log.info(f"serving the merged model{' and the base + adapter (LoRA)' if lora else ''} with vLLM")
             try:
@@ -482,7 +720,9 @@ def vllm_smoke(
                 raise dg.Failure(str(exc)) from exc
             stats.update(served=True, signature=signature)
         (m.out / "vllm.json").write_text(json.dumps(stats, indent=2))
-        ref = m.publish(_delivery_prefix(m.partition, lora_adapter, "vllm"), stats, {"published_model": published_model})
+        ref = m.publish(
+            _delivery_prefix(m.partition, lora_adapter, "vllm"), stats, {"published_model": published_model}
+        )
     if not stats["served"]:
         return m.output(ref, vllm=reason)
     equal = ", ".join(f"{label} {count}/{stats['prompts']}" for label, count in stats["greedy_equal"].items())
@@ -493,3 +733,60 @@ def vllm_smoke(
         load_seconds=table([{"server": label, "seconds": seconds} for label, seconds in stats["load_seconds"].items()], columns=["server", "seconds"]),
         answers=table(stats["rows"]),
     )  # fmt: skip
+
+
+@dg.asset(
+    partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"},
+    kinds={"python", "json", STORE_KIND},
+)  # fmt: skip
+def version_comparison(context: dg.AssetExecutionContext, store: ObjectStoreResource) -> dg.Output[dict]:
+    """The runs of one dataset version side by side: its own run and each variant's (``variants`` in the run config),
+    with the settings that differ, the task metric base → tuned → shipped, the general tasks, tokens, wall time,
+    dollars and ETH, and which one the registry's rule promotes (``ft_assets.delivery.comparison``)."""
+    version = DatasetVersion.from_key(context.partition_key)
+    if version.variant:
+        raise dg.Failure(
+            f"version_comparison compares the runs of a version: materialize it for {version.version_key}, not for its "
+            f"variant {context.partition_key}"
+        )
+    with Materialization(context, store, "comparison") as m:
+        runs = version_runs(m.store, m.partition)
+        if not runs:
+            raise dg.Failure(
+                f"{m.partition} has no delivered run to compare: run its delivery plane (or a variant's) first"
+            )
+        champion, why = comparison.promoted(runs)
+        rows = comparison.table(runs, champion)
+        (m.out / "comparison.json").write_text(json.dumps({"rows": rows, "promoted": champion, "why": why}, indent=2))
+        stats = {"runs": len(runs), "promoted": champion, "why": why, "rows": rows}
+        ref = m.publish(layout.of(m.partition).comparison, stats)
+    context.log.info(f"{m.partition}: {len(runs)} runs compared; promoted: {champion or 'none'} ({why})")
+    groups = {run.name: {run.metric_name: run.finetuned_metric} for run in runs}
+    return m.output(
+        ref, runs=len(runs), promoted=f"{champion}: {why}" if champion else why, comparison=table(rows),
+        chart=dg.MetadataValue.md(bar_chart(groups, f"{runs[0].metric_name} of each run (fine-tuned)")),
+    )  # fmt: skip
+
+
+def version_runs(store, partition: str) -> list[comparison.RunFigures]:
+    """Every delivered run of the version ``partition``: its own and each variant's, from their references."""
+    runs = []
+    for key in [partition, *layout.of(partition).variant_keys(store)]:
+        if not has_ref(store, key, "eval_report"):
+            continue
+        evaluation, adapter = read_ref(store, key, "eval_report"), read_ref(store, key, "lora_adapter")
+        verdict = Gate.of(evaluation["stats"])
+        cost = read_ref(store, key, "training_cost")["stats"] if has_ref(store, key, "training_cost") else {}
+        published = has_ref(store, key, "published_model") and (
+            read_ref(store, key, "published_model")["upstream"]["eval_report"]["digest"] == evaluation["digest"]
+        )
+        shipped = {export.title: verdict.exports[export.name].metric for export in EXPORTS}
+        runs.append(
+            comparison.RunFigures(
+                DatasetVersion.from_key(key).variant, adapter["stats"]["run_id"], adapter["training_config"],
+                verdict.metric_name, verdict.base_metric, verdict.finetuned_metric, shipped, verdict.flat(),
+                verdict.general, adapter["stats"]["tokens_seen"], adapter["stats"]["wall_seconds"], cost.get("total_usd"),
+                cost.get("eth_usd_per_hour"), published, evaluation["created_at"], None if published else ungated(verdict),
+            )
+        )  # fmt: skip
+    return runs

@@ -1,42 +1,34 @@
-"""Launchpad configuration of the delivery-plane assets; every field has a default and a help text."""
+"""Launchpad configuration of the delivery-plane assets; every field has a default and a help text.
 
-from pydantic import Field
+An export's asset takes its settings from the export's own module (``ft_assets.delivery.exports``), as a
+``dagster.Config`` derived field by field (``export_config``), so the launchpad cannot drift from them.
+"""
+
+from pydantic import BaseModel, Field, create_model
 
 import dagster as dg
 
+# Settings that moved, as an older run config names them -> where they are now (the run-config check says so).
+MOVED = {("eval_report", "max_gguf_drop"): "ops.gguf_model.config.max_drop"}
+
+
+def export_config(settings: type[BaseModel]) -> type[dg.Config]:
+    """An export's settings as launchpad config: the same names, types, defaults and help texts."""
+    return create_model(
+        settings.__name__.removesuffix("Settings") + "Config",
+        __base__=dg.Config,
+        __doc__=settings.__doc__,
+        **{
+            name: (field.annotation, Field(default=field.get_default(call_default_factory=True), description=field.description))
+            for name, field in settings.model_fields.items()
+        },
+    )  # fmt: skip
+
 
 class MergeConfig(dg.Config):
-    dtype: str = Field(default="float32", description="Precision of the merged weights: float32, bfloat16 or float16 (never 4-bit).")
-
-
-class GgufConfig(dg.Config):
-    qtypes: list[str] = Field(
-        default=["f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"],
-        description=(
-            "GGUF types to export: f32, f16, q8_0 (llama.cpp's converter) and q4_0, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer on the "
-            "f16 file). [] turns GGUF off: the merged model and the adapter are evaluated and published without one."
-        ),
+    dtype: str = Field(
+        default="float32", description="Precision of the merged weights: float32, bfloat16 or float16 (never 4-bit)."
     )
-    verify: bool = Field(
-        default=True,
-        description="Also load each f32/f16/q8_0 file with transformers' GGUF reader and record its logit error against the merged "
-        "model (a second reader, not a gate: llama.cpp's check is).",
-    )
-    ship: str = Field(
-        default="auto",
-        description=(
-            "The GGUF that ships (scored by eval_report, served by serving_smoke, FROM of the Modelfile): one of qtypes, or 'auto' = "
-            "the smallest file whose logit error through llama.cpp is within ship_max_rel_error (the most accurate file when none is)."
-        ),
-    )
-    ship_max_rel_error: float = Field(
-        default=0.08,
-        description=(
-            "For ship='auto': the largest relative logit error against the merged model (through llama.cpp) a shipped file may have; "
-            "0.08 is the bound a Q8_0 file is held to (gguf_export.TOLERANCES)."
-        ),
-    )
-    system_prompt: str = Field(default="", description="SYSTEM line of the Ollama Modelfile (empty: none).")
 
 
 class EvalConfig(dg.Config):
@@ -58,13 +50,6 @@ class EvalConfig(dg.Config):
         description="Blocking gate: the fine-tuned metric (preference runs: reward accuracy; GRPO: mean reward) must beat the base's by at least this "
         "much (absolute, 0.05 = 5 points).",
     )
-    max_gguf_drop: float = Field(
-        default=0.05,
-        description=(
-            "Blocking gate: the shipped GGUF, answering through llama.cpp, may score at most this much below the merged model "
-            "on the same prompts and metric (absolute, 0.05 = 5 points)."
-        ),
-    )
 
 
 class ServingConfig(dg.Config):
@@ -76,7 +61,9 @@ class ServingConfig(dg.Config):
 
 
 class PublishConfig(dg.Config):
-    hub_repo_id: str = Field(default="", description="Also push to this Hugging Face Hub repo (needs HF_TOKEN); empty: registry only.")
+    hub_repo_id: str = Field(
+        default="", description="Also push to this Hugging Face Hub repo (needs HF_TOKEN); empty: registry only."
+    )
     hub_dry_run: bool = Field(default=False, description="List what would be pushed to the Hub without uploading.")
 
 
@@ -87,3 +74,47 @@ class VllmConfig(dg.Config):
         "the base + the published adapter (LoRA); each compared with transformers' answer token for token.",
     )
     max_tokens: int = Field(default=32, description="Generation budget per answer.")
+
+
+class GeneralEvalConfig(dg.Config):
+    """General-ability tasks (lm-eval) on the base, the merged model and each shipped file; none chosen: the check is off."""
+
+    tasks: list[str] = Field(
+        default=[],
+        description="lm-eval tasks: names lm-eval knows (gsm8k, ifeval, arc_easy, hellaswag, mmlu, ...: a worker with network "
+        "or a warm Hugging Face cache) and/or local task files (path/to/task.yaml: an lm-eval YAML task, e.g. over a local "
+        "JSONL with dataset_path: json). Empty: no general-ability check.",
+    )
+    limit: int = Field(
+        default=100, description="Documents per task (lm-eval's limit: the first N); 0: every document of the task."
+    )
+    seed: int = Field(default=1234, description="lm-eval's seeds (few-shot sampling, generation).")
+    num_fewshot: int | None = Field(default=None, description="Few-shot examples per prompt; empty: each task's own.")
+    apply_chat_template: bool = Field(
+        default=True,
+        description="Render each prompt with the model's chat template (lm-eval's apply_chat_template), as a chat fine-tune "
+        "is used; the shipped GGUF then answers through /v1/chat/completions with the template in its file.",
+    )
+    max_drop: float = Field(
+        default=0.05,
+        description="Gate: a task's metric may fall at most this much below the base's (absolute, 0.05 = 5 points) beyond "
+        "stderr_z standard errors of the difference, on the fine-tuned model and on each shipped file.",
+    )
+    max_drop_per_task: dict[str, float] = Field(
+        default={}, description="max_drop for named tasks, e.g. {gsm8k: 0.02}; the others take max_drop."
+    )
+    stderr_z: float = Field(
+        default=1.0,
+        description="Standard errors of the difference (lm-eval's stderr of each mean) a drop must exceed beyond max_drop to "
+        "count; 0 compares bare means.",
+    )
+    on_regression: str = Field(
+        default="block",
+        description="What a regression does: block (nothing is published; the gate names the task) or warn (published, "
+        "never promoted to champion in the registry).",
+    )
+    shipped: bool = Field(
+        default=True,
+        description="Also run the tasks on each export's shipped file in its runtime (GGUF: llama.cpp's server; "
+        "generate_until tasks only).",
+    )

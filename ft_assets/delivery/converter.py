@@ -42,9 +42,17 @@ because the converter alone fails on models our users bring:
    it as llama.cpp's SentencePiece vocabulary with the merge ranks as scores
    (``ft_assets.delivery.sentencepiece_vocab``: why, and the shapes it refuses).
 
-An architecture the converter has no layout for is named in one line (``GgufUnsupported``). llama.cpp
-also keys Phi-3 token attributes on ``general.name`` (a name containing "phi3" or "phi-3" gets
-right-stripping special tokens and needs ``</s>``): name files after the model's purpose, not its base.
+An architecture the converter has no layout for is named in one line (``GgufUnsupported``).
+
+And one thing around the runtime: **llama.cpp keys Phi-3's token attributes on ``general.name``**
+(``llama_vocab::impl::load``, "set attributes by model/tokenizer/architecture name"): a name that holds
+"phi3" or "phi-3" makes every added token right-strip except ``<unk>``, ``<s>`` and ``<|endoftext|>``,
+and looks those three and ``</s>`` up with ``unordered_map::at``. Phi-3-mini's SentencePiece vocabulary
+has all four, and its tokenizer right-strips exactly so; a GPT-2-style byte-level BPE (Phi-4-mini's,
+or any retrained one) has ``<|endoftext|>`` alone, so llama.cpp refuses the file ("error loading model
+vocabulary: unordered_map::at"), and a dataset called ``phi3-toolcalls`` was enough to make every
+file of its run unloadable. ``general_name`` keeps such a name only for a tokenizer those attributes
+describe and writes it as "phi 3" (which llama.cpp does not match) for any other.
 
 Only the standard library (and ``sentencepiece_vocab``, which imports nothing else) is imported at
 module level: the child imports this module before it puts the vendored gguf first on ``sys.path``.
@@ -53,6 +61,7 @@ module level: the child imports this module before it puts the vendored gguf fir
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -64,7 +73,12 @@ from pathlib import Path
 from ft_assets.delivery import sentencepiece_vocab
 
 CONVERTER_PATHS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")  # what is kept of the sdist
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes itself; other types come from llama.cpp's quantizer
+OUTTYPES = (
+    "f32",
+    "f16",
+    "bf16",
+    "q8_0",
+)  # what the converter writes itself; other types come from llama.cpp's quantizer
 REFUSED = "ft-assets refused: "  # the child's one-line answer when it refuses a model (then exit REFUSED_EXIT)
 REFUSED_EXIT = 3
 
@@ -76,12 +90,14 @@ REFUSED_EXIT = 3
 GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 BYTE_LEVEL_BYTES_ONLY = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
 SMOLLM_DIGITS = {"type": "Digits", "individual_digits": True}
-LLAMA3_REGEX = (
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-)
+LLAMA3_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 QWEN2_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 SPLIT_NAMES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 IGNORE_MERGES = {"llama-bpe"}  # names under which llama.cpp takes a whole word found in the vocabulary before merging
+# What llama.cpp does to a file whose general.name holds one of PHI3_NAMES (src/llama-vocab.cpp, as vendored in 0.3.36): every
+# added token right-strips, except PHI3_KEPT; those and PHI3_RSTRIPPED are looked up with unordered_map::at (must exist).
+PHI3_NAMES = re.compile(r"(phi)-?(3)", re.IGNORECASE)  # "phi-3" or "phi3" anywhere in the lower-cased name
+PHI3_RSTRIPPED, PHI3_KEPT = ("</s>",), ("<unk>", "<s>", "<|endoftext|>")
 # Qwen2's tokenizer NFC-normalizes; llama.cpp does not normalize, and its converter lists Qwen's hash all the same:
 # text already in NFC, nearly all text, tokenizes the same. Any other normalizer is refused.
 NORMALIZER_IGNORED = "NFC"
@@ -123,27 +139,36 @@ def location() -> Path:
     return where
 
 
-def install(log=print) -> Path:
-    """Fetch the llama-cpp-python sdist of the installed version with pip and keep its converter; return where."""
+def install(log=print, sdist: Path | None = None) -> Path:
+    """Keep the converter of the llama-cpp-python sdist of the installed version, fetched with pip unless ``sdist``
+    names it (an offline image build: deploy/image/Containerfile); return where."""
     llama_version = llama_cpp_version()
     target = install_dir(llama_version)
     if (target / "convert_hf_to_gguf.py").is_file():
         log(f"llama.cpp's converter is already at {target}")
         return target
+    if sdist is not None and sdist.name != f"llama_cpp_python-{llama_version}.tar.gz":
+        raise GgufExportError(f"{sdist} is not the sdist of the installed llama-cpp-python {llama_version}")
     with tempfile.TemporaryDirectory() as work:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={llama_version}", "--dest", work],
-            check=True,
-        )  # fmt: skip
-        (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
+        if sdist is None:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                 f"llama-cpp-python=={llama_version}", "--dest", work],
+                check=True,
+            )  # fmt: skip
+            (sdist,) = Path(work).glob("llama_cpp_python-*.tar.gz")
         staging = Path(work) / "converter"
         prefix = f"llama_cpp_python-{llama_version}/vendor/llama.cpp/"
         with tarfile.open(sdist) as archive:
             members = [m for m in archive.getmembers() if m.name.startswith(prefix) and _kept(m.name[len(prefix) :])]
             for member in members:
                 member.name = member.name[len(prefix) :]
-            archive.extractall(staging, members=members, filter="data")
+            # Python < 3.11.4 (Debian 12's 3.11.2: the image test's base) has no extraction filters: keep plain files
+            # and folders inside the target only
+            data_filter = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            if not data_filter:
+                members = [m for m in members if (m.isfile() or m.isdir()) and ".." not in Path(m.name).parts]
+            archive.extractall(staging, members=members, **data_filter)
         if not (staging / "convert_hf_to_gguf.py").is_file():
             raise GgufExportError(f"{sdist.name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +195,9 @@ def convert_many(jobs: list[tuple[str | Path, str, str, str | Path]], timeout_s:
     unknown = sorted({outtype for _, _, outtype, _ in jobs} - set(OUTTYPES))
     if unknown:
         raise GgufExportError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {', '.join(unknown)}")
-    spec = json.dumps([[str(model_dir), name, outtype, str(path)] for model_dir, name, outtype, path in jobs])
+    spec = json.dumps(
+        [[str(model_dir), general_name(name, model_dir), outtype, str(path)] for model_dir, name, outtype, path in jobs]
+    )
     command = [sys.executable, "-m", "ft_assets.delivery.converter", "run", str(location()), spec]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode == 0:
@@ -183,6 +210,28 @@ def convert_many(jobs: list[tuple[str | Path, str, str, str | Path]], timeout_s:
     raise GgufExportError(f"llama.cpp's converter failed on {', '.join(models)} (exit {done.returncode}):\n{tail}")
 
 
+def general_name(name: str, model_dir: str | Path) -> str:
+    """The ``general.name`` written for ``name``: as it is, unless llama.cpp would give the tokenizer of ``model_dir`` Phi-3's
+    token attributes for it (a name holding "phi3" or "phi-3") and they do not describe it; then "phi 3" instead."""
+    tokenizer_json = Path(model_dir) / "tokenizer.json"
+    if not PHI3_NAMES.search(name) or not tokenizer_json.is_file():
+        return name
+    if has_phi3_attributes(json.loads(tokenizer_json.read_text(encoding="utf-8"))):
+        return name
+    return PHI3_NAMES.sub(r"\1 \2", name)
+
+
+def has_phi3_attributes(tokenizer: dict) -> bool:
+    """Whether llama.cpp's Phi-3 token attributes are the serialized HF tokenizer's own: the four tokens it looks up are
+    there, and each added token right-strips unless it is one of ``PHI3_KEPT``."""
+    added = {entry["content"]: entry for entry in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    pieces = set(vocab) if isinstance(vocab, dict) else {piece for piece, _ in vocab}  # BPE: a dict; Unigram: pairs
+    if not all(token in pieces | set(added) for token in (*PHI3_RSTRIPPED, *PHI3_KEPT)):
+        return False
+    return all(bool(entry.get("rstrip")) == (content not in PHI3_KEPT) for content, entry in added.items())
+
+
 def pre_tokenizer_name(tokenizer: dict) -> str:
     """llama.cpp's ``tokenizer.ggml.pre`` for a serialized HF tokenizer pipeline whose hash the converter does not list.
 
@@ -192,7 +241,9 @@ def pre_tokenizer_name(tokenizer: dict) -> str:
     model, pre = tokenizer.get("model") or {}, tokenizer.get("pre_tokenizer")
     problems = []
     if model.get("type") != "BPE" or model.get("byte_fallback"):
-        problems.append(f"model {model.get('type')} (byte_fallback={model.get('byte_fallback')}) is not a byte-level BPE")
+        problems.append(
+            f"model {model.get('type')} (byte_fallback={model.get('byte_fallback')}) is not a byte-level BPE"
+        )
     problems += [f"model.{key} = {model[key]!r}" for key in BPE_OPTIONS_LLAMACPP_LACKS if model.get(key)]
     if (tokenizer.get("normalizer") or {"type": NORMALIZER_IGNORED}).get("type") != NORMALIZER_IGNORED:
         problems.append(f"a normalizer ({tokenizer['normalizer'].get('type')})")
@@ -258,7 +309,9 @@ def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
             return hashed_name(self, tokenizer)
         except NotImplementedError:  # "BPE pre-tokenizer was not recognized"
             if not hasattr(tokenizer, "backend_tokenizer"):
-                raise _Refused(f"{self.dir_model}: the tokenizer is not a fast (tokenizers) one; llama.cpp's converter cannot name it") from None
+                raise _Refused(
+                    f"{self.dir_model}: the tokenizer is not a fast (tokenizers) one; llama.cpp's converter cannot name it"
+                ) from None
             try:
                 return pre_tokenizer_name(json.loads(tokenizer.backend_tokenizer.to_str()))
             except GgufUnsupported as exc:
@@ -279,7 +332,9 @@ def _model_class_with_fixes(get_model_class, gguf):
         try:
             family = get_model_class(architecture, mmproj=mmproj)
         except NotImplementedError:
-            raise _Refused(f"llama.cpp {llama_cpp_version()}'s converter has no GGUF layout for architecture {architecture}") from None
+            raise _Refused(
+                f"llama.cpp {llama_cpp_version()}'s converter has no GGUF layout for architecture {architecture}"
+            ) from None
 
         class WithFixes(family):
             model_arch = family.model_arch
@@ -338,7 +393,9 @@ def write_sentencepiece_from_json(model, gguf) -> bool:
     max_id = max([*tokenizer["model"]["vocab"].values(), *(added["id"] for added in tokenizer.get("added_tokens", []))])
     try:
         prefix = sentencepiece_vocab.add_space_prefix(tokenizer)
-        tokens, scores, types = sentencepiece_vocab.sentencepiece_vocab(tokenizer, model.hparams.get("vocab_size") or max_id + 1)
+        tokens, scores, types = sentencepiece_vocab.sentencepiece_vocab(
+            tokenizer, model.hparams.get("vocab_size") or max_id + 1
+        )
     except sentencepiece_vocab.NotSentencePiece as exc:
         raise _Refused(f"{model.dir_model}: {exc}") from None
     writer = model.gguf_writer
@@ -353,8 +410,8 @@ def write_sentencepiece_from_json(model, gguf) -> bool:
 
 
 def _main(argv: list[str]) -> int:
-    if argv[:1] == ["install"]:
-        install()
+    if argv[:1] == ["install"] and len(argv) <= 2:
+        install(sdist=Path(argv[1]) if len(argv) == 2 else None)
         return 0
     if argv[:1] == ["run"] and len(argv) == 3:
         try:
@@ -363,7 +420,9 @@ def _main(argv: list[str]) -> int:
             print(REFUSED + " ".join(str(exc).split()), file=sys.stderr)
             return REFUSED_EXIT
         return 0
-    print("usage: python -m ft_assets.delivery.converter install | run CONVERTER_DIR JOBS_JSON", file=sys.stderr)
+    print(
+        "usage: python -m ft_assets.delivery.converter install [SDIST] | run CONVERTER_DIR JOBS_JSON", file=sys.stderr
+    )
     return 2
 
 

@@ -20,18 +20,20 @@ generation: each model's **reward accuracy** (the fraction of pairs whose chosen
 higher log-probability than the rejected one) and **reward margin** (the mean of beta x the
 difference of those log-probabilities), base and tuned alike, and the DPO loss of the tuned model
 against the base, the same loss as in training (``ft_assets.training.loss``). The tuned margin minus
-the base's is the mean DPO implicit reward margin. Reward accuracy is the gate's metric, for the
-shipped GGUF too: llama.cpp's logits give its log-probabilities of the same pairs (``gguf_pair_scores``).
+the base's is the mean DPO implicit reward margin. Reward accuracy is the gate's metric, for each
+export's shipped file too: its runtime gives its log-probabilities of the same pairs
+(``ft_assets.delivery.exports``; llama.cpp's logits for GGUF).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ft_assets import rewards as rw
+from ft_assets.generation import stop_tokens
 
 METRICS = ("exact_match", "token_f1", "rouge_l")
 PREFERENCE_METRIC = "reward_accuracy"  # the gate's metric for preference runs
@@ -91,14 +93,6 @@ def eval_examples(rows: list[dict], limit: int) -> list[EvalExample]:
     return examples
 
 
-def stop_tokens(model, tokenizer) -> list[int]:
-    """Where an answer ends: the tokenizer's eos and every end-of-turn id of the model's generation config
-    (Gemma's <end_of_turn> beside <eos>, Phi-3's <|end|> beside <|endoftext|>)."""
-    configured = model.generation_config.eos_token_id
-    configured = configured if isinstance(configured, list) else [configured]
-    return sorted({token for token in [tokenizer.eos_token_id, *configured] if token is not None})
-
-
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
     """Greedy answers for chat prompts, in left-padded batches."""
     import torch
@@ -153,11 +147,15 @@ def check_metric(metric: str) -> None:
     if metric in SCORERS:
         return
     if ":" not in metric:
-        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}, or a reward function as module:function")
+        raise ValueError(
+            f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}, or a reward function as module:function"
+        )
     rw.load_reward(metric)
 
 
-def score_model(model, tokenizer, examples: list[EvalExample], shards_dir: Path, metric: str, max_new_tokens: int, log=print) -> ModelScore:
+def score_model(
+    model, tokenizer, examples: list[EvalExample], shards_dir: Path, metric: str, max_new_tokens: int, log=print
+) -> ModelScore:
     import math
 
     check_metric(metric)
@@ -171,59 +169,23 @@ def answer_scores(answers: list[str], examples: list[EvalExample], metric: str) 
     given the prompt, with the reference as the ``answer`` column; NaN where it does not apply)."""
     if metric in SCORERS:
         return [SCORERS[metric](a, e.reference) for a, e in zip(answers, examples, strict=True)]
-    scored = rw.score([rw.load_reward(metric)], [e.prompt for e in examples], answers, [{rw.REFERENCE_COLUMN: e.reference} for e in examples])
+    scored = rw.score(
+        [rw.load_reward(metric)],
+        [e.prompt for e in examples],
+        answers,
+        [{rw.REFERENCE_COLUMN: e.reference} for e in examples],
+    )
     return scored[0]
 
 
 def task_metric(answers: list[str], examples: list[EvalExample], metric: str) -> float:
     """The mean of ``metric`` over the answers (``answer_scores``; rewards that do not apply left out).
 
-    The same function scores the merged model (transformers) and the shipped GGUF (llama.cpp greedy chat
-    answers to the same prompts, ``ft_assets.delivery.llamacpp.chat_answers``).
+    The same function scores the merged model (transformers) and each export's shipped file (its runtime's greedy
+    chat answers to the same prompts: llama.cpp's for GGUF, ``ft_assets.delivery.exports``).
     """
     scores = [score for score in answer_scores(answers, examples, metric) if score == score]
     return sum(scores) / max(len(scores), 1)
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The eval gate's verdict: the fine-tuned model beats its base by ``min_improvement``, and the shipped GGUF
-    stays within ``max_gguf_drop`` of it (same prompts, same metric; vacuous when no GGUF ships); ``passed``
-    when both hold. Its fields are eval_report's stats, read back by the checks, publish and the CLI."""
-
-    metric_name: str
-    base_metric: float
-    finetuned_metric: float
-    gguf_metric: float | None  # None: no GGUF shipped (gguf_model.qtypes empty, or an architecture llama.cpp lacks)
-    improvement: float
-    min_improvement: float
-    gguf_drop: float | None
-    max_gguf_drop: float
-    beats_base: bool
-    gguf_within_drop: bool
-    passed: bool
-
-    @classmethod
-    def of(cls, stats: dict) -> Gate:
-        """The gate's fields of an eval_report's stats."""
-        return cls(**{name: stats[name] for name in cls.__dataclass_fields__})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def gate(
-    metric: str, base_metric: float, finetuned_metric: float, gguf_metric: float | None, min_improvement: float, max_gguf_drop: float
-) -> Gate:
-    """Judge the fine-tuned model against its base and the shipped GGUF (if any) against the fine-tuned model."""
-    improvement = finetuned_metric - base_metric
-    gguf_drop = None if gguf_metric is None else finetuned_metric - gguf_metric
-    beats_base = improvement >= min_improvement
-    within = gguf_drop is None or gguf_drop <= max_gguf_drop
-    return Gate(
-        metric, base_metric, finetuned_metric, gguf_metric, improvement, min_improvement, gguf_drop, max_gguf_drop,
-        beats_base, within, beats_base and within,
-    )  # fmt: skip
 
 
 def last_user_turn(prompt: list[dict]) -> str:
@@ -256,33 +218,6 @@ def pair_scores(model, rows, batch_size: int = 4):
     from ft_assets.training.loss import all_pair_logps
 
     return all_pair_logps(model, rows, batch_size, model.device)[0]
-
-
-def gguf_pair_scores(path: Path, rows):
-    """The same log-probabilities as ``pair_scores``, of a GGUF file through llama.cpp: each sequence evaluated
-    alone (its own positions, as in the packed rows), the log-softmax of its logits summed over the reply's tokens."""
-    import numpy as np
-    import torch
-
-    from ft_assets.delivery import llamacpp
-    from ft_assets.shards import IGNORE_INDEX
-    from ft_assets.training.loss import PairLogps
-
-    llm = llamacpp.load(path, logits_all=True, n_ctx=max(llamacpp.N_CTX, rows.seq_len))
-    sums, tokens = torch.zeros(rows.pair_mask.shape + (2,)), torch.zeros(rows.pair_mask.shape + (2,))
-    try:
-        for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
-            for side in (0, 1):
-                where = rows.segment_ids[row] == 2 * k + side
-                ids, labels = rows.input_ids[row][where].tolist(), rows.labels[row][where].numpy()
-                logits = llamacpp.logits(llm, ids)[:-1].astype(np.float64)
-                logps = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
-                learned = np.flatnonzero(labels[1:] != IGNORE_INDEX)
-                sums[row, k, side] = float(logps[learned, labels[1:][learned]].sum())
-                tokens[row, k, side] = len(learned)
-    finally:
-        llm.close()
-    return PairLogps(sums[..., 0], sums[..., 1], tokens[..., 0], tokens[..., 1])
 
 
 def preference_scores(tuned, base, rows, beta: float, loss_type: str) -> dict:

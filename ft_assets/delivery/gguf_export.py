@@ -72,7 +72,9 @@ def export_ggufs(model_dir: str | Path, outputs: dict[str, str | Path], name: st
             "(Q4_0 and K-quants are made from the f16 file by llama.cpp's quantizer: ft_assets.delivery.llamacpp.quantize)"
         )
     if not (model_dir / "config.json").is_file():
-        raise GgufExportError(f"{model_dir / 'config.json'} not found; export_gguf needs a Hugging Face model directory")
+        raise GgufExportError(
+            f"{model_dir / 'config.json'} not found; export_gguf needs a Hugging Face model directory"
+        )
     finals = {qtype: Path(path) for qtype, path in outputs.items()}
     temps = {qtype: path.with_name(path.name + ".tmp") for qtype, path in finals.items()}
     for path in finals.values():
@@ -237,7 +239,9 @@ def ollama_template(chat_template: str | None) -> str:
         )
     system = default.group(1) if default else ""
     if "{{" in system or '"""' in system:
-        raise GgufExportError(f"the chat template's default system prompt {system!r} cannot be written into a Modelfile TEMPLATE")
+        raise GgufExportError(
+            f"the chat template's default system prompt {system!r} cannot be written into a Modelfile TEMPLATE"
+        )
     return _ollama_chatml(system)
 
 
@@ -254,7 +258,9 @@ def _render(chat_template: str, messages: list[dict]) -> str:
     )
 
 
-def write_modelfile(gguf_filename: str, out_path: str | Path, chat_template: str | None, system: str | None = None) -> None:
+def write_modelfile(
+    gguf_filename: str, out_path: str | Path, chat_template: str | None, system: str | None = None
+) -> None:
     """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory.
 
     ``FROM`` is the GGUF file (the one that ships), ``TEMPLATE`` renders what its embedded chat template
@@ -269,7 +275,9 @@ def write_modelfile(gguf_filename: str, out_path: str | Path, chat_template: str
     try:
         template = [f'TEMPLATE """{ollama_template(chat_template)}"""', 'PARAMETER stop "<|im_end|>"']
     except GgufExportError as exc:
-        template = [f"# no TEMPLATE: Ollama takes it from the file's tokenizer.chat_template ({' '.join(str(exc).split())[:200]})"]
+        template = [
+            f"# no TEMPLATE: Ollama takes it from the file's tokenizer.chat_template ({' '.join(str(exc).split())[:200]})"
+        ]
     lines = [f"FROM ./{gguf_filename}", *template]
     if system:
         lines.append(f'SYSTEM """{system}"""')

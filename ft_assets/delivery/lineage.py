@@ -1,8 +1,9 @@
 """The lineage manifest of a published model: built by ``published_model``, verified by ``ft-assets lineage``.
 
 ``lineage.json`` names every artifact the model came from — dataset version (and its origin), each
-data-plane artifact, base model, checkpoint, adapter, merged weights, GGUF files — with its manifest
-digest, plus the training config, eval figures and the code version. Artifacts are named by
+data-plane artifact, base model, checkpoint, adapter, merged weights, each export (GGUF files) — with its
+manifest digest, plus the training config, eval figures, what each export shipped (or why it shipped
+nothing, in one line) and the code version. Artifacts are named by
 store-relative keys, never URIs, so a store copied to another path or bucket verifies the same.
 
 Verifying walks the chain from the store alone (no Dagster instance): each link must still have the
@@ -19,6 +20,7 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 
+from ft_assets.delivery.exports import EXPORTS
 from ft_assets.manifests import changed_files, read_manifest
 from ft_assets.refs import ArtifactRef
 from ft_assets.delivery.signing import lineage_check
@@ -34,14 +36,15 @@ LINEAGE_CHAIN = (
     "base_model",
     "lora_adapter",
     "merged_model",
-    "gguf_model",
+    *(export.asset for export in EXPORTS),
+    "general_eval",
     "eval_report",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# eval_report's figures a lineage keeps: the gate's inputs, the shipped GGUF's score among them.
+# eval_report's figures a lineage keeps: the gate's inputs, each export's verdict (its shipped file's score) among them.
 EVAL_FIGURES = (
-    "metric_name", "base_metric", "finetuned_metric", "base_eval_loss", "finetuned_eval_loss", "improvement",
-    "gguf_file", "gguf_qtype", "gguf_metric", "gguf_drop",
+    "metric_name", "base_metric", "finetuned_metric", "base_eval_loss", "finetuned_eval_loss", "improvement", "exports",
+    "general",
 )  # fmt: skip
 OK = "ok"  # the status of a link that verifies
 
@@ -53,7 +56,11 @@ def code_version() -> str:
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -65,7 +72,7 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
     missing = [name for name in LINEAGE_CHAIN if name not in refs]
     if missing:
         raise ValueError(f"cannot build lineage for {partition}: no reference for {', '.join(missing)}")
-    adapter, base, evaluation, gguf = refs["lora_adapter"], refs["base_model"], refs["eval_report"], refs["gguf_model"]
+    adapter, base, evaluation = refs["lora_adapter"], refs["base_model"], refs["eval_report"]
     return {
         "partition": partition,
         "dataset_source": refs["raw_dataset"]["stats"].get("source"),  # Hub commit, S3 prefix, mixture components
@@ -75,7 +82,9 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
             "model_id": base["stats"]["model_id"],
             "source": base["stats"]["source"],
             "source_sha256": base["stats"]["source_sha256"],
-            "chat_template": base["stats"].get("chat_template"),  # the base's own, or base_model.chat_template's (named / file)
+            "chat_template": base["stats"].get(
+                "chat_template"
+            ),  # the base's own, or base_model.chat_template's (named / file)
             "digest": base["digest"],
         },
         "training": {
@@ -85,10 +94,10 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
             "checkpoint": adapter["checkpoint"],  # {"key", "digest"} of the checkpoint the adapter was exported from
             "steps": adapter["stats"]["steps"],
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
+            "image": adapter["stats"].get("worker_image"),  # the worker image's digest and build file (worker_image.py)
         },
         "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
-        "gguf": gguf["stats"]["files"],  # {} when none was made
-        "gguf_reason": gguf["stats"].get("reason"),  # why not, in one line (qtypes: [], a model llama.cpp cannot take)
+        "exports": exports_shipped(refs, evaluation["stats"]["exports"]),
         "artifacts": [
             {
                 "asset": name,
@@ -102,7 +111,33 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
     }
 
 
-def check_link(store: ObjectStore, asset: str, prefix: str, digest: str, created_at: float | None, rehash: bool) -> dict:
+def exports_shipped(refs: dict[str, ArtifactRef], verdicts: dict[str, dict]) -> dict[str, dict]:
+    """Per export: the file that ships (the one eval_report scored) and every file of it the registry holds, or none
+    and why (``reason``: turned off, refused by its converter or runtime)."""
+    return {
+        export.name: {
+            "asset": export.asset,
+            "shipped": verdicts[export.name]["file"],
+            "files": refs[export.asset]["stats"]["files"] if verdicts[export.name]["file"] else {},
+            "reason": verdicts[export.name]["reason"],
+        }
+        for export in EXPORTS
+    }
+
+
+def exports_of(lineage: dict) -> dict[str, dict]:
+    """The exports of a lineage.json; one written before exports were one mechanism (``gguf``, ``gguf_reason``) reads the
+    same, since a published model is never rewritten."""
+    if "exports" in lineage:
+        return lineage["exports"]
+    files = lineage.get("gguf", {})
+    return {"gguf": {"asset": "gguf_model", "shipped": lineage["eval"].get("gguf_file"), "files": files,
+                     "reason": lineage.get("gguf_reason")}}  # fmt: skip
+
+
+def check_link(
+    store: ObjectStore, asset: str, prefix: str, digest: str, created_at: float | None, rehash: bool
+) -> dict:
     """One link of the chain: ``ok``, ``DIGEST MISMATCH``, ``missing from the store`` or ``CHANGED: <keys>``."""
     try:
         manifest = read_manifest(store, prefix)
@@ -113,7 +148,14 @@ def check_link(store: ObjectStore, asset: str, prefix: str, digest: str, created
     if changed:
         status = "CHANGED: " + ", ".join(join_key(prefix, rel) for rel in changed)
     when = datetime.fromtimestamp(created_at, UTC).isoformat(timespec="seconds") if created_at else ""
-    return {"asset": asset, "digest": digest, "created_at": when, "key": prefix, "uri": store.uri(prefix), "status": status}
+    return {
+        "asset": asset,
+        "digest": digest,
+        "created_at": when,
+        "key": prefix,
+        "uri": store.uri(prefix),
+        "status": status,
+    }
 
 
 def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key: str | None = None) -> dict:
@@ -125,7 +167,9 @@ def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key
     lineage = store.get_json(join_key(key, LINEAGE_FILE))
     checkpoint = lineage["training"]["checkpoint"]
     chain = [check_link(store, "published_model", key, published.digest, published.created_at, rehash)]
-    chain += [check_link(store, a["asset"], a["key"], a["digest"], a["created_at"], rehash) for a in lineage["artifacts"]]
+    chain += [
+        check_link(store, a["asset"], a["key"], a["digest"], a["created_at"], rehash) for a in lineage["artifacts"]
+    ]
     chain.append(check_link(store, "checkpoint", checkpoint["key"], checkpoint["digest"], None, rehash))
     return {
         "published_uri": store.uri(lineage["published_key"]),
@@ -133,8 +177,10 @@ def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key
         "dataset_source": lineage.get("dataset_source"),
         "base_model": lineage["base_model"],
         "checkpoint": store.uri(checkpoint["key"]),
-        "training": {k: lineage["training"][k] for k in ("run_id", "method", "steps", "resumed_from_step")},
-        "gguf": lineage["gguf"],
+        "training": {
+            k: lineage["training"].get(k) for k in ("run_id", "method", "steps", "resumed_from_step", "image")
+        },
+        "exports": exports_of(lineage),
         "eval": lineage["eval"],
         "code_version": lineage["code_version"],
         "chain": chain,
@@ -142,4 +188,3 @@ def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key
         "signature": signature,
         "verified": all(link["status"] == OK for link in chain) and signature["verified"],
     }
-

@@ -32,8 +32,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,11 +44,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ft_assets.delivery import servers
 from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement, tensor_types
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
-QUANTIZED = {"q4_0": 2, **K_QUANTS}  # every type made from the f16 file by the quantizer (the converter writes f32/f16/q8_0)
+QUANTIZED = {
+    "q4_0": 2,
+    **K_QUANTS,
+}  # every type made from the f16 file by the quantizer (the converter writes f32/f16/q8_0)
 
 INSTALL_HINT = "install the llamacpp extra: pip install 'ft-assets[llamacpp]' (llama-cpp-python, built from source)"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -93,7 +95,14 @@ def require():
     return llama_cpp
 
 
-def load(path: str | Path, *, vocab_only: bool = False, logits_all: bool = False, n_ctx: int = N_CTX, n_threads: int | None = None):
+def load(
+    path: str | Path,
+    *,
+    vocab_only: bool = False,
+    logits_all: bool = False,
+    n_ctx: int = N_CTX,
+    n_threads: int | None = None,
+):
     """Load a GGUF file in llama.cpp (quietly); a file it refuses raises ``LlamaCppError`` with its reason."""
     llama_cpp = require()
     # verbose while loading, into a captured stderr: a quiet Llama discards the reason a file is refused.
@@ -145,7 +154,8 @@ class Reference:
     """What the merged model gives under transformers, computed once and compared with every GGUF file."""
 
     strings: list[str]  # HARD_STRINGS + the chat-rendered GREEDY_PROMPTS
-    plain: list[bool]  # per string: a plain string (the tokenizer adds its special tokens), else a rendered chat (it does not)
+    # per string: a plain string (the tokenizer adds its special tokens), else a rendered chat (it does not)
+    plain: list[bool]
     token_ids: list[list[int]]  # the HF tokenizer's ids of each string
     prompt_ids: list[list[int]]  # the chat-rendered prompts, tokenized
     logits: list[np.ndarray]  # transformers' logits over each prompt
@@ -155,7 +165,9 @@ class Reference:
     chat_template: str | None  # the template export_gguf embeds (tokenizer.chat_template)
 
 
-def reference(model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, max_new_tokens: int = GREEDY_TOKENS) -> Reference:
+def reference(
+    model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, max_new_tokens: int = GREEDY_TOKENS
+) -> Reference:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -210,7 +222,9 @@ def check_file(path: str | Path, ref: Reference) -> dict:
     longest = max(len(ids) for ids in ref.prompt_ids) + max(len(c) for c in ref.continuations) + 8
     llm = load(path, logits_all=True, n_ctx=max(longest, 256))
     try:
-        mismatches = [text for text, bos, ids in zip(ref.strings, ref.plain, ref.token_ids) if tokenize(llm, text, bos) != ids]
+        mismatches = [
+            text for text, bos, ids in zip(ref.strings, ref.plain, ref.token_ids) if tokenize(llm, text, bos) != ids
+        ]
         agreement = logit_agreement([(expected, logits(llm, ids)) for ids, expected in zip(ref.prompt_ids, ref.logits)])
         parted_at = [
             parting_step(cut_at(greedy(llm, ids, len(expected) or 1), ref.eos_token_id), expected)
@@ -225,7 +239,8 @@ def check_file(path: str | Path, ref: Reference) -> dict:
         **agreement,
         "greedy_match": parted_at.count(None),
         "greedy_near_ties": sum(
-            step is not None and step < len(margins) and margins[step] <= near_tie for step, margins in zip(parted_at, ref.margins)
+            step is not None and step < len(margins) and margins[step] <= near_tie
+            for step, margins in zip(parted_at, ref.margins)
         ),
         "greedy_prompts": len(ref.prompt_ids),
     }
@@ -251,7 +266,9 @@ def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> s
     if ship != "auto":
         named = [name for name, entry in files.items() if entry["qtype"] == ship]
         if not named:
-            raise ValueError(f"ship={ship!r} is not among the exported types {sorted(e['qtype'] for e in files.values())}")
+            raise ValueError(
+                f"ship={ship!r} is not among the exported types {sorted(e['qtype'] for e in files.values())}"
+            )
         return named[0]
     within = [name for name, entry in files.items() if entry["llamacpp"]["rel_error"] <= max_rel_error]
     if within:
@@ -265,7 +282,9 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
     ``tensor_types`` counts the GGML types llama.cpp chose per tensor, fallbacks included.
     """
     if qtype not in QUANTIZED:
-        raise LlamaCppError(f"qtype {qtype!r} is not made by llama.cpp's quantizer here; choose one of {', '.join(QUANTIZED)}")
+        raise LlamaCppError(
+            f"qtype {qtype!r} is not made by llama.cpp's quantizer here; choose one of {', '.join(QUANTIZED)}"
+        )
     llama_cpp = require()
     out_path = Path(out_path)
     tmp_path = out_path.with_name(out_path.name + ".tmp")
@@ -273,16 +292,22 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
     params.ftype = QUANTIZED[qtype]
     try:
         with _captured_stderr() as stderr:
-            status = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(tmp_path).encode(), ctypes.byref(params))
+            status = llama_cpp.llama_model_quantize(
+                str(f16_path).encode(), str(tmp_path).encode(), ctypes.byref(params)
+            )
         if status != 0:
-            raise LlamaCppError(f"llama.cpp could not quantize {f16_path} to {qtype} (status {status}): {stderr()[-2000:]}")
+            raise LlamaCppError(
+                f"llama.cpp could not quantize {f16_path} to {qtype} (status {status}): {stderr()[-2000:]}"
+            )
         os.replace(tmp_path, out_path)
     finally:
         tmp_path.unlink(missing_ok=True)
     return file_entry(out_path, qtype, tensor_types(out_path))
 
 
-def chat_answers(path: str | Path, conversations: list[list[dict]], max_new_tokens: int, log: Callable[[str], None] = print) -> list[str]:
+def chat_answers(
+    path: str | Path, conversations: list[list[dict]], max_new_tokens: int, log: Callable[[str], None] = print
+) -> list[str]:
     """Greedy chat completions of a GGUF file through llama.cpp: the file's own chat template, stop at end of turn."""
     llm = load(path)
     answers = []
@@ -299,55 +324,32 @@ def chat_answers(path: str | Path, conversations: list[list[dict]], max_new_toke
 
 @contextmanager
 def serve(path: str | Path, *, n_ctx: int = N_CTX, start_timeout_s: float = 120.0) -> Iterator[str]:
-    """Run llama-cpp-python's OpenAI-compatible server on ``path`` on a free loopback port; yield its base URL.
-
-    The server is stopped (SIGTERM, then SIGKILL after 10 s) when the block ends. The port is picked by
-    binding port 0 and released just before the server binds it: another process could take it in
-    between, and the server then fails to start with that in its log.
-    """
+    """Run llama-cpp-python's OpenAI-compatible server on ``path`` on a free loopback port (``servers.serve``: stopped
+    when the block ends); yield its base URL."""
     require()
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise LlamaCppError(f"llama_cpp.server needs {', '.join(missing)}: {INSTALL_HINT}")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(n_ctx), "--chat_format", CHAT_FORMAT, "--verbose", "false",
-    ]  # fmt: skip
-    with tempfile.TemporaryFile() as server_log:
-        server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-        def log_tail() -> str:
-            server_log.seek(0)
-            return server_log.read().decode("utf-8", "replace")[-3000:]
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", str(n_ctx), "--chat_format", CHAT_FORMAT, "--verbose", "false",
+        ]  # fmt: skip
 
-        try:
-            deadline = time.monotonic() + start_timeout_s
-            while True:
-                if server.poll() is not None:
-                    raise LlamaCppError(f"llama_cpp.server exited with {server.returncode} before serving {path}:\n{log_tail()}")
-                try:
-                    with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                        break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    if time.monotonic() > deadline:
-                        raise LlamaCppError(f"llama_cpp.server did not answer on {url} within {start_timeout_s:.0f} s:\n{log_tail()}") from None
-                    time.sleep(0.25)
+    try:
+        with servers.serve(command, "llama_cpp.server", str(path), start_timeout_s) as url:
             yield url
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    except servers.ServerError as exc:
+        raise LlamaCppError(str(exc)) from None
 
 
 def chat_completion(url: str, messages: list[dict], max_tokens: int, timeout_s: float = 120.0) -> dict:
     """One POST /v1/chat/completions (greedy) to an OpenAI-compatible server; the parsed JSON reply."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}).encode()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
@@ -373,12 +375,6 @@ def serving_smoke(path: str | Path, prompts: list[str], max_tokens: int) -> list
                 }
             )
     return results
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager

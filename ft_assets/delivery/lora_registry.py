@@ -95,15 +95,21 @@ def resolve(store: ObjectStore, entries: list[str], dest: Path) -> LoraSet:
         try:
             manifest = read_manifest(store, key)
         except ArtifactNotFound as exc:
-            raise RegistryError(f"{store.uri(key)} is not published (no manifest): check the key with `ft-assets lineage`") from exc
+            raise RegistryError(
+                f"{store.uri(key)} is not published (no manifest): check the key with `ft-assets lineage`"
+            ) from exc
         if f"{ADAPTER}/adapter_config.json" not in manifest.files:
-            raise RegistryError(f"{store.uri(key)} has no adapter (a full fine-tune): serve its merged/ folder as a model instead")
+            raise RegistryError(
+                f"{store.uri(key)} has no adapter (a full fine-tune): serve its merged/ folder as a model instead"
+            )
         fetch_artifact(store, key, dest / name, include=lambda rel: rel.startswith(f"{ADAPTER}/"))
         adapters[name] = dest / name / ADAPTER
         bases[name] = json.loads((adapters[name] / "adapter_config.json").read_text())["base_model_name_or_path"]
     if len(set(bases.values())) > 1:
         listed = ", ".join(f"{name}: {base}" for name, base in bases.items())
-        raise RegistryError(f"these adapters have different bases ({listed}); one vLLM server serves adapters of one base")
+        raise RegistryError(
+            f"these adapters have different bases ({listed}); one vLLM server serves adapters of one base"
+        )
     return LoraSet(_fetch_base(store, next(iter(bases.values())), dest), adapters)
 
 
@@ -114,7 +120,9 @@ def _fetch_base(store: ObjectStore, base: str, dest: Path) -> str:
     try:
         fetch_artifact(store, base, dest / "base")
     except ArtifactNotFound as exc:
-        raise RegistryError(f"the adapters' base {store.uri(base)} is not in this store: use the store they were published to") from exc
+        raise RegistryError(
+            f"the adapters' base {store.uri(base)} is not in this store: use the store they were published to"
+        ) from exc
     return str(dest / "base")
 
 
@@ -129,19 +137,36 @@ def render_deployment(template: str, runs: list[str]) -> list[dict]:
         for container in document["spec"]["template"]["spec"].get("initContainers", []) if container["name"] == "fetch-adapters"
     ]  # fmt: skip
     if len(init) != 1:
-        raise RegistryError("the template needs one Deployment with one init container named fetch-adapters (see deploy/vllm/deployment.yaml)")
+        raise RegistryError(
+            "the template needs one Deployment with one init container named fetch-adapters (see deploy/vllm/deployment.yaml)"
+        )
     init[0]["args"] = list(runs)
     return documents
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ft_assets.delivery.lora_registry", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="published runs: registry/<name>/<version>/<run> or its URI, optionally NAME=KEY")
-    parser.add_argument("--store", default=None, help="the store (default: the runs' URIs' store, else FT_STORE, else $FT_HOME/store)")
-    parser.add_argument("--dest", type=Path, default=Path("var/lora"), help="where the adapters and base are downloaded")
-    parser.add_argument("--serve", action="store_true", help="start vLLM's OpenAI-compatible server with them until Ctrl-C")
+    parser = argparse.ArgumentParser(
+        prog="python -m ft_assets.delivery.lora_registry", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="published runs: registry/<name>/<version>/<run> or its URI, optionally NAME=KEY"
+    )
+    parser.add_argument(
+        "--store", default=None, help="the store (default: the runs' URIs' store, else FT_STORE, else $FT_HOME/store)"
+    )
+    parser.add_argument(
+        "--dest", type=Path, default=Path("var/lora"), help="where the adapters and base are downloaded"
+    )
+    parser.add_argument(
+        "--serve", action="store_true", help="start vLLM's OpenAI-compatible server with them until Ctrl-C"
+    )
     parser.add_argument("--args-file", type=Path, help="also write the arguments of `vllm serve` to this file")
-    parser.add_argument("--k8s", type=Path, metavar="TEMPLATE", help="print TEMPLATE (deploy/vllm/deployment.yaml) rendered for the runs")
+    parser.add_argument(
+        "--k8s",
+        type=Path,
+        metavar="TEMPLATE",
+        help="print TEMPLATE (deploy/vllm/deployment.yaml) rendered for the runs",
+    )
     args = parser.parse_args(argv)
     if args.k8s:
         try:
@@ -153,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stores = {layout.registry_key(split_name(entry)[1])[0] for entry in args.runs} - {""}
         if args.store is None and len(stores) > 1:
-            raise RegistryError(f"the runs name {len(stores)} stores ({', '.join(sorted(stores))}); serve adapters of one store")
+            raise RegistryError(
+                f"the runs name {len(stores)} stores ({', '.join(sorted(stores))}); serve adapters of one store"
+            )
         loras = resolve(open_store(args.store or next(iter(stores), None)), args.runs, args.dest.resolve())
     except (RegistryError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

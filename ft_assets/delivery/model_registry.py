@@ -10,10 +10,12 @@ local path as a source (it means nothing to the server's other users), so a regi
 
 Each version carries tags: ``ft.dataset_version``, ``ft.run_id``, ``ft.digest.<asset>`` (the manifest
 digest of every artifact ``lineage.json`` names, and of the published directory), ``ft.signature.sha256``
-(``unsigned`` without a key), and the eval gate's figures (``ft.gate.<field>``). Aliases:
+(``unsigned`` without a key), and the eval gate's figures (``ft.gate.<field>``; each export's verdict as
+``ft.gate.<export>.<field>``: ``ft.gate.gguf.file``, ``ft.gate.gguf.metric``, or ``ft.gate.gguf.reason`` when it
+shipped nothing). Aliases:
 
-- ``champion`` moves to the new version only when its gate passed and its metric beats the current
-  champion's on the same metric (strictly; a tie keeps the champion, a different metric cannot be compared);
+- ``champion`` moves to the new version only when its gate passed, it did not regress on a general task
+  (``general_eval``, even when that only warns), and its metric beats the current champion's on the same metric (strictly; a tie keeps the champion, a different metric cannot be compared);
 - otherwise the new version gets ``candidate`` (MLflow moves an alias, so ``candidate`` is the latest
   such version).
 
@@ -44,7 +46,7 @@ class Release:
     model_name: str  # the registered model: the dataset's name
     source: str  # the store URI of the published directory, by reference
     run_id: str  # ft-assets' content-addressed run id
-    gate: Mapping  # eval_report's Gate as a dict: passed, metric_name, finetuned_metric, …
+    gate: Mapping  # eval_report's Gate, flat (Gate.flat): passed, metric_name, finetuned_metric, gguf.metric, …
     tags: Mapping[str, str]  # dataset version, lineage digests, signature digest
     mlflow_run_id: str | None = None  # the training run in the same MLflow, linked from the version
 
@@ -72,15 +74,29 @@ def release_of(
     )
 
 
+def not_promotable(gate: Mapping) -> str | None:
+    """Why a model with this gate (``Gate.flat``) may never be ``champion``, or None: its eval gate failed, or it
+    regressed on a general task (``general_eval`` with ``on_regression: warn`` publishes such a model)."""
+    if str(gate["passed"]) != "True":
+        return "its eval gate did not pass"
+    if str(gate.get("general.regressed")) == "True":
+        return "it regressed on a general-ability task (general_eval)"
+    return None
+
+
 def choose_alias(release: Release, champion_tags: Mapping[str, str] | None) -> tuple[str, str]:
     """``champion`` or ``candidate`` for a new version, given the current champion's tags (None: no champion); and why."""
     metric, value = release.gate["metric_name"], float(release.gate["finetuned_metric"])
-    if not release.gate["passed"]:
-        return CANDIDATE, "its eval gate did not pass"
+    refused = not_promotable(release.gate)
+    if refused:
+        return CANDIDATE, refused
     if champion_tags is None:
         return CHAMPION, "the first version to pass its gate"
     if champion_tags.get(METRIC_NAME_TAG) != metric:
-        return CANDIDATE, f"the champion is scored on {champion_tags.get(METRIC_NAME_TAG)!r}, not {metric!r}: not comparable"
+        return (
+            CANDIDATE,
+            f"the champion is scored on {champion_tags.get(METRIC_NAME_TAG)!r}, not {metric!r}: not comparable",
+        )
     best = float(champion_tags[METRIC_TAG])
     if value > best:
         return CHAMPION, f"{metric} {value:.4f} beats the champion's {best:.4f}"
@@ -106,15 +122,24 @@ def register(uri: str, release: Release, log: Log, warn: Log) -> dict | None:
         client = mlflow_client(uri)
         name = release.model_name
         try:
-            client.create_registered_model(name, description="Fine-tuned by ft-assets; every version is a published run.")
+            client.create_registered_model(
+                name, description="Fine-tuned by ft-assets; every version is a published run."
+            )
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         found = client.search_model_versions(f"name = '{name}' and tags.`{RUN_TAG}` = '{release.run_id}'")
         if found:
             version = found[0]
-            log(f"{name} version {version.version} already holds run {release.run_id} (aliases {version.aliases or 'none'})")
-            return {"name": name, "version": version.version, "aliases": list(version.aliases), "reason": "already registered"}
+            log(
+                f"{name} version {version.version} already holds run {release.run_id} (aliases {version.aliases or 'none'})"
+            )
+            return {
+                "name": name,
+                "version": version.version,
+                "aliases": list(version.aliases),
+                "reason": "already registered",
+            }
         alias, reason = choose_alias(release, _champion_tags(client, name))
         version = client.create_model_version(
             name, release.source, run_id=release.mlflow_run_id, tags=release.version_tags(), await_creation_for=0,

@@ -65,12 +65,22 @@ def add_space_prefix(tokenizer: dict) -> bool:
     """llama.cpp's ``tokenizer.ggml.add_space_prefix`` for a SentencePiece-style BPE; ``NotSentencePiece`` for another shape."""
     model, normalizer, pre = tokenizer.get("model") or {}, tokenizer.get("normalizer"), tokenizer.get("pre_tokenizer")
     problems = [f"model.{key} = {model[key]!r}" for key in BPE_OPTIONS_UNSUPPORTED if model.get(key)]
-    steps = (normalizer or {}).get("normalizers", [normalizer]) if (normalizer or {}).get("type") == "Sequence" else [normalizer]
+    steps = (
+        (normalizer or {}).get("normalizers", [normalizer])
+        if (normalizer or {}).get("type") == "Sequence"
+        else [normalizer]
+    )
     if steps == [REPLACE_SPACE] and (pre is None or _matches(pre, SPLIT_AT_SPACE)):
         prefix = False
     elif steps == [PREPEND_SPACE, REPLACE_SPACE] and pre is None:
         prefix = True
-    elif normalizer is None and pre and pre.get("type") == "Metaspace" and pre.get("replacement") == SPACE and not pre.get("split"):
+    elif (
+        normalizer is None
+        and pre
+        and pre.get("type") == "Metaspace"
+        and pre.get("replacement") == SPACE
+        and not pre.get("split")
+    ):
         prefix = METASPACE_PREFIX.get(pre.get("prepend_scheme"))
         if prefix is None:
             problems.append(
@@ -95,9 +105,13 @@ def sentencepiece_vocab(tokenizer: dict, vocab_size: int) -> tuple[list[str], li
     Type names are those of gguf's ``TokenType`` (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE).
     """
     model, added_tokens = tokenizer["model"], tokenizer.get("added_tokens", [])
-    beyond = [t for t, i in [*model["vocab"].items(), *((a["content"], a["id"]) for a in added_tokens)] if i >= vocab_size]
+    beyond = [
+        t for t, i in [*model["vocab"].items(), *((a["content"], a["id"]) for a in added_tokens)] if i >= vocab_size
+    ]
     if beyond:
-        raise NotSentencePiece(f"{len(beyond)} tokens (first {beyond[0]!r}) have ids past the model's {vocab_size} embedding rows")
+        raise NotSentencePiece(
+            f"{len(beyond)} tokens (first {beyond[0]!r}) have ids past the model's {vocab_size} embedding rows"
+        )
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
     first_rank: dict[str, int] = {}
     for rank, (left, right) in enumerate(merges):

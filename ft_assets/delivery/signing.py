@@ -71,7 +71,9 @@ class SigningKey:
         cert = environ.get(CERT_ENV, "").strip()
         if not key:
             if cert:
-                raise SigningError(f"{CERT_ENV} is set but {KEY_ENV} is not: set {KEY_ENV} to the PEM private key of that certificate")
+                raise SigningError(
+                    f"{CERT_ENV} is set but {KEY_ENV} is not: set {KEY_ENV} to the PEM private key of that certificate"
+                )
             return None
         return cls(Path(key).expanduser(), environ.get(PASSWORD_ENV) or None, Path(cert).expanduser() if cert else None)
 
@@ -90,7 +92,9 @@ def _library():
     try:
         import model_signing
     except ImportError as exc:
-        raise SigningError(f"signing or verifying a model needs model-signing: pip install 'ft-assets[signing]' ({exc})") from exc
+        raise SigningError(
+            f"signing or verifying a model needs model-signing: pip install 'ft-assets[signing]' ({exc})"
+        ) from exc
     return model_signing
 
 
@@ -168,10 +172,14 @@ def sign_directory(directory: Path, key: SigningKey) -> dict:
     with tempfile.TemporaryDirectory(prefix="ft-signing-") as work:
         if key.certificate is None:
             # model-signing 1.1.1 hands the password to cryptography as given, which wants bytes (its CLI's --password fails)
-            config.use_elliptic_key_signer(private_key=key.private_key, password=key.password.encode() if key.password else None)
+            config.use_elliptic_key_signer(
+                private_key=key.private_key, password=key.password.encode() if key.password else None
+            )
         else:
             leaf, chain = _split_chain(key.certificate, Path(work))
-            config.use_certificate_signer(private_key=key.private_key, signing_certificate=leaf, certificate_chain=chain)
+            config.use_certificate_signer(
+                private_key=key.private_key, signing_certificate=leaf, certificate_chain=chain
+            )
         config.sign(directory, directory / SIGNATURE_FILE)
     return describe(directory / SIGNATURE_FILE)
 
@@ -182,7 +190,9 @@ def _bundle(signature: Path) -> tuple[dict, dict]:
         bundle = json.loads(signature.read_text())
         return bundle, json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SigningError(f"{signature} is not a model-signing signature ({type(exc).__name__}: {exc}); sign the model again") from exc
+        raise SigningError(
+            f"{signature} is not a model-signing signature ({type(exc).__name__}: {exc}); sign the model again"
+        ) from exc
 
 
 def describe(signature: Path) -> dict:
@@ -192,12 +202,24 @@ def describe(signature: Path) -> dict:
     if "x509CertificateChain" in material:
         from cryptography import x509
 
-        leaf = x509.load_der_x509_certificate(base64.b64decode(material["x509CertificateChain"]["certificates"][0]["rawBytes"]))
+        leaf = x509.load_der_x509_certificate(
+            base64.b64decode(material["x509CertificateChain"]["certificates"][0]["rawBytes"])
+        )
         method, signer = "certificate", leaf.subject.rfc4514_string()
     else:
-        method, signer = "key", "sha256:" + material.get("publicKey", {}).get("hint", "?")  # sha256 of the public key's PEM
+        method, signer = (
+            "key",
+            "sha256:" + material.get("publicKey", {}).get("hint", "?"),
+        )  # sha256 of the public key's PEM
     files = len(statement.get("predicate", {}).get("resources", []))
-    return {"signed": True, "method": method, "file": SIGNATURE_FILE, "sha256": sha256_file(signature), "signer": signer, "files": files}
+    return {
+        "signed": True,
+        "method": method,
+        "file": SIGNATURE_FILE,
+        "sha256": sha256_file(signature),
+        "signer": signer,
+        "files": files,
+    }
 
 
 def _differences(directory: Path, statement: dict) -> str:
@@ -238,13 +260,17 @@ def verify_directory(directory: Path, trusted: Path) -> dict:
         else:
             config.use_elliptic_key_verifier(public_key=trusted)
     except ValueError as exc:
-        raise SigningError(f"{trusted} ({PUBLIC_KEY_ENV}) is neither a PEM public key nor PEM certificates: {exc}") from exc
+        raise SigningError(
+            f"{trusted} ({PUBLIC_KEY_ENV}) is neither a PEM public key nor PEM certificates: {exc}"
+        ) from exc
     try:
         config.verify(directory, signature)
     except Exception as exc:  # noqa: BLE001 -- cryptography, OpenSSL and the library raise several types; all mean "refused"
         differences = _differences(directory, _bundle(signature)[1])
         said = " ".join(str(exc).split()).rstrip(". ") or "the signed statement was altered or signed by another key"
-        reason = f"files differ from the signed ones ({differences})" if differences else f"{type(exc).__name__}: {said}"
+        reason = (
+            f"files differ from the signed ones ({differences})" if differences else f"{type(exc).__name__}: {said}"
+        )
         raise SigningError(f"{signature} does not verify with {trusted}: {reason}; do not use this model") from exc
     return describe(signature)
 
@@ -271,14 +297,20 @@ def verify_published(store: ObjectStore, prefix: str, trusted: Path) -> dict:
             raise SigningError(str(exc).replace(str(directory), store.uri(prefix))) from exc
 
 
-def lineage_check(store: ObjectStore, prefix: str, public_key: str | None, environ: Mapping[str, str] = os.environ) -> dict:
+def lineage_check(
+    store: ObjectStore, prefix: str, public_key: str | None, environ: Mapping[str, str] = os.environ
+) -> dict:
     """``ft-assets lineage``'s signature check of the published model at ``prefix``: with ``public_key`` (else
     ``FT_SIGNING_PUBLIC_KEY``) the signature must verify (``verified`` False otherwise, the status naming the file);
     without one it is not checked, and the status says whether the model carries a signature."""
     trusted = Path(public_key).expanduser() if public_key else trusted_key_from_env(environ)
     if trusted is None:
         carried = "signed" if store.exists(join_key(prefix, SIGNATURE_FILE)) else "unsigned"
-        return {"status": f"{carried}; not checked (give --public-key or {PUBLIC_KEY_ENV})", "verified": True, "signature": None}
+        return {
+            "status": f"{carried}; not checked (give --public-key or {PUBLIC_KEY_ENV})",
+            "verified": True,
+            "signature": None,
+        }
     try:
         described = verify_published(store, prefix, trusted)
     except SigningError as exc:

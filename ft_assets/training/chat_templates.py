@@ -75,7 +75,9 @@ TEMPLATES = {
     t.name: t
     for t in (
         NamedTemplate("chatml", CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>", "Qwen2.5/Qwen3, SmolLM2"),
-        NamedTemplate("llama3", LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>", "Llama 3.x"),
+        NamedTemplate(
+            "llama3", LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>", "Llama 3.x"
+        ),
         NamedTemplate("gemma", GEMMA, ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>", "Gemma 2/3"),
         NamedTemplate("mistral", MISTRAL, ("[INST]", "[/INST]"), None, "Mistral"),
         NamedTemplate("phi3", PHI3, ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>"), "<|end|>", "Phi-3/3.5"),
@@ -124,7 +126,9 @@ def check_syntax(jinja: str, where: str) -> None:
     try:
         ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(jinja)
     except TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"base_model.chat_template {where}:{exc.lineno}: not a valid Jinja template ({exc.message})") from exc
+        raise ChatTemplateError(
+            f"base_model.chat_template {where}:{exc.lineno}: not a valid Jinja template ({exc.message})"
+        ) from exc
 
 
 def single_token(tokenizer, text: str) -> bool:
@@ -154,7 +158,9 @@ def apply(model_dir: Path, choice: TemplateChoice, log=print) -> dict:
                 f"lacks as single tokens; use {' or '.join(repr(f) for f in fits) if fits else 'a Jinja file of its own format'}"
             )
         vocabulary = len(tokenizer)
-        tokenizer.add_special_tokens({"additional_special_tokens": list(named.markers)}, False)  # False: keep the others
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": list(named.markers)}, False
+        )  # False: keep the others
         assert len(tokenizer) == vocabulary, "the markers were checked to be tokens of the vocabulary already"
         if named.end_of_turn and tokenizer.eos_token != named.end_of_turn:
             record["eos_token"] = {"was": tokenizer.eos_token, "now": named.end_of_turn}

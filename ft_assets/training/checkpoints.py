@@ -68,6 +68,7 @@ from ft_assets.manifests import (
     upload_files,
     write_manifest,
 )
+from ft_assets.objectives import Objective
 from ft_assets.storage import ObjectStore, StoreError, join_key
 from ft_assets.training.config import TrainingConfig
 
@@ -87,6 +88,7 @@ Log = Callable[[str], None]
 def run_id(
     partition_key: str,
     config: TrainingConfig,
+    objective: Objective,
     base_model_digest: str,
     shards_digest: str,
     cuda_available: bool | None = None,
@@ -94,13 +96,14 @@ def run_id(
     """A stable 16-hex-digit id of one training run: same inputs, same id, same checkpoints to resume.
 
     ``cuda_available`` resolves ``method=None`` (qlora on CUDA, lora elsewhere); it defaults to this
-    machine, so compute the id on the worker that trains.
+    machine, so compute the id on the worker that trains. Of the objectives' settings only ``objective``'s
+    count (``TrainingConfig.result_fields``).
     """
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     identity = {
         "partition": partition_key,
-        "config": config.result_fields(cuda_available),
+        "config": config.result_fields(cuda_available, objective),
         "base_model": base_model_digest,
         "shards": shards_digest,
     }
@@ -149,7 +152,9 @@ class TrainerState:
     method: str = ""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     eval_history: list[tuple[int, float]] = field(default_factory=list)
-    figure_history: list[tuple[int, dict]] = field(default_factory=list)  # the objective's own figures at each log line (GRPO)
+    figure_history: list[tuple[int, dict]] = field(
+        default_factory=list
+    )  # the objective's own figures at each log line (GRPO)
     # One entry per worker attempt: start step, last checkpointed step and the attempt's timings up
     # to that checkpoint. Time an attempt spent after its last checkpoint (before a SIGKILL) is lost.
     attempts: list[dict] = field(default_factory=list)
@@ -252,7 +257,7 @@ def write_checkpoint(
         _torch_save(optimizer_state, local_dir / OPTIMIZER)
         write_run_state(local_dir, scheduler_state, rng_states, trainer_state)
 
-    return _write_fresh(local_dir, write)
+    return write_fresh(local_dir, write)
 
 
 def write_sharded_checkpoint(local_dir: Path, write_shard: Callable[[Path], None], run_state: tuple | None) -> Path:
@@ -264,16 +269,18 @@ def write_sharded_checkpoint(local_dir: Path, write_shard: Callable[[Path], None
         if run_state is not None:
             write_run_state(local_dir, *run_state)
 
-    return _write_fresh(local_dir, write)
+    return write_fresh(local_dir, write)
 
 
-def write_run_state(local_dir: Path, scheduler_state: dict, rng_states: list[dict], trainer_state: TrainerState) -> None:
+def write_run_state(
+    local_dir: Path, scheduler_state: dict, rng_states: list[dict], trainer_state: TrainerState
+) -> None:
     _torch_save(scheduler_state, local_dir / SCHEDULER)
     _torch_save(rng_states, local_dir / RNG_STATE)
     (local_dir / TRAINER_STATE).write_text(trainer_state.to_json())
 
 
-def _write_fresh(local_dir: Path, write: Callable[[], None]) -> Path:
+def write_fresh(local_dir: Path, write: Callable[[], None]) -> Path:
     """Run ``write`` into an emptied ``local_dir``; a full or read-only disk becomes ``CheckpointWriteFailed``."""
     try:
         if local_dir.exists():
@@ -454,7 +461,14 @@ class BackgroundUploader:
     """
 
     def __init__(
-        self, store: ObjectStore, run: str, keep: int | None = None, log: Log = print, shards: int = 1, rank: int = 0, attempt: str = ""
+        self,
+        store: ObjectStore,
+        run: str,
+        keep: int | None = None,
+        log: Log = print,
+        shards: int = 1,
+        rank: int = 0,
+        attempt: str = "",
     ):
         """``shards`` > 1 (FSDP): each of that many ranks uploads its own part of every checkpoint and leaves a
         receipt tagged ``attempt`` (the same on every rank of this attempt); rank 0 commits and prunes."""
@@ -501,7 +515,9 @@ class BackgroundUploader:
             self.bytes_uploaded += uploaded
             self.upload_seconds += seconds
             if self.rank == 0:
-                self._messages.append(f"published {self.store.uri(prefix)} ({manifest.total_bytes / 1e6:,.1f} MB in {seconds:.1f}s)")
+                self._messages.append(
+                    f"published {self.store.uri(prefix)} ({manifest.total_bytes / 1e6:,.1f} MB in {seconds:.1f}s)"
+                )
                 if self.keep is not None:
                     prune_checkpoints(self.store, self.run, self.keep, log=self._messages.append)
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -18,17 +18,21 @@ today's defaults reach exact match 0.92 on held-out prompts; the old ones (1 epo
 which the plan, the run log and the training result all show.
 
 The objective is not a setting: the data decides it (``ft_assets.objectives``; preference pairs train
-with DPO, ``dpo_beta`` and ``dpo_loss``, prompts with GRPO and its ``rewards``, ``num_generations``,
-``max_completion_length``, ``temperature``, ``grpo_beta``, ``grpo_loss`` and ``generation_backend``,
-conversations with supervised fine-tuning); a setting could only contradict the data. ``resolve``
-takes it to fill in what depends on it (the default learning rate; DPO and GRPO refuse ``method:
-full``, since their reference is the base with the adapter disabled; GRPO needs its reward functions).
+with DPO, prompts with GRPO, conversations with supervised fine-tuning); a setting could only contradict
+the data. Each objective owns its settings, nested under its name (``dpo: {beta: 0.2}``, ``grpo:
+{rewards: [...]}``; ``ft_assets.objectives.dpo.DpoSettings``, ...): ``TrainingConfig`` is the shared
+fields (``CommonTraining``) plus one such field per registered objective, so a new objective adds its
+settings without touching this file. The flat names they had before (``dpo_beta``, ``rewards``, ...)
+are refused naming their new place (``MOVED``). ``resolve`` takes the objective to fill in what depends
+on it (the default learning rate; DPO and GRPO refuse ``method: full``, since their reference is the
+base with the adapter disabled; the objective's own ``check``: GRPO needs its reward functions).
 ``method`` keeps meaning which weights train, so the planner, the merge and the run log read it as
 they always did.
 
 Fields split in two: those that change the trained weights (``result_fields``, hashed into the run
-id, so changing one starts a new run) and those that only change how the run is operated (how often
-to checkpoint, log or evaluate, where to report), which may differ between the attempts of one run.
+id, of the objectives' settings only the run's own objective's, so changing one starts a new run) and
+those that only change how the run is operated (how often to checkpoint, log or evaluate, where to
+report), which may differ between the attempts of one run.
 How the global batch is split over processes, nodes and micro-batches (``SPLIT_FIELDS``) is hashed
 as its product only: a run checkpointed on 2 GPUs resumes on 1 with twice the accumulation.
 """
@@ -36,19 +40,18 @@ as its product only: a run checkpointed on 2 GPUs resumes on 1 with twice the ac
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-if TYPE_CHECKING:
-    from ft_assets.objectives import Objective  # which imports this module (the training step reads the settings)
+from ft_assets.objectives import OBJECTIVES, Objective
+from ft_assets.training import backends
+from ft_assets.training.wandb_tracking import WandbSettings
 
 Method = Literal["qlora", "lora", "full"]
-DpoLoss = Literal["sigmoid", "ipo", "hinge"]
-GrpoLoss = Literal["dapo", "grpo"]
-GenerationBackend = Literal["auto", "transformers", "vllm"]
 AttentionImplementation = Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 Parallelism = Literal["ddp", "fsdp"]
+Backend = Literal["auto", "torch", "mlx"]
 
 # Fields that do not change the trained weights: checkpoint cadence and retention, logging, evaluation
 # and reporting. Resuming with different values continues the same run. gradient_checkpointing trades
@@ -58,17 +61,25 @@ Parallelism = Literal["ddp", "fsdp"]
 OPERATIONAL_FIELDS = frozenset(
     {
         "save_steps", "save_total_limit", "report_to", "eval_steps", "logging_steps", "gradient_checkpointing",
-        "attn_implementation", "compile", "mlflow_tracking_uri", "mlflow_experiment",
+        "attn_implementation", "compile", "mlflow_tracking_uri", "mlflow_experiment", "wandb",
     }
 )  # fmt: skip
 
 # How the global batch is split over processes, nodes and micro-batches: the same rows in the same steps and the
 # same math (only the dropout draws differ), so the run id hashes their product instead (``result_fields``).
 SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
-# The GRPO settings, which the run id hashes only when set (so the ids of SFT and DPO runs did not change with them).
-GRPO_FIELDS = ("rewards", "num_generations", "max_completion_length", "temperature", "grpo_beta", "grpo_loss", "generation_backend")
+# The objectives' settings were flat training settings before each objective owned its own: where each is now.
+MOVED = {
+    "dpo_beta": "dpo.beta", "dpo_loss": "dpo.loss", "rewards": "grpo.rewards", "num_generations": "grpo.num_generations",
+    "max_completion_length": "grpo.max_completion_length", "temperature": "grpo.temperature", "grpo_beta": "grpo.beta",
+    "grpo_loss": "grpo.loss", "generation_backend": "grpo.generation_backend",
+}  # fmt: skip
 
-DEFAULT_LEARNING_RATES = {"lora": 2e-4, "qlora": 2e-4, "full": 2e-5}  # QLoRA paper / most LoRA recipes; HF-style full FT
+DEFAULT_LEARNING_RATES = {
+    "lora": 2e-4,
+    "qlora": 2e-4,
+    "full": 2e-5,
+}  # QLoRA paper / most LoRA recipes; HF-style full FT
 
 # accelerate trackers; MLflow has its own setting (mlflow_tracking_uri), which also logs the lineage
 REPORTERS = ("tensorboard", "wandb", "comet_ml", "aim", "clearml", "dvclive")
@@ -85,6 +96,7 @@ class ResolvedTraining:
     total_steps: int
     steps_per_epoch: int
     rows_per_step: int
+    backend: str = "torch"  # the framework that trains (ft_assets.training.backends)
 
     @property
     def epochs(self) -> float:
@@ -92,7 +104,7 @@ class ResolvedTraining:
 
     def describe(self) -> str:
         return (
-            f"{self.objective} ({self.method}), {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
+            f"{self.objective} ({self.method}{', mlx' if self.backend == 'mlx' else ''}), {self.total_steps} steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps, "
             f"{self.rows_per_step} rows a step), learning rate {self.learning_rate:g}, warmup {self.warmup_steps} steps"
         )
 
@@ -100,8 +112,8 @@ class ResolvedTraining:
         return {**asdict(self), "epochs": self.epochs}
 
 
-class TrainingConfig(BaseModel):
-    """How to fine-tune the base model on the packed shards of one dataset version."""
+class CommonTraining(BaseModel):
+    """The training settings every objective shares (``TrainingConfig`` adds each objective's own)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -183,6 +195,14 @@ class TrainingConfig(BaseModel):
         description="Machines (nodes) of num_processes GPUs each; >1 launches torchrun on every node with one rendezvous "
         "(static, on a c10d store hosted by node 0): on Kubernetes, lora_adapter starts nodes 1..M-1 as an indexed Job.",
     )
+    backend: Backend = Field(
+        default="auto",
+        description="What trains: 'torch' (transformers + peft: CUDA, MPS or CPU; every objective and method), 'mlx' "
+        "(mlx-lm on Apple silicon's GPU, pip install 'ft-assets[mlx]': SFT with lora, qlora (mlx's 4-bit) or full on one "
+        "process; the adapter "
+        "is converted to PEFT's form, mlx-lm's kept beside it) or 'auto' (mlx on Apple silicon when installed and the "
+        "run is one it trains, else torch).",
+    )
     parallelism: Parallelism = Field(
         default="ddp",
         description="'ddp': every process holds the whole model (checkpoints from rank 0). 'fsdp': FSDP2 shards weights, "
@@ -204,56 +224,24 @@ class TrainingConfig(BaseModel):
     mlflow_experiment: str = Field(
         default="ft-assets", description="MLflow experiment the run is logged under (created when missing)."
     )
-    dpo_beta: float = Field(
-        default=0.1,
-        description="DPO (preference shards only): how strongly the policy is held to the reference (the base "
-        "with the adapter disabled); lower lets it move further. 0.1 is the usual value (DPO paper, TRL).",
-    )
-    dpo_loss: DpoLoss = Field(
-        default="sigmoid",
-        description="DPO loss variant (preference shards only): 'sigmoid' (the DPO paper's), 'ipo' (IPO's squared "
-        "loss on length-normalised log-ratios, less prone to overfit near-deterministic preferences) or 'hinge' "
-        "(SLiC's hinge on the reward margin).",
-    )
-    rewards: list[str] = Field(
-        default_factory=list,
-        description="GRPO (prompt versions only): reward functions as 'module:function' or 'path/to/file.py:function', "
-        "TRL's signature (prompts, completions, **columns) -> list of floats; a completion's reward is their sum. Built in "
-        "for tool calls (the row's 'answer' column is the reference): ft_assets.rewards:tool_call_json, tool_call_name, "
-        "tool_call_arguments, tool_call_format.",
-    )
-    num_generations: int = Field(
-        default=8,
-        description="GRPO: completions sampled per prompt (the group whose mean reward is each one's baseline); a "
-        "micro-batch is per_device_batch_size prompts x this many completions.",
-    )
-    max_completion_length: int = Field(
-        default=256, description="GRPO: longest completion generated, in tokens (prompt + completion <= max_seq_len)."
-    )
-    temperature: float = Field(
-        default=1.0, description="GRPO: sampling temperature of the completions (their log-probabilities use the same)."
-    )
-    grpo_beta: float = Field(
-        default=0.04,
-        description="GRPO: weight of the KL penalty to the reference (the base with the adapter disabled); 0 skips the "
-        "reference forward. 0.04 as in DeepSeekMath's GRPO.",
-    )
-    grpo_loss: GrpoLoss = Field(
-        default="dapo",
-        description="GRPO loss normalisation: 'dapo' (TRL's default: a mean over every completion token of the step) or "
-        "'grpo' (each completion's token mean, then the mean over completions: the paper's, biased to short replies).",
-    )
-    generation_backend: GenerationBackend = Field(
-        default="auto",
-        description="GRPO: what generates the completions: 'vllm' (colocated on the training GPU; needs vllm installed), "
-        "'transformers' (model.generate), or 'auto' (vllm on CUDA when installed, else transformers).",
-    )
+    wandb: WandbSettings = Field(default_factory=WandbSettings, description=WandbSettings.__doc__)
     eval_steps: int | None = Field(
         default=None, description="Also compute eval loss every this many steps. Empty: only at the end."
     )
     logging_steps: int = Field(default=10, description="Log one progress line every this many optimizer steps.")
     weight_decay: float = Field(default=0.0, description="AdamW decoupled weight decay.")
     max_grad_norm: float = Field(default=1.0, description="Clip the global gradient norm to this value; 0 disables.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, data):
+        moved = [name for name in MOVED if isinstance(data, dict) and name in data]
+        if moved:
+            where = ", ".join(f"{name} is now {MOVED[name]}" for name in moved)
+            raise ValueError(
+                f"{where}: each objective's settings sit under its name, e.g. dpo: {{beta: 0.1}}, grpo: {{rewards: [...]}}"
+            )
+        return data
 
     @field_validator("max_steps", mode="before")
     @classmethod
@@ -264,15 +252,9 @@ class TrainingConfig(BaseModel):
     @classmethod
     def _named_modules(cls, value: list[str]) -> list[str]:
         if any(not name.strip() for name in value):
-            raise ValueError(f"target_modules {value} has a blank name; list module names such as ['q_proj', 'v_proj'], or none for all")
-        return value
-
-    @field_validator("rewards")
-    @classmethod
-    def _reward_specs(cls, value: list[str]) -> list[str]:
-        bad = [spec for spec in value if not spec.rpartition(":")[0] or not spec.rpartition(":")[2]]
-        if bad:
-            raise ValueError(f"rewards {bad}: name each as 'module:function' or 'path/to/file.py:function'")
+            raise ValueError(
+                f"target_modules {value} has a blank name; list module names such as ['q_proj', 'v_proj'], or none for all"
+            )
         return value
 
     @field_validator("report_to")
@@ -286,10 +268,10 @@ class TrainingConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> TrainingConfig:
+    def _check_ranges(self) -> CommonTraining:
         problems = []
         positive = ["lora_r", "lora_alpha", "epochs", "per_device_batch_size", "gradient_accumulation_steps"]
-        positive += ["save_steps", "num_processes", "num_nodes", "logging_steps", "max_completion_length"]
+        positive += ["save_steps", "num_processes", "num_nodes", "logging_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -310,12 +292,6 @@ class TrainingConfig(BaseModel):
             problems.append(f"max_seq_len must be >= 2 (got {self.max_seq_len})")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             problems.append("weight_decay and max_grad_norm must be >= 0")
-        if not self.dpo_beta > 0:
-            problems.append(f"dpo_beta must be > 0 (got {self.dpo_beta})")
-        if self.num_generations < 2:
-            problems.append(f"num_generations must be >= 2: a group of one has no baseline (got {self.num_generations})")
-        if not self.temperature > 0 or self.grpo_beta < 0:
-            problems.append(f"temperature must be > 0 and grpo_beta >= 0 (got {self.temperature}, {self.grpo_beta})")
         if problems:
             raise ValueError("invalid training config: " + "; ".join(problems))
         return self
@@ -344,15 +320,21 @@ class TrainingConfig(BaseModel):
         per_epoch = self.steps_per_epoch(train_rows, world_size)
         return self.max_steps or max(self.epochs * per_epoch, self.min_steps)
 
-    def resolve(self, train_rows: int, cuda_available: bool, objective: Objective, world_size: int | None = None) -> ResolvedTraining:
+    def resolve(
+        self, train_rows: int, cuda_available: bool, objective: Objective, world_size: int | None = None
+    ) -> ResolvedTraining:
         """The values a run of ``objective`` on ``train_rows`` packed rows uses for every field left empty."""
         method = self.resolved_method(cuda_available)
+        backend = self.resolved_backend(cuda_available, objective)  # what mlx cannot train is said first
         if method == "full" and objective.full_refused:
             raise ValueError(objective.full_refused)
-        objective.step.check_settings(self)
+        settings = objective.settings_in(self)
+        if settings is not None:
+            settings.check(self)
         steps = self.total_steps(train_rows, world_size)
         warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_ratio * steps)
         return ResolvedTraining(
+            backend=backend,
             method=method,
             objective=objective.name,
             learning_rate=self.learning_rate or objective.learning_rate or DEFAULT_LEARNING_RATES[method],
@@ -366,20 +348,69 @@ class TrainingConfig(BaseModel):
         """The method actually used: the configured one, else qlora on CUDA and lora elsewhere."""
         return self.method or ("qlora" if cuda_available else "lora")
 
-    def result_fields(self, cuda_available: bool) -> dict:
-        """The fields that change the trained weights, with ``method`` resolved (hashed into the run id).
+    def resolved_backend(self, cuda_available: bool, objective: Objective) -> str:
+        """``torch`` or ``mlx`` (``ft_assets.training.backends``); ``backend: mlx`` for a run mlx cannot do is refused."""
+        return backends.resolve(self.backend, objective.name, self.resolved_method(cuda_available), self.world_size)
 
-        The global batch counts, not how it is split: per-device batch, accumulation, processes and nodes
-        become ``rows_per_step`` (``SPLIT_FIELDS``), so a run resumes on another number of GPUs when the
-        global batch stays the same. ``parallelism`` stays: DDP and FSDP checkpoints differ in format.
+    def result_fields(self, cuda_available: bool, objective: Objective) -> dict:
+        """The fields that change the trained weights of a run of ``objective``, with ``method`` resolved (hashed
+        into the run id).
+
+        Of the objectives' settings only ``objective``'s own count, under its name: another objective's
+        settings do not change this run, and adding an objective changes no run id. The global batch counts,
+        not how it is split: per-device batch, accumulation, processes and nodes become ``rows_per_step``
+        (``SPLIT_FIELDS``), so a run resumes on another number of GPUs when the global batch stays the same.
+        ``parallelism`` stays: DDP and FSDP checkpoints differ in format.
         """
-        fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS) | set(SPLIT_FIELDS))
+        fields = self.model_dump(exclude=set(OPERATIONAL_FIELDS) | set(SPLIT_FIELDS) | set(OBJECTIVES))
         fields["rows_per_step"] = self.rows_per_step()
-        for name in GRPO_FIELDS:  # added with GRPO: left at their defaults, the run ids of SFT and DPO runs stay what they were
-            if fields[name] == TrainingConfig.model_fields[name].get_default(call_default_factory=True):
-                fields.pop(name)
+        settings = objective.settings_in(self)
+        if settings is not None:
+            fields[objective.name] = settings.model_dump()
         fields["method"] = self.resolved_method(cuda_available)
+        fields.pop("backend")  # a torch run's id is what it was before the mlx backend
+        if self.resolved_backend(cuda_available, objective) == "mlx":
+            fields["backend"] = "mlx"
         if fields["method"] == "full":
             for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules"):
                 fields.pop(name)
         return fields
+
+
+TrainingConfig = create_model(
+    "TrainingConfig",
+    __base__=CommonTraining,
+    __module__=__name__,
+    __doc__="How to fine-tune the base model on the packed shards of one dataset version: the shared settings and "
+    "each objective's own, under its name.",
+    **{
+        objective.name: (
+            objective.settings,
+            Field(default_factory=objective.settings, description=objective.settings.__doc__),
+        )
+        for objective in OBJECTIVES.values()
+        if objective.settings is not None
+    },
+)
+
+
+def validated(fields: dict) -> TrainingConfig:
+    """``TrainingConfig(**fields)``, its problems in one ValueError line (``one_line``) instead of pydantic's lines."""
+    try:
+        return TrainingConfig(**fields)
+    except ValidationError as exc:
+        raise ValueError(one_line(exc)) from None
+
+
+def one_line(error: ValidationError) -> str:
+    """A pydantic error as one line: each problem as ``key.path: message (got value)``, joined with '; '."""
+    problems = []
+    for problem in error.errors():
+        path, message = [str(part) for part in problem["loc"]], problem["msg"].removeprefix("Value error, ")
+        if not path:
+            problems.append(message)
+            continue
+        if message.startswith(path[-1]):  # the validator named its field already: "report_to: for MLflow set ..."
+            message = message[len(path[-1]) :].lstrip(": ")
+        problems.append(f"{'.'.join(path)}: {message} (got {problem['input']!r})")
+    return "; ".join(problems)

@@ -62,7 +62,9 @@ class Imds:
     def token(self) -> str:
         if time.monotonic() >= self._token_until:
             request = urllib.request.Request(
-                f"{self.endpoint}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.ttl_s)}
+                f"{self.endpoint}/latest/api/token",
+                method="PUT",
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.ttl_s)},
             )
             try:
                 self._token = self._open(request).decode()

@@ -90,26 +90,34 @@ def node_command(job: WorkerJob, endpoint: str, work_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Run one node (1..M-1) of a multi-node training run: fetch its inputs, then torchrun.")
+    parser = argparse.ArgumentParser(
+        description="Run one node (1..M-1) of a multi-node training run: fetch its inputs, then torchrun."
+    )
     parser.add_argument("--job", required=True, help="the run's WorkerJob as JSON")
     parser.add_argument("--endpoint", required=True, help="node 0's rendezvous host:port")
     parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
     rank = parser.add_mutually_exclusive_group(required=True)
     rank.add_argument("--node-rank", type=int, help="this node's rank, 1..M-1")
-    rank.add_argument("--node-rank-from-env", metavar="VAR", help="read the rank from VAR + 1 (an indexed Job's JOB_COMPLETION_INDEX)")
+    rank.add_argument(
+        "--node-rank-from-env", metavar="VAR", help="read the rank from VAR + 1 (an indexed Job's JOB_COMPLETION_INDEX)"
+    )
     args = parser.parse_args(argv)
     job = WorkerJob.from_json(args.job)
     if args.node_rank is not None:
         node_rank = args.node_rank
     else:
         if args.node_rank_from_env not in os.environ:
-            parser.error(f"{args.node_rank_from_env} is not set: run this as a pod of an indexed Job, or pass --node-rank")
+            parser.error(
+                f"{args.node_rank_from_env} is not set: run this as a pod of an indexed Job, or pass --node-rank"
+            )
         node_rank = int(os.environ[args.node_rank_from_env]) + 1
     store = open_store(job.store_url)
     base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
     fetch_artifact(store, job.base_model_key, base_dir)
     fetch_artifact(store, job.shards_key, shards_dir)
-    command = torchrun_command(job.config, node_rank, args.endpoint, worker_args(job, base_dir, shards_dir, args.work_dir / "run"))
+    command = torchrun_command(
+        job.config, node_rank, args.endpoint, worker_args(job, base_dir, shards_dir, args.work_dir / "run")
+    )
     os.execv(command[0], command)  # torchrun in this process's place: a pod's SIGTERM reaches it (and the workers)
 
 

@@ -22,7 +22,7 @@ Memory: the model's own loss materializes every token's logits in fp32 (bf16 log
 upcast, the log-softmax kept for backward, its gradient: 16 bytes x vocabulary per token, 2.1 GB for
 Llama-3's 128k vocabulary at 1k tokens) and keeps them alive through the whole backward pass. Here the
 model returns its last hidden states only; lm_head + cross-entropy run in chunks of
-``chunk_tokens(vocab)`` tokens whose logits are recomputed in backward (``torch.utils.checkpoint``),
+``chunk_tokens(vocab)`` tokens (``ft_assets.training.chunking``) whose logits are recomputed in backward (``torch.utils.checkpoint``),
 so at most one chunk's logits (64 MiB in fp32) exist at a time. The price is one more lm_head matmul
 per token in backward (0.6% of a Llama-2-7B step). On a 128k-vocabulary toy at 4k tokens, peak memory
 of loss + backward drops from 5.9 GiB to 0.3 GiB, with the same loss and gradients to 1e-5
@@ -66,16 +66,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ft_assets.shards import IGNORE_INDEX, PackedRows, PairRows
+from ft_assets.training.chunking import chunk_tokens
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-
-LOSS_CHUNK_BYTES = 64 * 2**20  # fp32 logits of one chunk: 524 tokens of a 32k vocabulary, 131 of a 128k one
-FP32_BYTES = 4
-
-
-def chunk_tokens(vocab: int) -> int:
-    """Tokens per lm_head + cross-entropy chunk: as many as keep one chunk's fp32 logits in LOSS_CHUNK_BYTES."""
-    return max(1, LOSS_CHUNK_BYTES // (FP32_BYTES * vocab))
 
 
 def learned_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -207,7 +200,9 @@ def pair_count(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["pair_mask"].sum())
 
 
-def _chunk_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+def _chunk_logps(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, slots: torch.Tensor, size: int
+) -> torch.Tensor:
     logps = -F.cross_entropy(lm_head(hidden).float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
     return logps.new_zeros(size).index_add(0, slots, logps)
 
@@ -233,8 +228,16 @@ def pair_logps(model, batch: dict[str, torch.Tensor]) -> PairLogps:
     chunk = chunk_tokens(lm_head.weight.shape[0])
     logps = hidden.new_zeros(size, dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
-        part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], slots[start : start + chunk], size)
-        logps = logps + (checkpoint(_chunk_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logps(*part))
+        part = (
+            lm_head,
+            hidden[start : start + chunk],
+            targets[start : start + chunk],
+            slots[start : start + chunk],
+            size,
+        )
+        logps = logps + (
+            checkpoint(_chunk_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logps(*part)
+        )
     tokens = logps.new_zeros(size).index_add(0, slots, (targets != IGNORE_INDEX).float())
     logps, tokens = logps.view(rows, -1, 2), tokens.view(rows, -1, 2)
     return PairLogps(logps[..., 0], logps[..., 1], tokens[..., 0], tokens[..., 1])
@@ -248,17 +251,23 @@ def dpo_losses(policy: PairLogps, reference: PairLogps, beta: float, loss_type: 
     if loss_type == "hinge":
         return torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
     if loss_type == "ipo":
-        normalized = chosen_ratio / policy.chosen_tokens.clamp(min=1) - rejected_ratio / policy.rejected_tokens.clamp(min=1)
+        normalized = chosen_ratio / policy.chosen_tokens.clamp(min=1) - rejected_ratio / policy.rejected_tokens.clamp(
+            min=1
+        )
         return (normalized - 1 / (2 * beta)) ** 2
     raise ValueError(f"unknown DPO loss {loss_type!r}; use one of {', '.join(DPO_LOSSES)}")
 
 
-def dpo_loss_sum(policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str) -> torch.Tensor:
+def dpo_loss_sum(
+    policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str
+) -> torch.Tensor:
     """The DPO loss summed over the pairs of a batch (divide by ``pair_count`` over the step for the mean)."""
     return (dpo_losses(policy, reference, beta, loss_type) * pair_mask).sum()
 
 
-def all_pair_logps(model, rows: PairRows, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1) -> tuple[PairLogps, torch.Tensor]:
+def all_pair_logps(
+    model, rows: PairRows, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> tuple[PairLogps, torch.Tensor]:
     """``pair_logps`` of the rows ``rank``, ``rank + world_size``, … of ``rows`` (on the CPU) and their pair mask.
 
     The model runs in eval mode without gradients and is left in the mode it came in.
@@ -269,7 +278,11 @@ def all_pair_logps(model, rows: PairRows, batch_size: int, device: torch.device,
     parts: list[PairLogps] = []
     with torch.no_grad():
         for start in range(0, len(indices), batch_size):
-            parts.append(PairLogps(*(part.cpu() for part in pair_logps(model, rows.batch(indices[start : start + batch_size], device)))))
+            parts.append(
+                PairLogps(
+                    *(part.cpu() for part in pair_logps(model, rows.batch(indices[start : start + batch_size], device)))
+                )
+            )
     model.train(was_training)
     if not parts:
         empty = torch.zeros(0, rows.pair_mask.shape[1])
@@ -277,7 +290,9 @@ def all_pair_logps(model, rows: PairRows, batch_size: int, device: torch.device,
     return PairLogps(*(torch.cat(columns) for columns in zip(*parts))), rows.pair_mask[indices]
 
 
-def preference_metrics(policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str) -> dict[str, float]:
+def preference_metrics(
+    policy: PairLogps, reference: PairLogps, pair_mask: torch.Tensor, beta: float, loss_type: str
+) -> dict[str, float]:
     """Sums over the pairs (divide by ``pairs`` after summing over processes): the DPO loss of the policy
     against the reference and of the reference against itself, and each model's reward accuracy and margin."""
     mask = pair_mask.float()
@@ -318,7 +333,9 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return torch.nan_to_num((grouped - mean) / (std + GROUP_STD_EPSILON), nan=0.0).view(-1)
 
 
-def _chunk_token_logps(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_token_logps(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     return -F.cross_entropy(lm_head(hidden).float() / temperature, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
@@ -342,11 +359,17 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
     parts = []
     for start in range(0, hidden.shape[0], chunk):
         part = (lm_head, hidden[start : start + chunk], targets[start : start + chunk], temperature)
-        parts.append(checkpoint(_chunk_token_logps, *part, use_reentrant=False) if torch.is_grad_enabled() else _chunk_token_logps(*part))
+        parts.append(
+            checkpoint(_chunk_token_logps, *part, use_reentrant=False)
+            if torch.is_grad_enabled()
+            else _chunk_token_logps(*part)
+        )
     return torch.cat(parts).view(shape)
 
 
-def grpo_token_losses(logps: torch.Tensor, reference: torch.Tensor | None, advantages: torch.Tensor, beta: float) -> torch.Tensor:
+def grpo_token_losses(
+    logps: torch.Tensor, reference: torch.Tensor | None, advantages: torch.Tensor, beta: float
+) -> torch.Tensor:
     """GRPO's loss of every completion token: -exp(log pi - sg(log pi)) x A + beta x KL, with A the advantage of
     the token's completion and KL TRL's (Schulman's k3) estimate exp(ref - log pi) - (ref - log pi) - 1.
 

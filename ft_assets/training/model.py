@@ -53,7 +53,9 @@ def supported_attention(model_class: type | None) -> tuple[str, ...]:
     if model_class is None:
         return BACKENDS
     return tuple(
-        backend for backend, flags in SUPPORT_FLAGS.items() if not flags or any(getattr(model_class, flag, False) for flag in flags)
+        backend
+        for backend, flags in SUPPORT_FLAGS.items()
+        if not flags or any(getattr(model_class, flag, False) for flag in flags)
     )
 
 
@@ -89,7 +91,9 @@ def resolve_attention(requested: str, device: torch.device, model_class: type | 
             f"{', '.join(supported)}); use 'auto'"
         )
     if requested == "flash_attention_2" and not usable[requested]:
-        raise ValueError("attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'")
+        raise ValueError(
+            "attn_implementation 'flash_attention_2' needs a CUDA GPU and the flash-attn package; use 'auto'"
+        )
     if requested == "flex_attention" and not usable[requested]:
         raise ValueError(
             f"attn_implementation 'flex_attention' trains on CUDA with torch >= 2.5 only (FlexAttention has no backward "
@@ -101,7 +105,9 @@ def resolve_attention(requested: str, device: torch.device, model_class: type | 
 def linear_layers(model) -> list[str]:
     """Full names of the model's linear layers, its output head (lm_head) excepted."""
     head = model.get_output_embeddings()
-    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head]
+    return [
+        name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
+    ]
 
 
 def projection_names(model) -> list[str]:
@@ -114,7 +120,9 @@ def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
     if not requested:
         return projection_names(model)
     linear = linear_layers(model)
-    unknown = [target for target in requested if not any(name == target or name.endswith("." + target) for name in linear)]
+    unknown = [
+        target for target in requested if not any(name == target or name.endswith("." + target) for name in linear)
+    ]
     if unknown:
         raise ValueError(
             f"target_modules {unknown}: {type(model).__name__} has no such projection; its projections are "
@@ -196,4 +204,6 @@ def make_scheduler(config: TrainingConfig, optimizer, resolved: ResolvedTraining
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps)
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=resolved.warmup_steps, num_training_steps=resolved.total_steps
+    )

@@ -59,11 +59,29 @@ def peer_job(run_pod: dict, name: str, command: list[str], nodes: int) -> dict:
         raise ValueError(f"a multi-node run has at least 2 nodes (got {nodes})")
     metadata, spec = run_pod["metadata"], run_pod["spec"]
     container = spec["containers"][0]  # K8sRunLauncher's one container
-    peer = {"name": "node", "command": command, **{k: copy.deepcopy(container[k]) for k in CONTAINER_FIELDS if k in container}}
-    pod_spec = {"restartPolicy": "Never", "containers": [peer], **{k: copy.deepcopy(spec[k]) for k in POD_FIELDS if k in spec}}
-    labels = {key: value for key, value in (metadata.get("labels") or {}).items() if not key.startswith(("job-name", "controller-uid", "batch."))}
+    peer = {
+        "name": "node",
+        "command": command,
+        **{k: copy.deepcopy(container[k]) for k in CONTAINER_FIELDS if k in container},
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "containers": [peer],
+        **{k: copy.deepcopy(spec[k]) for k in POD_FIELDS if k in spec},
+    }
+    labels = {
+        key: value
+        for key, value in (metadata.get("labels") or {}).items()
+        if not key.startswith(("job-name", "controller-uid", "batch."))
+    }
     labels["ft/node-of"] = metadata["name"]
-    owner = {"apiVersion": "v1", "kind": "Pod", "name": metadata["name"], "uid": metadata["uid"], "blockOwnerDeletion": False}
+    owner = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": metadata["name"],
+        "uid": metadata["uid"],
+        "blockOwnerDeletion": False,
+    }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -91,10 +109,13 @@ class PeerNodes:
         run_pod = client.ApiClient().sanitize_for_serialization(pod)
         self.name = f"{run_pod['metadata']['name'][:50]}-nodes"
         manifest = peer_job(run_pod, self.name, node_command(job, endpoint, PEER_WORK_DIR), job.config.num_nodes)
-        if self._exists():  # left by an earlier attempt of this run (its pod name is reused by a retry's pod only by chance)
+        # left by an earlier attempt of this run (its pod name is reused by a retry's pod only by chance)
+        if self._exists():
             self.delete()
         self.batch.create_namespaced_job(self.namespace, manifest)
-        log(f"started nodes 1..{job.config.num_nodes - 1} as Job {self.namespace}/{self.name}, rendezvous at {endpoint}")
+        log(
+            f"started nodes 1..{job.config.num_nodes - 1} as Job {self.namespace}/{self.name}, rendezvous at {endpoint}"
+        )
 
     def _exists(self) -> bool:
         from kubernetes.client.exceptions import ApiException  # the [k8s] extra

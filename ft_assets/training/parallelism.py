@@ -1,6 +1,7 @@
 """How the model is spread over the processes: DDP (a whole copy on each) or FSDP2 (a shard on each).
 
-The recipe has one loop for both (``ft_assets.training.recipe``); ``for_config`` gives it the strategy
+The recipe has one loop for both (``ft_assets.training.recipe``); ``start_processes`` joins this attempt's
+processes (accelerate, checked against ``num_processes`` x ``num_nodes``), ``for_config`` gives it the strategy
 that holds the parts that differ: wrapping the model, clipping the gradient norm, which eval rows a
 rank runs, writing and loading checkpoints, and the consolidated weights the run exports.
 
@@ -29,16 +30,61 @@ Each rank loads the whole base model into host memory before sharding it (a 70B 
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ft_assets.training.config import TrainingConfig
+
+
+def start_processes(config: TrainingConfig, trackers_dir: Path) -> Accelerator:
+    """This attempt's processes as accelerate joins them, checked against the settings: accelerate's own FSDP
+    plugin refused (sharding is ``FullySharded``'s), and as many processes as num_processes x num_nodes."""
+    cuda = torch.cuda.is_available()
+    accelerator = Accelerator(
+        # cpu=True is what makes several processes without a GPU join one gloo group (MULTI_CPU);
+        # without it each torchrun/`accelerate launch --multi_gpu` process would train alone.
+        cpu=not cuda and not torch.backends.mps.is_available(),
+        mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no",
+        log_with=config.report_to or None,
+        project_dir=trackers_dir,
+    )
+    if accelerator.distributed_type == DistributedType.FSDP:
+        # accelerate's own FSDP plugin would wrap the model behind the recipe's back: sharding is the recipe's.
+        raise ValueError(
+            "accelerate's FSDP plugin is not used: launch without --use_fsdp (and without ACCELERATE_USE_FSDP) "
+            "and set the training setting parallelism: fsdp, which shards with FSDP2 and writes sharded checkpoints"
+        )
+    if accelerator.num_processes != config.world_size:
+        raise ValueError(
+            f"config.num_processes={config.num_processes} x num_nodes={config.num_nodes} but {accelerator.num_processes} "
+            f"process(es) were started; launch with `torchrun --nproc_per_node {config.num_processes} --nnodes "
+            f"{config.num_nodes} -m ft_assets.training.worker ...` or set num_processes and num_nodes to match"
+        )
+    return accelerator
+
+
+def attempt_id(world: int) -> str:
+    """One id for this attempt on every rank (rank 0's): the shard receipts of an earlier attempt at the same step
+    are not ours."""
+    attempt = [uuid.uuid4().hex]
+    if world > 1:
+        broadcast_object_list(attempt)
+    return attempt[0]
 
 
 class Parallel(Protocol):
@@ -82,7 +128,11 @@ class FullySharded:
         mesh = init_device_mesh(self.device.type, (self.world,))
         bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         # bf16 compute as accelerate's autocast does under DDP; gradients reduced and AdamW stepped in fp32
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 # bitsandbytes repacks a 4-bit weight in place for its CPU inference kernel at the first eval forward:
@@ -126,7 +176,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 def _trainable_state(model, optimizer, names: set[str]) -> dict:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # ignore_frozen_params would keep a tied lm_head (it is not a parameter of its own): filter by name instead
-    return {"model": {name: value for name, value in model_state.items() if name in names}, "optimizer": optimizer_state}
+    return {
+        "model": {name: value for name, value in model_state.items() if name in names},
+        "optimizer": optimizer_state,
+    }
 
 
 def save_shards(model, optimizer, names: set[str], folder) -> None:
@@ -139,7 +192,11 @@ def load_shards(model, optimizer, names: set[str], folder) -> None:
     state = _trainable_state(model, optimizer, names)
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=StateDictOptions(strict=False)
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
     )
 
 

@@ -8,13 +8,10 @@ which the data and delivery planes share. No Dagster here: the ``lora_adapter`` 
 ``train`` and turns ``Preempted`` into a retry.
 
 The objective (``ft_assets.objectives``, chosen by the data plane and passed in) brings the part that
-differs: its ``step`` (``ft_assets.training.steps``) loads the rows and, for the run, gives each
-micro-batch's rollout, loss, what that loss is a mean over, the eval figures and its own per-step
-figures. Packed chat rows train with the token loss (SFT); packed preference pairs with DPO against
-the base with the adapter disabled; prompts with GRPO, whose rollouts (completions sampled from the
-policy and scored) are seeded from (seed, step, rank, micro-batch) and so repeat exactly after a
-resume. Everything else — data order, checkpoints, resume, SIGTERM, DDP — is this one loop, so every
-objective has the same guarantees.
+differs: its step (``ft_assets.training.steps``; GRPO's, with its rollouts, ``ft_assets.training.grpo``)
+loads the rows and, for the run, gives each micro-batch's rollout, loss, what that loss is a mean over,
+the eval figures and its own per-step figures. Everything else — data order, checkpoints, resume,
+SIGTERM, DDP — is this one loop, so every objective has the same guarantees.
 
 With ``mlflow_tracking_uri`` set, rank 0 logs the run to MLflow (``ft_assets.training.tracking``).
 
@@ -34,8 +31,7 @@ Packed rows carry several examples each; the forward keeps attention inside each
 (``ft_assets.training.loss``, the backend from ``ft_assets.training.model.resolve_attention``).
 
 On a GPU the loop does not wait for it between steps: AdamW is fused, the learned-token count comes
-from the host copy of the rows, and the loss stays on the device until a logging or checkpoint step
-reads the losses since the last read at once (``read_losses``); the loss history is the same.
+from the host copy of the rows, and the losses are read at log lines only (``ft_assets.training.progress``).
 
 Several processes: ``torchrun -m ft_assets.training.worker ...`` (``ft_assets.training.launch``, 1 or M nodes).
 Without a GPU it forms a gloo group, as the recipe asks accelerate for ``cpu=True`` (accelerate's ``--cpu``
@@ -51,18 +47,16 @@ tokens/s. QLoRA dequantizes every weight on every forward, a fixed cost that bat
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 
 from ft_assets import layout
 from ft_assets.objectives import SFT, Objective
@@ -85,11 +79,18 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training.data_order import DataPlan
 from ft_assets.training.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
-from ft_assets.training.parallelism import consolidated_state, for_config, load_shards, save_shards
+from ft_assets.training.parallelism import (
+    attempt_id,
+    consolidated_state,
+    for_config,
+    load_shards,
+    save_shards,
+    start_processes,
+)
 from ft_assets.training.preemption import Preempted, SigtermFlag
+from ft_assets.training.progress import Window, duration, eval_line, progress_line
 from ft_assets.training.result import TrainingResult
-from ft_assets.training.rollout import rollout_seed
-from ft_assets.training.tracking import MlflowTracker
+from ft_assets.training.tracking import Trackers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -104,19 +105,10 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _figures(metrics: dict[str, float]) -> str:
-    """Eval figures for a log line: 'eval loss 0.6931, eval reward accuracy 0.5000, …'."""
-    return ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in metrics.items())
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 # --- the recipe ------------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class FineTuneRecipe:
     """One attempt at a run, on this process: its state on one object, its phases in the order they run.
 
@@ -126,33 +118,25 @@ class FineTuneRecipe:
     -> ``finish`` (final checkpoint, eval and save) -> ``cleanup`` -> ``result``.
     """
 
-    def __init__(
-        self,
-        config: TrainingConfig,
-        base_model_dir: Path,
-        shards_dir: Path,
-        store: ObjectStore,
-        run_prefix: str,
-        work_dir: Path,
-        log: Log,
-        on_metrics: OnMetrics | None,
-        sigterm: SigtermFlag,
-        started: float,
-        tags: dict[str, str],
-        objective: Objective,
-    ):
-        self.config, self.objective = config, objective
-        self.base_model_dir, self.shards_dir, self.work_dir = Path(base_model_dir), Path(shards_dir), Path(work_dir)
-        self.store, self.run_prefix = store, run_prefix
-        self.log, self.on_metrics = log, on_metrics
-        self.sigterm = sigterm
-        self.started = started  # time.monotonic() at the start of this attempt (or of the caller's downloads)
+    config: TrainingConfig
+    base_model_dir: Path
+    shards_dir: Path
+    store: ObjectStore
+    run_prefix: str
+    work_dir: Path
+    log: Log
+    on_metrics: OnMetrics | None
+    sigterm: SigtermFlag
+    started: float  # time.monotonic() at the start of this attempt (or of the caller's downloads)
+    tags: dict[str, str]  # for the tracker: dataset version and lineage digests, from the caller
+    objective: Objective
+
+    def __post_init__(self):
         self.step_seconds = 0.0  # this attempt, inside forward + backward + optimizer step
         self.last_saved: int | None = None  # step of the newest checkpoint resumed from or handed to the uploader
         self.eval_loss: float | None = None  # the final one; None without eval shards
         self.eval_metrics: dict = {}  # the final eval's figures
-        self.tags = tags  # for the tracker: dataset version and lineage digests, from the caller
-        self.tracker: MlflowTracker | None = None
+        self.tracker: Trackers | None = None
         self.output_dir = self.work_dir / "final"
 
     # --- setup ---
@@ -165,42 +149,25 @@ class FineTuneRecipe:
         self.step_run = self.objective.step.for_run(self.config, self.base_model_dir, self.unwrapped)
         shards = self.world if self.parallel.name == "fsdp" else 1  # FSDP: every rank uploads its shard
         self.uploader = BackgroundUploader(
-            self.store, self.run_prefix, keep=self.config.save_total_limit, log=self.say, shards=shards, rank=self.rank, attempt=self.attempt_id
+            self.store,
+            self.run_prefix,
+            keep=self.config.save_total_limit,
+            log=self.say,
+            shards=shards,
+            rank=self.rank,
+            attempt=self.attempt_id,
         )
         self._setup_tracking()
 
     def _setup_processes(self) -> None:
         config, cuda = self.config, torch.cuda.is_available()
-        self.accelerator = Accelerator(
-            # cpu=True is what makes several processes without a GPU join one gloo group (MULTI_CPU);
-            # without it each torchrun/`accelerate launch --multi_gpu` process would train alone.
-            cpu=not cuda and not torch.backends.mps.is_available(),
-            mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no",
-            log_with=config.report_to or None,
-            project_dir=self.work_dir / "trackers",
-        )
-        accelerator = self.accelerator
-        if accelerator.distributed_type == DistributedType.FSDP:
-            # accelerate's own FSDP plugin would wrap the model behind the recipe's back: sharding is the recipe's.
-            raise ValueError(
-                "accelerate's FSDP plugin is not used: launch without --use_fsdp (and without ACCELERATE_USE_FSDP) "
-                "and set the training setting parallelism: fsdp, which shards with FSDP2 and writes sharded checkpoints"
-            )
-        self.rank, self.world, self.is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+        self.accelerator = accelerator = start_processes(config, self.work_dir / "trackers")
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.is_main = accelerator.is_main_process
         self.say: Log = self.log if self.is_main else (lambda line: None)
-        if self.world != config.world_size:
-            raise ValueError(
-                f"config.num_processes={config.num_processes} x num_nodes={config.num_nodes} but {self.world} process(es) "
-                f"were started; launch with `torchrun --nproc_per_node {config.num_processes} --nnodes {config.num_nodes} "
-                "-m ft_assets.training.worker ...` or set num_processes and num_nodes to match"
-            )
         self.device = accelerator.device
         self.parallel = for_config(config, self.world, self.device)
-        # One id for this attempt on every rank: the shard receipts of an earlier attempt at the same step are not ours.
-        attempt = [uuid.uuid4().hex]
-        if self.world > 1:
-            broadcast_object_list(attempt)
-        self.attempt_id = attempt[0]
+        self.attempt_id = attempt_id(self.world)
         self.method = config.resolved_method(cuda)
         if self.device.type == "cpu":
             self.say("WARNING: no CUDA or MPS device found, training on CPU (fine for tests, ~100x slower than a GPU)")
@@ -254,15 +221,15 @@ class FineTuneRecipe:
         self.scheduler = make_scheduler(config, self.optimizer, self.resolved)
 
     def _setup_tracking(self) -> None:
-        """Rank 0 only: the MLflow run of this training run (resumed attempts continue it), when configured."""
+        """Rank 0 only: the MLflow and W&B runs of this training run (resumed attempts continue them), when configured."""
         config = self.config
-        if not (self.is_main and config.mlflow_tracking_uri):
+        if not (self.is_main and (config.mlflow_tracking_uri or config.wandb.enabled)):
             return
         run_id = self.run_prefix.rsplit("/", 1)[-1]
-        params = {**config.result_fields(torch.cuda.is_available()), **self.resolved.as_dict()}
+        params = {**config.result_fields(torch.cuda.is_available(), self.objective), **self.resolved.as_dict()}
         tags = {**self.tags, "ft.run_id": run_id, "ft.run_prefix": self.run_prefix, "ft.objective": self.objective.name,
                 "ft.method": self.method}  # fmt: skip
-        self.tracker = MlflowTracker.start(config.mlflow_tracking_uri, config.mlflow_experiment, run_id, params, tags, self.log)
+        self.tracker = Trackers.start(config, run_id, params, tags, self.log)
 
     # --- resume ---
 
@@ -297,8 +264,7 @@ class FineTuneRecipe:
         self.last_saved = self.state.step if checkpoint else None
         self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
         self.attempt = self.state.attempts[-1]
-        self.pending_losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) on the device, not yet read
-        self.grad_norms: list[float] = []  # the gradient norms of the steps since the last log line
+        self.window = Window()  # the steps since the last log line, their losses queued on the device
         if rng_state is not None:
             restore_rng_state(rng_state)
 
@@ -318,7 +284,8 @@ class FineTuneRecipe:
             self.optimizer.load_state_dict(checkpoint.optimizer_state())
         self.scheduler.load_state_dict(checkpoint.scheduler_state())
         rng_states = checkpoint.rng_states()
-        written_by = f"; written by {len(rng_states)} process(es), resumed on {self.world}" if len(rng_states) != self.world else ""
+        written_by = f"; written by {len(rng_states)} process(es), resumed on {self.world}"
+        written_by = written_by if len(rng_states) != self.world else ""
         self.say(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{self.total_steps}){written_by}")
         self.state.world_size = self.world
         return rng_states[self.rank % len(rng_states)]  # on another world size, dropout draws differ from here on
@@ -329,13 +296,12 @@ class FineTuneRecipe:
         """Optimizer steps up to ``total_steps``; at every step boundary: SIGTERM, logs, checkpoints, evals."""
         config, total = self.config, self.total_steps
         self.model.train()
-        self.window_start, self.window_steps, self.window_tokens = time.monotonic(), 0, 0  # the steps since the last log line
+        self.window.restart()
         while True:
             self.stop_if_preempted()
             if self.state.step >= total:
                 return
             self.train_step()
-            self.window_steps += 1
             step = self.state.step
             if step % config.logging_steps == 0 or step == total:
                 self.log_progress()
@@ -343,8 +309,8 @@ class FineTuneRecipe:
                 self.save_checkpoint()
             if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
                 metrics = self.evaluate()
-                self.state.eval_history.append((step, next(iter(metrics.values()))))  # the headline: eval loss (GRPO: reward)
-                self.say(f"step {step}/{total}  {_figures(metrics)}")
+                self.state.eval_history.append((step, next(iter(metrics.values()))))  # the headline (GRPO: reward)
+                self.say(f"step {step}/{total}  {eval_line(metrics)}")
                 self.report({"step": step, **metrics})
 
     def stop_if_preempted(self) -> None:
@@ -362,23 +328,29 @@ class FineTuneRecipe:
             self.save_checkpoint()
         self.uploader.wait()
         self.accelerator.wait_for_everyone()
-        uri = self.store.uri(layout.checkpoint(self.run_prefix, self.last_saved)) if self.last_saved is not None else None
+        uri = (
+            self.store.uri(layout.checkpoint(self.run_prefix, self.last_saved)) if self.last_saved is not None else None
+        )
         raise Preempted(self.state.step, uri)
 
     def train_step(self) -> None:
         """One optimizer step over this rank's micro-batches of step ``state.step``, then the step's bookkeeping.
 
         No host sync on CUDA except at logging and checkpoint steps: the learned-token count comes from the
-        rows on the host, and the step's loss stays on the device (``pending_losses``) until
-        ``read_losses`` copies the losses since the last read into the loss history in one transfer.
+        rows on the host, and the step's loss stays on the device (``window``) until ``read_losses`` copies
+        the losses since the last read into the loss history in one transfer.
         """
         accelerator, device, world = self.accelerator, self.device, self.world
         step_started = time.monotonic()
-        rows = [self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)]
+        rows = [
+            self.train_rows.batch(i, torch.device("cpu")) for i in self.plan.micro_batches(self.state.step, self.rank)
+        ]
         # What the loss needs beyond the rows, from the model as it is before this step's update (GRPO: the completions,
-        # sampled with a seed of (seed, step, rank, micro-batch) so that a resumed run samples the same ones).
-        rows = [self.step_run.rollout(self.unwrapped, batch, rollout_seed(self.config.seed, self.state.step, self.rank, micro), self.state.step)
-                for micro, batch in enumerate(rows)]  # fmt: skip
+        # sampled with a seed of where the micro-batch is, so that a resumed run samples the same ones).
+        rows = [
+            self.step_run.rollout(self.unwrapped, batch, self.state.step, self.rank, micro)
+            for micro, batch in enumerate(rows)
+        ]
         # Normalise by the learned tokens (DPO: the pairs) of the whole step (all micro-batches, all processes):
         # the loss is then the true per-token (per-pair) mean, whatever the packing put in each row.
         items = sum(self.count(b) for b in rows)
@@ -396,7 +368,9 @@ class FineTuneRecipe:
                 accelerator.backward(loss_sum * (world / items))
             step_loss += loss_sum.detach().float() / items
         # The norm before clipping, for the logs; max_grad_norm 0 measures it without clipping (scaled by 1.0).
-        grad_norm = self.parallel.clip_grad_norm(accelerator, list(self.params.values()), self.config.max_grad_norm or float("inf"))
+        grad_norm = self.parallel.clip_grad_norm(
+            accelerator, list(self.params.values()), self.config.max_grad_norm or float("inf")
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -405,10 +379,10 @@ class FineTuneRecipe:
         state.step += 1
         state.epoch = state.step // self.plan.steps_per_epoch
         state.samples_seen += self.plan.rows_per_step
-        tokens = sum(batch["input_ids"].numel() for batch in rows) * world  # packed rows: rows x seq_len; GRPO: what was generated too
+        # packed rows: rows x seq_len; GRPO: what was generated too
+        tokens = sum(batch["input_ids"].numel() for batch in rows) * world
         state.tokens_seen += tokens
-        self.window_tokens += tokens
-        self.pending_losses.append((state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss, grad_norm))
+        self.window.add(state.step, accelerator.reduce(step_loss, "sum") if world > 1 else step_loss, grad_norm, tokens)
         step, config = state.step, self.config
         if step % config.logging_steps == 0 or step % config.save_steps == 0 or step == self.total_steps:
             self.read_losses()  # inside the timed step: on CUDA this is where the queued work finishes
@@ -424,52 +398,32 @@ class FineTuneRecipe:
 
     def read_losses(self) -> None:
         """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
-        if self.pending_losses:
-            steps = [step for step, _, _ in self.pending_losses]
-            values = torch.stack([torch.stack([loss, norm.float()]) for _, loss, norm in self.pending_losses]).tolist()
-            self.state.loss_history.extend((step, loss) for step, (loss, _) in zip(steps, values))
-            self.grad_norms.extend(norm for _, norm in values)
-            self.pending_losses = []
+        self.window.read(self.state.loss_history)
 
     def log_progress(self) -> None:
         """Log and report the mean loss, learning rate, throughput and ETA of the steps since the last log line."""
-        step, total = self.state.step, self.total_steps
-        elapsed = time.monotonic() - self.window_start
-        per_step = elapsed / self.window_steps
-        recent = [value for _, value in self.state.loss_history[-self.window_steps :]]
-        norms = self.grad_norms[-self.window_steps :]
-        metrics = {
-            "step": step,
-            "total_steps": total,
-            "epoch": step / self.plan.steps_per_epoch,
-            "loss": sum(recent) / len(recent),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "tokens_per_second": self.window_tokens / elapsed if elapsed > 0 else 0.0,
-            "grad_norm": sum(norms) / len(norms),
-            "eta_seconds": per_step * (total - step),
-        }
+        state, lr = self.state, self.scheduler.get_last_lr()[0]
+        metrics = self.window.metrics(state.step, self.total_steps, self.plan.steps_per_epoch, state.loss_history, lr)
         figures = self.step_figures()
         metrics.update(figures)
-        self.say(
-            f"step {step}/{total}  loss {metrics['loss']:.4f}  lr {metrics['learning_rate']:.2e}  "
-            f"{metrics['tokens_per_second']:,.0f} tok/s  eta {_duration(metrics['eta_seconds'])}"
-            + "".join(f"  {name.replace('_', ' ')} {value:.4g}" for name, value in figures.items())
-        )
+        self.say(progress_line(metrics, figures))
         self.report(metrics)
         self.uploader.drain_log()
-        self.window_start, self.window_steps, self.window_tokens = time.monotonic(), 0, 0
-        self.grad_norms = []
+        self.window.restart()
 
     def step_figures(self) -> dict[str, float]:
         """The objective's own figures since the last log line (GRPO: reward mean and std, KL, completion length),
         averaged over the processes, and kept in the trainer state (checkpointed) for the adapter's metadata."""
-        figures = self.step_run.figures()
-        if figures and self.world > 1:  # every rank logs at the same steps: a collective
-            means = self.accelerator.reduce(torch.tensor(list(figures.values()), device=self.device), "mean").tolist()
-            figures = dict(zip(figures, means))
+        figures = self.step_run.figures(self.mean)
         if figures:
             self.state.figure_history.append((self.state.step, figures))
         return figures
+
+    def mean(self, values: list[float]) -> list[float]:
+        """``values`` averaged over the processes (a collective when there are several)."""
+        if self.world == 1 or not values:
+            return values
+        return self.accelerator.reduce(torch.tensor(values, device=self.device), "mean").tolist()
 
     def report(self, metrics: dict) -> None:
         if self.is_main and self.on_metrics is not None:
@@ -515,7 +469,9 @@ class FineTuneRecipe:
 
         if self.parallel.lockstep_eval:  # FSDP: every forward gathers weights from all ranks, so each runs every row
             return self.step_run.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, 0, 1, torch.tensor)
-        return self.step_run.evaluate(self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce)
+        return self.step_run.evaluate(
+            self.unwrapped, self.eval_rows, self.config, self.device, self.rank, self.world, reduce
+        )
 
     # --- finish ---
 
@@ -526,7 +482,7 @@ class FineTuneRecipe:
         if self.eval_rows is not None:
             self.eval_metrics = self.evaluate()
             self.eval_loss = self.eval_metrics.get("eval_loss")
-            self.say(f"final {_figures(self.eval_metrics)} on {len(self.eval_rows)} rows")
+            self.say(f"final {eval_line(self.eval_metrics)} on {len(self.eval_rows)} rows")
             self.report({"step": self.state.step, **self.eval_metrics})
         weights = None  # save_pretrained reads the model, unless it is sharded: then rank 0 gets the gathered weights
         if self.parallel.name == "fsdp" and self.world > 1:
@@ -577,17 +533,19 @@ class FineTuneRecipe:
             resumed_from_step=self.resumed_from,
             checkpoints=complete_checkpoints(self.store, self.run_prefix),
             loss_history=list(state.loss_history),
+            eval_history=list(state.eval_history),
             restarts=state.attempts[:-1],
             bytes_uploaded=self.uploader.bytes_uploaded,
             resolved=self.resolved.as_dict(),
             attn_implementation=self.attention,
             tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
-            mlflow_run_id=self.tracker.run_id if self.tracker is not None else None,
+            mlflow_run_id=self.tracker.mlflow_run_id if self.tracker is not None else None,
+            wandb_run_id=self.tracker.wandb_run_id if self.tracker is not None else None,
         )
         named = (("train", result.train_loss), ("eval", self.eval_loss))
         losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
         self.say(
-            f"done: {result.steps} steps, {losses}, {_duration(wall)} wall, "
+            f"done: {result.steps} steps, {losses}, {duration(wall)} wall, "
             f"{result.effective_training_fraction:.0%} of it in training steps"
         )
         return result
@@ -617,7 +575,18 @@ def train(
     # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
     with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
         recipe = FineTuneRecipe(
-            config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm, started, tags or {}, objective
+            config,
+            Path(base_model_dir),
+            Path(shards_dir),
+            store,
+            run_prefix,
+            Path(work_dir),
+            log,
+            on_metrics,
+            sigterm,
+            started,
+            tags or {},
+            objective,
         )
         recipe.setup()
         recipe.resume()

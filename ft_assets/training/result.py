@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -17,9 +17,12 @@ class TrainingResult:
     device: str
     steps: int
     train_loss: float | None  # mean of the last `logging_steps` step losses
-    eval_loss: float | None  # None without eval shards, or for GRPO (no loss to evaluate); DPO: the DPO loss on the eval pairs
+    eval_loss: (
+        float | None
+    )  # None without eval shards, or for GRPO (no loss to evaluate); DPO: the DPO loss on the eval pairs
     eval_metrics: dict  # the final eval's figures (DPO: reward accuracy and margin of the model and its reference)
-    figure_history: list[tuple[int, dict]]  # the objective's own figures at each log line (GRPO: reward mean/std, KL, completion length)
+    # the objective's own figures at each log line (GRPO: reward mean/std, KL, completion length)
+    figure_history: list[tuple[int, dict]]
     tokens_seen: int  # packed tokens (padding included) over all processes, whole run
     wall_seconds: float  # this attempt, from `started_at` (model load, data, uploads, eval included)
     step_seconds: float  # this attempt, inside forward + backward + optimizer step
@@ -33,6 +36,9 @@ class TrainingResult:
     attn_implementation: str  # the attention backend the run used (``auto`` resolved)
     tokens_per_second: float  # this attempt: packed tokens (padding included) per second of step time, all processes
     mlflow_run_id: str | None  # the MLflow run this run is logged to (None: no tracking, or the tracker did not answer)
+    wandb_run_id: str | None = None  # the W&B run (its id is the run id; None: W&B off, or it did not start)
+    # the eval headline at each intermediate eval (``eval_steps``; SFT, DPO: eval_loss; GRPO: reward), oldest first
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         raw = asdict(self)

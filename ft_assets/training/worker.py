@@ -25,7 +25,9 @@ from ft_assets.training.recipe import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the training recipe (one process, or one rank of accelerate launch).")
+    parser = argparse.ArgumentParser(
+        description="Run the training recipe (one process, or one rank of accelerate launch)."
+    )
     parser.add_argument("--config", default="{}", help="TrainingConfig as JSON, or a path to a JSON file")
     parser.add_argument("--base-model", required=True, type=Path, help="local HF model directory (safetensors)")
     parser.add_argument("--shards", required=True, type=Path, help="local directory of packed Parquet shards")
@@ -34,10 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True, type=Path, help="local scratch directory")
     parser.add_argument("--result", type=Path, help="write the TrainingResult here as JSON (rank 0)")
     parser.add_argument("--pipes", action="store_true", help="report to Dagster through dagster-pipes (rank 0 only)")
-    parser.add_argument("--tags", default="{}", help="tags of the MLflow run as a JSON object (dataset version, lineage digests)")
+    parser.add_argument(
+        "--tags", default="{}", help="tags of the MLflow run as a JSON object (dataset version, lineage digests)"
+    )
     parser.add_argument(
         "--objective", default=SFT.name, choices=sorted(OBJECTIVES),
-        help="what the shards teach, as the data plane recorded it (tokenized_shards' stats): sft (chat rows), dpo (pairs)",
+        help="what the shards teach, as the data plane recorded it (tokenized_shards' stats): sft (chat rows), dpo (pairs), grpo (prompts)",
     )  # fmt: skip
     args = parser.parse_args(argv)
 

@@ -64,7 +64,7 @@ def legacy_rope(config: dict) -> dict:
     if "rope_theta" not in rope:
         raise ValueError(
             f"config.json rope_parameters {rope} has no rope_theta and is not nested by {GEMMA3_LAYER_TYPES}: "
-            "this layout is not known to ft_assets.delivery.portable; add its 4.x form there"
+            "this layout is not known to ft_assets.portable; add its 4.x form there"
         )
     return {"rope_theta": rope["rope_theta"]} | _scaling(rope)
 
@@ -131,7 +131,8 @@ def adapter_base_name(base_ref: dict) -> str:
     """What ``adapter_config.json`` names as the base: the Hub id of a base taken unchanged from the Hub, else its
     key in the store (``models/<slug>/<sha256[:16]>``), from ``base_model``'s reference."""
     stats = base_ref["stats"]
-    if HUB_ID.fullmatch(stats["source"]) and stats["model_id"] == stats["source"]:  # base_model.resolve_source's "hub" kind
+    # base_model.resolve_source's "hub" kind
+    if HUB_ID.fullmatch(stats["source"]) and stats["model_id"] == stats["source"]:
         return stats["source"]
     return base_ref["prefix"]
 

@@ -1,15 +1,22 @@
-"""GRPO rollouts: completions sampled from the policy, scored by the reward functions, packed for the loss.
+"""GRPO's training step: completions sampled from the policy, scored by the reward functions, packed for the loss.
+
+Everything GRPO adds to the one recipe lives here: ``GrpoStep`` (what the recipe asks of the objective
+before a run: the prompt rows, the log line, the planner's work), ``GrpoRun`` (one run's tokenizer,
+reward functions, generator and figures: each micro-batch's rollout, the loss, the eval, the per-step
+figures) and the rollouts themselves. The settings are ``ft_assets.objectives.grpo.GrpoSettings``
+(``config.grpo``).
 
 One micro-batch of a GRPO step is ``per_device_batch_size`` prompts; ``rollout`` samples
 ``num_generations`` completions of each (the group), decodes them, scores them with the run's reward
 functions (``ft_assets.rewards``), turns the rewards into group-relative advantages
 (``ft_assets.training.loss.group_advantages``) and packs every prompt + completion into one row the way
 packed chat rows are (position ids restart at each sequence; no attention mask), with the completion
-tokens as labels, each token's advantage and loss weight, and, when ``grpo_beta`` > 0, the reference's
+tokens as labels, each token's advantage and loss weight, and, when ``grpo.beta`` > 0, the reference's
 log-probabilities (the base with the adapter disabled, no gradients). All of it is computed from the
 policy before the step's update, so every micro-batch of a step is on-policy.
 
-Rollouts are seeded from (seed, step, rank, micro-batch) (``rollout_seed``) inside a forked RNG, so
+Rollouts are seeded from (seed, step, rank, micro-batch) (``rollout_seed``; the recipe says where each
+micro-batch is, ``GrpoRun.rollout`` turns it into the seed) inside a forked RNG, so
 they do not draw from the training RNG streams: a run killed and resumed from a checkpoint samples
 the same completions at every step as the uninterrupted run, and ends with the same adapter.
 
@@ -34,16 +41,22 @@ import hashlib
 import importlib.util
 import shutil
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ft_assets import rewards as rw
-from ft_assets.shards import IGNORE_INDEX, Prompt
-from ft_assets.training.loss import group_advantages, token_logps
+from ft_assets.generation import stop_tokens
+from ft_assets.objectives.grpo import GrpoSettings
+from ft_assets.shards import IGNORE_INDEX, Prompt, PromptRows, load_prompt_rows
+from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.loss import group_advantages, grpo_loss_sum, token_logps
+from ft_assets.training.steps import Mean, StepWork
 
 VLLM_MEMORY_FRACTION = 0.3  # of the GPU for the colocated vLLM engine (weights + KV cache); training keeps the rest
+EVAL_PROMPTS = 16  # prompts per greedy generate() call of the eval
 
 
 def rollout_seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -100,7 +113,9 @@ class TransformersGenerator:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             if seed is not None:
                 torch.manual_seed(seed)
-            output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+            output = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            )
         model.train(was_training)
         return [end_at_eos(row, s.eos_ids) for row in output[:, width:].tolist()]
 
@@ -130,7 +145,9 @@ class VllmGenerator:
             seed=seed, stop_token_ids=s.eos_ids,
         )  # fmt: skip
         requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
-        outputs = self.llm.generate(requests, params, lora_request=LoRARequest(f"step-{step}", step + 1, str(folder)), use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, params, lora_request=LoRARequest(f"step-{step}", step + 1, str(folder)), use_tqdm=False
+        )
         return [self._ended(completion) for output in outputs for completion in output.outputs]
 
     def _ended(self, completion) -> list[int]:
@@ -141,11 +158,15 @@ class VllmGenerator:
         return ids
 
 
-def make_generator(backend: str, sampling: Sampling, base_model_dir: Path, max_model_len: int, lora_r: int, device: torch.device):
+def make_generator(
+    backend: str, sampling: Sampling, base_model_dir: Path, max_model_len: int, lora_r: int, device: torch.device
+):
     """The generator a run uses: vLLM when asked (or ``auto`` on CUDA with vllm installed), else transformers."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if backend == "vllm" and not (has_vllm and device.type == "cuda"):
-        raise ValueError("generation_backend 'vllm' needs a CUDA GPU and `pip install vllm`; use 'transformers' or 'auto'")
+        raise ValueError(
+            "generation_backend 'vllm' needs a CUDA GPU and `pip install vllm`; use 'transformers' or 'auto'"
+        )
     if backend == "vllm" or (backend == "auto" and has_vllm and device.type == "cuda"):
         return VllmGenerator(sampling, base_model_dir, max_model_len, lora_r)
     return TransformersGenerator(sampling)
@@ -173,7 +194,9 @@ class RolloutFigures:
         }
 
 
-def pack_sequences(prompts: list[torch.Tensor], completions: list[list[int]], n: int, advantages: torch.Tensor, loss_type: str) -> dict:
+def pack_sequences(
+    prompts: list[torch.Tensor], completions: list[list[int]], n: int, advantages: torch.Tensor, loss_type: str
+) -> dict:
     """Every prompt + completion back to back in one row: ``input_ids``, ``position_ids`` (restarting at each
     sequence), ``labels`` (the completion tokens), and per position the advantage of its completion and its loss
     weight ('dapo': 1, 'grpo': 1 / the completion's length), plus ``items``: what the step's loss is a mean over."""
@@ -204,22 +227,136 @@ def score_completions(
     return replies, torch.tensor(rw.totals(scored), dtype=torch.float32)
 
 
-def rollout(unwrapped, generator, tokenizer, reward_fns, batch: dict, config, seed: int, step: int, figures: RolloutFigures) -> dict:
+def rollout(
+    unwrapped,
+    generator,
+    tokenizer,
+    reward_fns,
+    batch: dict,
+    settings: GrpoSettings,
+    seed: int,
+    step: int,
+    figures: RolloutFigures,
+) -> dict:
     """One micro-batch's GRPO rollout (module docstring): the packed batch the loss reads, on the CPU."""
     prompts: list[Prompt] = batch["prompts"]
-    n = config.num_generations
+    n = settings.num_generations
     completions = generator.generate(unwrapped, [p.input_ids for p in prompts], n, seed, step)
     _, rewards = score_completions(tokenizer, reward_fns, prompts, completions, n)
-    packed = pack_sequences([p.input_ids for p in prompts], completions, n, group_advantages(rewards, n), config.grpo_loss)
-    if config.grpo_beta:
+    packed = pack_sequences([p.input_ids for p in prompts], completions, n, group_advantages(rewards, n), settings.loss)
+    if settings.beta:
         device = next(unwrapped.parameters()).device
         on_device = {name: packed[name].to(device) for name in ("input_ids", "position_ids", "labels")}
         was_training = unwrapped.training
         unwrapped.eval()
         with torch.no_grad(), unwrapped.disable_adapter():
-            packed["reference_logps"] = token_logps(unwrapped, on_device, config.temperature).cpu()
+            packed["reference_logps"] = token_logps(unwrapped, on_device, settings.temperature).cpu()
         unwrapped.train(was_training)
     figures.rewards += rewards.tolist()
     figures.lengths += [len(c) for c in completions]
-    figures.truncated += sum(1 for c in completions if len(c) == config.max_completion_length and c[-1] not in generator.sampling.eos_ids)
+    figures.truncated += sum(
+        1 for c in completions if len(c) == settings.max_completion_length and c[-1] not in generator.sampling.eos_ids
+    )
     return packed
+
+
+class GrpoStep:
+    """GRPO on prompt shards: completions sampled per prompt, scored by the run's reward functions, the policy
+    pushed toward the better ones of each group, held to the base (adapter disabled) by a KL penalty."""
+
+    def load_rows(self, shards_dir: Path, split: str, max_seq_len: int) -> PromptRows | None:
+        return load_prompt_rows(shards_dir, split, max_seq_len)
+
+    def describe_rows(self, rows: PromptRows, config: TrainingConfig) -> str:
+        grpo = config.grpo
+        return (
+            f" (prompts; {grpo.num_generations} completions each of up to {grpo.max_completion_length} tokens, "
+            f"rewards {', '.join(grpo.rewards)}, beta {grpo.beta:g}, {grpo.loss} loss)"
+        )
+
+    def work(self, config: TrainingConfig, shards: dict, resolved: ResolvedTraining) -> StepWork:
+        """Every prompt of a step and its num_generations completions (at most max_completion_length tokens, planned at
+        that), one micro-batch's sequences packed in one row."""
+        grpo = config.grpo
+        prompt = -(-shards["train_tokens"] // max(shards["train_rows"], 1))  # the mean prompt, in tokens
+        sequence = prompt + grpo.max_completion_length
+        group = config.per_device_batch_size * grpo.num_generations
+        tokens = resolved.total_steps * resolved.rows_per_step * grpo.num_generations * sequence
+        return StepWork(
+            group * sequence, sequence, 1, tokens, grpo.beta > 0, grpo.max_completion_length / sequence, group
+        )
+
+    def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> GrpoRun:
+        return GrpoRun(config, base_model_dir, model)
+
+
+class GrpoRun:
+    """One GRPO run's state: the tokenizer, the reward functions, the generator and the figures since the last log."""
+
+    def __init__(self, config: TrainingConfig, base_model_dir: Path, model):
+        from transformers import AutoTokenizer  # seconds to import; only the training process needs it
+
+        self.settings: GrpoSettings = config.grpo
+        self.seed = config.seed
+        self.tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+        self.rewards = rw.load_rewards(self.settings.rewards)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        # a completion ends at the tokenizer's eos or any end-of-turn id of the generation config, as eval answers do
+        sampling = Sampling(
+            self.settings.max_completion_length, self.settings.temperature, stop_tokens(model, self.tokenizer), pad
+        )
+        device = next(model.parameters()).device
+        self.generator = make_generator(
+            self.settings.generation_backend, sampling, base_model_dir, config.max_seq_len, config.lora_r, device
+        )
+        self.window = RolloutFigures()
+
+    def rollout(self, unwrapped, batch: dict, step: int, rank: int, micro: int) -> dict[str, torch.Tensor]:
+        """The micro-batch's completions, sampled with the seed of where it is (so a resumed run samples the same)."""
+        seed = rollout_seed(self.seed, step, rank, micro)
+        return rollout(
+            unwrapped, self.generator, self.tokenizer, self.rewards, batch, self.settings, seed, step, self.window
+        )
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["items"])
+
+    def loss_sum(self, model, unwrapped, batch: dict[str, torch.Tensor], config: TrainingConfig) -> torch.Tensor:
+        logps = token_logps(model, batch, self.settings.temperature)
+        reference = batch.get("reference_logps")
+        completion = batch["labels"][:, 1:] != IGNORE_INDEX
+        if reference is not None:
+            with torch.no_grad():
+                difference = reference - logps
+                self.window.kl_sum += float(((difference.exp() - difference - 1) * completion).sum())
+            self.window.kl_tokens += int(completion.sum())
+        return grpo_loss_sum(logps, reference, batch["advantages"][:, 1:], batch["weights"][:, 1:], self.settings.beta)
+
+    def evaluate(self, unwrapped, rows: PromptRows, config, device, rank, world, reduce) -> dict[str, float]:
+        """The mean reward of greedy completions of every eval prompt (``eval_reward_mean``), and of the reference's
+        (the base, adapter disabled), each process taking every world-th prompt."""
+        prompts = rows.prompts[rank::world]
+        sums = []
+        for adapter in (True, False):
+            total, count = 0.0, 0
+            for start in range(0, len(prompts), EVAL_PROMPTS):
+                part = prompts[start : start + EVAL_PROMPTS]
+                with nullcontext() if adapter else unwrapped.disable_adapter():
+                    completions = TransformersGenerator(self.generator.sampling).generate(
+                        unwrapped, [p.input_ids for p in part], 1, None
+                    )
+                _, rewards = score_completions(self.tokenizer, self.rewards, part, completions, 1)
+                scored = rewards[~rewards.isnan()]
+                total, count = total + float(scored.sum()), count + len(scored)
+            sums += [total, count]
+        total = reduce(sums).tolist()
+        return {
+            "eval_reward_mean": total[0] / max(total[1], 1),
+            "eval_reference_reward_mean": total[2] / max(total[3], 1),
+        }
+
+    def figures(self, mean: Mean) -> dict[str, float]:
+        """Reward mean and std, KL and completion length of the rollouts since the last call, averaged over the
+        processes (a collective: every rank logs at the same steps)."""
+        figures, self.window = self.window.summary(), RolloutFigures()
+        return dict(zip(figures, mean(list(figures.values()))))

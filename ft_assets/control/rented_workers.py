@@ -1,0 +1,150 @@
+"""Idle shutdown beyond EC2: RunPod pods, Vast.ai instances and SkyPilot clusters, the same rules as EC2's.
+
+``idle_gpu_worker_sensor`` (``shutdown.py``) calls ``rented_tick`` once a tick for the providers listed
+in ``RentedWorkersResource.providers``; each provider's API is one module of ``idle_backends``, which
+lists the machines ft-assets may touch and stops or removes one:
+
+| provider | ours when | stop (default) | remove | notes |
+|---|---|---|---|---|
+| ``runpod`` (``runpod`` SDK, ``RUNPOD_API_KEY``) | the pod's env has ``FT_ASSETS_ROLE=gpu-worker`` | ``podStop``: GPU released, the volume disk (``/workspace``) kept and billed | ``podTerminate`` | a network volume survives both; RunPod refused to stop such pods before May 2026: the refusal is logged, never turned into a terminate |
+| ``vast`` (``vastai`` SDK, ``VAST_API_KEY``) | the instance's env has ``FT_ASSETS_ROLE=gpu-worker`` | ``stop_instance``: the disk is kept and billed, the GPU may be rented by someone else meanwhile | ``destroy_instance`` | |
+| ``skypilot`` (``sky.status``) | the cluster's name starts with ``skypilot_prefix`` (``ft-``) | ``sky.stop`` (SkyPilot refuses it for spot clusters but GCP's, and on RunPod, Lambda, Kubernetes) | ``sky.down`` | a managed job's cluster is autodowned by its controller (5 idle min); tasks that ft-assets builds carry ``autostop`` for a ``sky launch`` of them |
+
+Activity and safety are EC2's (``shutdown.find_idle_workers``): idle since the latest of the machine's
+start and the end of each run tied to it by the run tag ``ft/worker-instance-id``
+(``ft_assets.training.worker_identity``: ``runpod:<pod>``, ``vast:<id>``, ``sky:<cluster>``); never a
+machine with an unfinished run tied to it, never one whose start time cannot be read, and nothing
+while a gpu-pool run is started without a worker tag (``sensor`` checks that before calling here).
+Neither marketplace has a dry-run call: a dry run lists and reports only, without checking that the
+API key may stop anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import ModuleType
+from typing import Any, Literal
+
+import dagster as dg
+from pydantic import Field
+
+from ft_assets.control.idle_backends import RentedWorker, runpod, skypilot_clusters, vast
+
+PROVIDERS = {"runpod": runpod, "vast": vast, "skypilot": skypilot_clusters}  # provider -> its idle_backends module
+DONE = {"stop": "stopped", "terminate": "terminated", "destroy": "destroyed", "down": "tore down"}  # for the log
+RunsOf = Callable[[Sequence[str]], Mapping[str, Sequence[Any]]]  # worker tags -> their runs (shutdown.WorkerRun)
+
+
+class RentedWorkersResource(dg.ConfigurableResource):
+    """The marketplace and SkyPilot machines the idle sensor may stop, and what it does to them. The idle threshold
+    is the sensor's one, ``ec2_workers.idle_minutes``, for every provider.
+
+    Credentials are the SDKs' own: ``RUNPOD_API_KEY`` (and ``RUNPOD_API_BASE_URL``), ``VAST_API_KEY``,
+    SkyPilot's API server (``SKYPILOT_API_SERVER_ENDPOINT`` or its local one)."""
+
+    providers: list[str] = Field(
+        default=[], description="Which to watch besides EC2: any of runpod, vast, skypilot. Empty: none."
+    )
+    runpod_action: Literal["stop", "terminate"] = Field(
+        default="stop", description="'stop' keeps the pod's volume disk (billed); 'terminate' deletes the pod."
+    )
+    vast_action: Literal["stop", "destroy"] = Field(
+        default="stop", description="'stop' keeps the instance's disk (billed); 'destroy' deletes the instance."
+    )
+    skypilot_action: Literal["stop", "down"] = Field(
+        default="stop", description="'stop' keeps the cluster's disks (not possible for spot); 'down' tears it down."
+    )
+    skypilot_prefix: str = Field(default="ft-", description="SkyPilot clusters whose name starts with this are ours.")
+    vast_url: str = Field(default="", description="Vast.ai's API server. Empty: the SDK's (console.vast.ai).")
+    python: str = Field(default="", description="The python of the SkyPilot/Vast.ai venv. Empty: $FT_SKYPILOT_PYTHON.")
+    dry_run: bool = Field(default=False, description="Only log what would be done (no provider has a dry-run call).")
+
+    def backends(self) -> dict[str, ModuleType]:
+        """provider -> its module (``list_workers(resource, now)``, ``shut_down(resource, worker) -> error | None``)."""
+        unknown = [p for p in self.providers if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"rented_workers.providers: unknown {unknown}; use any of {', '.join(PROVIDERS)}")
+        return {provider: PROVIDERS[provider] for provider in self.providers}
+
+    def action(self, provider: str) -> str:
+        return {"runpod": self.runpod_action, "vast": self.vast_action, "skypilot": self.skypilot_action}[provider]
+
+
+@dataclass(frozen=True)
+class IdleRented:
+    worker: RentedWorker
+    idle_since: datetime
+    last_activity: str  # "start" or "run <id> ended"
+    idle_for: timedelta
+
+
+def find_idle(
+    workers: Iterable[RentedWorker], runs: Mapping[str, Sequence[Any]], now: datetime, threshold: timedelta
+) -> list[IdleRented]:
+    """Workers idle longer than ``threshold``: none with an unsettled run (``shutdown.WorkerRun`` without an end) or
+    an unreadable start time."""
+    idle = []
+    for worker in workers:
+        tied = runs.get(worker.tag, ())
+        if worker.started_at is None or any(run.ended_at is None for run in tied):
+            continue
+        signals = [(worker.started_at, "start")]
+        signals += [(run.ended_at, f"run {run.run_id} ended") for run in tied if run.ended_at is not None]
+        since, what = max(signals, key=lambda signal: signal[0])
+        if now - since > threshold:
+            idle.append(IdleRented(worker, since, what, now - since))
+    return idle
+
+
+def describe(idle: IdleRented, verb: str) -> str:
+    w = idle.worker
+    price = f"; saves ~${w.usd_per_hour:.2f}/h ({w.provider}'s price)" if w.usd_per_hour is not None else ""
+    return (
+        f"{verb} {w.provider} {w.worker_id} ({w.what}{', spot' if w.spot else ''}), idle "
+        f"{int(idle.idle_for.total_seconds() // 60)} min since {idle.idle_since:%Y-%m-%d %H:%M} UTC ({idle.last_activity}){price}"
+    )
+
+
+def rented_tick(
+    context, resource: RentedWorkersResource, now: datetime, threshold: timedelta, runs_of: RunsOf
+) -> list[str]:
+    """One tick over every configured provider: a summary line each; each action logged. ``runs_of``: the runs tied
+    to each worker tag (the sensor's ``shutdown.runs_by_instance``)."""
+    summaries = []
+    for provider, backend in resource.backends().items():
+        try:
+            workers = backend.list_workers(resource, now)
+        except Exception as exc:  # an API error skips this provider's tick, never the others'
+            context.log.warning(f"could not list {provider} workers, trying again next tick: {exc}")
+            summaries.append(f"{provider}: listing failed ({exc})")
+            continue
+        for worker in workers:
+            if worker.started_at is None:
+                context.log.warning(f"{provider} {worker.worker_id}: its start time cannot be read; it stays up")
+        runs = runs_of([w.tag for w in workers])
+        idle = find_idle(workers, runs, now, threshold)
+        action = resource.action(provider)
+        done = []
+        for item in idle:
+            if resource.dry_run:
+                context.log.info(describe(item, f"dry run: would {action}"))
+                done.append(item)
+                continue
+            error = backend.shut_down(resource, item.worker)
+            if error:
+                context.log.warning(describe(item, f"could not {action}") + f": {error}")
+            else:
+                context.log.info(describe(item, DONE[action]))
+                done.append(item)
+        prices = [item.worker.usd_per_hour for item in done if item.worker.usd_per_hour is not None]
+        verb = f"would {action}" if resource.dry_run else action
+        summary = f"{provider}: {len(workers)} worker(s), {verb} {len(done)} idle"
+        if done:
+            ids = ", ".join(item.worker.worker_id for item in done)
+            summary += f" ({ids}" + (f"; ~${sum(prices):.2f}/h" if prices else "") + ")"
+        if len(done) < len(idle):
+            summary += f", {len(idle) - len(done)} refused (see the log)"
+        summaries.append(summary)
+    return summaries
