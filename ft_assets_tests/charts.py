@@ -37,10 +37,20 @@ def text_boxes(svg: ET.Element) -> list[tuple[str, float, float, float, float]]:
     """Each text's (text, left, top, right, bottom), from its anchor and a generous character width."""
     boxes = []
     for text in svg.iter(f"{SVG}text"):
-        x, y, width = float(text.get("x")), float(text.get("y")), CHAR_PX * len(text.text)
+        said = "".join(text.itertext())  # a coloured part of it (a <tspan>) included
+        x, y, width = float(text.get("x")), float(text.get("y")), CHAR_PX * len(said)
         left = {"end": x - width, "middle": x - width / 2}.get(text.get("text-anchor"), x)
-        boxes.append((text.text, left, y - 9, left + width, y))
+        boxes.append((said, left, y - 9, left + width, y))
     return boxes
+
+
+def dots(svg: ET.Element) -> list[tuple[float, float]]:
+    """The centres of the dots drawn beside the curves (4 px squares: ``Mx,yh4`` strokes of one unfilled path)."""
+    return [
+        (float(x) + 2, float(y))
+        for path in svg.iter(f"{SVG}path") if path.get("stroke-width") == "4"
+        for x, y in re.findall(r"M([\d.]+),([\d.]+)h4", path.get("d"))
+    ]  # fmt: skip
 
 
 def overlaps(a, b) -> bool:

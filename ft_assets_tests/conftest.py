@@ -6,12 +6,21 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread for the session, set before torch is imported (the test modules import it): the tiny models'
+# ops are too small to share, and 2 threads spinning against each other and the suite's servers cost CPU for nothing
+# (test_pipeline.py + test_signed_delivery.py: 160 s of CPU with torch's default 2 threads, 70 s with 1, at load ~10).
+# Subprocesses inherit it, as ONE_THREAD gave it to most of them before; test_real_gemma.py takes 2 for its 268M model.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vllm_smoke serves with vLLM only where a test asks for it (test_vllm.py): each server start costs ~45 s, and
 # every other test that runs the delivery plane would start two. Elsewhere it materializes as "vLLM is off".
 os.environ.setdefault("FT_VLLM_PYTHON", "")
+# Likewise mlx (the [mlx] extra): hidden, so the MLX export is off (~20 s a delivery run) and `backend: auto` is torch,
+# except in the tests of the MLX backend and export (test_mlx.py, test_mlx_pipeline.py, test_general_eval.py's MLX
+# server), which set FT_MLX=1.
+os.environ.setdefault("FT_MLX", "0")
 
 pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver"]
 
@@ -56,6 +65,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def with_mlx(monkeypatch):
+    """mlx visible to ft-assets (the suite hides it: FT_MLX=0 above)."""
+    monkeypatch.setenv("FT_MLX", "1")
+
+
 @pytest.fixture(scope="module")
 def one_cpu_thread():
     """Tiny models on 2 shared cores: intra-op threads spin against each other, 1 thread is ~10x faster."""
@@ -73,7 +88,9 @@ def tiny_model(tmp_path_factory) -> Path:
     from ft_assets_tests.support import SYSTEM, chat_examples
     from ft_assets_tests.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)])
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-model"), extra_text=[SYSTEM] + [u + " " + a for u, a in chat_examples(19)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +113,15 @@ def reference(tiny_model, shards, tmp_path_factory):
     from ft_assets_tests.support import RUN, final_weights, training_config
 
     tmp = tmp_path_factory.mktemp("reference")
-    result = train(training_config(max_steps=24), tiny_model, shards, LocalStore(tmp / "store"), RUN, tmp / "work", log=lambda line: None)
+    result = train(
+        training_config(max_steps=24),
+        tiny_model,
+        shards,
+        LocalStore(tmp / "store"),
+        RUN,
+        tmp / "work",
+        log=lambda line: None,
+    )
     return final_weights(result)
 
 
@@ -117,8 +142,8 @@ def pair_shards(pair_model, tmp_path_factory) -> Path:
 
     from transformers import AutoTokenizer
 
+    from ft_assets.data.chat_encoding import ChatEncoder
     from ft_assets.data.decoding import parse_line
-    from ft_assets.data.packing import ChatEncoder
     from ft_assets.data.pair_packing import tokenize_and_pack_pairs
     from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs
 
@@ -126,7 +151,9 @@ def pair_shards(pair_model, tmp_path_factory) -> Path:
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(pair_model))
     rows = [parse_line(json.dumps(row).encode()) for row in timer_pairs(60)]
     for split, part in (("train", rows[:48]), ("eval", rows[48:])):
-        stats = tokenize_and_pack_pairs(((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, window=16)
+        stats = tokenize_and_pack_pairs(
+            ((f"{split}-{i}", m) for i, m in enumerate(part)), encoder, PAIR_SEQ_LEN, out, split, window=16
+        )
         assert stats.examples == len(part), stats.rejected
     return out
 
@@ -140,7 +167,18 @@ def dpo_reference(pair_model, pair_shards, tmp_path_factory):
     from ft_assets_tests.support import DPO_RUN, dpo_config, final_weights
 
     tmp = tmp_path_factory.mktemp("dpo-reference")
-    return final_weights(train(dpo_config(), pair_model, pair_shards, LocalStore(tmp / "store"), DPO_RUN, tmp / "work", log=lambda line: None, objective=DPO))
+    return final_weights(
+        train(
+            dpo_config(),
+            pair_model,
+            pair_shards,
+            LocalStore(tmp / "store"),
+            DPO_RUN,
+            tmp / "work",
+            log=lambda line: None,
+            objective=DPO,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +224,11 @@ def prompt_shards(grpo_model, tmp_path_factory) -> Path:
     """48 training and 16 held-out timer prompts with their reference calls, tokenized by the data plane."""
     from ft_assets_tests.support import timer_prompts, write_prompt_shards
 
-    return write_prompt_shards(grpo_model, tmp_path_factory.mktemp("prompt-shards"), {"train": timer_prompts(48), "eval": timer_prompts(16, 48)})
+    return write_prompt_shards(
+        grpo_model,
+        tmp_path_factory.mktemp("prompt-shards"),
+        {"train": timer_prompts(48), "eval": timer_prompts(16, 48)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -198,4 +240,24 @@ def grpo_reference(grpo_model, prompt_shards, tmp_path_factory):
     from ft_assets_tests.support import GRPO_RUN, final_weights, grpo_config
 
     tmp = tmp_path_factory.mktemp("grpo-reference")
-    return final_weights(train(grpo_config(), grpo_model, prompt_shards, LocalStore(tmp / "store"), GRPO_RUN, tmp / "work", log=lambda line: None, objective=GRPO))
+    return final_weights(
+        train(
+            grpo_config(),
+            grpo_model,
+            prompt_shards,
+            LocalStore(tmp / "store"),
+            GRPO_RUN,
+            tmp / "work",
+            log=lambda line: None,
+            objective=GRPO,
+        )
+    )
+
+
+@pytest.fixture(scope="session")
+def published_run(tmp_path_factory, tiny_model_dir):
+    """All four planes on the tiny model, published once for the session, signed and tracked (``published.py``):
+    test_pipeline.py and test_signed_delivery.py read it; a test that changes files works on ``published_run.copy()``."""
+    from ft_assets_tests.published import publish
+
+    return publish(tmp_path_factory.mktemp("published"), tiny_model_dir)

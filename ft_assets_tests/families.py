@@ -68,11 +68,19 @@ LLAMA3_TOKENS = Tokens(
     ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
     "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3_TEMPLATE,
 )  # fmt: skip
-CHATML_TOKENS = Tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE)
-GEMMA_TOKENS = Tokens(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>", GEMMA_TEMPLATE)
+CHATML_TOKENS = Tokens(
+    ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE
+)
+GEMMA_TOKENS = Tokens(
+    ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>", "<pad>", GEMMA_TEMPLATE
+)
 MISTRAL_TOKENS = Tokens(["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>", MISTRAL_TEMPLATE)
 PHI3_TOKENS = Tokens(
-    ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"], None, "<|end|>", "<|endoftext|>", PHI3_TEMPLATE
+    ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+    None,
+    "<|end|>",
+    "<|endoftext|>",
+    PHI3_TEMPLATE,
 )
 
 

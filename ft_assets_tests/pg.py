@@ -98,13 +98,32 @@ class PostgresServer:
         if os.geteuid() == 0:
             shutil.chown(pwfile, "postgres")
         self._run(
-            str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", self.user, f"--pwfile={pwfile}",
-            "--auth=scram-sha-256", "--encoding=UTF8", "--locale=C", "--no-sync",
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-U",
+            self.user,
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
         )
         pwfile.unlink()
         options = f"-c listen_addresses={self.host} -p {self.port} -c unix_socket_directories='' -c fsync=off"
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options,
-                  "-w", "-t", str(int(START_TIMEOUT_S)), "start")
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.log_path),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            str(int(START_TIMEOUT_S)),
+            "start",
+        )
 
     def stop(self) -> None:
         if (self.data_dir / "postmaster.pid").exists():
@@ -160,11 +179,15 @@ def postgres_server():
     bindir = postgres_bindir()
     if os.geteuid() == 0:
         if shutil.which("runuser") is None:
-            pytest.fail(f"running as root needs `runuser` (util-linux) to start PostgreSQL as the postgres user: {INSTALL_HINT}")
+            pytest.fail(
+                f"running as root needs `runuser` (util-linux) to start PostgreSQL as the postgres user: {INSTALL_HINT}"
+            )
         try:
             pwd.getpwnam("postgres")
         except KeyError:
-            pytest.fail(f"running as root needs the `postgres` system user that the Debian package creates: {INSTALL_HINT}")
+            pytest.fail(
+                f"running as root needs the `postgres` system user that the Debian package creates: {INSTALL_HINT}"
+            )
     root = Path(tempfile.mkdtemp(prefix="ft-assets-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
@@ -183,4 +206,3 @@ def postgres_server():
 def pg_database(postgres_server) -> PostgresDatabase:
     """A fresh, empty database on the session's server."""
     return postgres_server.create_database()
-

@@ -36,15 +36,24 @@ def execute(instance, request: dg.RunRequest, job_name: str, config: dict) -> dg
     job = defs.resolve_job_def(job_name)
     names = {node.name for node in job.graph.nodes}
     ops = {k: v for k, v in config["ops"].items() if k in names}
-    result = job.execute_in_process(instance=instance, partition_key=request.partition_key, run_config={"ops": ops}, raise_on_error=False)
+    result = job.execute_in_process(
+        instance=instance, partition_key=request.partition_key, run_config={"ops": ops}, raise_on_error=False
+    )
     assert result.success, f"{job_name} failed"
     return instance.get_run_by_id(result.run_id)
 
 
 def on_success(sensor, instance, run: dg.DagsterRun):
-    record = next(r for r in instance.get_records_for_run(run.run_id).records if r.event_log_entry.dagster_event_type == dg.DagsterEventType.RUN_SUCCESS)
+    record = next(
+        r
+        for r in instance.get_records_for_run(run.run_id).records
+        if r.event_log_entry.dagster_event_type == dg.DagsterEventType.RUN_SUCCESS
+    )
     context = dg.build_run_status_sensor_context(
-        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event, dagster_instance=instance, dagster_run=run
+        sensor_name=sensor.name,
+        dagster_event=record.event_log_entry.dagster_event,
+        dagster_instance=instance,
+        dagster_run=run,
     )
     return sensor(context)
 
@@ -74,7 +83,14 @@ def test_new_version_is_published_without_clicks(env, tmp_path, tiny_model_dir):
         assert published["prefix"].startswith("registry/acks/v1/")
         cost = read_ref(env, "acks@v1", "training_cost")["stats"]
         assert cost["total_usd"] > 0 and cost["eth_usd_per_hour"] > 0
-        for asset in ("raw_dataset", "tokenized_shards", "training_plan", "lora_adapter", "eval_report", "published_model"):
+        for asset in (
+            "raw_dataset",
+            "tokenized_shards",
+            "training_plan",
+            "lora_adapter",
+            "eval_report",
+            "published_model",
+        ):
             assert instance.get_latest_materialization_event(dg.AssetKey(asset)) is not None, asset
 
 
@@ -83,7 +99,9 @@ def test_cheap_window_holds_training_until_the_schedule(env, tmp_path, tiny_mode
     drop_version(env, tmp_path, "acks", "night", rows=80)
     monkeypatch.setenv(WINDOW_ENV, "0 1 * * *")
     with dg.instance_for_test() as instance:
-        tick = dataset_version_sensor(dg.build_sensor_context(instance=instance, resources={"store": ObjectStoreResource()}))
+        tick = dataset_version_sensor(
+            dg.build_sensor_context(instance=instance, resources={"store": ObjectStoreResource()})
+        )
         for request in tick.dynamic_partitions_requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
         data_run = execute(instance, tick.run_requests[0], "data_plane", config)
@@ -94,11 +112,15 @@ def test_cheap_window_holds_training_until_the_schedule(env, tmp_path, tiny_mode
         left = on_success(train_after_data, instance, instance.get_run_by_id(data_run.run_id))
         assert isinstance(left, dg.SkipReason) and "`ft-assets run` started run" in left.skip_message
 
-        window = dg.build_schedule_context(instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def())
+        window = dg.build_schedule_context(
+            instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def()
+        )
         requests = training_window.evaluate_tick(window).run_requests
         assert [r.partition_key for r in requests] == ["acks@night"]
         execute(instance, requests[0], "training_plane", config)
         after = training_window.evaluate_tick(
-            dg.build_schedule_context(instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def())
+            dg.build_schedule_context(
+                instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def()
+            )
         )
         assert not after.run_requests  # nothing left waiting once the adapter is newer than the shards

@@ -21,7 +21,16 @@ def bench_dirs(tmp_path, monkeypatch):
     return tmp_path / "results"
 
 
-COUNTS = ("rows_in", "rows_quarantined", "exact_duplicates", "near_duplicates", "train_rows", "eval_rows", "tokens", "packed_rows")
+COUNTS = (
+    "rows_in",
+    "rows_quarantined",
+    "exact_duplicates",
+    "near_duplicates",
+    "train_rows",
+    "eval_rows",
+    "tokens",
+    "packed_rows",
+)
 
 
 def result(results, name: str) -> dict:
@@ -47,7 +56,9 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
     assert runs["ours_x1"]["exact_duplicates"] > 0 and runs["ours_x1"]["rows_quarantined"] > 0
     for name in ("ours_n2_x1", "ours_ray2_x1"):  # the same counts on every executor, the shards spread over 2 workers
         assert {k: runs[name][k] for k in COUNTS} == {k: runs["ours_x1"][k] for k in COUNTS}, name
-        assert (runs[name]["executor"], len(runs[name]["workers_shards"])) == (("ray", 2) if "ray" in name else ("processes", 2))
+        assert (runs[name]["executor"], len(runs[name]["workers_shards"])) == (
+            ("ray", 2) if "ray" in name else ("processes", 2)
+        )
 
     packing.main(["--quick"])
     for name, figures in result(bench_dirs, "packing")["results"].items():
@@ -57,7 +68,11 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
 
     training.main(["--quick"])
     figures = result(bench_dirs, "training")
-    assert {(f["save_steps"], f["upload"]) for f in figures["fractions"]} == {(2, "background"), (2, "synchronous"), (8, "background")}
+    assert {(f["save_steps"], f["upload"]) for f in figures["fractions"]} == {
+        (2, "background"),
+        (2, "synchronous"),
+        (8, "background"),
+    }
     assert all(0 < f["effective_training_fraction"] < 1 for f in figures["fractions"])
     sigterm, sigkill = figures["resume"]["SIGTERM"], figures["resume"]["SIGKILL"]
     assert sigterm["exit_code_of_killed_worker"] == 75 and sigterm["steps_lost"] == 0
@@ -66,7 +81,9 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
 
     gpu_step.main(["--cpu-smoke"])
     rows = result(bench_dirs, "gpu_step_cpu_smoke")["results"]
-    assert {(r["method"], r["layout"]) for r in rows} == {(m, l) for m in ("lora", "qlora") for l in ("packed", "padded")}
+    assert {(r["method"], r["layout"]) for r in rows} == {
+        (m, l) for m in ("lora", "qlora") for l in ("packed", "padded")
+    }
     assert all(r["real_tokens_per_s"] > 0 for r in rows)
 
     snippet = run_all.readme_snippet(bench_dirs)

@@ -155,7 +155,9 @@ def logged_steps(log_path: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^step (\d+)/\d+ ", text, flags=re.M)]
 
 
-def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model, shards, tmp_path: Path, sig: int, seed: int):
+def run_with_interruptions(
+    forkserver, store: ObjectStore, env: dict, tiny_model, shards, tmp_path: Path, sig: int, seed: int
+):
     cfg = config(max_steps=TOTAL_STEPS, save_steps=2, logging_steps=1)
     argv = ["--config", cfg.model_dump_json(), "--base-model", str(tiny_model), "--shards", str(shards),
             "--store", store.url, "--run-prefix", RUN, "--work-dir", str(tmp_path / "work")]  # fmt: skip
@@ -175,7 +177,9 @@ def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model
                 # A kill after the last step would test nothing (and a SIGTERM there ends in success).
                 assert max(logged_steps(log_path)) < TOTAL_STEPS, f"attempt {number}: the run ended before its kill"
                 os.kill(worker.pid, sig)
+            sent = time.monotonic()
             worker.join(WORKER_TIMEOUT_S)
+            seconds_to_exit = time.monotonic() - sent
             assert not worker.is_alive(), f"attempt {number} did not stop"
         finally:
             worker.kill()
@@ -198,6 +202,7 @@ def run_with_interruptions(forkserver, store: ObjectStore, env: dict, tiny_model
             # SIGTERM: checkpoint at the step boundary, wait for the upload, exit EX_TEMPFAIL.
             assert worker.exitcode == EXIT_PREEMPTED, (history, log[-3000:])
             assert max(complete_steps(store)) == attempts[-1]["preempted"], history
+            assert seconds_to_exit < 30, (seconds_to_exit, history)  # the step in flight, its checkpoint, its upload
     return attempts
 
 
@@ -216,25 +221,36 @@ def check_final(tmp_path: Path, reference, reader: Reader, attempts: list[dict],
         partial_checkpoints_seen_by_the_reader=len(reader.problems),
         final_adapter_equals_uninterrupted=True,
         schedule=schedule(seed, INTERRUPTIONS),
-        attempts=[{k: v for k, v in a.items() if k in ("kind", "target", "resumed", "preempted", "exitcode")} for a in attempts],
+        attempts=[
+            {k: v for k, v in a.items() if k in ("kind", "target", "resumed", "preempted", "exitcode")}
+            for a in attempts
+        ],
     )
 
 
-def test_sigkill_at_random_points_resumes_to_the_uninterrupted_adapter(forkserver, s3_env, tiny_model, shards, tmp_path, reference):
+def test_sigkill_at_random_points_resumes_to_the_uninterrupted_adapter(
+    forkserver, s3_env, tiny_model, shards, tmp_path, reference
+):
     store = open_store(s3_env)
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} | {"OMP_NUM_THREADS": "1"}
     with Reader(open_store(s3_env), tmp_path / "reader") as reader:
-        attempts = run_with_interruptions(forkserver, store, env, tiny_model, shards, tmp_path, signal.SIGKILL, seed=SIGKILL_SEED)
+        attempts = run_with_interruptions(
+            forkserver, store, env, tiny_model, shards, tmp_path, signal.SIGKILL, seed=SIGKILL_SEED
+        )
     # At least one kill left a half-uploaded checkpoint behind, and the next worker skipped it.
     assert any(a["partial"] for a in attempts), "no kill landed mid-upload; the schedule proves less than it should"
     check_final(tmp_path, reference, reader, attempts, "chaos_sigkill", SIGKILL_SEED)
 
 
-def test_sigterm_at_random_points_checkpoints_and_resumes_to_the_uninterrupted_adapter(forkserver, tiny_model, shards, tmp_path, reference):
+def test_sigterm_at_random_points_checkpoints_and_resumes_to_the_uninterrupted_adapter(
+    forkserver, tiny_model, shards, tmp_path, reference
+):
     store = LocalStore(tmp_path / "store")
     env = {"OMP_NUM_THREADS": "1"}
     with Reader(LocalStore(tmp_path / "store"), tmp_path / "reader") as reader:
-        attempts = run_with_interruptions(forkserver, store, env, tiny_model, shards, tmp_path, signal.SIGTERM, seed=SIGTERM_SEED)
+        attempts = run_with_interruptions(
+            forkserver, store, env, tiny_model, shards, tmp_path, signal.SIGTERM, seed=SIGTERM_SEED
+        )
     # A preempted worker leaves no partial checkpoint: the next one never has anything to skip.
     assert not any(a["partial"] for a in attempts)
     check_final(tmp_path, reference, reader, attempts, "chaos_sigterm", SIGTERM_SEED)

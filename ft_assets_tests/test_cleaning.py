@@ -33,10 +33,22 @@ def m(*pairs):
 
 OK_CASES = [
     ("simple", m(("user", "q"), ("assistant", "a")), m(("user", "q"), ("assistant", "a"))),
-    ("system", m(("system", "s"), ("user", "q"), ("assistant", "a")), m(("system", "s"), ("user", "q"), ("assistant", "a"))),
-    ("empty-system-dropped", m(("system", " "), ("user", "q"), ("assistant", "a")), m(("user", "q"), ("assistant", "a"))),
+    (
+        "system",
+        m(("system", "s"), ("user", "q"), ("assistant", "a")),
+        m(("system", "s"), ("user", "q"), ("assistant", "a")),
+    ),
+    (
+        "empty-system-dropped",
+        m(("system", " "), ("user", "q"), ("assistant", "a")),
+        m(("user", "q"), ("assistant", "a")),
+    ),
     ("role-case", m(("User", "q"), ("ASSISTANT", "a")), m(("user", "q"), ("assistant", "a"))),
-    ("multi-turn", m(("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4")), m(("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4"))),
+    (
+        "multi-turn",
+        m(("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4")),
+        m(("user", "1"), ("assistant", "2"), ("user", "3"), ("assistant", "4")),
+    ),
     ("cleans-content", m(("user", " q\u00a0\r\n"), ("assistant", "a\x07")), m(("user", "q"), ("assistant", "a"))),
 ]
 

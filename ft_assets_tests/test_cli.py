@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from ft_assets.cli.run import ensure_home
-from ft_assets.cli.run_config import accepted_keys, plane_run_config
+from ft_assets.cli.run_config import accepted_keys, config_mistakes, select_ops
 from ft_assets.control.jobs import DATA_PLANE, TRAINING_PLANE
 from ft_assets.definitions import defs
 from ft_assets_tests.support import run_cli, run_config, write_dataset
@@ -35,6 +35,10 @@ MISTAKES = [
      "no asset 'lora_adaptr'; did you mean 'lora_adapter'?"),
     ("key in lora_adapter", {"ops": {"lora_adapter": {"config": {"max_stepz": 3}}}},
      "asset lora_adapter: unknown key 'max_stepz' at ops.lora_adapter.config; did you mean 'max_steps'?"),
+    ("moved objective setting", {"ops": {"lora_adapter": {"config": {"dpo_beta": 0.2}}}},
+     "asset lora_adapter: dpo_beta is now dpo.beta (ops.lora_adapter.config.dpo.beta)"),
+    ("key in an objective's settings", {"ops": {"lora_adapter": {"config": {"grpo": {"reward": ["m:f"]}}}}},
+     "asset lora_adapter: unknown key 'reward' at ops.lora_adapter.config.grpo; did you mean 'rewards'?"),
     ("key in raw_dataset", {"ops": {"raw_dataset": {"config": {"column": {"prompt": "question"}}}}},
      "asset raw_dataset: unknown key 'column' at ops.raw_dataset.config; did you mean 'columns'? (accepted: columns)"),
     ("key above config", {"ops": {"eval_report": {"confg": {"max_examples": 3}}}},
@@ -43,6 +47,8 @@ MISTAKES = [
      "asset tokenized_shards: ops.tokenized_shards.config.seq_len is 'long'; expected Int"),
     ("list item type", {"ops": {"gguf_model": {"config": {"qtypes": [8]}}}},
      "asset gguf_model: ops.gguf_model.config.qtypes[0] is 8; expected String"),
+    ("a setting that moved", {"ops": {"eval_report": {"config": {"max_gguf_drop": 0.1}}}},
+     "asset eval_report: unknown key 'max_gguf_drop' at ops.eval_report.config; it moved to ops.gguf_model.config.max_drop"),
     ("resource name", {"resources": {"data_executr": {"config": {"workers": 1}}}},
      "no resource 'data_executr'; did you mean 'data_executor'?"),
     ("key in a resource", {"resources": {"data_executor": {"config": {"workerz": 1}}}},
@@ -76,28 +82,33 @@ def test_every_mistake_of_a_config_is_named_in_the_one_line(home, capsys):
                                     "resources": {"store": {"config": {"uri": "s3://b"}}}}))  # fmt: skip
     code, _, err = run_cli(capsys, "run", "--dataset", str(home / "missing.jsonl"), "--config", str(path))
     assert code == 2 and len(err.splitlines()) == 1
-    assert "unknown key 'max_stepz' at ops.lora_adapter.config; did you mean 'max_steps'?" in err and "unknown key 'lr' at ops.lora_adapter.config (accepted:" in err
+    assert (
+        "unknown key 'max_stepz' at ops.lora_adapter.config; did you mean 'max_steps'?" in err
+        and "unknown key 'lr' at ops.lora_adapter.config (accepted:" in err
+    )
     assert "resource store: unknown key 'uri' at resources.store.config; did you mean 'url'? (accepted: url)" in err
 
 
-def test_the_plan_gets_the_training_settings_and_accepts_every_one_of_them():
-    """config_mistakes judges lora_adapter's settings where the user wrote them; the copy to training_plan
-    cannot fail because training_plan accepts every one of them."""
+def test_each_plane_gets_its_own_part_and_the_training_settings_stay_lora_adapters():
+    """The training settings are lora_adapter's alone: training_plan, in the same plane, takes only its own three;
+    a training setting written under training_plan is a mistake named in one line."""
     data, training = defs.resolve_job_def(DATA_PLANE), defs.resolve_job_def(TRAINING_PLANE)
-    settings = set(accepted_keys(training, ["ops", "lora_adapter", "config"]))
-    assert settings and settings <= set(accepted_keys(data, ["ops", "training_plan", "config"]))
-    whole = {"ops": {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}, "training_plan": {"config": {"lora_r": 2}},
+    assert accepted_keys(training, ["ops", "training_plan", "config"]) == ["cost_model_path", "data_region", "purpose"]
+    whole = {"ops": {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}, "training_plan": {"config": {"purpose": "validation"}},
                      "raw_dataset": {"config": {}}}, "resources": {"store": {"config": {"url": "x"}}}}  # fmt: skip
-    assert plane_run_config(data, whole) == {
-        "ops": {"training_plan": {"config": {"max_steps": 7, "lora_r": 2}}, "raw_dataset": {"config": {}}},
+    assert select_ops(data, whole) == {
+        "ops": {"raw_dataset": {"config": {}}},
         "resources": {"store": {"config": {"url": "x"}}},
     }
-    assert plane_run_config(training, whole)["ops"] == {"lora_adapter": {"config": {"max_steps": 7, "lora_r": 4}}}
+    assert select_ops(training, whole)["ops"] == {k: whole["ops"][k] for k in ("lora_adapter", "training_plan")}
+    (said,) = config_mistakes([data, training], {"ops": {"training_plan": {"config": {"lora_r": 64}}}})
+    assert said.startswith("asset training_plan: unknown key 'lora_r' at ops.training_plan.config")
 
 
 def test_the_instance_config_ships_in_the_package_and_the_top_level_one_links_to_it(home):
     packaged = files("ft_assets.control") / "dagster.yaml"
-    top_level = REPO / "dagster.yaml"  # the design card's; `make ui` runs from $DAGSTER_HOME, where it does not warn about it
+    # the design card's; `make ui` runs from $DAGSTER_HOME, where it does not warn about it
+    top_level = REPO / "dagster.yaml"
     assert top_level.is_symlink() and top_level.resolve() == Path(str(packaged)).resolve()
     assert yaml.safe_load(packaged.read_text())["run_coordinator"]["class"] == "PoolRunCoordinator"
     dagster_home = ensure_home()
@@ -113,13 +124,17 @@ SENSOR = re.compile(r".* - dagster - INFO - new dataset version\(s\): acks@v1") 
 
 def cli(home: Path, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "ft_assets.cli", *argv], env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "ft_assets.cli", *argv], env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.integration
 def test_the_run_log_holds_the_commands_lines_only_and_verbose_keeps_the_libraries(home, tiny_model_dir):
     """Through the instance (the default): the runs' messages come from the event log; the code server's and the
-    runs' own output goes to a file, quiet too unless --verbose (the switches reach those processes)."""
+    runs' own output goes to a file, quiet too unless --verbose (the switches reach those processes). The run is the
+    suite's one pipeline that the gate blocks (2 steps learn nothing): exit 2, the check's line, nothing published; each
+    objective's scorer meeting a run that learned nothing: test_delivery.py."""
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=2, lr=1e-6)))
     data = write_dataset(home / "data", rows=60)
@@ -128,9 +143,13 @@ def test_the_run_log_holds_the_commands_lines_only_and_verbose_keeps_the_librari
 
     quiet = cli(home, *argv)  # every plane; the gate then fails (2 steps learn nothing), after every model load
     assert quiet.returncode == 2, quiet.stderr[-3000:]
-    assert "blocking check finetuned_beats_base failed" in quiet.stderr.splitlines()[-1]
+    assert "blocking check finetuned_beats_base failed: exact_match: base" in quiet.stderr.splitlines()[-1]
+    assert not (home / "home" / "store" / "registry").exists()  # the gate held: nothing published
     assert "eval_report: scoring the shipped" in quiet.stderr  # the GGUF was loaded back and run
-    assert "[ft-assets] training_plane: [PoolRunLauncher] ft-assets routed this run to the gpu pool (DefaultRunLauncher)" in quiet.stderr
+    assert (
+        "[ft-assets] training_plane: [PoolRunLauncher] ft-assets routed this run to the gpu pool (DefaultRunLauncher)"
+        in quiet.stderr
+    )
     foreign = [line for line in quiet.stderr.splitlines() if not line.startswith(OURS) and not SENSOR.fullmatch(line)]
     assert foreign == [], foreign
     quiet_output = runs_output.read_text()

@@ -44,7 +44,10 @@ def statuses(**known):
 
 def test_a_second_run_of_the_partition_is_refused_naming_the_first(store):
     first = locks.acquire(store, PARTITION, "run-a", statuses(**{"run-a": "STARTED"}))
-    with pytest.raises(locks.PartitionBusy, match=r"partition acks@v1 is being materialized by run run-a \(started, last heartbeat \d+ s ago\); retry when it finishes"):
+    with pytest.raises(
+        locks.PartitionBusy,
+        match=r"partition acks@v1 is being materialized by run run-a \(started, last heartbeat \d+ s ago\); retry when it finishes",
+    ):
         locks.acquire(store, PARTITION, "run-b", statuses(**{"run-a": "STARTED"}))
     other = locks.acquire(store, "acks@v2", "run-b", statuses())  # another partition is free
     joined = locks.acquire(store, PARTITION, "run-a", statuses())  # another process of the same run
@@ -122,7 +125,11 @@ def test_the_heartbeat_keeps_a_long_run_alive(store, monkeypatch):
 
 def instance_overrides(profile: str) -> dict:
     coordinator = yaml.safe_load((REPO / profile).read_text())["run_coordinator"]
-    launcher = {"module": "ft_assets.control.launcher", "class": "PoolRunLauncher", "config": {"pools": {"gpu": MOCK, "cpu": MOCK}}}
+    launcher = {
+        "module": "ft_assets.control.launcher",
+        "class": "PoolRunLauncher",
+        "config": {"pools": {"gpu": MOCK, "cpu": MOCK}},
+    }
     return {"run_coordinator": coordinator, "run_launcher": launcher}
 
 
@@ -146,7 +153,9 @@ def test_both_profiles_queue_one_run_per_partition(profile, tmp_path):
 def test_the_queue_runs_one_run_per_partition_and_trains_within_the_gpu_slots():
     """The production profile (2 GPU slots); dagster.yaml's single slot is tested in test_launcher.py."""
     with dg.instance_for_test(overrides=instance_overrides("dagster.prod.yaml")) as instance:
-        target = ModuleTarget(module_name="ft_assets.definitions", attribute=None, working_directory=None, location_name="ft_assets")
+        target = ModuleTarget(
+            module_name="ft_assets.definitions", attribute=None, working_directory=None, location_name="ft_assets"
+        )
         with create_test_daemon_workspace_context(target, instance) as context:
             workspace = context.create_request_context()
             repository = next(iter(workspace.get_code_location("ft_assets").get_repositories().values()))
@@ -159,24 +168,28 @@ def test_the_queue_runs_one_run_per_partition_and_trains_within_the_gpu_slots():
 
             same = [queue("data_plane", "acks@v1"), queue("data_plane", "acks@v1")]
             other = queue("data_plane", "acks@v2")
-            training = [queue("training_plane", f"acks@t{i}") for i in range(3)]
+            # three variants of one version (issue 35's runs side by side): each its own partition, so they
+            # train at once up to the GPU pool's slots while their version's data plane waits its turn
+            training = [queue("training_plane", f"acks@v1~r{i}") for i in range(3)]
             list(QueuedRunCoordinatorDaemon(interval_seconds=1).run_iteration(context))
 
             cpu, gpu = launched(instance, "cpu"), launched(instance, "gpu")
             assert len(cpu & set(same)) == 1 and other in cpu  # one run per partition; other partitions go ahead
             waiting = (set(same) - cpu).pop()
             assert instance.get_run_by_id(waiting).status == dg.DagsterRunStatus.QUEUED
-            assert len(gpu & set(training)) == 2  # different partitions train side by side, up to the 2 slots
+            assert len(gpu & set(training)) == 2  # the variants train side by side, up to the 2 slots
             assert gpu <= set(training) and not cpu & set(training)
 
 
 # --- in-process runs (`ft-assets run`), which never meet the queue -----------------------------------
 
 
-GATES = {"reading": ("ft_assets.data.assets", "read_dataset"), "training": ("ft_assets.training.assets", "train")}
+GATES = {"reading": ("ft_assets.data.assets", "read_dataset"), "training": ("ft_assets.training.recipe", "train")}
 
 
-def cli_worker(argv: list[str], env: dict[str, str], log_path: str, gate: tuple[str, str | None, list[str]] | None) -> None:
+def cli_worker(
+    argv: list[str], env: dict[str, str], log_path: str, gate: tuple[str, str | None, list[str]] | None
+) -> None:
     """Child process: ``ft-assets ARGV`` with its output in a file.
 
     ``gate`` = (where, a file to create on arriving there, files to wait for): the run stops at
@@ -258,7 +271,14 @@ def test_two_in_process_runs_of_one_partition_never_interleave(forkserver, proje
 
     # Everything the partition holds was written by the first run alone: each reference matches its
     # artifact's manifest, and each artifact's upstream is the reference actually stored.
-    assets = ["base_model", "raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"]
+    assets = [
+        "base_model",
+        "raw_dataset",
+        "cleaned_dataset",
+        "deduplicated_dataset",
+        "train_eval_split",
+        "tokenized_shards",
+    ]
     refs = {asset: read_ref(store, PARTITION, asset) for asset in assets}
     for asset, ref in refs.items():
         assert read_manifest(store, ref["prefix"]).digest == ref["digest"], asset
@@ -293,7 +313,9 @@ def test_two_partitions_train_side_by_side(forkserver, project):
     (start_1, end_1), (start_2, end_2) = windows
     assert start_1 < end_2 and start_2 < end_1, f"the two trainings did not overlap: {windows}"
     for version in ("p1", "p2"):
-        assert locks.read_lease(store, f"acks@{version}").owner["run_id"] in [s["runs"]["training"][0] for s in summaries]
+        assert locks.read_lease(store, f"acks@{version}").owner["run_id"] in [
+            s["runs"]["training"][0] for s in summaries
+        ]
 
 
 def test_a_partition_added_by_a_concurrent_run_is_not_an_error():

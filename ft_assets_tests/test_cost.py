@@ -44,11 +44,15 @@ def test_price_list_ships_in_the_wheel():
 
 
 def test_readme_offerings_table_is_the_price_list():
-    header = "| offering | VRAM GiB | on-demand $/h | spot $/h |\n|---|---|---|---|\n"
+    header = "| offering | VRAM GiB | on-demand $/h | spot $/h | Slurm $/GPU-h |\n|---|---|---|---|---|\n"
     parts = (ROOT / "README.md").read_text().split(header)
     assert len(parts) == 2, "README has no offerings table"
     table = parts[1].split("\n\n")[0].splitlines()
-    expected = [f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} |" for o in DEFAULT_OFFERINGS]
+    expected = [
+        f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} | "
+        f"{'–' if o.slurm_usd_per_h is None else f'{o.slurm_usd_per_h:.2f}'} |"
+        for o in DEFAULT_OFFERINGS
+    ]
     assert table == expected
 
 
@@ -105,6 +109,17 @@ def test_eth_on_demand_rate_and_explicit_offering():
     report = compute_eth(on_demand, model.offering("a10g-24gb"), "on_demand", model)
     assert (report.usd_per_hour, report.total_usd) == (1.50, pytest.approx(3.75))
     assert report.eth_usd_per_hour == pytest.approx(3.75 / 2.0)
+
+
+def test_a_slurm_allocation_bills_its_gpu_hours_at_the_slurm_rate():
+    """Two A100 80GB GPUs of a Slurm job for 1.5 h (from the job's start; its queue time is not measured) at the
+    packaged $1.00/GPU-h; an offering without a Slurm rate refuses to price it, naming the key."""
+    slurm = RunMeasurements(gpu_tier="a100-80gb", rental_mode="slurm", wall_seconds=5400, step_seconds=4320, gpus=2)
+    report = compute_eth(slurm)
+    assert (report.usd_per_hour, report.compute_usd, report.rental_mode) == (2.00, pytest.approx(3.00), "slurm")
+    assert report.eth_usd_per_hour == pytest.approx(3.00 / 1.2)  # 1.5 h x 0.8 in steps
+    with pytest.raises(ValueError, match="a10g-24gb has no slurm price; add slurm_usd_per_h to the cost model"):
+        compute_eth(slurm.model_copy(update={"gpu_tier": "a10g-24gb"}))
 
 
 def test_eth_refuses_pricing_a_run_as_another_tier_or_without_spot_price():
@@ -179,7 +194,13 @@ def test_cost_report_aggregates_per_dataset_version():
         "dataset_version": "chats@v1", "runs": 2, "restarts": 2, "estimate_usd": 1.0, "actual_usd": 3.3, "actual_vs_estimate": 1.2,
         "eth_usd_per_hour": 1.32, "idle_share": 0.375, "usd_per_mtok_actual": None,
     }  # fmt: skip
-    assert [rows[-1][k] for k in ("dataset_version", "runs", "restarts", "estimate_usd", "actual_usd")] == ["(all)", 3, 2, 1.5, 3.9]
+    assert [rows[-1][k] for k in ("dataset_version", "runs", "restarts", "estimate_usd", "actual_usd")] == [
+        "(all)",
+        3,
+        2,
+        1.5,
+        3.9,
+    ]
     assert v1.as_dict()["eth_usd_per_hour"] == pytest.approx(1.32)
 
 

@@ -28,8 +28,12 @@ EXACT_CASES = [
     ("whitespace", conv("hello   there\n"), conv("hello there"), True),
     ("nfkc", conv("\uff21BC"), conv("abc"), True),
     ("word", conv("hello there"), conv("hello here"), False),
-    ("role-matters", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-     [{"role": "user", "content": "b"}, {"role": "assistant", "content": "a"}], False),
+    (
+        "role-matters",
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        [{"role": "user", "content": "b"}, {"role": "assistant", "content": "a"}],
+        False,
+    ),
 ]
 
 
@@ -41,13 +45,33 @@ def test_exact_key(name, a, b, same):
 NEAR_CASES = [
     ("one-word-appended", conv(LONG), conv(LONG + " thanks"), True),
     # one inserted word rewrites n-1 shingles: Jaccard ≈ 0.87 on this 66-word row (0.74 on a 33-word one)
-    ("filler-inserted", conv(LONG + " " + LONG2), conv(LONG.replace("tomorrow evening", "tomorrow evening please") + " " + LONG2), True),
+    (
+        "filler-inserted",
+        conv(LONG + " " + LONG2),
+        conv(LONG.replace("tomorrow evening", "tomorrow evening please") + " " + LONG2),
+        True,
+    ),
     ("short-numbers-differ", conv("Convert 12 km to m."), conv("Convert 19 km to m."), False),
-    ("short-identical-words", conv("Convert 12 km to m."), conv("Convert 12 km to m!"), False),  # too short to judge: exact only
+    (
+        "short-identical-words",
+        conv("Convert 12 km to m."),
+        conv("Convert 12 km to m!"),
+        False,
+    ),  # too short to judge: exact only
     ("long-number-differs", conv(LONG), conv(LONG.replace("four", "4").replace("seven", "7")), False),
     ("long-number-changed", conv(LONG + " 12"), conv(LONG + " 19"), False),
-    ("unrelated", conv(LONG), conv("What is the weather in Paris today and should I take an umbrella with me to work"), False),
-    ("system-prompt-ignored", conv("a b c d e f g h i j k l", system=LONG), conv("m n o p q r s t u v w x", system=LONG), False),
+    (
+        "unrelated",
+        conv(LONG),
+        conv("What is the weather in Paris today and should I take an umbrella with me to work"),
+        False,
+    ),
+    (
+        "system-prompt-ignored",
+        conv("a b c d e f g h i j k l", system=LONG),
+        conv("m n o p q r s t u v w x", system=LONG),
+        False,
+    ),
 ]
 
 
@@ -62,7 +86,9 @@ def clusters_of(conversations, rules=DedupRules()):
     hashes, eligible = hasher.band_hashes([row_features(messages, rules) for messages in conversations])
     pairs = unique_pairs(band_pairs(band_records(hashes, eligible, 0), np.empty(0, dtype=np.int64)), len(conversations))
     candidates = np.unique(pairs)
-    signatures = np.array([hasher.signature(conversations[i]) for i in candidates]).reshape(len(candidates), rules.num_perm)
+    signatures = np.array([hasher.signature(conversations[i]) for i in candidates]).reshape(
+        len(candidates), rules.num_perm
+    )
     roots = np.arange(len(conversations))
     roots[candidates] = cluster_roots(pairs, candidates, signatures, rules.threshold)
     return roots.tolist()
@@ -75,16 +101,26 @@ def test_lsh_candidates_are_verified_against_the_threshold():
 
 
 def test_clusters_are_transitive_and_keep_first_row():
-    rows = [conv("unrelated row number one about cats and dogs and birds"), conv(LONG), conv(LONG + " thanks"), conv(LONG + " thanks a lot")]
+    rows = [
+        conv("unrelated row number one about cats and dogs and birds"),
+        conv(LONG),
+        conv(LONG + " thanks"),
+        conv(LONG + " thanks a lot"),
+    ]
     assert clusters_of(rows) == [0, 1, 1, 1]
 
 
 def write_rows(folder, conversations, clusters=None, numbers=None) -> Artifact:
     """The rows as one ``rows`` part of an artifact in ``folder`` (sources ``f:<number>``, from 1 by default)."""
     numbers = numbers or range(1, len(conversations) + 1)
-    records = [{"source": f"f:{n}", "cluster": c, "messages": m} for n, c, m in zip(numbers, clusters or [""] * len(conversations), conversations)]
+    records = [
+        {"source": f"f:{n}", "cluster": c, "messages": m}
+        for n, c, m in zip(numbers, clusters or [""] * len(conversations), conversations)
+    ]
     artifact = Artifact.folder(folder)
-    artifact.add(artifact.target().put_table("rows-00000.parquet", pa.Table.from_pylist(records, schema=ROW_SCHEMA), ROW_SCHEMA))
+    artifact.add(
+        artifact.target().put_table("rows-00000.parquet", pa.Table.from_pylist(records, schema=ROW_SCHEMA), ROW_SCHEMA)
+    )
     return artifact
 
 
@@ -92,7 +128,13 @@ def write_rows(folder, conversations, clusters=None, numbers=None) -> Artifact:
 def test_deduplicate_dataset_records_every_removed_row(tmp_path, mode, kept, near):
     rows = write_rows(
         tmp_path / "in",
-        [conv("Convert 12 km to m."), conv("convert 12  KM to m."), conv("Convert 19 km to m."), conv(LONG), conv(LONG + " thanks")],
+        [
+            conv("Convert 12 km to m."),
+            conv("convert 12  KM to m."),
+            conv("Convert 19 km to m."),
+            conv(LONG),
+            conv(LONG + " thanks"),
+        ],
     )
     stats = deduplicate_dataset(rows, out := Artifact.folder(tmp_path / "out"), DedupRules(near_duplicates=mode))
     assert (stats["rows_kept"], stats["exact_duplicates"], stats["near_duplicates"]) == (kept, 1, near)
@@ -173,7 +215,9 @@ def test_split_keeps_clusters_together_and_is_independent_of_position(tmp_path):
     assert Counter(next(iter(s)) for s in where.values())[EVAL] > 0
     # Reordering the input changes nothing: the split is a function of content, not position.
     backwards = list(reversed(range(400)))
-    rows = write_rows(tmp_path / "rev", [conversations[i] for i in backwards], [f"c{i // 4}" for i in backwards], backwards)
+    rows = write_rows(
+        tmp_path / "rev", [conversations[i] for i in backwards], [f"c{i // 4}" for i in backwards], backwards
+    )
     split_dataset(rows, out2 := Artifact.folder(tmp_path / "out2"), 0.25)
     assert sorted(r["source"] for r in out.records("eval")) == sorted(r["source"] for r in out2.records("eval"))
 
@@ -210,5 +254,7 @@ def test_an_artifact_of_the_single_file_layout_is_refused_naming_it(tmp_path):
     folder.mkdir()
     (folder / "rows.parquet").write_bytes(b"PAR1")
     publish_dir(store, "runs/x/v1/data/cleaned", folder)
-    with pytest.raises(ArtifactCorrupt, match=r"runs/x/v1/data/cleaned holds rows\.parquet: .*\(ft-assets run --until data --force\)"):
+    with pytest.raises(
+        ArtifactCorrupt, match=r"runs/x/v1/data/cleaned holds rows\.parquet: .*\(ft-assets run --until data --force\)"
+    ):
         Artifact.committed(store, "runs/x/v1/data/cleaned")

@@ -1,11 +1,13 @@
+import dagster as dg
 import pytest
 
 from ft_assets.definitions import defs
+from ft_assets.training.config import TrainingConfig
 
 PLANE_GROUPS = {
     "data": {"raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"},
     "model": {"base_model"},  # its own group: it feeds the data, training and delivery planes
-    "training": {"lora_adapter"},
+    "training": {"training_plan", "lora_adapter"},  # the training plane's run: the plan first, then the adapter
 }
 
 
@@ -62,23 +64,32 @@ def test_launchpad_config_has_help_texts(job):
         for name, field in schema.config_type.fields.items():
             assert field.description, f"{node.name}.{name} has no help text"
             described += 1
-    assert described >= 5, f"{job}: only {described} settings found: the walk over the launchpad config found nothing to check"
+    assert described >= 5, (
+        f"{job}: only {described} settings found: the walk over the launchpad config found nothing to check"
+    )
 
 
-def test_training_plan_and_lora_adapter_share_one_set_of_training_settings():
-    fields = {}
-    for job, node in (("data_plane", "training_plan"), ("training_plane", "lora_adapter")):
-        config_type = defs.resolve_job_def(job).graph.node_named(node).definition.config_schema.config_type
-        fields[node] = {name: field.description for name, field in config_type.fields.items()}
-    training = {name: text for name, text in fields["training_plan"].items() if name in fields["lora_adapter"]}
-    assert training == fields["lora_adapter"]  # every training setting, with the same help text, in both
-    assert set(fields["training_plan"]) - set(fields["lora_adapter"]) == {"purpose", "data_region", "cost_model_path"}
+def test_the_training_settings_are_lora_adapters_and_the_plan_runs_first_in_their_plane():
+    """One owner of the training settings: lora_adapter's launchpad has every TrainingConfig field; training_plan
+    has only its own and runs in the training plane before lora_adapter, which trains against it."""
+    job = defs.resolve_job_def("training_plane")
+    fields = {node: set(job.graph.node_named(node).definition.config_schema.config_type.fields)
+              for node in ("training_plan", "lora_adapter")}  # fmt: skip
+    assert fields["lora_adapter"] == set(TrainingConfig.model_fields)
+    assert fields["training_plan"] == {"purpose", "data_region", "cost_model_path"}
+    graph = defs.get_repository_def().asset_graph
+    assert dg.AssetKey("training_plan") in graph.get(dg.AssetKey("lora_adapter")).parent_keys
+    assert "training_plan" not in {
+        k.to_user_string() for k in defs.resolve_job_def("data_plane").asset_layer.selected_asset_keys
+    }
 
 
 def kinds(definitions) -> dict[str, set[str]]:
     graph = definitions.get_repository_def().asset_graph
     return {
-        key.to_user_string(): {tag.removeprefix("dagster/kind/") for tag in graph.get(key).tags if tag.startswith("dagster/kind/")}
+        key.to_user_string(): {
+            tag.removeprefix("dagster/kind/") for tag in graph.get(key).tags if tag.startswith("dagster/kind/")
+        }
         for key in graph.get_all_asset_keys()
     }
 
@@ -90,6 +101,7 @@ def test_every_asset_says_what_it_is_and_where_it_is_stored():
     assert all("file" in found for asset, found in shown.items() if asset != "serving_smoke"), shown
 
 
+@pytest.mark.integration  # the definitions loaded in a fresh process per store
 def test_the_storage_kind_follows_the_store(tmp_path):
     import json
     import os
@@ -101,6 +113,8 @@ def test_the_storage_kind_follows_the_store(tmp_path):
         "print(json.dumps({k.to_user_string(): sorted(graph.get(k).tags) for k in graph.get_all_asset_keys()}))"
     )
     env = {**os.environ, "FT_STORE": "s3://bucket/prefix"}
-    shown = json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout)
+    shown = json.loads(
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    )
     assert "dagster/kind/s3" in shown["raw_dataset"] and "dagster/kind/s3" in shown["published_model"]
     assert "dagster/kind/file" not in shown["lora_adapter"]

@@ -39,7 +39,9 @@ def test_the_recipe_renders_for_the_runs_and_validates_against_the_kubernetes_sc
     args_file = init.command[init.command.index("--args-file") + 1]
     assert f"$$(cat {args_file})" in server.args[0]  # $$: a literal $ to Kubernetes, the shell reads the file
     mounts = {m.name: m.mount_path for m in server.volume_mounts}
-    assert {m.name: m.mount_path for m in init.volume_mounts}["models"] == mounts["models"] and args_file.startswith(mounts["models"])
+    assert {m.name: m.mount_path for m in init.volume_mounts}["models"] == mounts["models"] and args_file.startswith(
+        mounts["models"]
+    )
     assert server.resources.limits["nvidia.com/gpu"] == "1" and server.readiness_probe.http_get.path == "/health"
     assert service.spec.selector == deployment.spec.selector.match_labels
     assert service.spec.ports[0].target_port == server.ports[0].name
@@ -73,12 +75,16 @@ def test_the_init_containers_command_writes_the_servers_arguments(tmp_path, caps
     for run, rank in zip(RUNS, (8, 16)):
         published = tmp_path / run
         (published / "adapter").mkdir(parents=True)
-        (published / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "models/tiny/0123456789abcdef", "r": rank}))
+        (published / "adapter" / "adapter_config.json").write_text(
+            json.dumps({"base_model_name_or_path": "models/tiny/0123456789abcdef", "r": rank})
+        )
         (published / "merged").mkdir()
         (published / "merged" / "config.json").write_text("{}")
         publish_dir(store, run, published)
     models = tmp_path / "models"
-    code = lora_registry.main(["--store", str(store.root), "--dest", str(models), "--args-file", str(models / "vllm-args"), *RUNS])
+    code = lora_registry.main(
+        ["--store", str(store.root), "--dest", str(models), "--args-file", str(models / "vllm-args"), *RUNS]
+    )
     assert code == 0
     printed = shlex.split(capsys.readouterr().out)
     written = shlex.split((models / "vllm-args").read_text())

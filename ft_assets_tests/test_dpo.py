@@ -1,14 +1,12 @@
 """DPO on a tiny Llama: the loss against its formula and TRL's, packed pair log-probabilities, the reference
-as the base with the adapter disabled, learning, the same recovery guarantees as supervised runs (kill -9
-and SIGTERM, then an exact resume), and a preference version through all four planes into MLflow."""
+as the base with the adapter disabled, learning, the same recovery guarantees as supervised runs (an exact resume
+from the checkpoint a SIGTERM made, and from an earlier one, as after a kill -9), and a preference version through
+all four planes into MLflow."""
 
 from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
-import sys
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -17,25 +15,20 @@ import pytest
 import torch
 import yaml
 
-from ft_assets import layout
 from ft_assets.manifests import read_manifest
 from ft_assets.objectives import DPO
+from ft_assets.refs import read_ref
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows
 from ft_assets.storage import LocalStore
-from ft_assets.training.checkpoints import complete_checkpoints
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import validated
 from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
-from ft_assets.training.preemption import EXIT_PREEMPTED
 from ft_assets.training.recipe import train
 from ft_assets_tests.support import (
     DPO_RUN as RUN,
-    ONE_THREAD,
     PAIR_SEQ_LEN as SEQ_LEN,
-    assert_same_weights,
     dpo_config,
-    final_weights,
     run_cli,
-    sigkill_training_after_checkpoint,
+    preempt_then_resume,
     the_run,
     timer_pairs,
     write_jsonl,
@@ -64,7 +57,9 @@ def test_dpo_loss_equals_its_formula(loss_type, expected):
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
-def trl_dpo_loss(loss_type: str, beta: float, per_token_logps: torch.Tensor, completion_mask: torch.Tensor, ref: torch.Tensor) -> float:
+def trl_dpo_loss(
+    loss_type: str, beta: float, per_token_logps: torch.Tensor, completion_mask: torch.Tensor, ref: torch.Tensor
+) -> float:
     """TRL 1.16's own DPOTrainer._compute_loss on given per-token log-probabilities (chosen rows first, then rejected)
     and precomputed reference log-probabilities: a stand-in trainer carries the attributes the method reads."""
     from trl.trainer.dpo_trainer import DPOTrainer
@@ -111,17 +106,21 @@ def test_dpo_loss_equals_trls_on_random_inputs(loss_type, seed):
     assert ours.item() == pytest.approx(trl_dpo_loss(loss_type, beta, per_token, completion, ref), rel=1e-6)
 
 
-BAD_SETTINGS = [
-    ({"dpo_beta": 0}, "dpo_beta must be > 0"),
-    ({"dpo_loss": "kto"}, "dpo_loss"),
-    ({"report_to": ["mlflow"]}, "for MLflow set mlflow_tracking_uri"),
+BAD_SETTINGS = [  # settings, the one line that refuses them
+    ({"dpo": {"beta": 0}}, "dpo.beta: Input should be greater than 0 (got 0)"),
+    ({"dpo": {"loss": "kto"}}, "dpo.loss: Input should be 'sigmoid', 'ipo' or 'hinge' (got 'kto')"),
+    ({"dpo": {"betta": 0.2}}, "dpo.betta: Extra inputs are not permitted (got 0.2)"),
+    ({"dpo_beta": 0.2}, "dpo_beta is now dpo.beta: each objective's settings sit under its name"),
+    ({"rewards": ["m:f"], "grpo_loss": "dapo"}, "rewards is now grpo.rewards, grpo_loss is now grpo.loss"),
+    ({"report_to": ["mlflow"]}, "report_to: for MLflow set mlflow_tracking_uri"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
-def test_dpo_and_tracking_settings_are_validated(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        TrainingConfig(**overrides)
+@pytest.mark.parametrize("settings,message", BAD_SETTINGS, ids=[m.split(":")[0] for _, m in BAD_SETTINGS])
+def test_dpo_and_tracking_settings_are_validated_in_one_line(settings, message):
+    with pytest.raises(ValueError) as refused:
+        validated(settings)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
 
 
 # --- log-probabilities of packed pairs -------------------------------------------------------------
@@ -137,7 +136,10 @@ def test_packed_pair_logps_equal_each_sequence_scored_alone(pair_model, pair_sha
         packed = pair_logps(model, batch)
         for row in range(len(rows)):
             for slot in range(int(rows.pair_mask[row].sum())):
-                for side, scores, tokens in ((0, packed.chosen, packed.chosen_tokens), (1, packed.rejected, packed.rejected_tokens)):
+                for side, scores, tokens in (
+                    (0, packed.chosen, packed.chosen_tokens),
+                    (1, packed.rejected, packed.rejected_tokens),
+                ):
                     where = batch["segment_ids"][row] == 2 * slot + side
                     ids, labels = batch["input_ids"][row][where], batch["labels"][row][where]
                     logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
@@ -154,7 +156,16 @@ def test_packed_pair_logps_equal_each_sequence_scored_alone(pair_model, pair_sha
 
 def test_full_fine_tuning_is_refused_for_dpo(pair_model, pair_shards, tmp_path):
     with pytest.raises(ValueError, match="DPO trains a LoRA or QLoRA adapter: its reference policy is the base model"):
-        train(dpo_config(method="full"), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None, objective=DPO)
+        train(
+            dpo_config(method="full"),
+            pair_model,
+            pair_shards,
+            LocalStore(tmp_path / "store"),
+            RUN,
+            tmp_path / "work",
+            log=lambda line: None,
+            objective=DPO,
+        )
 
 
 @pytest.mark.integration
@@ -164,7 +175,9 @@ def test_dpo_learns_the_preferences_with_one_copy_of_the_model(pair_model, pair_
 
     loads = []
     original = AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args) or original(*args, **kwargs))
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args) or original(*args, **kwargs)
+    )
     metrics, lines = [], []
     result = train(dpo_config(method=method, max_steps=24, eval_steps=12), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
                    tmp_path / "work", log=lines.append, on_metrics=metrics.append, objective=DPO)  # fmt: skip
@@ -188,7 +201,16 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    result = train(dpo_config(max_steps=8), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lambda line: None, objective=DPO)
+    result = train(
+        dpo_config(max_steps=8),
+        pair_model,
+        pair_shards,
+        LocalStore(tmp_path / "store"),
+        RUN,
+        tmp_path / "work",
+        log=lambda line: None,
+        objective=DPO,
+    )
     rows = load_pair_rows(pair_shards, "eval", SEQ_LEN)
     batch = rows.batch(torch.arange(len(rows)).numpy(), torch.device("cpu"))
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pair_model), result.output_dir).eval()
@@ -203,39 +225,9 @@ def test_the_reference_is_the_base_model_with_the_adapter_disabled(pair_model, p
 
 
 @pytest.mark.integration
-def test_dpo_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
-    cfg = dpo_config(logging_steps=1, save_steps=3)
-    store = LocalStore(tmp_path / "store")
-    sigkill_training_after_checkpoint(cfg, pair_model, pair_shards, store, RUN, 6, tmp_path / "w1", objective="dpo")
-    result = train(cfg.model_copy(update={"logging_steps": 4}), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None, objective=DPO)
-    assert result.objective == "dpo" and result.resumed_from_step is not None and 6 <= result.resumed_from_step < 16
-    assert_same_weights(final_weights(result), dpo_reference)
-
-
-@pytest.mark.integration
-def test_dpo_sigterm_checkpoints_exits_preempted_and_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
-    store = LocalStore(tmp_path / "store")
-    cfg = dpo_config(logging_steps=1, save_steps=1000)
-    command = [sys.executable, "-m", "ft_assets.training.worker", "--config", cfg.model_dump_json(), "--base-model", str(pair_model),
-               "--shards", str(pair_shards), "--store", str(store.root), "--run-prefix", RUN, "--work-dir", str(tmp_path / "w1"), "--objective", "dpo"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ONE_THREAD)
-    output = []
-    try:
-        for line in proc.stdout:
-            output.append(line)
-            if line.startswith("step 5/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        output.extend(proc.stdout)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED, "".join(output)
-    stopped = [int(line.split()[1].split("/")[0]) for line in output if line.startswith("step ")][-1]
-    assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, stopped))]
-    result = train(dpo_config(), pair_model, pair_shards, store, RUN, tmp_path / "w2", log=lambda line: None, objective=DPO)
-    assert result.resumed_from_step == stopped
-    assert_same_weights(final_weights(result), dpo_reference)
+def test_dpo_preempted_or_killed_resumes_to_the_uninterrupted_adapter(pair_model, pair_shards, tmp_path, dpo_reference):
+    """Resumed from the checkpoint SIGTERM made, and from the one before it (steps replayed): the same adapter."""
+    preempt_then_resume(dpo_config(), pair_model, pair_shards, RUN, tmp_path, DPO, dpo_reference)
 
 
 # --- all four planes ---------------------------------------------------------------------------------
@@ -249,7 +241,8 @@ def pipeline_config(tiny_model_dir, steps: int, lr: float, tracking_uri: str, ex
             "train_eval_split": {"config": {"eval_fraction": 0.2}},
             "lora_adapter": {"config": {"max_steps": steps, "save_steps": 10, "per_device_batch_size": 4, "learning_rate": lr,
                                         "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 5,
-                                        "mlflow_tracking_uri": tracking_uri, "mlflow_experiment": experiment}},
+                                        "mlflow_tracking_uri": tracking_uri, "mlflow_experiment": experiment,
+                                        "dpo": {"beta": 0.2}}},
             "gguf_model": {"config": {"qtypes": ["f16"]}},
             "eval_report": {"config": {"min_improvement": 0.1}},
         }
@@ -262,44 +255,59 @@ def test_a_preference_version_flows_to_a_published_model_tracked_in_mlflow(home,
     config = home / "run_config.yaml"
     config.write_text(yaml.safe_dump(pipeline_config(tiny_model_dir, 40, 5e-3, mlflow_server.uri, experiment)))
     data = write_jsonl(home / "prefs.jsonl", timer_pairs(150))
-    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "timers", "--version", "v1", "--config", str(config), "--json")
+    code, summary, err = run_cli(
+        capsys,
+        "run",
+        "--in-process",
+        "--dataset",
+        str(data),
+        "--name",
+        "timers",
+        "--version",
+        "v1",
+        "--config",
+        str(config),
+        "--json",
+    )
     assert code == 0, err
     assert summary["rows_in"] == summary["rows_kept"] == 150 and summary["accounting_invariant_holds"]
     assert summary["training_method"] == "lora" and summary["steps"] == 40
     assert summary["metric_name"] == "reward_accuracy" and summary["finetuned_metric"] == summary["reward_accuracy"]
     assert summary["reward_accuracy"] == 1.0 >= summary["base_reward_accuracy"] + 0.1, summary
     assert summary["reward_margin"] > summary["base_reward_margin"]
-    assert summary["finetuned_eval_loss"] < summary["base_eval_loss"] == pytest.approx(math.log(2))  # DPO loss against the base
-    assert summary["gguf_metric"] >= summary["reward_accuracy"] - 0.05 and summary["gguf_file"].endswith(".gguf")  # llama.cpp agrees
+    assert (
+        summary["finetuned_eval_loss"] < summary["base_eval_loss"] == pytest.approx(math.log(2))
+    )  # DPO loss against the base
+    assert summary["gguf_metric"] >= summary["reward_accuracy"] - 0.05 and summary["gguf_file"].endswith(
+        ".gguf"
+    )  # llama.cpp agrees
     assert summary["published_uri"].endswith(f"registry/timers/v1/{summary['run_id']}")
 
     store = LocalStore(home / "home" / "store")
     registry = Path(summary["published_uri"]).relative_to(store.root).as_posix()
     lineage = json.loads(store.get_bytes(f"{registry}/lineage.json"))
-    assert lineage["eval"]["metric_name"] == "reward_accuracy" and lineage["training"]["config"]["dpo_beta"] == 0.1
+    assert lineage["eval"]["metric_name"] == "reward_accuracy" and lineage["training"]["config"]["dpo"]["beta"] == 0.2
     for artifact in lineage["artifacts"]:
         assert read_manifest(store, artifact["key"]).digest == artifact["digest"], artifact["asset"]
 
     client = mlflow_server.client()
     run = the_run(client, experiment)
     assert run.info.run_name == summary["run_id"] and run.data.tags["ft.dataset_version"] == "timers@v1"
+    # the nested setting reached the step (MLflow's params), and the scorer (eval_report's DPO loss used it)
+    assert (run.data.params["dpo.beta"], run.data.params["dpo.loss"]) == ("0.2", "sigmoid")
+    assert read_ref(store, "timers@v1", "eval_report")["stats"]["dpo_beta"] == 0.2
     digests = {artifact["asset"]: artifact["digest"] for artifact in lineage["artifacts"]}
-    for asset in ("raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards", "base_model", "lora_adapter"):
+    for asset in (
+        "raw_dataset",
+        "cleaned_dataset",
+        "deduplicated_dataset",
+        "train_eval_split",
+        "tokenized_shards",
+        "base_model",
+        "lora_adapter",
+    ):
         assert run.data.tags[f"ft.digest.{asset}"] == digests[asset], asset
     assert run.data.metrics["reward_accuracy"] == pytest.approx(summary["reward_accuracy"])
     assert run.data.metrics["base_reward_accuracy"] == pytest.approx(summary["base_reward_accuracy"])
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
     assert len(losses) == 8 and losses[-1] < 0.5 * losses[0]
-
-
-@pytest.mark.integration
-def test_the_gate_blocks_a_dpo_model_that_did_not_learn_the_preferences(home, capsys, tiny_model_dir):
-    config = home / "run_config.yaml"
-    settings = pipeline_config(tiny_model_dir, 2, 1e-7, "", "unused")
-    settings["ops"]["lora_adapter"]["config"].pop("mlflow_tracking_uri")
-    config.write_text(yaml.safe_dump(settings))
-    data = write_jsonl(home / "prefs.jsonl", timer_pairs(60))
-    code, _, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "timers", "--version", "weak", "--config", str(config))
-    assert code == 2
-    assert "blocking check finetuned_beats_base failed: reward_accuracy: base" in err and "reward margin" in err
-    assert not (home / "home" / "store" / "registry").exists()

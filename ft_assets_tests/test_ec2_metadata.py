@@ -18,7 +18,8 @@ import torch
 from transformers import AutoTokenizer
 
 from ft_assets import layout
-from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.data.chat_encoding import ChatEncoder
+from ft_assets.data.tokenizing import tokenize_and_pack
 from ft_assets.manifests import read_manifest
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
@@ -68,6 +69,7 @@ def imds(monkeypatch):
     server.server_close()
 
 
+@pytest.mark.integration  # a stand-in metadata service on loopback
 def test_worker_instance_tag_reads_imdsv2(imds, monkeypatch):
     assert worker_instance_tag() == {WORKER_TAG: "i-0123456789abcdef0"}
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
@@ -85,6 +87,7 @@ def test_worker_instance_tag_off_ec2(monkeypatch):
     assert not flag.requested and watcher.notice is None  # the watcher gave up quietly
 
 
+@pytest.mark.integration  # a stand-in metadata service on loopback
 def test_a_spot_notice_becomes_the_sigterm_path(imds):
     said = []
     with SigtermFlag() as flag, SpotNoticeWatcher(poll_s=0.02, log=said.append) as watcher:
@@ -95,9 +98,12 @@ def test_a_spot_notice_becomes_the_sigterm_path(imds):
         while not flag.requested and time.monotonic() < deadline:
             time.sleep(0.01)
     assert flag.requested and watcher.notice == NOTICE
-    assert said == ["spot notice: EC2 will terminate this instance at 2026-12-01T12:00:00Z; checkpointing and stopping (as on SIGTERM)"]
+    assert said == [
+        "spot notice: EC2 will terminate this instance at 2026-12-01T12:00:00Z; checkpointing and stopping (as on SIGTERM)"
+    ]
 
 
+@pytest.mark.integration  # a stand-in metadata service on loopback
 def test_training_checkpoints_and_stops_on_a_spot_notice(imds, tmp_path, monkeypatch):
     from ft_assets_tests.tiny import build_tiny_model
 
@@ -105,7 +111,10 @@ def test_training_checkpoints_and_stops_on_a_spot_notice(imds, tmp_path, monkeyp
 
     model_dir = build_tiny_model(tmp_path / "tiny")
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
-    rows = ((f"r{i}", [{"role": "user", "content": f"Ping {i}"}, {"role": "assistant", "content": "pong"}]) for i in range(64))
+    rows = (
+        (f"r{i}", [{"role": "user", "content": f"Ping {i}"}, {"role": "assistant", "content": "pong"}])
+        for i in range(64)
+    )
     (tmp_path / "shards").mkdir()
     tokenize_and_pack(rows, encoder, 64, tmp_path / "shards", "train")
     store, run = LocalStore(tmp_path / "store"), "runs/t/v/train/r"
@@ -121,7 +130,16 @@ def test_training_checkpoints_and_stops_on_a_spot_notice(imds, tmp_path, monkeyp
     torch.set_num_threads(1)
     try:
         with pytest.raises(Preempted) as stopped:
-            train(config, model_dir, tmp_path / "shards", store, run, tmp_path / "work", log=print, on_metrics=announce_at_step_3)
+            train(
+                config,
+                model_dir,
+                tmp_path / "shards",
+                store,
+                run,
+                tmp_path / "work",
+                log=print,
+                on_metrics=announce_at_step_3,
+            )
     finally:
         torch.set_num_threads(threads)
     step = stopped.value.step

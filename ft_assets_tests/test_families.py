@@ -23,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_assets.control.model_shape import ModelShape, lora_params
-from ft_assets.data.packing import ChatEncoder
+from ft_assets.data.chat_encoding import ChatEncoder
 from ft_assets.delivery.merge import merge_adapter
 from ft_assets.shards import IGNORE_INDEX, load_packed_rows
 from ft_assets.storage import LocalStore
@@ -99,10 +99,17 @@ def load(model_dir: Path, attention: str = "eager"):
 
 # --- attention ---------------------------------------------------------------------------------------
 
-PACKED_CASES = [(name, backend) for name in NAMES for backend in CPU_BACKENDS if backend in supported_attention(CLASSES[name])]
+PACKED_CASES = [  # flex_attention compiles with inductor (g++ processes, 6-40 s a family): integration
+    pytest.param(
+        name, backend, marks=[pytest.mark.integration] if backend == "flex_attention" else [], id=f"{name}-{backend}"
+    )
+    for name in NAMES
+    for backend in CPU_BACKENDS
+    if backend in supported_attention(CLASSES[name])
+]
 
 
-@pytest.mark.parametrize("name, backend", PACKED_CASES, ids=[f"{n}-{b}" for n, b in PACKED_CASES])
+@pytest.mark.parametrize("name, backend", PACKED_CASES)
 def test_packed_examples_do_not_attend_to_each_other(family_dir, family_shards, name, backend):
     """A packed row's logits and loss are its examples', each run alone (eager: the reference every family takes)."""
     model, reference = load(family_dir(name), backend), load(family_dir(name))
@@ -186,7 +193,10 @@ def test_default_lora_targets_are_the_familys_projections_and_the_planner_counts
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
     assert sum(p.numel() for p in lora.parameters() if p.requires_grad) == lora_params(shape, 4)
     assert lora_params(shape, 4, ["o_proj"]) == sum(p.numel() for n, p in lora.named_parameters() if "o_proj.lora" in n)
-    with pytest.raises(ValueError, match=rf"target_modules \['c_attn'\]: \w+ has no such projection; its projections are {', '.join(targets)}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"target_modules \['c_attn'\]: \w+ has no such projection; its projections are {', '.join(targets)}",
+    ):
         lora_target_modules(load(family_dir(name)), ["c_attn"])
     with pytest.raises(ValueError, match=rf"its projections are {', '.join(shape.projections())}"):
         lora_params(shape, 4, ["c_attn"])
@@ -236,7 +246,9 @@ def test_merged_logits_equal_peft_logits(family_dir, name, tmp_path):
     base_dir = family_dir(name)
     torch.manual_seed(0)
     model = load(base_dir)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=lora_target_modules(model, []), init_lora_weights=False, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=lora_target_modules(model, []), init_lora_weights=False, task_type="CAUSAL_LM"
+    )
     peft = get_peft_model(model, lora)  # init_lora_weights=False: B is random too, so the adapter changes the logits
     peft.save_pretrained(tmp_path / "adapter")
     merge_adapter(base_dir, tmp_path / "adapter", tmp_path / "merged")
@@ -247,12 +259,16 @@ def test_merged_logits_equal_peft_logits(family_dir, name, tmp_path):
         expected, got = with_adapter(ids).logits, merged(ids).logits
         assert not torch.allclose(expected, base(ids).logits, atol=1e-3), "the adapter should change the logits"
     assert torch.allclose(got, expected, atol=1e-4), float((got - expected).abs().max())
-    assert AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template == AutoTokenizer.from_pretrained(base_dir).chat_template
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template
+        == AutoTokenizer.from_pretrained(base_dir).chat_template
+    )
 
 
 # --- training ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # the recipe itself (train: checkpoints uploaded to a store), as in test_training.py
 @pytest.mark.parametrize("name", NAMES)
 def test_a_few_lora_steps_train_each_family_on_packed_rows(family_dir, family_shards, name, tmp_path):
     result = train(config(max_steps=8, save_steps=8, logging_steps=1, eval_steps=None), family_dir(name), family_shards(name),
@@ -314,7 +330,11 @@ def test_a_bare_base_is_refused_naming_the_setting_then_takes_its_named_template
     vocabulary = len(AutoTokenizer.from_pretrained(bare))
     record = settle_chat_template(bare, chat_templates.choose(template), name, log=lambda line: None)
     named = chat_templates.TEMPLATES[template]
-    assert record["setting"] == template and record["kind"] == "named" and record["sha256"] == chat_templates.choose(template).sha256
+    assert (
+        record["setting"] == template
+        and record["kind"] == "named"
+        and record["sha256"] == chat_templates.choose(template).sha256
+    )
     tokenizer = AutoTokenizer.from_pretrained(bare)
     assert tokenizer.chat_template == named.jinja and len(tokenizer) == vocabulary
     assert set(named.markers) <= set(tokenizer.all_special_tokens)
@@ -322,13 +342,20 @@ def test_a_bare_base_is_refused_naming_the_setting_then_takes_its_named_template
     generation = json.loads((bare / "generation_config.json").read_text())["eos_token_id"]
     assert tokenizer.eos_token_id in (generation if isinstance(generation, list) else [generation])
     prompt = CONVERSATION[:2]
-    own = AutoTokenizer.from_pretrained(family_dir(name)).apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    assert tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == own  # the family's format
+    own = AutoTokenizer.from_pretrained(family_dir(name)).apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == own
+    )  # the family's format
     assert learned_spans(tokenizer, CONVERSATION) == replies_with_end_of_turn(END_OF_TURN[name])
 
 
 def test_chat_template_settings_that_cannot_work_are_refused_with_what_to_do(family_dir, tmp_path):
-    with pytest.raises(ChatTemplateError, match=r"'vicuna' is neither a named template \(chatml, llama3, gemma, mistral, phi3\) nor a Jinja file"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"'vicuna' is neither a named template \(chatml, llama3, gemma, mistral, phi3\) nor a Jinja file",
+    ):
         chat_templates.choose("vicuna")
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
@@ -355,5 +382,7 @@ def test_a_jinja_file_is_written_into_the_tokenizer_and_recorded(family_dir, tmp
 
 
 def test_the_data_plane_points_a_base_without_template_at_the_setting(family_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"no chat template .*set base_model's chat_template to a named template \(chatml"):
+    with pytest.raises(
+        ValueError, match=r"no chat template .*set base_model's chat_template to a named template \(chatml"
+    ):
         ChatEncoder(AutoTokenizer.from_pretrained(bare_base(family_dir, "llama3", tmp_path)))

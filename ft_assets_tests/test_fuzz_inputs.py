@@ -45,9 +45,22 @@ FUZZ = settings(
     deadline=None,
     derandomize=True,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
-CLEAN_REASONS = {"unknown_role", "no_assistant_reply", "bad_role_order", "empty_answer", "too_short", "empty_message", "too_long"}
+CLEAN_REASONS = {
+    "unknown_role",
+    "no_assistant_reply",
+    "bad_role_order",
+    "empty_answer",
+    "too_short",
+    "empty_message",
+    "too_long",
+}
 RAW_REASONS = {
     "invalid_utf8", "invalid_json", "duplicate_key", "not_an_object", "wrong_type", "unknown_format", "line_too_long",
     "wrong_field_count", "invalid_csv",
@@ -75,7 +88,9 @@ def short_line_limit(monkeypatch):
 TEXT = st.text(max_size=30)  # any code point but lone surrogates (see the xfail test below)
 ROLES = st.sampled_from(["system", "user", "assistant", "human", "gpt", "model", "tool", "", " User "]) | TEXT
 JSON_SCALAR = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | TEXT
-JSON_VALUE = st.recursive(JSON_SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8)
+JSON_VALUE = st.recursive(
+    JSON_SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8
+)
 
 
 def turns(role_key: str, text_key: str):
@@ -99,7 +114,11 @@ def json_line(draw) -> bytes:
     return json.dumps(draw(RECORD), ensure_ascii=draw(st.booleans())).encode()
 
 
-WORDS = st.lists(st.sampled_from(["set", "a", "timer", "for", "12", "19", "minutes", "Ünïcode", "\u200b", "  ", "\t"]), min_size=1, max_size=14)
+WORDS = st.lists(
+    st.sampled_from(["set", "a", "timer", "for", "12", "19", "minutes", "Ünïcode", "\u200b", "  ", "\t"]),
+    min_size=1,
+    max_size=14,
+)
 
 
 @st.composite
@@ -139,7 +158,11 @@ def huge_line(draw) -> bytes:
 def broken_utf8_line(draw) -> bytes:
     good = draw(json_line())
     cut = draw(st.integers(0, len(good)))
-    return good[:cut] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf"])) + good[cut:]
+    return (
+        good[:cut]
+        + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf"]))
+        + good[cut:]
+    )
 
 
 @st.composite
@@ -210,7 +233,11 @@ def parquet_file(draw) -> bytes:
 @st.composite
 def dataset_file(draw) -> tuple[str, bytes, int | None]:
     """(suffix, bytes, lines to account for, or None when the file may rightly fail as a whole)."""
-    kind = draw(st.sampled_from(["jsonl"] * 4 + ["gz"] * 2 + ["parquet"] * 2 + ["gz-truncated", "gz-corrupt", "parquet-truncated", "empty"]))
+    kind = draw(
+        st.sampled_from(
+            ["jsonl"] * 4 + ["gz"] * 2 + ["parquet"] * 2 + ["gz-truncated", "gz-corrupt", "parquet-truncated", "empty"]
+        )
+    )
     if kind == "jsonl":
         body, lines = draw(jsonl_file())
         return ".jsonl", body, lines
@@ -293,7 +320,9 @@ def run_data_plane(files: list[tuple[str, bytes, int | None]]) -> dict:
 def test_every_row_is_accounted_for_or_the_file_is_named(short_line_limit, files):
     outcome = run_data_plane(files)
     TALLY.update({"dataset_versions": 1, "files": len(files), outcome["outcome"]: 1})
-    TALLY.update({key: outcome.get(key, 0) for key in ("rows_in", "rows_kept", "rows_quarantined", "rows_deduplicated")})
+    TALLY.update(
+        {key: outcome.get(key, 0) for key in ("rows_in", "rows_kept", "rows_quarantined", "rows_deduplicated")}
+    )
 
 
 def gz(data: bytes) -> bytes:
@@ -310,24 +339,67 @@ GOOD = json.dumps({"instruction": "Say ok.", "output": "ok"}).encode()
 HOSTILE = [
     # (the issue's list of hostile inputs: name, files as (suffix, bytes, lines), parsed rows, quarantine reasons | failing file)
     ("invalid-utf8", [(".jsonl", b'{"instruction": "caf\xe9", "output": "ok"}\n' + GOOD, 2)], 1, {"invalid_utf8": 1}),
-    ("huge-line", [(".jsonl", b'{"instruction": "' + b"x" * (5 << 20) + b'", "output": "y"}\n' + GOOD + b"\n", 2)], 1, {"line_too_long": 1}),
-    ("deep-nesting", [(".jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n" + b'{"messages": ' + b"[" * 50_000 + b"\n", 2)], 0, {"invalid_json": 2}),
-    ("wrong-types", [(".jsonl", b'{"messages": "hi"}\n{"instruction": ["x"], "output": "y"}\n[1, 2]\n', 3)], 0, {"wrong_type": 2, "not_an_object": 1}),
+    (
+        "huge-line",
+        [(".jsonl", b'{"instruction": "' + b"x" * (5 << 20) + b'", "output": "y"}\n' + GOOD + b"\n", 2)],
+        1,
+        {"line_too_long": 1},
+    ),
+    (
+        "deep-nesting",
+        [(".jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n" + b'{"messages": ' + b"[" * 50_000 + b"\n", 2)],
+        0,
+        {"invalid_json": 2},
+    ),
+    (
+        "wrong-types",
+        [(".jsonl", b'{"messages": "hi"}\n{"instruction": ["x"], "output": "y"}\n[1, 2]\n', 3)],
+        0,
+        {"wrong_type": 2, "not_an_object": 1},
+    ),
     ("bom-crlf-blank", [(".jsonl", b"\xef\xbb\xbf" + GOOD + b"\r\n\r\n" + GOOD + b"\r\n", 3)], 2, {}),
-    ("duplicate-keys", [(".jsonl", b'{"instruction": "a", "output": "b", "output": "c"}\n', 1)], 0, {"duplicate_key": 1}),
+    (
+        "duplicate-keys",
+        [(".jsonl", b'{"instruction": "a", "output": "b", "output": "c"}\n', 1)],
+        0,
+        {"duplicate_key": 1},
+    ),
     ("empty-files", [(".jsonl", b"", 0), (".jsonl.gz", gz(b""), 0), (".jsonl.gz", b"", 0)], 0, {}),
     ("truncated-gzip", [(".jsonl", GOOD, 1), (".jsonl.gz", gz(GOOD * 50)[:-9], None)], "part-1.jsonl.gz", None),
-    ("parquet-wrong-schema", [(".parquet", parquet(pa.table({"text": ["a"], "label": [1]})), None)], "part-0.parquet", None),
+    (
+        "parquet-wrong-schema",
+        [(".parquet", parquet(pa.table({"text": ["a"], "label": [1]})), None)],
+        "part-0.parquet",
+        None,
+    ),
     ("parquet-empty-file", [(".parquet", b"", None)], "part-0.parquet", None),
-    ("parquet-wrong-types", [(".parquet", parquet(pa.table({"messages": [["a", "b"]], "id": [1]})), None)], 0, {"wrong_type": 1}),
-    ("json-array-bad-elements", [(".json", b'[' + GOOD + b', 5, {"instruction": "caf\xe9", "output": "x"}, {"a": 1, "a": 2}]', None)],
-     1, {"not_an_object": 1, "invalid_utf8": 1, "duplicate_key": 1}),
+    (
+        "parquet-wrong-types",
+        [(".parquet", parquet(pa.table({"messages": [["a", "b"]], "id": [1]})), None)],
+        0,
+        {"wrong_type": 1},
+    ),
+    (
+        "json-array-bad-elements",
+        [(".json", b"[" + GOOD + b', 5, {"instruction": "caf\xe9", "output": "x"}, {"a": 1, "a": 2}]', None)],
+        1,
+        {"not_an_object": 1, "invalid_utf8": 1, "duplicate_key": 1},
+    ),
     ("json-array-cut", [(".json", b"[" + GOOD + b", " + GOOD[:9], None)], "part-0.json", None),
     ("json-array-deep-nesting", [(".json", b"[" + b"[" * 100_000 + b"]" * 100_000 + b"]", None)], "part-0.json", None),
-    ("csv-bad-records", [(".csv", b'instruction,output\r\n"Say ok.",ok\r\nonly one field\r\ncaf\xe9,x\r\n"open quote,x\r\n', None)],
-     1, {"wrong_field_count": 2, "invalid_utf8": 1}),
+    (
+        "csv-bad-records",
+        [(".csv", b'instruction,output\r\n"Say ok.",ok\r\nonly one field\r\ncaf\xe9,x\r\n"open quote,x\r\n', None)],
+        1,
+        {"wrong_field_count": 2, "invalid_utf8": 1},
+    ),
     ("csv-no-accepted-header", [(".csv", b"question,answer\nhi,hello\n", None)], "part-0.csv", None),
-    ("csv-huge-field", [(".csv", b"instruction,output\n" + b"x" * (5 << 20) + b",y\n" + b"Say ok.,ok\n", None)], 1, {"line_too_long": 1}),
+    (
+        "csv-huge-field",
+        [(".csv", b"instruction,output\n" + b"x" * (5 << 20) + b",y\n" + b"Say ok.,ok\n", None)],
+        1,
+        {"line_too_long": 1},
+    ),
     ("arrow-not-arrow", [(".arrow", b"ARROW1 but nothing else", None)], "part-0.arrow", None),
 ]
 
@@ -344,6 +416,7 @@ def test_hostile_input(name, files, parsed, reasons):
 
 # --- known gaps in ft_assets/data (owned elsewhere): each test passes once its fix lands --------------
 
+
 def test_a_lone_surrogate_escape_is_quarantined_not_a_crash():
     # json.loads accepts "\ud800" and returns a str that cannot be encoded; the Parquet writer then raises.
     outcome = run_data_plane([(".jsonl", b'{"instruction": "x\\ud800", "output": "y"}\n' + GOOD, 2)])
@@ -352,13 +425,17 @@ def test_a_lone_surrogate_escape_is_quarantined_not_a_crash():
 
 def test_an_integer_literal_over_4300_digits_is_quarantined_not_a_crash():
     # Python refuses int("9" * 5000) (CVE-2020-10735 limit) with a ValueError that is no JSONDecodeError.
-    outcome = run_data_plane([(".jsonl", b'{"instruction": "x", "output": "y", "n": ' + b"9" * 5000 + b"}\n" + GOOD, 2)])
+    outcome = run_data_plane(
+        [(".jsonl", b'{"instruction": "x", "output": "y", "n": ' + b"9" * 5000 + b"}\n" + GOOD, 2)]
+    )
     assert outcome["quarantine_reasons"] == {"invalid_json": 1}
 
 
 def test_cleaned_text_is_nfc_even_when_a_zero_width_joiner_sat_inside_a_character():
     # clean_text normalizes first and removes zero-width characters after, so e + ZWJ + U+0301 stays decomposed.
-    text = clean_messages([{"role": "user", "content": "cafe\u200d\u0301"}, {"role": "assistant", "content": "ok"}], RULES)[0]["content"]
+    text = clean_messages(
+        [{"role": "user", "content": "cafe\u200d\u0301"}, {"role": "assistant", "content": "ok"}], RULES
+    )[0]["content"]
     assert unicodedata.is_normalized("NFC", text)
 
 
@@ -371,7 +448,9 @@ def test_normalize_record_returns_chat_messages_or_a_reason(record):
     except RowError as exc:
         assert exc.reason in RAW_REASONS and exc.detail
         return
-    assert all(set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
+    assert all(
+        set(m) == {"role", "content"} and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages
+    )
 
 
 DIRT = ["\r\n", "\r", "\u200b", "\u200d", "\ufeff", "\x00", "\x85", "\u3000", "\u00a0", "\n\n\n", " \t\n", "e\u0301"]

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from ft_assets.delivery import gguf_export
-from ft_assets.delivery.converter import LLAMA3_REGEX, QWEN2_REGEX, GgufUnsupported, pre_tokenizer_name
+from ft_assets.delivery.converter import (
+    LLAMA3_REGEX,
+    QWEN2_REGEX,
+    GgufUnsupported,
+    general_name,
+    has_phi3_attributes,
+    pre_tokenizer_name,
+)
 from ft_assets.delivery.gguf_export import (
     SUPPORTED_QTYPES,
     GgufExportError,
@@ -41,7 +48,9 @@ def tiny_model_dir(tmp_path_factory):
 def written(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
     """Every type the converter writes, in one converter process (it takes ~10 s to start)."""
     out = tmp_path_factory.mktemp("gguf-written")
-    return export_ggufs(tiny_model_dir, {qtype: out / f"tiny-{qtype}.gguf" for qtype in SUPPORTED_QTYPES}, name="tiny-chat")
+    return export_ggufs(
+        tiny_model_dir, {qtype: out / f"tiny-{qtype}.gguf" for qtype in SUPPORTED_QTYPES}, name="tiny-chat"
+    )
 
 
 def _fields(path) -> dict:
@@ -53,6 +62,7 @@ def _fields(path) -> dict:
     }
 
 
+@pytest.mark.integration  # llama.cpp's converter process
 @pytest.mark.parametrize("qtype, tensor_types", ROUND_TRIP_CASES)
 def test_round_trip_within_tolerance(tiny_model_dir, written, qtype, tensor_types):
     entry = written[qtype]
@@ -69,6 +79,7 @@ def test_round_trip_within_tolerance(tiny_model_dir, written, qtype, tensor_type
     assert report["ok"]
 
 
+@pytest.mark.integration  # llama.cpp's converter process
 def test_verification_catches_mislaid_weights(tiny_model_dir, written, tmp_path):
     """A file that loads but holds two same-shape matrices swapped gives a wrong model: f32 must notice."""
     from gguf import GGUFReader
@@ -84,6 +95,7 @@ def test_verification_catches_mislaid_weights(tiny_model_dir, written, tmp_path)
     assert report["tokens_match"] and not report["logits_ok"] and not report["ok"]
 
 
+@pytest.mark.integration  # llama.cpp's converter process
 def test_metadata_architecture_tokenizer_and_chat_template(tiny_model_dir, written):
     fields = _fields(written["q8_0"]["path"])
     config = json.loads((tiny_model_dir / "config.json").read_text())
@@ -193,6 +205,7 @@ REFUSAL_CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.integration  # llama.cpp's converter process
 @pytest.mark.parametrize("case, changes, change, error, message", REFUSAL_CASES, ids=[c[0] for c in REFUSAL_CASES])
 def test_refusals_are_one_line(tiny_model_dir, tmp_path, case, changes, change, error, message):
     model_dir = _with_config(tiny_model_dir, tmp_path, **changes)
@@ -236,7 +249,11 @@ def _tokenizer(pre=GPT2, **changes) -> dict:
 # tokenizer pipeline -> llama.cpp's pre-tokenizer name, or the refusal (checked against src/llama-vocab.cpp; converter.py).
 PRE_TOKENIZER_CASES = [
     ("gpt-2", _tokenizer(), "gpt-2"),
-    ("smollm", _tokenizer({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, GPT2]}), "smollm"),
+    (
+        "smollm",
+        _tokenizer({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, GPT2]}),
+        "smollm",
+    ),
     ("llama-bpe", _tokenizer(_split(LLAMA3_REGEX), model__ignore_merges=True), "llama-bpe"),
     ("qwen2, NFC", _tokenizer(_split(QWEN2_REGEX), normalizer={"type": "NFC"}), "qwen2"),
     ("llama-bpe without ignore_merges", _tokenizer(_split(LLAMA3_REGEX)), "differs from llama.cpp's 'llama-bpe'"),
@@ -248,7 +265,11 @@ PRE_TOKENIZER_CASES = [
     ("byte fallback", _tokenizer(model__byte_fallback=True), "is not a byte-level BPE"),
     ("subword prefix", _tokenizer(model__continuing_subword_prefix="##"), "model.continuing_subword_prefix = '##'"),
     ("decoder", _tokenizer(decoder={"type": "Metaspace"}), "decoder Metaspace is not ByteLevel"),
-    ("lstrip", _tokenizer(added_tokens=[{"id": 1, "content": "<|im_start|>", "lstrip": True}]), "'<|im_start|>' strips spaces (lstrip)"),
+    (
+        "lstrip",
+        _tokenizer(added_tokens=[{"id": 1, "content": "<|im_start|>", "lstrip": True}]),
+        "'<|im_start|>' strips spaces (lstrip)",
+    ),
 ]
 
 
@@ -264,3 +285,36 @@ def test_pre_tokenizer_name_of_an_unlisted_tokenizer(case, tokenizer, expected):
 
 def test_supported_qtypes_have_tolerances():
     assert set(SUPPORTED_QTYPES) == set(gguf_export.TOLERANCES)
+
+
+def _tokens(*added: tuple[str, bool], vocab=("a", "b")) -> dict:
+    return {"model": {"type": "BPE", "vocab": {piece: i for i, piece in enumerate(vocab)}},
+            "added_tokens": [{"content": content, "rstrip": rstrip, "special": True} for content, rstrip in added]}  # fmt: skip
+
+
+PHI3_SPM = _tokens(
+    ("<unk>", False), ("<s>", False), ("</s>", True), ("<|endoftext|>", False), ("<|end|>", True), ("<|user|>", True)
+)
+PHI4_BPE = _tokens(
+    ("<|endoftext|>", False), ("<|end|>", False), ("<|user|>", False)
+)  # GPT-2-style: no </s>, nothing strips
+# name, tokenizer.json -> general.name written (llama.cpp gives a name holding "phi3"/"phi-3" Phi-3's token attributes)
+GENERAL_NAME_CASES = [
+    ("phi3-toolcalls-v1", PHI4_BPE, "phi 3-toolcalls-v1"),
+    ("My-Phi-3-Run", PHI4_BPE, "My-Phi 3-Run"),
+    ("PHI3 and phi-3", PHI4_BPE, "PHI 3 and phi 3"),
+    ("phi3-toolcalls-v1", PHI3_SPM, "phi3-toolcalls-v1"),  # Phi-3-mini's own attributes: llama.cpp's rule is right
+    ("phi3-v1", _tokens(("<unk>", False), ("<s>", False), ("</s>", True), ("<|endoftext|>", False), ("<|end|>", False)),
+     "phi 3-v1"),  # all four tokens, but <|end|> does not strip: the rule would tokenize differently
+    ("phi-4-mini-v1", PHI4_BPE, "phi-4-mini-v1"),  # not a name llama.cpp matches
+    ("toolcalls-v1", PHI4_BPE, "toolcalls-v1"),
+    ("phi3-v1", None, "phi3-v1"),  # no tokenizer.json (a SentencePiece model alone): left to llama.cpp
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, tokenizer, written", GENERAL_NAME_CASES)
+def test_general_name_keeps_phi3_token_attributes_to_tokenizers_they_describe(tmp_path, name, tokenizer, written):
+    if tokenizer is not None:
+        (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert general_name(name, tmp_path) == written
+    assert has_phi3_attributes(PHI3_SPM) and not has_phi3_attributes(PHI4_BPE)

@@ -34,8 +34,12 @@ QTYPES = (*CONVERTED, K_QUANT)
 # F16 2.8e-3 (it also carries llama.cpp's F16 KV cache), Q8_0 5.5e-2, Q4_K_M 0.36 (mostly Q5_0 fallbacks, rows of 128).
 # F16 and Q8_0 are held to what gguf_model holds them to (gguf_export.TOLERANCES); a mis-laid tensor lands near 1.
 LLAMACPP_TOLERANCES = {"f16": 5e-3, "q8_0": 8e-2, "q4_k_m": 0.5}
-# A name without "phi3": llama.cpp gives Phi-3 SentencePiece token attributes by general.name (converter.py).
 NAME = "tiny"
+# A name llama.cpp gives Phi-3's SentencePiece token attributes for (converter.general_name), on Phi-3 with a byte-level BPE.
+PHI3_NAME = "phi3-toolcalls-v1"
+
+
+pytestmark = pytest.mark.integration  # llama.cpp's converter and llama.cpp on every family
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +47,17 @@ def exported(tmp_path_factory) -> dict[str, dict]:
     """family -> {"dir": model dir, "files": qtype -> file_entry}, every family converted in one child process."""
     root = tmp_path_factory.mktemp("gguf-families")
     dirs = {family.name: build_family(family.name, root / family.name) for family in FAMILIES}
-    convert_many([(dirs[f], NAME, qtype, root / f"{f}-{qtype}.gguf") for f in dirs for qtype in CONVERTED])
+    jobs = [(dirs[f], NAME, qtype, root / f"{f}-{qtype}.gguf") for f in dirs for qtype in CONVERTED]
+    convert_many([*jobs, (dirs["phi3"], PHI3_NAME, "f16", root / "phi3-named-f16.gguf")])
     result = {}
     for name, model_dir in dirs.items():
-        files = {qtype: file_entry(root / f"{name}-{qtype}.gguf", qtype, tensor_types(root / f"{name}-{qtype}.gguf")) for qtype in CONVERTED}
+        files = {
+            qtype: file_entry(root / f"{name}-{qtype}.gguf", qtype, tensor_types(root / f"{name}-{qtype}.gguf"))
+            for qtype in CONVERTED
+        }
         files[K_QUANT] = llamacpp.quantize(files["f16"]["path"], root / f"{name}-{K_QUANT}.gguf", K_QUANT)
         result[name] = {"dir": model_dir, "files": files}
+    result["phi3"]["named"] = root / "phi3-named-f16.gguf"
     return result
 
 
@@ -60,7 +69,9 @@ def test_family_gguf_loads_in_llamacpp_and_answers_like_transformers(exported, f
     for qtype, check in checks.items():
         assert check["tokens_match"], (qtype, check["token_mismatches"])
         assert check["rel_error"] <= LLAMACPP_TOLERANCES[qtype], (qtype, check)
-    assert [checks[q]["rel_error"] for q in QTYPES] == sorted(checks[q]["rel_error"] for q in QTYPES)  # fewer bits, more error
+    assert [checks[q]["rel_error"] for q in QTYPES] == sorted(
+        checks[q]["rel_error"] for q in QTYPES
+    )  # fewer bits, more error
     f16 = checks["f16"]
     assert f16["top1_agreement"] >= 0.95, f16
     assert f16["greedy_match"] + f16["greedy_near_ties"] == f16["greedy_prompts"], f16  # any parting is at a near-tie
@@ -84,3 +95,24 @@ def test_gemma3_is_wrong_in_llamacpp_without_its_layer_pattern(exported, tmp_pat
     ref = llamacpp.reference(exported["gemma3"]["dir"])
     assert llamacpp.check_file(source, ref)["rel_error"] <= LLAMACPP_TOLERANCES["f16"]
     assert llamacpp.check_file(stripped, ref)["rel_error"] > 20 * LLAMACPP_TOLERANCES["f16"]
+
+
+def test_phi3_with_a_byte_level_bpe_named_after_phi3_loads_in_llamacpp(exported, tmp_path):
+    """Phi-4-mini's combination (Phi-3's architecture, a GPT-2-style BPE) in a run named after Phi-3: llama.cpp gives a
+    file whose general.name holds "phi3" Phi-3's token attributes and looks up </s>, which this vocabulary lacks
+    ("unordered_map::at"). The converter writes the name as "phi 3", and the file loads and tokenizes like HF."""
+    from gguf import GGUFReader
+
+    named = exported["phi3"]["named"]
+    assert GGUFReader(named).fields["general.name"].contents() == "phi 3-toolcalls-v1"
+    check = llamacpp.check_file(named, llamacpp.reference(exported["phi3"]["dir"]))  # llama_cpp.Llama loads it
+    assert check["tokens_match"] and check["rel_error"] <= LLAMACPP_TOLERANCES["f16"], check
+    as_named = tmp_path / "phi3-as-named.gguf"  # the same file with the name as the run gave it: llama.cpp refuses it
+    where = converter.location()
+    subprocess.run(
+        [sys.executable, str(where / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"), "--force",
+         "--general-name", PHI3_NAME, str(named), str(as_named)],
+        env={**os.environ, "PYTHONPATH": str(where / "gguf-py")}, check=True, capture_output=True,
+    )  # fmt: skip
+    with pytest.raises(llamacpp.LlamaCppError, match="error loading model vocabulary: unordered_map::at"):
+        llamacpp.load(as_named, vocab_only=True)

@@ -19,13 +19,23 @@ def test_qlora_is_the_default_on_cuda_and_trains_in_bf16(tiny_model_dir, tmp_pat
     write_shards(tiny_model_dir, tmp_path / "shards", "train", chat_examples(64))
     config = TrainingConfig(max_steps=10, save_steps=5, per_device_batch_size=4, learning_rate=5e-3, warmup_steps=0)
     assert config.resolved_method(cuda_available=True) == "qlora"
-    result = train(config, tiny_model_dir, tmp_path / "shards", LocalStore(tmp_path / "store"), "runs/t/v/train/r", tmp_path / "work", log=print)
+    result = train(
+        config,
+        tiny_model_dir,
+        tmp_path / "shards",
+        LocalStore(tmp_path / "store"),
+        "runs/t/v/train/r",
+        tmp_path / "work",
+        log=print,
+    )
     assert result.method == "qlora" and result.device.startswith("cuda")
     assert result.attn_implementation in ("flash_attention_2", "flex_attention")  # auto: never a dense score path
     assert result.loss_history[-1][1] < result.loss_history[0][1] and result.tokens_per_second > 0
 
 
-@pytest.mark.parametrize("attn, dtype, rel", [("flex_attention", torch.float32, 1e-5), ("flash_attention_2", torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "attn, dtype, rel", [("flex_attention", torch.float32, 1e-5), ("flash_attention_2", torch.bfloat16, 2e-2)]
+)
 def test_packed_row_loss_and_gradients_equal_its_examples_one_by_one(tiny_model_dir, attn, dtype, rel):
     """Training mode, with backward: the packed row through the backend vs each example alone through sdpa."""
     from transformers import AutoModelForCausalLM
@@ -35,7 +45,9 @@ def test_packed_row_loss_and_gradients_equal_its_examples_one_by_one(tiny_model_
     if attn == "flash_attention_2":
         pytest.importorskip("flash_attn")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype, attn_implementation=attn).cuda().train()
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype, attn_implementation="sdpa").cuda().train()
+    reference = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype, attn_implementation="sdpa").cuda().train()
+    )
     lengths = [100, 150, 200, 62]
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (1, sum(lengths)), generator=generator).cuda()
@@ -47,7 +59,9 @@ def test_packed_row_loss_and_gradients_equal_its_examples_one_by_one(tiny_model_
     alone, start = 0.0, 0
     for n in lengths:
         part = slice(start, start + n)
-        loss = token_loss_sum(reference, {"input_ids": ids[:, part], "labels": labels[:, part], "position_ids": position_ids[:, part]})
+        loss = token_loss_sum(
+            reference, {"input_ids": ids[:, part], "labels": labels[:, part], "position_ids": position_ids[:, part]}
+        )
         loss.backward()
         alone += float(loss)
         start += n

@@ -22,7 +22,11 @@ OVERRIDES = {
         "class": "PoolRunCoordinator",
         "config": {"max_concurrent_runs": 10, "tag_concurrency_limits": [{"key": POOL_TAG, "value": GPU, "limit": 1}]},
     },
-    "run_launcher": {"module": "ft_assets.control.launcher", "class": "PoolRunLauncher", "config": {"pools": {"gpu": MOCK, "cpu": MOCK}}},
+    "run_launcher": {
+        "module": "ft_assets.control.launcher",
+        "class": "PoolRunLauncher",
+        "config": {"pools": {"gpu": MOCK, "cpu": MOCK}},
+    },
 }
 
 ROUTING = [
@@ -43,13 +47,17 @@ def test_pool_for_run(name, tags, assets, pool):
 
 
 def test_mixed_run_is_refused_with_a_clear_message():
-    with pytest.raises(MixedPoolRun, match=r"GPU assets \(lora_adapter\) together with CPU assets \(tokenized_shards\)"):
+    with pytest.raises(
+        MixedPoolRun, match=r"GPU assets \(lora_adapter\) together with CPU assets \(tokenized_shards\)"
+    ):
         pool_for_run({}, ["tokenized_shards", "lora_adapter"])
 
 
 def test_queue_routes_runs_and_limits_gpu_slots():
     with dg.instance_for_test(overrides=OVERRIDES) as instance:
-        target = ModuleTarget(module_name="ft_assets.definitions", attribute=None, working_directory=None, location_name="ft_assets")
+        target = ModuleTarget(
+            module_name="ft_assets.definitions", attribute=None, working_directory=None, location_name="ft_assets"
+        )
         with create_test_daemon_workspace_context(target, instance) as context:
             workspace = context.create_request_context()
             location = workspace.get_code_location("ft_assets")

@@ -131,7 +131,10 @@ def test_chat_answers_equal_the_merged_models_on_the_same_prompts(files, model_d
     from ft_assets.delivery.evaluate import generate
 
     conversations = [[{"role": "user", "content": prompt}] for prompt in llamacpp.GREEDY_PROMPTS]
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
     # one conversation per call: left padding in a batch moves transformers' own logits by ~1e-6, enough to flip a near-tie
     expected = [generate(model, tokenizer, [c], max_new_tokens=12, log=lambda _: None)[0] for c in conversations]
     answers = llamacpp.chat_answers(files["f16"]["path"], conversations, max_new_tokens=12, log=lambda _: None)
@@ -146,11 +149,15 @@ def test_chat_answers_equal_the_merged_models_on_the_same_prompts(files, model_d
 def test_openai_compatible_server_answers_and_stops(files):
     path = files["f16"]["path"]
     with llamacpp.serve(path) as url:
-        reply = llamacpp.chat_completion(url, [{"role": "user", "content": "What is the weather in Paris in celsius?"}], 8)
+        reply = llamacpp.chat_completion(
+            url, [{"role": "user", "content": "What is the weather in Paris in celsius?"}], 8
+        )
         port = urllib.parse.urlparse(url).port
     assert reply["object"] == "chat.completion"
     assert reply["usage"]["completion_tokens"] <= 8
-    in_process = llamacpp.chat_answers(path, [[{"role": "user", "content": "What is the weather in Paris in celsius?"}]], 8, log=lambda _: None)
+    in_process = llamacpp.chat_answers(
+        path, [[{"role": "user", "content": "What is the weather in Paris in celsius?"}]], 8, log=lambda _: None
+    )
     assert reply["choices"][0]["message"]["content"] == in_process[0]  # the server runs the same template and sampler
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)  # stopped
@@ -162,7 +169,10 @@ def test_openai_compatible_server_answers_and_stops(files):
 
 def test_server_that_cannot_load_the_file_fails_with_its_log(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
-    with pytest.raises(llamacpp.LlamaCppError, match="exited with"), llamacpp.serve(tmp_path / "broken.gguf", start_timeout_s=60):
+    with (
+        pytest.raises(llamacpp.LlamaCppError, match="exited with"),
+        llamacpp.serve(tmp_path / "broken.gguf", start_timeout_s=60),
+    ):
         pass
 
 

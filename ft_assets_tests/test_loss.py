@@ -54,6 +54,7 @@ def loss_in_fresh_process(mode: str, out) -> tuple[int, dict]:
     return json.loads(out.read_text())["peak_kib"], torch.load(str(out) + ".pt")
 
 
+@pytest.mark.integration  # two fresh processes (their peak RSS), 1.3 GiB of logits each
 def test_chunked_loss_cuts_peak_memory_4x_with_the_same_loss_and_gradients(tmp_path):
     full_peak, full = loss_in_fresh_process("full", tmp_path / "full.json")
     chunked_peak, chunked = loss_in_fresh_process("chunked", tmp_path / "chunked.json")
@@ -64,7 +65,10 @@ def test_chunked_loss_cuts_peak_memory_4x_with_the_same_loss_and_gradients(tmp_p
     assert torch.allclose(chunked["loss"], full["loss"], rtol=1e-5, atol=0)
     for name in ("h", "w"):  # lm_head's gradient sums 4096 tokens in fp32 in another order: ~1e-6 of its scale apart
         scale = full[name].abs().max()
-        assert torch.allclose(chunked[name], full[name], rtol=1e-5, atol=4e-6 * scale), (name, (chunked[name] - full[name]).abs().max())
+        assert torch.allclose(chunked[name], full[name], rtol=1e-5, atol=4e-6 * scale), (
+            name,
+            (chunked[name] - full[name]).abs().max(),
+        )
 
 
 def test_chunk_size_keeps_one_chunk_of_fp32_logits_at_64_mib():
@@ -109,7 +113,9 @@ def test_token_loss_sum_equals_the_models_own_loss_with_tied_embeddings_and_peft
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert model.config.tie_word_embeddings
     if method == "lora":
-        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        lora = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
         model = get_peft_model(model, lora)
     batch = packed_batch(model.config.vocab_size)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -23,14 +23,42 @@ from ft_assets_tests.support import MAIN
 SPEC_ERRORS = [
     ("not-a-mixture", {"components": []}, "one mapping 'mixture:'"),
     ("no-components", {"mixture": {"components": []}}, "non-empty list"),
-    ("weights-and-counts", {"mixture": {"components": [{"dataset": "a@v1", "weight": 1}, {"dataset": "b@v1", "count": 3}]}}, "every component a 'weight', or every"),
-    ("zero-weight", {"mixture": {"components": [{"dataset": "a@v1", "weight": 0}]}}, "'weight' must be a positive number"),
-    ("rows-with-counts", {"mixture": {"rows": 10, "components": [{"dataset": "a@v1", "count": 3}]}}, "only goes with weights"),
-    ("dataset-and-source", {"mixture": {"components": [{"dataset": "a@v1", "source": "x.jsonl", "weight": 1}]}}, "give one of 'dataset'"),
+    (
+        "weights-and-counts",
+        {"mixture": {"components": [{"dataset": "a@v1", "weight": 1}, {"dataset": "b@v1", "count": 3}]}},
+        "every component a 'weight', or every",
+    ),
+    (
+        "zero-weight",
+        {"mixture": {"components": [{"dataset": "a@v1", "weight": 0}]}},
+        "'weight' must be a positive number",
+    ),
+    (
+        "rows-with-counts",
+        {"mixture": {"rows": 10, "components": [{"dataset": "a@v1", "count": 3}]}},
+        "only goes with weights",
+    ),
+    (
+        "dataset-and-source",
+        {"mixture": {"components": [{"dataset": "a@v1", "source": "x.jsonl", "weight": 1}]}},
+        "give one of 'dataset'",
+    ),
     ("bad-version", {"mixture": {"components": [{"dataset": "a", "weight": 1}]}}, "expected '<name>@<version>'"),
-    ("same-name", {"mixture": {"components": [{"dataset": "a@v1", "weight": 1}, {"dataset": "a@v2", "weight": 1}]}}, "a second component named 'a'"),
-    ("bad-columns", {"mixture": {"components": [{"source": "x.csv", "weight": 1, "columns": {"prompt": "q"}}]}}, "both 'prompt' and 'response'"),
-    ("unknown-key", {"mixture": {"components": [{"dataset": "a@v1", "weight": 1, "weigth": 2}]}}, r"unknown key\(s\) \['weigth'\]"),
+    (
+        "same-name",
+        {"mixture": {"components": [{"dataset": "a@v1", "weight": 1}, {"dataset": "a@v2", "weight": 1}]}},
+        "a second component named 'a'",
+    ),
+    (
+        "bad-columns",
+        {"mixture": {"components": [{"source": "x.csv", "weight": 1, "columns": {"prompt": "q"}}]}},
+        "both 'prompt' and 'response'",
+    ),
+    (
+        "unknown-key",
+        {"mixture": {"components": [{"dataset": "a@v1", "weight": 1, "weigth": 2}]}},
+        r"unknown key\(s\) \['weigth'\]",
+    ),
 ]
 
 
@@ -43,7 +71,13 @@ def test_mixture_spec_errors(name, spec, error):
 DRAWS = [
     # (available, weights, counts, rows, drawn)
     ([1000, 1000, 1000], [0.5, 0.3, 0.2], None, None, [1000, 600, 400]),  # the first component limits the total
-    ([1000, 100, 1000], [0.5, 0.3, 0.2], None, None, [166, 100, 67]),  # 333 rows: 166.5 / 99.9 / 66.6, largest remainders
+    (
+        [1000, 100, 1000],
+        [0.5, 0.3, 0.2],
+        None,
+        None,
+        [166, 100, 67],
+    ),  # 333 rows: 166.5 / 99.9 / 66.6, largest remainders
     ([1000, 1000, 1000], [5, 3, 2], None, 101, [51, 30, 20]),
     ([50, 60], None, [50, 0], None, [50, 0]),
     ([400, 300, 30], [0.6, 0.3, 0.1], None, None, [180, 90, 30]),  # shares that do not sum to 1.0 in floating point
@@ -57,7 +91,9 @@ def test_draw_counts(available, weights, counts, rows, drawn):
 
 
 def test_draw_counts_never_draw_a_row_twice():
-    with pytest.raises(MixtureError, match=r"mixture component c1: 100 usable rows, but its weight of 1000 rows, 300 are asked"):
+    with pytest.raises(
+        MixtureError, match=r"mixture component c1: 100 usable rows, but its weight of 1000 rows, 300 are asked"
+    ):
         draw_counts(["c0", "c1"], [1000, 100], [0.7, 0.3], None, 1000)
     with pytest.raises(MixtureError, match=r"mixture component c0: 50 usable rows, but count 60 are asked"):
         draw_counts(["c0"], [50], None, [60], None)
@@ -74,7 +110,11 @@ def write_jsonl(path: Path, prefix: str, n: int) -> Path:
 def components(tmp_path: Path, weights: dict[str, float]) -> list[Component]:
     sizes = {"alpha": 3000, "beta": 1200, "gamma": 800}
     return [
-        Component({"name": name, "weight": weight}, [(f"{name}/rows.jsonl", write_jsonl(tmp_path / f"{name}.jsonl", name, sizes[name]))], None)
+        Component(
+            {"name": name, "weight": weight},
+            [(f"{name}/rows.jsonl", write_jsonl(tmp_path / f"{name}.jsonl", name, sizes[name]))],
+            None,
+        )
         for name, weight in weights.items()
     ]
 
@@ -130,14 +170,24 @@ def test_mixture_of_a_version_a_csv_file_and_a_hub_dataset(project, hub_cache, c
         {"source": "questions.csv", "weight": 0.3, "columns": {"prompt": "question", "response": "answer"}},
         {"source": "hf://acme/qa@main", "name": "hub", "weight": 0.1, "columns": {"prompt": "question", "response": "answer"}},
     ]}}))  # fmt: skip
-    assert main(["run", "--in-process", "--dataset", str(mix), "--until", "data", "--config", str(config), "--json"]) == 0
+    assert (
+        main(["run", "--in-process", "--dataset", str(mix), "--until", "data", "--config", str(config), "--json"]) == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["partition"].startswith("mix@v-")
     # 30 Hub rows at weight 0.1 limit the mixture to 300 rows: 180 + 90 + 30.
     raw = read_ref(store, summary["partition"], "raw_dataset")
     source = raw["stats"]["source"]
-    assert [(c["name"], c["rows_drawn"]) for c in source["components"]] == [("chats", 180), ("questions", 90), ("hub", 30)]
-    assert summary["rows_in"] == 300 == summary["rows_kept"] + summary["rows_quarantined"] + summary["exact_duplicates"] + summary["near_duplicates"]
+    assert [(c["name"], c["rows_drawn"]) for c in source["components"]] == [
+        ("chats", 180),
+        ("questions", 90),
+        ("hub", 30),
+    ]
+    assert (
+        summary["rows_in"]
+        == 300
+        == summary["rows_kept"] + summary["rows_quarantined"] + summary["exact_duplicates"] + summary["near_duplicates"]
+    )
     chats, csv_part, hub = source["components"]
     assert chats["dataset"] == first and chats["rows_quarantined"] == 1 and len(chats["digest"]) == 64
     assert csv_part["source"] == {"kind": "files", "uri": "questions.csv"} and csv_part["files"] == ["questions.csv"]
@@ -156,7 +206,9 @@ def test_mixture_of_a_version_a_csv_file_and_a_hub_dataset(project, hub_cache, c
     registry = home / "registry-entry"
     registry.mkdir()
     digest = publish_dir(store, "runs/mix/v1/train/run/checkpoint-00000001", checkpoint).digest
-    lineage = minimal_lineage(summary["partition"], source, {"key": "runs/mix/v1/train/run/checkpoint-00000001", "digest": digest})
+    lineage = minimal_lineage(
+        summary["partition"], source, {"key": "runs/mix/v1/train/run/checkpoint-00000001", "digest": digest}
+    )
     (registry / "lineage.json").write_text(json.dumps(lineage))
     publish_dir(store, "registry/mix/v1/run", registry)
     assert main(["lineage", str(store.root / "registry/mix/v1/run")]) == 0
@@ -171,18 +223,33 @@ def minimal_lineage(partition: str, source: dict, checkpoint: dict) -> dict:
         "dataset_source": source,
         "published_key": "registry/mix/v1/run",
         "base_model": {"model_id": "tiny", "source_sha256": "0" * 64},
-        "training": {"checkpoint": checkpoint, "run_id": "run", "method": "lora", "steps": 1, "resumed_from_step": None},
-        "gguf": {},
+        "training": {
+            "checkpoint": checkpoint,
+            "run_id": "run",
+            "method": "lora",
+            "steps": 1,
+            "resumed_from_step": None,
+        },
+        "exports": {},
         "eval": {"metric_name": "exact_match", "base_metric": 0.0, "finetuned_metric": 1.0},
         "code_version": "test",
         "artifacts": [],
     }
+
 
 def test_the_lineage_manifest_carries_the_dataset_source():
     from ft_assets.delivery.lineage import build_lineage
     from ft_assets_tests.support import lineage_refs
 
     refs = lineage_refs()
-    source = {"kind": "hub", "uri": "hf://acme/qa@main", "repo": "acme/qa", "revision": "main", "commit": MAIN, "split": "train", "files": []}
+    source = {
+        "kind": "hub",
+        "uri": "hf://acme/qa@main",
+        "repo": "acme/qa",
+        "revision": "main",
+        "commit": MAIN,
+        "split": "train",
+        "files": [],
+    }
     refs["raw_dataset"]["stats"] = {"source": source}
     assert build_lineage("qa@v1", refs, "/store/registry/qa/v1/r1")["dataset_source"] == source

@@ -3,8 +3,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ft_assets.data.bins import pack_bins
-from ft_assets.data.packing import ChatEncoder, Example, pack_rows, tokenize_and_pack
+from ft_assets.data.chat_encoding import ChatEncoder
+from ft_assets.data.packing import pack_rows
 from ft_assets.data.rows import RowError, iter_records
+from ft_assets.data.sequences import Example, encoded_bytes, sequences_of
+from ft_assets.data.tokenizing import tokenize_and_pack
 from ft_assets_tests.tiny import build_tokenizer
 
 PACK_CASES = [
@@ -40,6 +43,28 @@ def test_pack_rows_layout():
     assert row["loss_mask"].tolist() == [0, 1, 1, 0, 1, 0, 0]
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1]
     assert row["seq_lens"] == [3, 2]
+
+
+SEQUENCE_CASES = [  # (name, sequences as (ids, mask, text), the slice [start, stop) read back)
+    ("chat examples, whole part", [([1, 2, 3], [0, 1, 1], ""), ([7], [1], "")], 0, 2),
+    ("a slice inside the part", [([1], [0], ""), ([2, 3], [1, 1], ""), ([4, 5, 6], [0, 0, 1], "")], 1, 2),
+    ("prompts keep their texts", [([9, 8], [0, 0], '["r0", [], {}]'), ([5], [0], "café ☕ \u0000")], 0, 2),
+    ("a text after an empty one", [([1], [0], ""), ([2], [0], "ü")], 1, 2),
+    ("nothing", [], 0, 0),
+]
+
+
+@pytest.mark.parametrize("name,sequences,start,stop", SEQUENCE_CASES, ids=[c[0] for c in SEQUENCE_CASES])
+def test_encoded_sequences_read_back_as_written(name, sequences, start, stop):
+    examples = [Example(np.array(i, np.int32), np.array(m, np.int8), t) for i, m, t in sequences]
+    data = encoded_bytes(examples)
+    tokens = sum(len(ids) for ids, _, _ in sequences)
+    assert len(data) == 5 * tokens + 16 * len(sequences) + sum(len(t.encode()) for _, _, t in sequences)
+    read = sequences_of(data, len(examples), start, stop)
+    assert [(e.input_ids.tolist(), e.loss_mask.tolist(), e.text) for e in read] == [
+        (ids, mask, text) for ids, mask, text in sequences[start:stop]
+    ]
+    assert all(e.input_ids.dtype == np.int32 and e.loss_mask.dtype == np.int8 for e in read)
 
 
 @pytest.fixture(scope="module")

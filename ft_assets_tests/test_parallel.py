@@ -26,14 +26,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ft_assets.data.chat_encoding import TokenizerFiles
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks, ShardFailed
 from ft_assets.data.parts import Artifact, Target, Written
 from ft_assets.data.readers import file_shards, read_dataset
 from ft_assets.data.resources import DataExecutorResource
 from ft_assets.data.split import split_dataset
+from ft_assets.data.tokenizing import tokenize_splits
 from ft_assets.storage import open_store
 
 pytestmark = pytest.mark.integration
@@ -52,9 +53,19 @@ def corpus(tmp_path_factory) -> list[tuple[str, Path]]:
 
     folder = tmp_path_factory.mktemp("corpus")
     write_corpus(folder, rows_per_unit=3000)
-    chat = [json.loads(line) for line in (folder / "chat.jsonl").read_text().splitlines()[:500] if line.startswith('{"messages"')]
-    pq.write_table(pa.Table.from_pylist([{"messages": row["messages"]} for row in chat]), folder / "tables.parquet", row_group_size=100)
-    (folder / "more.jsonl.gz").write_bytes(gzip.compress(b"".join((folder / "alpaca.jsonl").read_bytes().splitlines(True)[:300])))
+    chat = [
+        json.loads(line)
+        for line in (folder / "chat.jsonl").read_text().splitlines()[:500]
+        if line.startswith('{"messages"')
+    ]
+    pq.write_table(
+        pa.Table.from_pylist([{"messages": row["messages"]} for row in chat]),
+        folder / "tables.parquet",
+        row_group_size=100,
+    )
+    (folder / "more.jsonl.gz").write_bytes(
+        gzip.compress(b"".join((folder / "alpaca.jsonl").read_bytes().splitlines(True)[:300]))
+    )
     lines = (folder / "sharegpt.jsonl").read_bytes().splitlines()[:600]  # a BOM, CRLF, blank lines across shard edges
     edges = b"\xef\xbb\xbf" + b"".join(line + (b"\r\n\r\n" if i % 97 == 0 else b"\r\n") for i, line in enumerate(lines))
     (folder / "edges.jsonl").write_bytes(edges + b"   \n" + lines[0])  # ends without a newline
@@ -109,7 +120,11 @@ def run_stage(stage: str, files, out: Artifact, executor, tokenizer, artifacts: 
 
 def outputs(work: Path) -> dict[str, str]:
     """sha256 of every file the stages wrote."""
-    return {str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(work.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(work.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run_all(files, work: Path, executor, tokenizer, during: dict | None = None) -> tuple[dict, dict]:
@@ -120,7 +135,11 @@ def run_all(files, work: Path, executor, tokenizer, during: dict | None = None) 
         with (during or {}).get(stage, _nothing)():
             stats[stage] = run_stage(stage, files, Artifact.folder(work / stage), executor, tokenizer, artifacts)
     files = outputs(work)
-    listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
+    listed = {
+        f"{stage}/{name}": info["sha256"]
+        for stage, artifact in artifacts.items()
+        for name, info in artifact.files.items()
+    }
     assert listed == files  # every part written is described, whole, and nothing else is left (no temporary file)
     return stats, files
 
@@ -141,7 +160,14 @@ def test_reference_accounts_for_every_row_and_packs_tightly(reference):
     stats, files = reference
     raw, clean, dedup, split, packed = (stats[s] for s in STAGES)
     assert raw["rows_in"] > 3500 and raw["rows_quarantined"] > 0 and raw["blank_lines"] > 0
-    assert set(raw["rows_per_file"]) == {"alpaca.jsonl", "chat.jsonl", "edges.jsonl", "more.jsonl.gz", "sharegpt.jsonl", "tables.parquet"}
+    assert set(raw["rows_per_file"]) == {
+        "alpaca.jsonl",
+        "chat.jsonl",
+        "edges.jsonl",
+        "more.jsonl.gz",
+        "sharegpt.jsonl",
+        "tables.parquet",
+    }
     assert dedup["exact_duplicates"] > 0 and dedup["near_duplicates"] > 0 and clean["rows_quarantined"] > 0
     rejected = sum(len(p["rejected"]) for p in packed.values())
     kept = sum(p["examples"] for p in packed.values())
@@ -152,7 +178,9 @@ def test_reference_accounts_for_every_row_and_packs_tightly(reference):
     assert len(packed["train"]["files"]) >= 1 and "tokenize/train-00000.parquet" in files
 
 
-@pytest.mark.parametrize("mode", ["in-process, small shards", "2 processes", "ray, 2 workers", "ray, as if on other machines"])
+@pytest.mark.parametrize(
+    "mode", ["in-process, small shards", "2 processes", "ray, 2 workers", "ray, as if on other machines"]
+)
 def test_every_mode_writes_the_same_bytes(mode, corpus, tokenizer, reference, tmp_path, request):
     """Workers write their parts; as if on other machines, they read them through Ray's object store and send
     their bytes back to the driver, which writes them: the files are the same in every mode."""
@@ -186,13 +214,19 @@ def test_workers_write_their_parts_to_s3(kind, corpus, tokenizer, reference, s3_
     try:
         with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=True) as executor:
             for stage in STAGES:
-                stats[stage] = run_stage(stage, corpus, Artifact(store.url, f"runs/t/{stage}"), executor, tokenizer, artifacts)
+                stats[stage] = run_stage(
+                    stage, corpus, Artifact(store.url, f"runs/t/{stage}"), executor, tokenizer, artifacts
+                )
             assert len([w for w in executor.usage.values() if w.shards]) >= 2
     finally:
         if kind.startswith("ray"):
             ray.shutdown()
     assert stats == reference[0]
-    listed = {f"{stage}/{name}": info["sha256"] for stage, artifact in artifacts.items() for name, info in artifact.files.items()}
+    listed = {
+        f"{stage}/{name}": info["sha256"]
+        for stage, artifact in artifacts.items()
+        for name, info in artifact.files.items()
+    }
     assert listed == reference[1]
     assert {f"{key.removeprefix('runs/t/')}": store.sha256(key) for key in store.list("runs/t")} == reference[1]
 
@@ -208,7 +242,11 @@ def worker_pids(kind: str) -> list[int]:
             command = process.cmdline()
         except psutil.Error:  # gone, or a zombie not reaped yet
             continue
-        if "spawn_main" in " ".join(command) if kind == "processes" else command[:1] and command[0].startswith("ray::_run_shard"):
+        if (
+            "spawn_main" in " ".join(command)
+            if kind == "processes"
+            else command[:1] and command[0].startswith("ray::_run_shard")
+        ):
             pids.append(process.pid)
     return pids
 
@@ -237,14 +275,18 @@ def killing_a_worker(kind: str, executor, killed: list):
         killer.join()
 
 
-@pytest.mark.parametrize("kind,stage", [("processes", "clean"), ("processes", "dedup"), ("processes", "tokenize"), ("ray", "dedup")])
+@pytest.mark.parametrize(
+    "kind,stage", [("processes", "clean"), ("processes", "dedup"), ("processes", "tokenize"), ("ray", "dedup")]
+)
 def test_a_worker_killed_mid_stage_changes_nothing(kind, stage, corpus, tokenizer, reference, tmp_path, request):
     """The dead worker's shard runs again; the stage writes the same bytes as if nothing happened."""
     if kind == "ray":
         request.getfixturevalue("local_ray")
     killed: list[int] = []
     with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=False) as executor:
-        stats, files = run_all(corpus, tmp_path, executor, tokenizer, {stage: lambda: killing_a_worker(kind, executor, killed)})
+        stats, files = run_all(
+            corpus, tmp_path, executor, tokenizer, {stage: lambda: killing_a_worker(kind, executor, killed)}
+        )
     assert killed, f"no {kind} worker was busy during {stage}"
     assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == psutil.STATUS_ZOMBIE
     if kind == "processes":
@@ -286,8 +328,14 @@ def test_a_part_half_written_by_a_killed_worker_is_replaced_whole(tmp_path):
     with ProcessPool(1) as executor:
         out.add(*executor.map(_put_dying_midway, range(3), (out.target(executor), str(tmp_path / "markers"))))
         assert executor.retried == 1 and (tmp_path / "markers" / "died").exists()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(out.files) == [f"rows-{i:05d}.parquet" for i in range(3)]
-    assert all((tmp_path / "out" / name).read_bytes() == bytes([i]) * 100_000 for i, name in enumerate(sorted(out.files)))
+    assert (
+        sorted(p.name for p in (tmp_path / "out").iterdir())
+        == sorted(out.files)
+        == [f"rows-{i:05d}.parquet" for i in range(3)]
+    )
+    assert all(
+        (tmp_path / "out" / name).read_bytes() == bytes([i]) * 100_000 for i, name in enumerate(sorted(out.files))
+    )
 
 
 @pytest.mark.parametrize("kind", ["processes", "ray"])
@@ -328,11 +376,14 @@ def test_a_ray_address_that_does_not_answer_fails_clearly_within_30_s():
     closed.close()
     server, silent = _silent_port()
     try:
-        for address, says in ((f"127.0.0.1:{port}", "does not answer"), (f"ray://127.0.0.1:{silent}", "no Ray service speaks")):
+        for address, says in (
+            (f"127.0.0.1:{port}", "does not answer"),
+            (f"ray://127.0.0.1:{silent}", "no Ray service speaks"),
+        ):
             started = time.monotonic()
             resource = DataExecutorResource(ray_address=address)
             with pytest.raises(dg.Failure, match=says) as failure:
-                with resource.yield_for_execution(dg.build_init_resource_context()):
+                with dg.build_init_resource_context() as init, resource.yield_for_execution(init):
                     pass
             assert time.monotonic() - started < 30
             assert address in str(failure.value)
@@ -356,7 +407,9 @@ def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
         assert data_executor.executor.log is not None  # long stages report progress to the run's log
         return list(data_executor.executor.map(_die, range(6), str(tmp_path)))
 
-    defs = make_definitions(DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False})))
+    defs = make_definitions(
+        DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False}))
+    )
     result = dg.materialize([squares], resources={"data_executor": defs.resources["data_executor"]})
     assert result.output_for_node("squares") == [i * i for i in range(6)]
 

@@ -5,15 +5,19 @@ Published figures are read in GiB (they come from nvidia-smi / torch.cuda, which
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
+from ft_assets.cli.plan import plan_request
 from ft_assets.control import planner
 from ft_assets.control.cost_model import CostModel, GpuOffering
+from ft_assets.training.config import TrainingConfig
 from ft_assets.training.loss import chunk_tokens
 from ft_assets.control.gpu_plan import NoGpuFits, plan_training
 from ft_assets.control.planner import (
     ModelShape,
+    PlanRequest,
     estimate_vram,
     flops_per_token,
     lora_params,
@@ -23,10 +27,39 @@ from ft_assets_tests.reference_models import REFERENCE_CONFIGS
 from scripts import planner_tables
 
 SHAPES = {name: ModelShape.from_config(config, name) for name, config in REFERENCE_CONFIGS.items()}
-QWEN05, LLAMA7, LLAMA13, LLAMA70 = SHAPES["Qwen2.5-0.5B"], SHAPES["Llama-2-7B"], SHAPES["Llama-2-13B"], SHAPES["Llama-2-70B"]
+QWEN05, LLAMA7, LLAMA13, LLAMA70 = (
+    SHAPES["Qwen2.5-0.5B"],
+    SHAPES["Llama-2-7B"],
+    SHAPES["Llama-2-13B"],
+    SHAPES["Llama-2-70B"],
+)
 # The path of the published runs: Hugging Face's loss over every token's logits, FlashAttention-2 on
 # unpacked rows (no score matrices). The recipe's own default (chunked loss, flash/flex) needs less.
-HF_PATH = dict(attention="flash_attention_2", loss="full")
+HF_PATH = dict(attn_implementation="flash_attention_2", loss="full")
+
+
+def request(shape, method, seq_len, micro_batch, grad_checkpointing, tokens=1, loss=None, **settings) -> PlanRequest:
+    """What the planner is asked for rows of ``seq_len`` tokens and these training settings (TrainingConfig's defaults
+    for the rest: LoRA r=16 on every projection, dropout 0.05, one GPU), as ``ft-assets plan`` asks it."""
+    config = TrainingConfig(per_device_batch_size=micro_batch, gradient_checkpointing=grad_checkpointing, **settings)
+    asked = plan_request(shape, method, seq_len, tokens, config)
+    return replace(asked, loss=loss) if loss else asked
+
+
+def vram(shape, method, seq_len, micro_batch, grad_checkpointing, gpus=None, parallelism=None, **settings):
+    """Memory per GPU of that run, on ``gpus`` GPUs with ``parallelism`` (the settings' own unless given)."""
+    return estimate_vram(
+        request(shape, method, seq_len, micro_batch, grad_checkpointing, **settings), gpus, parallelism
+    )
+
+
+def plan_of(shape, method, seq_len, micro_batch, grad_checkpointing, tokens, cost_model=None, purpose="experiment",
+         data_region=None, gpus=1, parallelism=None):  # fmt: skip
+    """plan_training of that run on ``gpus`` GPUs (None: the fewest that fit), FSDP above one unless asked otherwise."""
+    parallelism = parallelism or ("fsdp" if gpus and gpus > 1 else "ddp")
+    asked = request(shape, method, seq_len, micro_batch, grad_checkpointing, tokens, num_processes=gpus or 1,
+                    parallelism=parallelism)  # fmt: skip
+    return plan_training(asked, cost_model or CostModel(), purpose, data_region, fewest_gpus=gpus is None)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +97,10 @@ def test_lora_params_are_r_times_in_plus_out_per_projection():
     # Llama-2-7B, all seven projections: 4 x (4096 + 4096) + 3 x (4096 + 11008) = 78,080 per rank and layer
     assert lora_params(LLAMA7, 16) == 78_080 * 16 * 32 == 39_976_960
     assert lora_params(LLAMA7, 8, ("q_proj", "v_proj")) == 2 * 8192 * 8 * 32  # PEFT's Llama default targets
-    with pytest.raises(ValueError, match=r"target_modules \['c_attn'\]: Llama-2-7B has no such projection; its projections are q_proj, "):
+    with pytest.raises(
+        ValueError,
+        match=r"target_modules \['c_attn'\]: Llama-2-7B has no such projection; its projections are q_proj, ",
+    ):
         lora_params(LLAMA7, 8, ("c_attn",))
 
 
@@ -106,17 +142,15 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("name, method, seq_len, low, high, source", PUBLISHED)
 def test_vram_estimate_within_published_range(name, method, seq_len, low, high, source):
-    estimate = estimate_vram(SHAPES[name], method, seq_len, micro_batch=1, grad_checkpointing=True, **HF_PATH)
+    estimate = vram(SHAPES[name], method, seq_len, micro_batch=1, grad_checkpointing=True, **HF_PATH)
     assert low <= estimate.total_gib <= high, f"{name} {method} seq {seq_len}: {estimate.breakdown()} ({source})"
 
 
 def test_7b_full_fine_tuning_is_far_above_a_24gb_card_and_lora_fits_one():
     usable_24 = 24 * (1 - CostModel().vram_headroom)
-    assert estimate_vram(LLAMA7, "full", 512, 1, True).total_gib > 4 * 24
-    assert estimate_vram(LLAMA7, "lora", 2048, 1, True).total_gib < usable_24
-    assert estimate_vram(LLAMA13, "qlora", 2048, 1, True).total_gib < usable_24 < estimate_vram(
-        LLAMA13, "lora", 512, 1, True
-    ).total_gib
+    assert vram(LLAMA7, "full", 512, 1, True).total_gib > 4 * 24
+    assert vram(LLAMA7, "lora", 2048, 1, True).total_gib < usable_24
+    assert vram(LLAMA13, "qlora", 2048, 1, True).total_gib < usable_24 < vram(LLAMA13, "lora", 512, 1, True).total_gib
 
 
 QWEN_V1 = {  # config.json of Qwen (v1); its intermediate_size counts both halves of the SwiGLU, halved here
@@ -151,7 +185,7 @@ LLAMA31_8B = ModelShape.from_config(
 def test_lora_estimate_within_15_percent_of_qwen_measurements(name, seq_len, measured):
     vocab = 152064 if name == "Qwen-14B" else 151936
     shape = ModelShape.from_config({**QWEN_V1[name], "vocab_size": vocab, "attention_bias": True}, name)
-    estimate = estimate_vram(shape, "lora", seq_len, 1, True, lora_r=64, **HF_PATH)
+    estimate = vram(shape, "lora", seq_len, 1, True, lora_r=64, **HF_PATH)
     assert abs(estimate.total_gib / measured - 1) <= 0.15, estimate.breakdown()
 
 
@@ -161,7 +195,7 @@ def test_lora_estimate_within_15_percent_of_qwen_measurements(name, seq_len, mea
     [(12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502), (80, 28454)],
 )
 def test_qlora_estimate_within_15_percent_of_unsloth_context_benchmark(vram_gb, context):
-    estimate = estimate_vram(LLAMA31_8B, "qlora", context, 1, True, lora_r=32, lora_dropout=0, **HF_PATH)
+    estimate = vram(LLAMA31_8B, "qlora", context, 1, True, lora_r=32, lora_dropout=0, **HF_PATH)
     assert abs(estimate.total_gib / vram_gb - 1) <= 0.15, estimate.breakdown()
 
 
@@ -170,33 +204,36 @@ def test_estimate_within_10_percent_of_the_h200_run(method, measured):
     """Measured once on an H200 (2026-11-30, issue #15): Llama-2-7B shape, r=16 on all 7 projections, gradient
     checkpointing, 1 x 2048 packed tokens (4 documents), sdpa with the packed block mask, HF's full-logit loss;
     peak torch reserved + 0.6 GiB CUDA context."""
-    estimate = estimate_vram(LLAMA7, method, 2048, 1, True, attention="sdpa", loss="full")
+    estimate = vram(LLAMA7, method, 2048, 1, True, attn_implementation="sdpa", loss="full")
     assert abs(estimate.total_gib / measured - 1) <= 0.10, estimate.breakdown()
 
 
 def test_score_matrices_are_planned_for_sdpa_and_eager_only():
-    flash, flex, sdpa = (estimate_vram(LLAMA7, "lora", 4096, 2, True, attention=a) for a in ("flash_attention_2", "flex_attention", "sdpa"))
+    flash, flex, sdpa = (
+        vram(LLAMA7, "lora", 4096, 2, True, attn_implementation=a)
+        for a in ("flash_attention_2", "flex_attention", "sdpa")
+    )
     assert flash.attention_gib == flex.attention_gib == 0
     assert sdpa.attention_gib == pytest.approx(10 * 32 * 4096**2 * 2 / 2**30)  # one layer alive with checkpointing
-    unchecked = estimate_vram(LLAMA7, "lora", 4096, 2, False, attention="eager")
+    unchecked = vram(LLAMA7, "lora", 4096, 2, False, attn_implementation="eager")
     assert unchecked.attention_gib == pytest.approx(32 * sdpa.attention_gib)  # every layer keeps its scores
-    assert estimate_vram(LLAMA7, "lora", 4096, 2, True).attention == "auto"
+    assert vram(LLAMA7, "lora", 4096, 2, True).attention == "auto"
     with pytest.raises(ValueError, match="unknown loss"):
-        estimate_vram(LLAMA7, "lora", 4096, 2, True, loss="fused")
+        vram(LLAMA7, "lora", 4096, 2, True, loss="fused")
 
 
 def test_breakdown_components_follow_the_documented_formula():
-    full = estimate_vram(LLAMA7, "full", 1024, 1, True)
+    full = vram(LLAMA7, "full", 1024, 1, True)
     assert full.weights_gib == pytest.approx(4 * LLAMA7.params / 2**30)
     assert full.optimizer_gib == pytest.approx(2 * full.gradients_gib) and full.adapter_gib == 0
-    lora = estimate_vram(LLAMA7, "lora", 1024, 1, True)
+    lora = vram(LLAMA7, "lora", 1024, 1, True)
     assert lora.weights_gib == pytest.approx(2 * LLAMA7.params / 2**30)
     assert lora.adapter_gib == pytest.approx(4 * 39_976_960 / 2**30) == lora.gradients_gib
-    qlora = estimate_vram(LLAMA7, "qlora", 1024, 1, True)
+    qlora = vram(LLAMA7, "qlora", 1024, 1, True)
     nf4 = LLAMA7.layer_linear_params * 4.127 / 8 + 4 * (LLAMA7.params - LLAMA7.layer_linear_params)
     assert qlora.weights_gib == pytest.approx(nf4 / 2**30, rel=1e-4)
     assert lora.logits_gib == pytest.approx(16 * 32000 * chunk_tokens(32000) / 2**30)  # one chunk (524 tokens)
-    assert estimate_vram(LLAMA7, "lora", 1024, 1, True, loss="full").logits_gib == pytest.approx(16 * 32000 * 1024 / 2**30)
+    assert vram(LLAMA7, "lora", 1024, 1, True, loss="full").logits_gib == pytest.approx(16 * 32000 * 1024 / 2**30)
     assert lora.attention_gib == 0 and lora.overhead_gib == 0.6
     tensors = lora.total_gib - lora.slack_gib - lora.overhead_gib
     assert lora.slack_gib == pytest.approx(0.04 * tensors)
@@ -205,13 +242,13 @@ def test_breakdown_components_follow_the_documented_formula():
 
 
 def test_activations_scale_with_tokens_and_checkpointing_saves_most_of_them():
-    one = estimate_vram(LLAMA7, "lora", 1024, 1, True)
-    four = estimate_vram(LLAMA7, "lora", 1024, 4, True)
+    one = vram(LLAMA7, "lora", 1024, 1, True)
+    four = vram(LLAMA7, "lora", 1024, 4, True)
     assert four.activations_gib == pytest.approx(4 * one.activations_gib)
     assert four.logits_gib == one.logits_gib  # the chunked loss: one chunk, however many tokens
-    one_full, four_full = (estimate_vram(LLAMA7, "lora", 1024, b, True, loss="full") for b in (1, 4))
+    one_full, four_full = (vram(LLAMA7, "lora", 1024, b, True, loss="full") for b in (1, 4))
     assert four_full.logits_gib == pytest.approx(4 * one_full.logits_gib)
-    unchecked = estimate_vram(LLAMA7, "lora", 1024, 1, False)
+    unchecked = vram(LLAMA7, "lora", 1024, 1, False)
     assert unchecked.activations_gib > 10 * one.activations_gib
 
 
@@ -223,7 +260,6 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(LLAMA7, "full", 2048, False) == 2 * matmul * 3 + attention * 3
 
 
-
 def test_docstring_vram_table_is_what_planner_tables_prints(capsys):
     """The planner docstring quotes `python -m scripts.planner_tables`: same GiB for every model and method."""
     planner_tables.main()
@@ -233,6 +269,7 @@ def test_docstring_vram_table_is_what_planner_tables_prints(capsys):
         row = next(line for line in printed if line.strip().startswith(name + " "))
         gib = r"\d+\.\d / \d+\.\d"
         assert re.findall(gib, quoted.split(name)[1]) == re.findall(gib, row.split("params")[1]), name
+
 
 def test_docstring_multi_gpu_table_is_what_planner_tables_prints(capsys):
     planner_tables.main()
@@ -267,7 +304,7 @@ TIERS = CostModel(
 
 
 def test_cheapest_tier_is_cheapest_per_run_not_per_hour():
-    plan = plan_training(LLAMA7, "lora", 2048, 1, True, train_tokens=50_000_000, cost_model=TIERS)
+    plan = plan_of(LLAMA7, "lora", 2048, 1, True, 50_000_000, cost_model=TIERS)
     assert (plan.tier, plan.mode) == ("fast24", "spot")
     speed = 200e12 * 0.40 / flops_per_token(LLAMA7, "lora", 2048, True)
     assert plan.tokens_per_second == pytest.approx(speed)
@@ -278,18 +315,24 @@ def test_cheapest_tier_is_cheapest_per_run_not_per_hour():
 
 
 def test_tier_choice_skips_cards_too_small():
-    plan = plan_training(LLAMA13, "lora", 2048, 1, True, train_tokens=10_000_000, cost_model=TIERS)
+    plan = plan_of(LLAMA13, "lora", 2048, 1, True, 10_000_000, cost_model=TIERS)
     assert plan.tier == "mid"
     fits = {c.name: c.fits for c in plan.candidates}
     assert fits == {"small": False, "fast24": False, "mid": True, "big": True}
     assert "needs 28.5 GiB" in next(c.reason for c in plan.candidates if c.name == "small")
     mid = next(row for row in plan.candidate_rows() if row["tier"] == "mid")
-    assert (mid["gpu"], mid["region"], mid["usable_gib"], mid["fits"], mid["usd_per_hour"]) == ("MID", "us-east-1", 43.2, True, 0.60)
+    assert (mid["gpu"], mid["region"], mid["usable_gib"], mid["fits"], mid["usd_per_hour"]) == (
+        "MID",
+        "us-east-1",
+        43.2,
+        True,
+        0.60,
+    )
 
 
 def test_nothing_fits_raises_with_required_vram_and_what_would_fit():
     with pytest.raises(NoGpuFits) as caught:
-        plan_training(LLAMA13, "full", 2048, 1, True, train_tokens=1_000_000, cost_model=TIERS)
+        plan_of(LLAMA13, "full", 2048, 1, True, 1_000_000, cost_model=TIERS)
     message = str(caught.value)
     assert "needs ~203.8 GiB" in message and "big, has 72.0 GiB usable" in message
     assert "method qlora: ~10.9 GiB, fits small, fast24, mid, big" in message
@@ -298,7 +341,7 @@ def test_nothing_fits_raises_with_required_vram_and_what_would_fit():
 
 def test_nothing_fits_suggests_changes_that_add_up():
     with pytest.raises(NoGpuFits) as caught:
-        plan_training(LLAMA13, "full", 2048, 4, False, train_tokens=1_000_000, cost_model=TIERS)
+        plan_of(LLAMA13, "full", 2048, 4, False, 1_000_000, cost_model=TIERS)
     options = str(caught.value).splitlines()[1:]
     assert options[0].startswith("  - gradient checkpointing: ~") and options[0].endswith("still too big")
     assert options[1].startswith("  - + micro batch 1 (same global batch via gradient accumulation): ~203.8 GiB")
@@ -306,21 +349,21 @@ def test_nothing_fits_suggests_changes_that_add_up():
 
 
 @pytest.mark.parametrize(
-    "purpose, resumable, mode, tier, rate, warning",
+    "purpose, mode, tier, rate",
     [
-        ("experiment", True, "spot", "fast24", 0.30, None),
-        # on-demand, 'big' is cheapest per token: $3.00 / 1000 TFLOPS < $1.00 / 200
-        ("experiment", False, "on_demand", "big", 3.00, "does not resume from checkpoints"),
-        ("validation", True, "on_demand", "big", 3.00, None),
-        ("delivery", True, "none", None, None, None),
+        ("experiment", "spot", "fast24", 0.30),
+        (
+            "validation",
+            "on_demand",
+            "big",
+            3.00,
+        ),  # on-demand, 'big' is cheapest per token: $3.00 / 1000 TFLOPS < $1.00 / 200
+        ("delivery", "none", None, None),
     ],
 )
-def test_rental_mode_follows_purpose(purpose, resumable, mode, tier, rate, warning):
-    plan = plan_training(
-        LLAMA7, "qlora", 1024, 1, True, 5_000_000, cost_model=TIERS, purpose=purpose, resumable=resumable
-    )
-    assert (plan.mode, plan.tier, plan.usd_per_hour) == (mode, tier, rate)
-    assert [w for w in plan.warnings if warning in w] if warning else plan.warnings == ()
+def test_rental_mode_follows_purpose(purpose, mode, tier, rate):
+    plan = plan_of(LLAMA7, "qlora", 1024, 1, True, 5_000_000, cost_model=TIERS, purpose=purpose)
+    assert (plan.mode, plan.tier, plan.usd_per_hour, plan.warnings) == (mode, tier, rate, ())
     if mode == "none":
         assert plan.est_cost_usd == 0 and plan.candidates == () and plan.vram.total_gib > 0
 
@@ -328,7 +371,7 @@ def test_rental_mode_follows_purpose(purpose, resumable, mode, tier, rate, warni
 def test_spot_falls_back_to_on_demand_when_no_fitting_tier_has_spot():
     h200 = offering("h200", 141, 3.50, None, 989)  # the only card that holds 7B full fine-tuning; no spot
     tiers = TIERS.model_copy(update={"offerings": (*TIERS.offerings, h200)})
-    plan = plan_training(LLAMA7, "full", 512, 1, True, 1_000_000, cost_model=tiers)
+    plan = plan_of(LLAMA7, "full", 512, 1, True, 1_000_000, cost_model=tiers)
     assert (plan.tier, plan.mode, plan.usd_per_hour) == ("h200", "on_demand", 3.50)
     assert any("no offering that fits has a spot price" in w for w in plan.warnings)
 
@@ -338,16 +381,16 @@ def test_region_mismatch_warns_and_equal_prices_prefer_the_data_region():
         offerings=(offering("a-east", 24, 1.0, 0.3, 200), offering("a-west", 24, 1.0, 0.3, 200, "us-west-2")),
         startup_minutes=0,
     )
-    same = plan_training(LLAMA7, "lora", 1024, 1, True, 1_000_000, cost_model=two_regions, data_region="us-west-2")
+    same = plan_of(LLAMA7, "lora", 1024, 1, True, 1_000_000, cost_model=two_regions, data_region="us-west-2")
     assert same.tier == "a-west" and same.warnings == ()
     only_east = two_regions.model_copy(update={"offerings": two_regions.offerings[:1]})
-    other = plan_training(LLAMA7, "lora", 1024, 1, True, 1_000_000, cost_model=only_east, data_region="eu-west-1")
+    other = plan_of(LLAMA7, "lora", 1024, 1, True, 1_000_000, cost_model=only_east, data_region="eu-west-1")
     assert other.tier == "a-east"
     assert any("data is in eu-west-1 but the worker (a-east) runs in us-east-1" in w for w in other.warnings)
 
 
 def test_default_cost_model_plans_a_7b_qlora_experiment_on_a_24gb_card():
-    plan = plan_training(LLAMA7, "qlora", 2048, 1, True, train_tokens=20_000_000, epochs=2, data_region="us-east-1")
+    plan = plan_of(LLAMA7, "qlora", 2048, 1, True, 40_000_000, data_region="us-east-1")
     assert plan.tier in {"rtx4090-24gb", "l4-24gb", "a10g-24gb"} and plan.mode == "spot" and plan.warnings == ()
     assert plan.total_tokens == 40_000_000
     speed = tokens_per_second(LLAMA7, "qlora", 2048, True, CostModel().offering(plan.tier), CostModel())
@@ -357,15 +400,14 @@ def test_default_cost_model_plans_a_7b_qlora_experiment_on_a_24gb_card():
     assert [row["tier"] for row in plan.candidate_rows() if row["note"] == "chosen"] == [plan.tier]
 
 
-
 # --- several GPUs: DDP and FSDP memory per GPU, GPU counts, the cost of N GPUs -------------------------
 
 GIB = 2**30
 
 
 def test_fsdp_shards_weights_gradients_and_adamw_and_adds_what_it_gathers():
-    one = estimate_vram(LLAMA13, "full", 2048, 1, True)
-    four = estimate_vram(LLAMA13, "full", 2048, 1, True, gpus=4, parallelism="fsdp")
+    one = vram(LLAMA13, "full", 2048, 1, True)
+    four = vram(LLAMA13, "full", 2048, 1, True, gpus=4, parallelism="fsdp")
     root = 2 * 32000 * 5120 + 5120  # untied embeddings + lm_head + final norm
     layer = (LLAMA13.params - root) / 40
     assert four.weights_gib == pytest.approx(one.weights_gib / 4 + 2 * (root + 2 * layer) / GIB)  # bf16 gathered
@@ -373,17 +415,17 @@ def test_fsdp_shards_weights_gradients_and_adamw_and_adds_what_it_gathers():
     assert four.optimizer_gib == pytest.approx(one.optimizer_gib / 4)
     assert (four.activations_gib, four.logits_gib) == (one.activations_gib, one.logits_gib)  # a micro-batch per GPU
     assert (four.gpus, four.parallelism) == (4, "fsdp") and four.as_dict()["gpus"] == 4
-    lora = estimate_vram(LLAMA13, "lora", 2048, 1, True, gpus=2, parallelism="fsdp")
-    assert lora.adapter_gib == pytest.approx(estimate_vram(LLAMA13, "lora", 2048, 1, True).adapter_gib / 2)
+    lora = vram(LLAMA13, "lora", 2048, 1, True, gpus=2, parallelism="fsdp")
+    assert lora.adapter_gib == pytest.approx(vram(LLAMA13, "lora", 2048, 1, True).adapter_gib / 2)
 
 
 def test_ddp_keeps_the_whole_model_on_every_gpu_plus_gradient_buckets():
-    one = estimate_vram(LLAMA7, "full", 1024, 1, True)
-    two = estimate_vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="ddp")
+    one = vram(LLAMA7, "full", 1024, 1, True)
+    two = vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="ddp")
     assert (two.weights_gib, two.optimizer_gib) == (one.weights_gib, one.optimizer_gib)
     assert two.gradients_gib == pytest.approx(2 * one.gradients_gib)
     with pytest.raises(ValueError, match="unknown parallelism 'zero3'"):
-        estimate_vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="zero3")
+        vram(LLAMA7, "full", 1024, 1, True, gpus=2, parallelism="zero3")
 
 
 MULTI = CostModel(
@@ -412,7 +454,7 @@ MULTI = CostModel(
 )
 def test_plan_picks_the_fewest_gpus_that_fit(shape, method, gpus, tier, chosen_gpus, parallelism):
     ask = "ddp" if (gpus, method) == (2, "lora") else None
-    plan = plan_training(shape, method, 2048, 1, True, 10_000_000, cost_model=MULTI, gpus=gpus, parallelism=ask)
+    plan = plan_of(shape, method, 2048, 1, True, 10_000_000, cost_model=MULTI, gpus=gpus, parallelism=ask)
     assert (plan.tier, plan.gpus, plan.parallelism) == (tier, chosen_gpus, parallelism), plan.candidate_rows()
     assert plan.vram.gpus == chosen_gpus and plan.nodes == (chosen_gpus + 7) // 8
     single = tokens_per_second(shape, method, 2048, True, MULTI.offering(tier), MULTI)
@@ -424,14 +466,14 @@ def test_plan_picks_the_fewest_gpus_that_fit(shape, method, gpus, tier, chosen_g
 
 
 def test_a_gpu_count_an_offering_cannot_rent_is_refused_with_the_reason():
-    plan = plan_training(LLAMA7, "qlora", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=2)
+    plan = plan_of(LLAMA7, "qlora", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=2)
     card = next(c for c in plan.candidates if c.name == "card24")
     assert not card.fits and card.reason == "rents at most 1 GPU(s) a run"
     assert (plan.tier, plan.gpus, plan.parallelism) == ("a80", 2, "fsdp")
 
 
 def test_more_than_a_node_of_gpus_spans_nodes_at_a_lower_scaling():
-    plan = plan_training(LLAMA70, "full", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=None)
+    plan = plan_of(LLAMA70, "full", 2048, 1, True, 1_000_000, cost_model=MULTI, gpus=None)
     assert plan.gpus == 32 and plan.nodes == 4 and plan.vram.total_gib <= 72
     single = tokens_per_second(LLAMA70, "full", 2048, True, MULTI.offering("a80"), MULTI)
     assert plan.tokens_per_second == pytest.approx(32 * 0.8 * single)
@@ -440,7 +482,81 @@ def test_more_than_a_node_of_gpus_spans_nodes_at_a_lower_scaling():
 
 def test_nothing_fits_one_gpu_says_how_many_sharded_would():
     with pytest.raises(NoGpuFits) as caught:
-        plan_training(LLAMA70, "lora", 2048, 1, True, 1_000_000, cost_model=MULTI)
+        plan_of(LLAMA70, "lora", 2048, 1, True, 1_000_000, cost_model=MULTI)
     message = str(caught.value)
     assert "needs ~141.4 GiB" in message
-    assert "  - or lora as it is, parallelism fsdp on 4 x a80: ~" in message and message.endswith("add a larger offering to the cost model")
+    assert "  - or lora as it is, parallelism fsdp on 4 x a80: ~" in message and message.endswith(
+        "add a larger offering to the cost model"
+    )
+
+
+# --- your Mac beside the rented GPUs (the cost model's `mac`, ft-assets plan --mac) ----------------------------------
+
+MAC_CASES = [  # (shape, method, seq_len, mac tier, $/h of the Mac) -> what is chosen: the Mac, or a rented GPU (all with
+    # gradient checkpointing: without it a 7B LoRA's activations and sdpa scores outgrow every Mac below 128 GB)
+    ("Qwen2.5-0.5B", "lora", 2048, "m4-16gb", 0.0, "mac-m4-16gb"),
+    ("Llama-2-7B", "lora", 2048, "m4-24gb", 0.0, "rtx4090-24gb"),  # bf16 7B weights alone outgrow 16 GiB usable
+    ("Llama-2-7B", "qlora", 1024, "m4-24gb", 0.0, "mac-m4-24gb"),  # the guide's 7B LoRA on a 24 GB Mac mini: 4-bit
+    ("Llama-2-7B", "lora", 2048, "m4pro-48gb", 0.0, "mac-m4pro-48gb"),
+    ("Llama-2-7B", "lora", 2048, "m4pro-48gb", 0.18, "rtx4090-24gb"),  # amortized, the Mac's 80 h cost more
+]
+
+
+@pytest.mark.parametrize(
+    "name, method, seq_len, tier, rate, chosen", MAC_CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}-{c[4]}" for c in MAC_CASES]
+)
+def test_a_mac_is_planned_beside_the_rented_gpus(name, method, seq_len, tier, rate, chosen):
+    cost_model = CostModel().with_mac(tier, rate)
+    plan = plan_of(SHAPES[name], method, seq_len, 1, True, 10_000_000, cost_model)
+    assert plan.tier == chosen
+    mac = next(c for c in plan.candidates if c.name == f"mac-{tier}")
+    offering = cost_model.offering(mac.name)
+    assert offering.unified_memory and mac.usable_gib == pytest.approx(offering.vram_gib * 0.75 * 0.9)
+    assert mac.usd_per_hour == rate and mac.gpus == 1
+    # the Mac's memory is the MLX backend's: sdpa attention and every forward's logits, so more than a CUDA GPU's
+    cuda = next(c for c in plan.candidates if c.name == "a100-80gb")
+    assert mac.needs_gib > cuda.needs_gib
+    if plan.tier == mac.name:
+        assert plan.vram.total_gib == mac.needs_gib and plan.est_cost_usd == pytest.approx(rate * plan.est_hours)
+
+
+def test_the_mac_tiers_and_their_refusals():
+    from ft_assets.control.cost_model import MACS, CostModelError, load_cost_model
+
+    assert {"m4-16gb", "m4-24gb", "m4-32gb", "m4pro-48gb", "m4pro-64gb", "m4max-128gb", "m3max-128gb"} <= set(MACS)
+    assert max(o.vram_gib for o in MACS.values()) == 128
+    assert not any(o.unified_memory for o in CostModel().offerings)  # no Mac unless you name yours
+    with pytest.raises(ValueError, match="mac 'm5-8gb' is not a Mac tier of gpu_offerings.yaml; choose one of m4-16gb"):
+        CostModel(mac="m5-8gb")
+    assert [o.name for o in CostModel().with_mac("m4-24gb").with_mac(None).offerings] == [
+        o.name for o in CostModel().offerings
+    ]
+
+
+def test_a_cost_model_file_names_the_mac_and_its_amortized_rate(tmp_path):
+    from ft_assets.control.cost_model import load_cost_model
+
+    path = tmp_path / "cost.yaml"
+    path.write_text("mac: m4pro-64gb\nmac_usd_per_h: 0.25\n")
+    offering = load_cost_model(path).offering("mac-m4pro-64gb")
+    assert (offering.on_demand_usd_per_h, offering.spot_usd_per_h, offering.vram_gib) == (0.25, 0.25, 64)
+
+
+def test_ft_assets_plan_says_whether_it_fits_on_the_mac_or_must_rent(tmp_path, capsys):
+    import json
+
+    from ft_assets.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(REFERENCE_CONFIGS["Llama-2-7B"]))
+    argv = ["plan", "--model-config", str(tmp_path), "--method", "lora", "--seq-len", "2048", "--gradient-checkpointing",
+            "--json"]  # fmt: skip
+    assert main([*argv, "--mac", "m4-24gb"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert plan["tier"] == "rtx4090-24gb" and not plan["mac"]["fits"] and plan["rented"]["tier"] == "rtx4090-24gb"
+    assert "your Mac, mac-m4-24gb (Apple M4 (10-core GPU), 24 GB unified memory): does not fit: needs ~" in out
+    assert main([*argv, "--mac", "m4pro-48gb"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert plan["tier"] == "mac-m4pro-48gb" and plan["mac"]["fits"] and plan["est_cost_usd"] == 0.0
+    assert f"rented instead: {plan['rented']['describe']}" in out

@@ -24,9 +24,10 @@ from ft_assets.plots import (
     line_chart,
     number_label,
 )
-from ft_assets_tests.charts import SVG, bars, curves, overlaps, svg_of, text_boxes
+from ft_assets_tests.charts import SVG, bars, curves, dots, overlaps, svg_of, text_boxes
 
 LOSS = [(step, 7.5 * math.exp(-step / 40) + 0.05) for step in range(1, 100_001)]
+EVALS = [(step, 7.5 * math.exp(-step / 40) + 0.06) for step in (20, 40, 80, 100_000)]  # 3 evals, then the final one
 CHARTS = [  # (name, markdown)
     ("loss of 100,000 steps", line_chart({"train loss": LOSS}, "training loss 7.366 → 0.05", "step")),
     ("loss of one step", line_chart({"train loss": [(1, 2.3)]}, "training loss", "step")),
@@ -43,6 +44,9 @@ CHARTS = [  # (name, markdown)
     ("forty dataset versions", bar_chart(
         {f"support-chats@2026-11-{d:02d}": {"estimate": d / 100, "actual": d / 90} for d in range(1, 41)}, "estimate vs actual, USD")),
     ("no bars", bar_chart({}, "estimate vs actual, USD")),
+    ("loss with its evals", line_chart({"train loss": LOSS}, "train_loss 0.05 (mean, last 10); eval_loss 0.06", "step",
+                                       dots=("eval_loss", EVALS))),
+    ("evals not named in the title", line_chart({"train loss": LOSS}, "training loss", "step", dots=("eval loss", EVALS))),
 ]  # fmt: skip
 
 
@@ -58,10 +62,36 @@ def test_a_long_loss_history_is_drawn_across_the_plot_from_its_top_left_to_its_b
     [curve] = curves(svg)
     assert 2 <= len(curve) <= MAX_POINTS
     assert curve[0][0] == LEFT and curve[-1][0] == RIGHT  # the whole run, first step to last
-    assert curve[0][1] < curve[-1][1] and all(TOP <= y <= BOTTOM for _, y in curve)  # starts high, ends low (SVG y grows down)
+    assert curve[0][1] < curve[-1][1] and all(
+        TOP <= y <= BOTTOM for _, y in curve
+    )  # starts high, ends low (SVG y grows down)
     assert [y for _, y in curve] == sorted(y for _, y in curve)  # a falling loss stays falling once averaged
     labels = [text for text, *_ in text_boxes(svg)]
     assert "step 1e+05" in labels and "training loss 7.366 → 0.05" in labels
+
+
+def test_evals_are_dots_on_the_curves_axes_named_in_their_colour():
+    """The final eval sits at the curve's last step (the plot's right edge), each intermediate one at its own step; the
+    dots' name is the title's part in their colour, or the line under the plot when the title does not say it."""
+    charts = dict(CHARTS)
+    svg = svg_of(charts["loss with its evals"])
+    [curve], marks = curves(svg), dots(svg)
+    assert len(curve) >= 16  # the dots cost the curve a few of its points, not most of them
+    assert [x for x, _ in marks] == [LEFT, LEFT, LEFT, RIGHT]  # steps 20-80 of 100,000 are the left edge
+    assert marks[-1][1] == BOTTOM and marks[0][1] < marks[1][1] < marks[2][1]  # the lowest loss at the bottom
+    [path] = [p for p in svg.iter(f"{SVG}path") if p.get("stroke-width") == "4"]
+    [named] = [t for t in svg.iter(f"{SVG}tspan")]
+    assert named.text == "eval_loss" and named.get("fill") == path.get("stroke") != curve_stroke(svg)
+    assert [text for text, *_ in text_boxes(svg)][0] == "train_loss 0.05 (mean, last 10); eval_loss 0.06"
+    below = svg_of(charts["evals not named in the title"])
+    assert not list(below.iter(f"{SVG}tspan")) and len(dots(below)) == 4
+    assert [t.get("fill") for t in below.iter(f"{SVG}text") if "".join(t.itertext()) == "\u25a0 eval loss"] == [
+        path.get("stroke")
+    ]
+
+
+def curve_stroke(svg) -> str:
+    return next(svg.iter(f"{SVG}polyline")).get("stroke")
 
 
 def test_two_curves_are_told_apart_by_colour_on_the_title_line():
@@ -107,7 +137,13 @@ def test_many_groups_keep_the_latest_that_fit_and_say_so():
 
 def test_downsample_keeps_both_ends_averages_equal_runs_between_and_keeps_short_histories():
     assert downsample([(1, 4.0), (2, 2.0)], 8) == [(1, 4.0), (2, 2.0)]
-    assert downsample([(s, float(s)) for s in range(1, 9)], 5) == [(1, 1.0), (2.5, 2.5), (4.5, 4.5), (6.5, 6.5), (8, 8.0)]
+    assert downsample([(s, float(s)) for s in range(1, 9)], 5) == [
+        (1, 1.0),
+        (2.5, 2.5),
+        (4.5, 4.5),
+        (6.5, 6.5),
+        (8, 8.0),
+    ]
     assert len(downsample(LOSS, 64)) == 64
 
 

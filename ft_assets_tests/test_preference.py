@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ft_assets.data.chat_encoding import ChatEncoder
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.kinds import CHAT, PREFERENCE, dataset_kind
-from ft_assets.data.packing import ChatEncoder
 from ft_assets.data.pair_packing import encode_pairs, tokenize_and_pack_pairs
 from ft_assets.data.parts import PART_ROWS, Artifact
 from ft_assets.data.preference import clean_pair
@@ -25,6 +25,7 @@ from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.split import split_dataset
 from ft_assets.shards import IGNORE_INDEX, load_pair_rows, pair_split, shard_files
 from ft_assets_tests.support import PAIR_SEQ_LEN, timer_pairs, write_jsonl
+
 
 def turn(role: str, content: str) -> dict:
     return {"role": role, "content": content}
@@ -72,25 +73,41 @@ BAD_PAIRS = [
 @pytest.mark.parametrize("name,row,reason,detail", BAD_PAIRS, ids=[c[0] for c in BAD_PAIRS])
 def test_bad_pairs_are_quarantined_with_a_reason(name, row, reason, detail, tmp_path):
     good = {"prompt": "Hi?", "chosen": "Hello!", "rejected": "Go away."}
-    raw = read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", [good, row]))], raw_rows := Artifact.folder(tmp_path / "raw"))
-    cleaned = clean_dataset(raw_rows, clean_rows := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=clean_pair)
+    raw = read_dataset(
+        [("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", [good, row]))],
+        raw_rows := Artifact.folder(tmp_path / "raw"),
+    )
+    cleaned = clean_dataset(
+        raw_rows, clean_rows := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=clean_pair
+    )
     quarantined = [*raw_rows.records("quarantine"), *clean_rows.records("quarantine")]
     assert [(q["source"], q["reason"]) for q in quarantined] == [("pairs.jsonl:2", reason)]
     assert detail in quarantined[0]["detail"]
-    assert cleaned["rows_kept"] == 1 and raw["rows_in"] == cleaned["rows_kept"] + raw["rows_quarantined"] + cleaned["rows_quarantined"]
+    assert (
+        cleaned["rows_kept"] == 1
+        and raw["rows_in"] == cleaned["rows_kept"] + raw["rows_quarantined"] + cleaned["rows_quarantined"]
+    )
 
 
 def test_a_file_mixing_chat_rows_and_pairs_is_refused_naming_a_row_of_each(tmp_path):
     chat = {"messages": [turn("user", "Hi?"), turn("assistant", "Hello!")]}
     pair = {"prompt": "Hi?", "chosen": "Hello!", "rejected": "Go away."}
-    with pytest.raises(DatasetFileError, match=r"mixed.jsonl mixes chat rows \(mixed.jsonl:1\) and preference pairs .*\(mixed.jsonl:3\)"):
-        read_dataset([("mixed.jsonl", write_jsonl(tmp_path / "mixed.jsonl", [chat, chat, pair]))], Artifact.folder(tmp_path / "raw"))
+    with pytest.raises(
+        DatasetFileError,
+        match=r"mixed.jsonl mixes chat rows \(mixed.jsonl:1\) and preference pairs .*\(mixed.jsonl:3\)",
+    ):
+        read_dataset(
+            [("mixed.jsonl", write_jsonl(tmp_path / "mixed.jsonl", [chat, chat, pair]))],
+            Artifact.folder(tmp_path / "raw"),
+        )
 
 
 def test_a_version_of_chat_files_and_pair_files_is_refused(tmp_path):
     files = [("chats.jsonl", write_jsonl(tmp_path / "chats.jsonl", [{"instruction": "Hi?", "output": "Hello!"}])),
              ("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", timer_pairs(2)))]  # fmt: skip
-    with pytest.raises(DatasetFileError, match=r"mixes chat files \(chats.jsonl\) and preference files \(pairs.jsonl\)"):
+    with pytest.raises(
+        DatasetFileError, match=r"mixes chat files \(chats.jsonl\) and preference files \(pairs.jsonl\)"
+    ):
         read_dataset(files, Artifact.folder(tmp_path / "raw"))
 
 
@@ -115,13 +132,22 @@ def test_a_pair_is_one_row_in_deduplication(tmp_path):
             "rejected": "Nobody knows which tool it could be."}  # fmt: skip
     rows = [
         base,
-        {**base, "prompt": base["prompt"].upper(), "chosen": base["chosen"].replace(".", "!")},  # the same pair: exact duplicate
-        {**base, "rejected": "The weather tool says it is sunny in Paris today."},  # another rejected reply: another pair
+        {
+            **base,
+            "prompt": base["prompt"].upper(),
+            "chosen": base["chosen"].replace(".", "!"),
+        },  # the same pair: exact duplicate
+        {
+            **base,
+            "rejected": "The weather tool says it is sunny in Paris today.",
+        },  # another rejected reply: another pair
         {**base, "prompt": "Which tool sets an alarm for the morning train tomorrow?"},  # another prompt: another pair
         # The preference the other way round contradicts the first; shingles ignore roles, so it is its near duplicate.
         {**base, "chosen": base["rejected"], "rejected": base["chosen"]},
     ]
-    read_dataset([("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", rows))], raw := Artifact.folder(tmp_path / "raw"))
+    read_dataset(
+        [("pairs.jsonl", write_jsonl(tmp_path / "pairs.jsonl", rows))], raw := Artifact.folder(tmp_path / "raw")
+    )
     clean_dataset(raw, clean := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=clean_pair)
     stats = deduplicate_dataset(clean, dedup := Artifact.folder(tmp_path / "dedup"), DedupRules())
     assert (stats["rows_kept"], stats["exact_duplicates"], stats["near_duplicates"]) == (3, 1, 1)
@@ -137,11 +163,17 @@ def encoder(tiny_model_dir) -> ChatEncoder:
     return ChatEncoder(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN, part_rows: int = PART_ROWS) -> dict:
+def plane(
+    rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAIR_SEQ_LEN, part_rows: int = PART_ROWS
+) -> dict:
     """The data plane's functions in the assets' order on one JSONL file of pairs (in parts of ``part_rows`` rows);
     every stage's figures."""
     stage = {name: Artifact.folder(root / name) for name in ("raw", "clean", "dedup", "split")}
-    stats = {"raw": read_dataset([("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], stage["raw"], part_rows=part_rows)}
+    stats = {
+        "raw": read_dataset(
+            [("pairs.jsonl", write_jsonl(root / "in" / "pairs.jsonl", rows))], stage["raw"], part_rows=part_rows
+        )
+    }
     stats["kind"] = stats["raw"]["data_kind"]
     stats["clean"] = clean_dataset(stage["raw"], stage["clean"], CleaningRules(), clean=clean_pair)
     stats["dedup"] = deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules())
@@ -156,7 +188,12 @@ def plane(rows: list[dict], encoder: ChatEncoder, root: Path, seq_len: int = PAI
 
 def test_pairs_flow_through_the_plane_with_every_row_accounted_for(encoder, tmp_path):
     rows = timer_pairs(60)
-    rows += [rows[0], {**rows[1], "rejected": rows[1]["chosen"]}, {"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."}, "not a row"]
+    rows += [
+        rows[0],
+        {**rows[1], "rejected": rows[1]["chosen"]},
+        {"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."},
+        "not a row",
+    ]
     stats = plane(rows, encoder, tmp_path)
     assert stats["kind"] == PREFERENCE
     tokenize_rejects = [err.reason for split in ("train", "eval") for _, err in stats[split].rejected]
@@ -167,14 +204,24 @@ def test_pairs_flow_through_the_plane_with_every_row_accounted_for(encoder, tmp_
     duplicates = stats["dedup"]["exact_duplicates"] + stats["dedup"]["near_duplicates"]
     assert (kept, quarantined, duplicates) == (60, 3, 1)
     assert stats["raw"]["rows_in"] == kept + quarantined + duplicates == 64
-    assert shard_files(tmp_path / "shards", pair_split("train")) and not shard_files(tmp_path / "shards", "train")  # no packed chat shards
+    assert shard_files(tmp_path / "shards", pair_split("train")) and not shard_files(
+        tmp_path / "shards", "train"
+    )  # no packed chat shards
 
 
 def test_pair_rows_learn_only_the_final_replies_and_keep_sequences_apart(encoder, tmp_path):
-    history = [turn("user", "Set a timer for 5 minutes."), turn("assistant", "Done."), turn("user", "Set a timer for 7 minutes.")]
-    rows = [[*history, turn("chosen", '{"name": "set_timer", "arguments": {"minutes": 7}}'), turn("rejected", "I cannot.")]]
+    history = [
+        turn("user", "Set a timer for 5 minutes."),
+        turn("assistant", "Done."),
+        turn("user", "Set a timer for 7 minutes."),
+    ]
+    rows = [
+        [*history, turn("chosen", '{"name": "set_timer", "arguments": {"minutes": 7}}'), turn("rejected", "I cannot.")]
+    ]
     rows += [parse_line(json.dumps(row).encode()) for row in timer_pairs(3)]
-    stats = tokenize_and_pack_pairs(((f"r{i}", m) for i, m in enumerate(rows)), encoder, PAIR_SEQ_LEN, tmp_path, "train")
+    stats = tokenize_and_pack_pairs(
+        ((f"r{i}", m) for i, m in enumerate(rows)), encoder, PAIR_SEQ_LEN, tmp_path, "train"
+    )
     assert stats.examples == 4 and not stats.rejected
     pairs = load_pair_rows(tmp_path, "train", PAIR_SEQ_LEN)
     assert pairs.pairs == 4 and (pairs.pair_mask.sum(dim=1) == (pairs.segment_ids.max(dim=1).values + 1) // 2).all()
@@ -184,12 +231,16 @@ def test_pair_rows_learn_only_the_final_replies_and_keep_sequences_apart(encoder
         segments = pairs.segment_ids[row]
         for segment in range(2 * int(pairs.pair_mask[row].sum())):
             where = np.flatnonzero((segments == segment).numpy())
-            assert (pairs.position_ids[row][where].numpy() == np.arange(len(where))).all()  # positions restart per sequence
+            assert (
+                pairs.position_ids[row][where].numpy() == np.arange(len(where))
+            ).all()  # positions restart per sequence
             learned = pairs.labels[row][where]
             learned = learned[learned != IGNORE_INDEX]
             replies.append(tokenizer.decode(learned))
         assert (pairs.labels[row][segments == -1] == IGNORE_INDEX).all()
-    first = replies.index('{"name": "set_timer", "arguments": {"minutes": 7}}<|im_end|>')  # segment 2k: chosen, 2k + 1: rejected
+    first = replies.index(
+        '{"name": "set_timer", "arguments": {"minutes": 7}}<|im_end|>'
+    )  # segment 2k: chosen, 2k + 1: rejected
     assert first % 2 == 0 and replies[first + 1] == "I cannot.<|im_end|>" and len(replies) == 8
     assert "Done." not in "".join(replies)  # the history's assistant turn is context, not learned
 
@@ -214,14 +265,19 @@ def sample_pairs(root: Path, count: int) -> list[list[dict]]:
     read_dataset([("part-000.jsonl", sample)], raw := Artifact.folder(root / "raw"))
     clean_dataset(raw, clean := Artifact.folder(root / "clean"), CleaningRules())
     chats = [record["messages"] for _, record in zip(range(count + 1), clean.records("rows"))]
-    return [chat[:-1] + [turn("chosen", chat[-1]["content"]), turn("rejected", other[-1]["content"])] for chat, other in zip(chats, chats[1:])]
+    return [
+        chat[:-1] + [turn("chosen", chat[-1]["content"]), turn("rejected", other[-1]["content"])]
+        for chat, other in zip(chats, chats[1:])
+    ]
 
 
 def test_packing_pairs_fills_the_rows(encoder, tmp_path):
     """The figures of pair_packing's docstring (pytest -s prints them): 400 pairs of the shipped sample at 1,024 tokens."""
     rows = sample_pairs(tmp_path, 400)
     (tmp_path / "shards").mkdir()
-    stats = tokenize_and_pack_pairs(((f"r{i}", m) for i, m in enumerate(rows)), encoder, 1024, tmp_path / "shards", "train")
+    stats = tokenize_and_pack_pairs(
+        ((f"r{i}", m) for i, m in enumerate(rows)), encoder, 1024, tmp_path / "shards", "train"
+    )
     lengths = [(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in encode_pairs(encoder, rows)]
     to_seq_len = sum(a + b for a, b in lengths) / (2 * 1024 * len(lengths))
     batch_of_8 = padded_efficiency(lengths, 8)
@@ -230,14 +286,16 @@ def test_packing_pairs_fills_the_rows(encoder, tmp_path):
     assert stats.examples == 400 and stats.packing_efficiency > 0.95 > batch_of_8 > to_seq_len
 
 
+@pytest.mark.integration  # 2 worker processes
 def test_pairs_shard_on_worker_processes_with_the_same_bytes(encoder, tiny_model_dir, tmp_path):
     """The data plane's pair tokenizing on 2 worker processes, a part of 16 rows a task and windows of 8 pairs,
     writes the same files as one process that packs every part in one task: a window never cuts a pair apart."""
     import hashlib
 
-    from ft_assets.data.packing import TokenizerFiles, tokenize_splits
+    from ft_assets.data.chat_encoding import TokenizerFiles
     from ft_assets.data.pair_packing import PAIRS
     from ft_assets.data.parallel import InProcess, ProcessPool
+    from ft_assets.data.tokenizing import tokenize_splits
 
     rows = timer_pairs(90) + [{"prompt": "Hi?", "chosen": "x" * 3000, "rejected": "No."}]
     stats = plane(rows, encoder, tmp_path / "one", seq_len=PAIR_SEQ_LEN, part_rows=16)
@@ -253,12 +311,21 @@ def test_pairs_shard_on_worker_processes_with_the_same_bytes(encoder, tiny_model
     def digests(folder: Path) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("pairs-*.parquet"))}
 
-    assert len(digests(tmp_path / "two")) > 2 and digests(tmp_path / "two") == digests(tmp_path / "one" / "windowed")  # one a window
-    for packed_rows in (pq.read_table(path).column("segment_ids").to_pylist() for path in sorted((tmp_path / "two").glob("pairs-*.parquet"))):
+    assert len(digests(tmp_path / "two")) > 2 and digests(tmp_path / "two") == digests(
+        tmp_path / "one" / "windowed"
+    )  # one a window
+    for packed_rows in (
+        pq.read_table(path).column("segment_ids").to_pylist()
+        for path in sorted((tmp_path / "two").glob("pairs-*.parquet"))
+    ):
         for segments in packed_rows:  # every pair whole in its row: its chosen (2k) and its rejected (2k + 1) sequence
-            assert {s // 2 for s in segments if s >= 0 and s % 2 == 0} == {s // 2 for s in segments if s >= 0 and s % 2 == 1}
+            assert {s // 2 for s in segments if s >= 0 and s % 2 == 0} == {
+                s // 2 for s in segments if s >= 0 and s % 2 == 1
+            }
     for split in ("train", "eval"):
         assert (packed[split].examples, packed[split].tokens, packed[split].rows) == (
             expected[split].examples, expected[split].tokens, expected[split].rows)  # fmt: skip
-        assert [(row, err.reason) for row, err in packed[split].rejected] == [(row, err.reason) for row, err in expected[split].rejected]
+        assert [(row, err.reason) for row, err in packed[split].rejected] == [
+            (row, err.reason) for row, err in expected[split].rejected
+        ]
     assert stats["train"].examples + stats["eval"].examples == 90

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ft_assets import objectives
+from ft_assets.data.chat_encoding import ChatEncoder, TokenizerFiles
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.kinds import CHAT, PREFERENCE, PROMPT
-from ft_assets.data.packing import ChatEncoder, TokenizerFiles, tokenize_splits
 from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks
 from ft_assets.data.parts import Artifact
 from ft_assets.data.prompt_packing import PROMPTS
@@ -24,6 +24,7 @@ from ft_assets.data.prompts import split_prompt
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.rows import DatasetFileError
 from ft_assets.data.split import split_dataset
+from ft_assets.data.tokenizing import tokenize_splits
 from ft_assets.shards import load_prompt_rows, prompt_split, shard_files
 from ft_assets_tests.support import timer_call, timer_prompts, write_jsonl
 
@@ -58,10 +59,15 @@ def test_prompt_layouts_keep_their_other_columns(name, row, messages):
 
 def test_a_table_of_prompts_keeps_every_other_column(tmp_path):
     path = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": ["Set a timer for 5 minutes."], "answer": [json.dumps(CALL)], "level": [2]}), path)
+    pq.write_table(
+        pa.table({"prompt": ["Set a timer for 5 minutes."], "answer": [json.dumps(CALL)], "level": [2]}), path
+    )
     read_dataset([("prompts.parquet", path)], raw := Artifact.folder(tmp_path / "raw"))
     [row] = raw.records("rows")
-    assert split_prompt(row["messages"]) == ([turn("user", "Set a timer for 5 minutes.")], {"answer": json.dumps(CALL), "level": 2})
+    assert split_prompt(row["messages"]) == (
+        [turn("user", "Set a timer for 5 minutes.")],
+        {"answer": json.dumps(CALL), "level": 2},
+    )
 
 
 GOOD_CHAT = {"messages": [turn("user", "Hi?"), turn("assistant", "Hey.")]}
@@ -96,7 +102,9 @@ def test_prompts_among_conversations_are_conversations_without_their_reply(tmp_p
     read_dataset([("a.jsonl", write_jsonl(tmp_path / "a.jsonl", rows))], raw := Artifact.folder(tmp_path / "raw"))
     clean_dataset(raw, clean := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=objectives.SFT.clean_row)
     reasons = [(q["source"], q["reason"], q["detail"]) for q in clean.records("quarantine")]
-    assert reasons == [(f"a.jsonl:{n}", "no_assistant_reply", "the conversation does not end with an assistant reply") for n in (2, 3)]
+    assert reasons == [
+        (f"a.jsonl:{n}", "no_assistant_reply", "the conversation does not end with an assistant reply") for n in (2, 3)
+    ]
 
 
 BAD_PROMPTS = [
@@ -111,9 +119,16 @@ BAD_PROMPTS = [
 
 @pytest.mark.parametrize("name,row,reason,detail", BAD_PROMPTS, ids=[c[0] for c in BAD_PROMPTS])
 def test_bad_prompts_are_quarantined_with_a_reason(name, row, reason, detail, tmp_path):
-    good = {"prompt": "  Set a timer\u00a0for 5 minutes.  ", "answer": {"name": " set_timer ", "arguments": {"minutes": 5}}}
-    read_dataset([("p.jsonl", write_jsonl(tmp_path / "p.jsonl", [good, row]))], raw := Artifact.folder(tmp_path / "raw"))
-    cleaned = clean_dataset(raw, clean := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=objectives.GRPO.clean_row)
+    good = {
+        "prompt": "  Set a timer\u00a0for 5 minutes.  ",
+        "answer": {"name": " set_timer ", "arguments": {"minutes": 5}},
+    }
+    read_dataset(
+        [("p.jsonl", write_jsonl(tmp_path / "p.jsonl", [good, row]))], raw := Artifact.folder(tmp_path / "raw")
+    )
+    cleaned = clean_dataset(
+        raw, clean := Artifact.folder(tmp_path / "clean"), CleaningRules(), clean=objectives.GRPO.clean_row
+    )
     quarantined = [*raw.records("quarantine"), *clean.records("quarantine")]
     assert [(q["source"], q["reason"]) for q in quarantined] == [("p.jsonl:2", reason)]
     assert detail in quarantined[0]["detail"]
@@ -125,8 +140,13 @@ def test_bad_prompts_are_quarantined_with_a_reason(name, row, reason, detail, tm
 
 def test_prompts_flow_from_files_to_prompt_shards(tiny_model_dir, tmp_path):
     rows = timer_prompts(40)
-    rows += [rows[3], {**rows[4], "answer": timer_call(99)}]  # an exact duplicate; the same request with another reference
-    rows.append({"prompt": "Set a timer " + "for ever and ever " * 30 + "minutes.", "answer": timer_call(1)})  # too long for seq_len 64
+    rows += [
+        rows[3],
+        {**rows[4], "answer": timer_call(99)},
+    ]  # an exact duplicate; the same request with another reference
+    rows.append(
+        {"prompt": "Set a timer " + "for ever and ever " * 30 + "minutes.", "answer": timer_call(1)}
+    )  # too long for seq_len 64
     stage = {name: Artifact.folder(tmp_path / name) for name in ("raw", "clean", "dedup", "split", "shards")}
     raw = read_dataset([("p.jsonl", write_jsonl(tmp_path / "p.jsonl", rows))], stage["raw"])
     objective = objectives.for_data_kind(raw["data_kind"])
@@ -134,24 +154,36 @@ def test_prompts_flow_from_files_to_prompt_shards(tiny_model_dir, tmp_path):
     clean_dataset(stage["raw"], stage["clean"], CleaningRules(), clean=objective.clean_row)
     dedup = deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules())
     split = split_dataset(stage["dedup"], stage["split"], 0.25, "ft-assets")
-    packed = tokenize_splits(stage["split"], ("train", "eval"), TokenizerFiles.from_dir(tiny_model_dir), 64, stage["shards"], kind=PROMPTS)
+    packed = tokenize_splits(
+        stage["split"], ("train", "eval"), TokenizerFiles.from_dir(tiny_model_dir), 64, stage["shards"], kind=PROMPTS
+    )
     assert (raw["rows_in"], dedup["exact_duplicates"]) == (43, 1)
-    assert [(row_id, error.reason) for p in packed.values() for row_id, error in p.rejected] == [("p.jsonl:43", "too_long_tokens")]
+    assert [(row_id, error.reason) for p in packed.values() for row_id, error in p.rejected] == [
+        ("p.jsonl:43", "too_long_tokens")
+    ]
     assert packed["train"].examples + packed["eval"].examples == 41 == split["train_rows"] + split["eval_rows"] - 1
     assert packed["train"].loss_tokens == 0 and shard_files(tmp_path / "shards", prompt_split("train"))
     assert not shard_files(tmp_path / "shards", "train")  # no chat shards a chat reader could pick up
     written = sorted(path.name for path in (tmp_path / "shards").rglob("*") if path.is_file())
-    quarantine = [name for name in written if name.startswith("quarantine-")]  # the refused rows, written by their encode task
-    assert written == sorted(stage["shards"].files) == sorted(packed["train"].files + packed["eval"].files + quarantine)  # encoded parts deleted
-    assert [(q["source"], q["reason"]) for name in quarantine for q in pq.read_table(tmp_path / "shards" / name).to_pylist()] == [
-        ("p.jsonl:43", "too_long_tokens")
-    ]
+    quarantine = [
+        name for name in written if name.startswith("quarantine-")
+    ]  # the refused rows, written by their encode task
+    assert (
+        written == sorted(stage["shards"].files) == sorted(packed["train"].files + packed["eval"].files + quarantine)
+    )  # encoded parts deleted
+    assert [
+        (q["source"], q["reason"]) for name in quarantine for q in pq.read_table(tmp_path / "shards" / name).to_pylist()
+    ] == [("p.jsonl:43", "too_long_tokens")]
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     by_source = {f"p.jsonl:{i + 1}": row for i, row in enumerate(rows)}
-    loaded = [prompt for split_name in ("train", "eval") for prompt in load_prompt_rows(tmp_path / "shards", split_name, 64).prompts]
+    loaded = [
+        prompt
+        for split_name in ("train", "eval")
+        for prompt in load_prompt_rows(tmp_path / "shards", split_name, 64).prompts
+    ]
     assert len(loaded) == 41 and len({p.source for p in loaded}) == 41
     for prompt in loaded:
         row = by_source[prompt.source]
@@ -186,10 +218,21 @@ def prompt_plane(path, work, tokenizer: TokenizerFiles, executor) -> tuple[dict,
     clean_dataset(stage["raw"], stage["clean"], CleaningRules(), executor, objectives.GRPO.clean_row)
     deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules(), executor)
     split_dataset(stage["dedup"], stage["split"], 0.25, "ft-assets", executor)
-    packed = tokenize_splits(stage["split"], ("train", "eval"), tokenizer, 64, stage["shards"], 30, executor, kind=PROMPTS)
-    counts = {split: (p.examples, p.tokens, p.rows, p.files, [(row, e.reason) for row, e in p.rejected]) for split, p in packed.items()}
-    digests = {str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(work.rglob("*")) if p.is_file()}
-    listed = {f"{name}/{file}": info["sha256"] for name, artifact in stage.items() for file, info in artifact.files.items()}
+    packed = tokenize_splits(
+        stage["split"], ("train", "eval"), tokenizer, 64, stage["shards"], 30, executor, kind=PROMPTS
+    )
+    counts = {
+        split: (p.examples, p.tokens, p.rows, p.files, [(row, e.reason) for row, e in p.rejected])
+        for split, p in packed.items()
+    }
+    digests = {
+        str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(work.rglob("*"))
+        if p.is_file()
+    }
+    listed = {
+        f"{name}/{file}": info["sha256"] for name, artifact in stage.items() for file, info in artifact.files.items()
+    }
     assert listed == digests  # every file was written by a worker and is described; no encoded part is left
     return counts, digests
 
@@ -199,7 +242,9 @@ def prompt_plane(path, work, tokenizer: TokenizerFiles, executor) -> tuple[dict,
 def test_prompt_shards_are_the_same_bytes_whatever_the_executor(mode, tiny_model_dir, tmp_path):
     """The prompts' texts travel with their tokens through the encoded parts (through Ray's object store, as if on
     other machines), and the workers write the prompt shards: the same files as one process writing every part."""
-    rows = timer_prompts(180) + [{"prompt": "Set a timer " + "for ever and ever " * 30, "answer": timer_call(1)}]  # one too long
+    rows = timer_prompts(180) + [
+        {"prompt": "Set a timer " + "for ever and ever " * 30, "answer": timer_call(1)}
+    ]  # one too long
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     tokenizer = TokenizerFiles.from_dir(tiny_model_dir)
     with InProcess(1, 1_000_000) as executor:
@@ -216,7 +261,10 @@ def test_prompt_shards_are_the_same_bytes_whatever_the_executor(mode, tiny_model
     else:
         with ProcessPool(2, 50) as executor:
             counts, digests = prompt_plane(path, tmp_path / "mode", tokenizer, executor)
-    assert len(reference[0]["train"][3]) > 2 and reference[0]["train"][4] + reference[0]["eval"][4] == [("p.jsonl:181", "too_long_tokens")]
+    assert len(reference[0]["train"][3]) > 2 and reference[0]["train"][4] + reference[0]["eval"][4] == [
+        ("p.jsonl:181", "too_long_tokens")
+    ]
     assert (counts, {name.removeprefix("mode/"): d for name, d in digests.items()}) == (
-        reference[0], {name.removeprefix("reference/"): d for name, d in reference[1].items()}
+        reference[0],
+        {name.removeprefix("reference/"): d for name, d in reference[1].items()},
     )

@@ -25,7 +25,13 @@ NORMALIZE_CASES = [
     ),
     (
         "sharegpt-system",
-        {"conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+            ]
+        },
         [{"role": "system", "content": "be nice"}] + CHAT,
     ),
     ("alpaca-no-input", {"instruction": "hi", "output": "hello"}, CHAT),
@@ -35,7 +41,11 @@ NORMALIZE_CASES = [
         {"instruction": "Translate.", "input": "hi", "output": "hello"},
         [{"role": "system", "content": "Translate."}] + CHAT,
     ),
-    ("sharegpt-unknown-role-kept", {"conversations": [{"from": "bot2", "value": "x"}]}, [{"role": "bot2", "content": "x"}]),
+    (
+        "sharegpt-unknown-role-kept",
+        {"conversations": [{"from": "bot2", "value": "x"}]},
+        [{"role": "bot2", "content": "x"}],
+    ),
 ]
 
 
@@ -70,18 +80,27 @@ def _lines(path, name):
 def test_jsonl_tolerates_bom_crlf_blank_lines_and_quarantines_bad_lines(tmp_path):
     good = json.dumps({"messages": CHAT})
     body = (
-        b"\xef\xbb\xbf" + good.encode() + b"\r\n\r\n"
+        b"\xef\xbb\xbf"
+        + good.encode()
+        + b"\r\n\r\n"
         + b"{not json\n"
         + b'{"a": 1, "a": 2}\n'
         + b"\xff\xfe bad utf8\n"
-        + b"[" * 100_000 + b"\n"
+        + b"[" * 100_000
+        + b"\n"
         + good.encode()  # last line without newline
     )
     path = tmp_path / "d.jsonl"
     path.write_bytes(body)
     items = _lines(path, "d.jsonl")
     assert [type(i).__name__ if i is not None else None for i in items] == [
-        "Row", None, "Rejected", "Rejected", "Rejected", "Rejected", "Row"
+        "Row",
+        None,
+        "Rejected",
+        "Rejected",
+        "Rejected",
+        "Rejected",
+        "Row",
     ]
     reasons = [i.reason for i in items if isinstance(i, Rejected)]
     assert reasons == ["invalid_json", "duplicate_key", "invalid_utf8", "invalid_json"]
@@ -92,7 +111,12 @@ def test_jsonl_tolerates_bom_crlf_blank_lines_and_quarantines_bad_lines(tmp_path
 def test_huge_line_is_quarantined_without_breaking_the_next_line(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "MAX_LINE_BYTES", 128)
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "x" * 500}]}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "x" * 500}]})
+        + "\n"
+        + json.dumps({"messages": CHAT})
+        + "\n"
+    )
     items = _lines(path, "d.jsonl")
     assert isinstance(items[0], Rejected) and items[0].reason == "line_too_long"
     assert isinstance(items[1], Row) and items[1].source == "d.jsonl:2"
@@ -138,7 +162,9 @@ def test_unsupported_file_type_is_a_clear_error(tmp_path):
 
 def test_read_dataset_counts_every_row(tmp_path):
     a = tmp_path / "a.jsonl"
-    a.write_text(json.dumps({"messages": CHAT}) + "\n\n" + "garbage\n" + json.dumps({"instruction": "q", "output": "a"}) + "\n")
+    a.write_text(
+        json.dumps({"messages": CHAT}) + "\n\n" + "garbage\n" + json.dumps({"instruction": "q", "output": "a"}) + "\n"
+    )
     b = tmp_path / "b.parquet"
     pq.write_table(pa.table({"messages": [CHAT, CHAT]}), b)
     stats = read_dataset([("a.jsonl", a), ("b.parquet", b)], out := Artifact.folder(tmp_path / "out"))
@@ -219,8 +245,16 @@ def test_json_array_quarantines_bad_elements_and_keeps_reading(tmp_path):
 
 
 BROKEN_ARRAYS = [
-    ("missing-comma", b'[{"instruction": "a", "output": "b"}\n {"instruction": "c", "output": "d"}]', r"expected ',' or '\]' .* at line 2"),
-    ("cut-mid-element", b'[{"instruction": "a", "output": "b"},\n {"instruction": "c", "outp', r"invalid JSON .* at line 2"),
+    (
+        "missing-comma",
+        b'[{"instruction": "a", "output": "b"}\n {"instruction": "c", "output": "d"}]',
+        r"expected ',' or '\]' .* at line 2",
+    ),
+    (
+        "cut-mid-element",
+        b'[{"instruction": "a", "output": "b"},\n {"instruction": "c", "outp',
+        r"invalid JSON .* at line 2",
+    ),
     ("no-closing-bracket", b'[{"instruction": "a", "output": "b"}\n', r"the file ends inside the array"),
     ("data-after-array", b'[{"instruction": "a", "output": "b"}] []', r"data after the array's closing"),
 ]
@@ -237,7 +271,10 @@ def test_a_broken_json_array_fails_naming_file_and_line(tmp_path, name, body, er
 def test_json_lines_under_a_json_name(tmp_path):
     path = tmp_path / "lines.json"
     path.write_text(json.dumps({"messages": CHAT}) + "\n\n" + "{oops\n")
-    assert _summary(_lines(path, "lines.json")) == [("Row", "lines.json:1", None), ("Rejected", "lines.json:3", "invalid_json")]
+    assert _summary(_lines(path, "lines.json")) == [
+        ("Row", "lines.json:1", None),
+        ("Rejected", "lines.json:3", "invalid_json"),
+    ]
 
 
 def test_csv_and_tsv_records_with_line_numbers(tmp_path):
@@ -256,7 +293,9 @@ def test_csv_and_tsv_records_with_line_numbers(tmp_path):
     assert items[0].messages == [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": "hi"}]
     tsv = tmp_path / "d.tsv.gz"
     text = io.StringIO()
-    csv.writer(text, delimiter="\t").writerows([["messages"], [json.dumps(CHAT)], ["[not json"]])  # the JSON cell is quoted
+    csv.writer(text, delimiter="\t").writerows(
+        [["messages"], [json.dumps(CHAT)], ["[not json"]]
+    )  # the JSON cell is quoted
     tsv.write_bytes(gzip.compress(text.getvalue().encode()))
     items = _lines(tsv, "d.tsv.gz")
     assert _summary(items) == [("Row", "d.tsv.gz:2", None), ("Rejected", "d.tsv.gz:3", "invalid_json")]
@@ -273,7 +312,10 @@ def _arrow(path, table, stream):
 def test_arrow_files(tmp_path, stream):
     path = tmp_path / "d.arrow"
     _arrow(path, pa.table({"instruction": ["hi", "x"], "output": ["hello", None]}), stream)
-    assert _summary(_lines(path, "d.arrow")) == [("Row", "d.arrow#1", None), ("Rejected", "d.arrow#2", "unknown_format")]
+    assert _summary(_lines(path, "d.arrow")) == [
+        ("Row", "d.arrow#1", None),
+        ("Rejected", "d.arrow#2", "unknown_format"),
+    ]
     bad = tmp_path / "bad.arrow"
     bad.write_bytes(b"not arrow at all")
     with pytest.raises(DatasetFileError, match=r"^bad\.arrow: not a readable Arrow file"):
@@ -284,13 +326,22 @@ def test_arrow_files(tmp_path, stream):
 
 MAPPING_CASES = [
     ("question-answer", {"prompt": "question", "response": "answer"}, {"question": "hi", "answer": "hello"}, CHAT),
-    ("prompt-completion", {"prompt": "prompt", "response": "completion"}, {"prompt": "hi", "completion": "hello"}, CHAT),
+    (
+        "prompt-completion",
+        {"prompt": "prompt", "response": "completion"},
+        {"prompt": "hi", "completion": "hello"},
+        CHAT,
+    ),
     ("input-output", {"prompt": "input", "response": "output"}, {"input": "hi", "output": "hello"}, CHAT),
     (
         "with-system-and-input",
         {"prompt": "q", "input": "ctx", "response": "a", "system": "sys"},
         {"q": "Translate.", "ctx": "hi", "a": "hola", "sys": "be nice"},
-        [{"role": "system", "content": "be nice"}, {"role": "user", "content": "Translate.\n\nhi"}, {"role": "assistant", "content": "hola"}],
+        [
+            {"role": "system", "content": "be nice"},
+            {"role": "user", "content": "Translate.\n\nhi"},
+            {"role": "assistant", "content": "hola"},
+        ],
     ),
     (
         "conversations-from-value",
@@ -330,16 +381,24 @@ def test_column_mapping_config_errors(columns, error):
 def test_unmatched_columns_are_listed_and_a_mapping_reads_them(tmp_path):
     table = tmp_path / "qa.parquet"
     pq.write_table(pa.table({"question": ["hi", "x"], "answer": ["hello", None], "id": [1, 2]}), table)
-    with pytest.raises(DatasetFileError, match=r"^qa\.parquet: .*columns found: answer, id, question; map your columns"):
+    with pytest.raises(
+        DatasetFileError, match=r"^qa\.parquet: .*columns found: answer, id, question; map your columns"
+    ):
         _lines(table, "qa.parquet")
     mapping = ColumnMapping.of({"prompt": "question", "response": "answer"})
     items = list(iter_dataset_file(table, "qa.parquet", mapping))
     assert _summary(items) == [("Row", "qa.parquet#1", None), ("Rejected", "qa.parquet#2", "unknown_format")]
-    with pytest.raises(DatasetFileError, match=r"^qa\.parquet: .* lacks the mapped column\(s\) prompt .* columns found: answer, id, question"):
+    with pytest.raises(
+        DatasetFileError,
+        match=r"^qa\.parquet: .* lacks the mapped column\(s\) prompt .* columns found: answer, id, question",
+    ):
         list(iter_dataset_file(table, "qa.parquet", ColumnMapping.of({"prompt": "prompt", "response": "answer"})))
     lines = tmp_path / "qa.jsonl"
     lines.write_text(json.dumps({"question": "hi", "answer": "hello"}) + "\n" + json.dumps({"question": "x"}) + "\n")
-    with pytest.raises(DatasetFileError, match=r"^qa\.jsonl: no row has an accepted layout \(qa\.jsonl:1: .*found keys: answer, question\)"):
+    with pytest.raises(
+        DatasetFileError,
+        match=r"^qa\.jsonl: no row has an accepted layout \(qa\.jsonl:1: .*found keys: answer, question\)",
+    ):
         read_dataset([("qa.jsonl", lines)], Artifact.folder(tmp_path / "out"))
     stats = read_dataset([("qa.jsonl", lines)], Artifact.folder(tmp_path / "mapped"), mapping)
     assert (stats["rows_parsed"], stats["quarantine_reasons"]) == (1, {"unknown_format": 1})

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from gguf import GGUFReader
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_assets.control.model_shape import ModelShape
+from ft_assets.delivery import llamacpp
 from ft_assets.refs import read_ref
 from ft_assets.shards import load_packed_rows
 from ft_assets.storage import LocalStore
@@ -38,6 +38,15 @@ pytestmark = pytest.mark.integration
 
 STEPS = 8
 SEQ_LEN = 64  # two 31-token conversations a row
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """The suite runs torch on one thread (conftest.py); a 268M model's matrices fill both cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +62,23 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_publi
             "base_model": {"config": {"source": str(gemma_gguf), "chat_template": "gemma"}},
             "tokenized_shards": {"config": {"seq_len": SEQ_LEN}},
             "train_eval_split": {"config": {"eval_fraction": 0.1}},
-            "lora_adapter": {"config": {"max_steps": STEPS, "save_steps": STEPS, "per_device_batch_size": 2, "learning_rate": 2e-3,
-                                        "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "logging_steps": 1}},  # fmt: skip
+            "lora_adapter": {
+                "config": {
+                    "max_steps": STEPS,
+                    "save_steps": STEPS,
+                    "per_device_batch_size": 2,
+                    "learning_rate": 2e-3,
+                    "warmup_steps": 0,
+                    "lora_r": 8,
+                    "lora_alpha": 16,
+                    "logging_steps": 1,
+                }
+            },  # fmt: skip
             # verify off: transformers' second reader re-parses the 262,144-token vocabulary (2 min); llama.cpp's check stays
             "gguf_model": {"config": {"qtypes": ["q8_0"], "ship": "q8_0", "verify": False}},
-            "eval_report": {"config": {"max_examples": 3, "max_new_tokens": 8}},  # the answer is 6 tokens + <end_of_turn>
+            "eval_report": {
+                "config": {"max_examples": 3, "max_new_tokens": 8}
+            },  # the answer is 6 tokens + <end_of_turn>
             "serving_smoke": {"config": {"prompts": ["Say hello."], "max_tokens": 8}},
         }
     }
@@ -101,8 +122,15 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_publi
     gguf = read_ref(store, "acks@gemma", "gguf_model")["stats"]
     check = gguf["files"][gguf["shipped"]]["llamacpp"]
     assert check["tokens_match"] and check["rel_error"] <= 0.08, check
-    shipped = GGUFReader(store.root / read_ref(store, "acks@gemma", "gguf_model")["prefix"] / gguf["shipped"])
-    assert shipped.fields["tokenizer.ggml.model"].contents() == "llama" and shipped.fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    # its header as llama.cpp reads it (gguf's Python reader would parse all 262,144 tokens first: ~12 s)
+    shipped = llamacpp.load(
+        store.root / read_ref(store, "acks@gemma", "gguf_model")["prefix"] / gguf["shipped"], vocab_only=True
+    )
+    try:
+        header = shipped.metadata
+    finally:
+        shipped.close()
+    assert header["tokenizer.ggml.model"] == "llama" and header["tokenizer.ggml.add_space_prefix"] == "false"
 
     # delivery: the fine-tuned model answers where the base does not, in transformers and as the shipped Q8_0 in llama.cpp
     assert summary["base_metric"] == 0.0 and summary["finetuned_metric"] == 1.0, summary
@@ -112,7 +140,9 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_publi
     # the registry: PEFT loads the published adapter onto the base with the merged model's logits
     registry = Path(summary["published_uri"])
     merged = AutoModelForCausalLM.from_pretrained(registry / "merged").eval()
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), registry / "adapter").eval()
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), registry / "adapter"
+    ).eval()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Request number 999: please acknowledge item 3."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
     with torch.no_grad():

@@ -43,7 +43,10 @@ def config_file(home: Path, tiny_model_dir, **training) -> Path:
     "content, named",
     [
         ("", "empty.jsonl holds no rows"),
-        ('not json\n{"prompt": "p", "completion": "c"}\n', "empty.jsonl: 2 row(s), all quarantined; invalid_json x1 (first at empty.jsonl:1), unknown_format x1"),
+        (
+            'not json\n{"prompt": "p", "completion": "c"}\n',
+            "empty.jsonl: 2 row(s), all quarantined; invalid_json x1 (first at empty.jsonl:1), unknown_format x1",
+        ),
     ],
     ids=["empty", "all-quarantined"],
 )
@@ -64,20 +67,41 @@ def test_unusable_input_fails_in_raw_dataset_with_one_line_and_json(home, capsys
 def test_json_answers_for_an_error_before_any_run(home, capsys):
     code, failure, err = run_cli(capsys, "run", "--dataset", str(home / "missing.jsonl"), "--json")
     assert code == 2 and err.strip() == f"ft-assets: error: dataset path {home / 'missing.jsonl'} does not exist"
-    assert failure == {"completed": [], "error": f"dataset path {home / 'missing.jsonl'} does not exist", "failed_plane": None, "run_id": None}
+    assert failure == {
+        "completed": [],
+        "error": f"dataset path {home / 'missing.jsonl'} does not exist",
+        "failed_plane": None,
+        "run_id": None,
+    }
 
 
 @pytest.mark.integration
-def test_a_rerun_right_after_a_sigkilled_worker_skips_the_data_plane_and_takes_the_dead_lease_over(home, capsys, tiny_model_dir):
+def test_a_rerun_right_after_a_sigkilled_worker_skips_the_data_plane_and_takes_the_dead_lease_over(
+    home, capsys, tiny_model_dir
+):
     import dagster as dg
 
     config = config_file(home, tiny_model_dir, steps=60, save_steps=10, per_device_batch_size=1)
     data = write_dataset(home / "data", rows=120)
-    argv = ["run", "--dataset", str(data), "--name", "acks", "--version", "v1", "--config", str(config), "--until", "training"]
+    argv = [
+        "run",
+        "--dataset",
+        str(data),
+        "--name",
+        "acks",
+        "--version",
+        "v1",
+        "--config",
+        str(config),
+        "--until",
+        "training",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     store = LocalStore(home / "home" / "store")
     with open(home / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "ft_assets.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "ft_assets.cli", *argv], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 300
         while not [k for k in store.list("runs/acks/v1/train") if k.endswith("/manifest.json") and "/checkpoint-" in k]:
             assert first.poll() is None, (home / "first.log").read_text()[-3000:]
@@ -116,6 +140,7 @@ def test_a_live_holder_makes_the_cli_wait_and_say_why(home, monkeypatch, capsys)
     assert len(re.findall(said, err)) == 1, err  # said once, not at every poll
 
 
+@pytest.mark.integration  # a process that has exited
 def test_a_holder_gone_from_this_host_frees_the_lease_at_once(tmp_path):
     store = LocalStore(tmp_path / "store")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -126,6 +151,8 @@ def test_a_holder_gone_from_this_host_frees_the_lease_at_once(tmp_path):
     assert not locks.gone_from_this_host({**identity, "host": "another-host"})  # only this host's processes are known
     state = locks.LeaseState(1, {"run_id": "r", "partition": "acks@v1", "created_at": time.time(), **identity}, [])
     assert locks.busy_reason(state, lambda run_id: "STARTED", time.time()) is None
-    alive = locks.LeaseState(1, {"run_id": "r", "partition": "acks@v1", "created_at": time.time(), **locks.process_identity()}, [])
+    alive = locks.LeaseState(
+        1, {"run_id": "r", "partition": "acks@v1", "created_at": time.time(), **locks.process_identity()}, []
+    )
     assert locks.busy_reason(alive, lambda run_id: "STARTED", time.time()) is not None
     assert store.list("") == []

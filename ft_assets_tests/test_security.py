@@ -58,7 +58,12 @@ def encodings(secret: str) -> dict[str, bytes]:
 
 
 def find_leaks(where: str, data: bytes, secrets: dict[str, str]) -> list[str]:
-    return [f"{name} ({form}) in {where}" for name, secret in secrets.items() for form, needle in encodings(secret).items() if needle in data]
+    return [
+        f"{name} ({form}) in {where}"
+        for name, secret in secrets.items()
+        for form, needle in encodings(secret).items()
+        if needle in data
+    ]
 
 
 @pytest.mark.integration
@@ -79,7 +84,20 @@ def test_pipeline_on_s3_end_to_end_leaks_no_secret(s3_env, seaweedfs, tmp_path, 
     (tmp_path / "run_config.yaml").write_text(yaml.safe_dump(run_config(tiny_model_dir, steps=60, lr=0.01)))
     data = write_dataset(tmp_path / "data")
 
-    code = main(["run", "--dataset", str(data), "--name", "acks", "--version", "s3e2e", "--config", str(tmp_path / "run_config.yaml"), "--json"])
+    code = main(
+        [
+            "run",
+            "--dataset",
+            str(data),
+            "--name",
+            "acks",
+            "--version",
+            "s3e2e",
+            "--config",
+            str(tmp_path / "run_config.yaml"),
+            "--json",
+        ]
+    )
     captured = capfd.readouterr()
     assert code == 0, captured.err[-5000:]
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -128,9 +146,13 @@ def test_pipeline_on_s3_end_to_end_leaks_no_secret(s3_env, seaweedfs, tmp_path, 
             searched["bucket objects"] += 1
             searched["GGUF files"] += obj["Key"].endswith(".gguf")
             searched["safetensors files"] += obj["Key"].endswith(".safetensors")
-    record_figures("secrets", secrets=sorted(secrets), encodings=sorted(encodings("x")), searched=dict(searched), leaks=len(leaks))
+    record_figures(
+        "secrets", secrets=sorted(secrets), encodings=sorted(encodings("x")), searched=dict(searched), leaks=len(leaks)
+    )
     assert leaks == [], leaks
-    assert searched["bucket objects"] > 30 and searched["GGUF files"] >= 1 and searched["safetensors files"] >= 3, searched
+    assert searched["bucket objects"] > 30 and searched["GGUF files"] >= 1 and searched["safetensors files"] >= 3, (
+        searched
+    )
     assert searched["event log entries"] > 100 and searched["compute log files"] >= 3, searched
 
 
@@ -174,7 +196,10 @@ def test_path_traversal_is_refused(tmp_path, what, value, call, error):
 
 def test_a_manifest_path_with_dot_dot_is_refused(tmp_path):
     store = LocalStore(tmp_path / "store")
-    store.put_json(join_key("runs/evil", MANIFEST), {"prefix": "runs/evil", "files": {"../../../planted.txt": {"size": 1, "sha256": "0"}}, "created_at": 0})
+    store.put_json(
+        join_key("runs/evil", MANIFEST),
+        {"prefix": "runs/evil", "files": {"../../../planted.txt": {"size": 1, "sha256": "0"}}, "created_at": 0},
+    )
     with pytest.raises(StoreError, match="invalid object key"):
         fetch_artifact(store, "runs/evil", tmp_path / "dest" / "a" / "b")
     assert not list(tmp_path.rglob("planted.txt"))
@@ -216,15 +241,22 @@ def test_the_payload_runs_code_when_unpickled(tmp_path):
     assert (tmp_path / "ran").exists()
 
 
-REMOTE_CODE = '''from pathlib import Path
+REMOTE_CODE = """from pathlib import Path
 Path({marker!r}).write_text("remote code ran")
 from transformers import LlamaConfig
 class EvilConfig(LlamaConfig):
     model_type = "llama"
-'''
+"""
 
 
-def model_dir_with(tiny_model_dir: Path, folder: Path, *, remote_code: Path | None = None, pickle_marker: Path | None = None, safetensors=True) -> Path:
+def model_dir_with(
+    tiny_model_dir: Path,
+    folder: Path,
+    *,
+    remote_code: Path | None = None,
+    pickle_marker: Path | None = None,
+    safetensors=True,
+) -> Path:
     shutil.copytree(tiny_model_dir, folder)
     if remote_code is not None:
         (folder / "configuration_evil.py").write_text(REMOTE_CODE.format(marker=str(remote_code)))
@@ -242,10 +274,15 @@ def model_dir_with(tiny_model_dir: Path, folder: Path, *, remote_code: Path | No
 def test_model_code_from_the_source_is_refused_unless_trusted(tiny_model_dir, tmp_path):
     marker = tmp_path / "remote-code-ran"
     source = bm.resolve_source(str(model_dir_with(tiny_model_dir, tmp_path / "model", remote_code=marker)))
-    with pytest.raises(bm.BaseModelError, match=r"ships its own model code \(auto_map \['AutoConfig'\], configuration_evil.py\).*trust_remote_code=true"):
+    with pytest.raises(
+        bm.BaseModelError,
+        match=r"ships its own model code \(auto_map \['AutoConfig'\], configuration_evil.py\).*trust_remote_code=true",
+    ):
         bm.materialize_source(source, tmp_path / "out", allow_pickle_weights=False)
     assert not (tmp_path / "out").exists() and not marker.exists()
-    bm.materialize_source(source, tmp_path / "trusted", allow_pickle_weights=False, trust_remote_code=True)  # explicit opt-in
+    bm.materialize_source(
+        source, tmp_path / "trusted", allow_pickle_weights=False, trust_remote_code=True
+    )  # explicit opt-in
     assert (tmp_path / "trusted" / "configuration_evil.py").is_file() and not marker.exists()  # copied, never imported
 
 
@@ -259,7 +296,9 @@ def test_trust_remote_code_and_pickle_weights_are_off_by_default():
 def test_pickle_only_weights_are_refused_with_a_clear_message(tiny_model_dir, tmp_path):
     marker = tmp_path / "pickle-ran"
     folder = model_dir_with(tiny_model_dir, tmp_path / "model", pickle_marker=marker, safetensors=False)
-    with pytest.raises(bm.BaseModelError, match=r"only pickle-based weights \(pytorch_model.bin\); loading them can run arbitrary code"):
+    with pytest.raises(
+        bm.BaseModelError, match=r"only pickle-based weights \(pytorch_model.bin\); loading them can run arbitrary code"
+    ):
         bm.materialize_source(bm.resolve_source(str(folder)), tmp_path / "out", allow_pickle_weights=False)
     with pytest.raises(FileNotFoundError, match="loads safetensors only"):
         load_model(config(), "lora", folder, torch.device("cpu"))
@@ -290,6 +329,17 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_with_a_clear_message(tiny_
     manifest["files"]["optimizer.pt"] = {"size": payload.stat().st_size, "sha256": sha256_file(payload)}
     store.put_json(join_key(prefix, MANIFEST), manifest)
 
-    with pytest.raises(UntrustedCheckpoint, match=r"refusing to load .*checkpoint-00000004/optimizer.pt: it holds pickled objects other than tensors"):
-        train(cfg.model_copy(update={"max_steps": 6}), tiny_model, shards, store, RUN, tmp_path / "w2", log=lambda line: None)
+    with pytest.raises(
+        UntrustedCheckpoint,
+        match=r"refusing to load .*checkpoint-00000004/optimizer.pt: it holds pickled objects other than tensors",
+    ):
+        train(
+            cfg.model_copy(update={"max_steps": 6}),
+            tiny_model,
+            shards,
+            store,
+            RUN,
+            tmp_path / "w2",
+            log=lambda line: None,
+        )
     assert not marker.exists()

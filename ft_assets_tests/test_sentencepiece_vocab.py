@@ -41,7 +41,11 @@ class Case:
     add_space_prefix: bool
 
 
-CASES = [Case("gemma3", False, False), Case("gemma2", False, False), Case("mistral", True, True)]  # Mistral v0.1: Llama 2's tokenizer
+CASES = [
+    Case("gemma3", False, False),
+    Case("gemma2", False, False),
+    Case("mistral", True, True),
+]  # Mistral v0.1: Llama 2's tokenizer
 
 
 def trained_merges() -> tuple[list[str], list[tuple[str, str]]]:
@@ -68,16 +72,22 @@ def build_tokenizer(legacy_llama: bool):
     unused = [f"<unused{i}>" for i in range(-len(vocab) % 64)]
     vocab.update({token: len(vocab) + i for i, token in enumerate(unused)})
     if legacy_llama:
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+        backend = Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+        )
         backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
-        backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
                                             add_bos_token=True)  # fmt: skip
         tokenizer.chat_template = MISTRAL_TEMPLATE
     else:
         tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
         tokenizer.chat_template = GEMMA_TEMPLATE
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in [*SPECIAL, *TURNS, *unused]], special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in [*SPECIAL, *TURNS, *unused]], special_tokens=True
+    )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in NEWLINES])
     return tokenizer
 
@@ -108,9 +118,13 @@ def fields(path) -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    return {name: reader.fields[name].contents() for name in ("tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.pre")}
+    return {
+        name: reader.fields[name].contents()
+        for name in ("tokenizer.ggml.model", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.pre")
+    }
 
 
+@pytest.mark.integration  # the converter process, then llama.cpp
 @pytest.mark.parametrize("case", CASES, ids=[case.family for case in CASES])
 def test_llamacpp_tokenizes_and_answers_like_transformers(converted, case, tmp_path):
     model_dir, path = converted[case.family]
@@ -125,7 +139,11 @@ def test_llamacpp_tokenizes_and_answers_like_transformers(converted, case, tmp_p
     with_scores(path, flat, FLAT_SCORE)
     llm = llamacpp.load(flat, vocab_only=True)
     try:
-        differ = [text for text, bos, ids in zip(ref.strings, ref.plain, ref.token_ids) if llamacpp.tokenize(llm, text, bos) != ids]
+        differ = [
+            text
+            for text, bos, ids in zip(ref.strings, ref.plain, ref.token_ids)
+            if llamacpp.tokenize(llm, text, bos) != ids
+        ]
     finally:
         llm.close()
     print(f"{case.family}: {len(differ)} of {len(ref.strings)} strings tokenize differently with equal scores")
@@ -146,7 +164,9 @@ def with_scores(source, target, score: float) -> None:
     )
     where = converter.location() / "gguf-py"
     env = {**os.environ, "PYTHONPATH": str(where)}
-    subprocess.run([sys.executable, "-c", script, str(source), str(target), str(score)], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", script, str(source), str(target), str(score)], env=env, check=True, capture_output=True
+    )
 
 
 # ---- the pure functions, no llama.cpp ----
@@ -160,7 +180,10 @@ LEGACY_LLAMA = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Pre
 
 
 def metaspace(scheme: str, split: bool = False) -> dict:
-    return {"normalizer": None, "pre_tokenizer": {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": scheme, "split": split}}
+    return {
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": scheme, "split": split},
+    }
 
 
 SHAPE_CASES = [
@@ -172,7 +195,11 @@ SHAPE_CASES = [
     ("metaspace always", metaspace("always"), "prepend_scheme 'always'"),
     ("metaspace that splits", metaspace("never", split=True), "normalizer none with pre-tokenizer"),
     ("dropout", {**GEMMA_PIPELINE, "model": {"dropout": 0.1}}, "model.dropout = 0.1"),
-    ("a lowercase normalizer", {**GEMMA_PIPELINE, "normalizer": {"type": "Lowercase"}}, "normalizer {'type': 'Lowercase'}"),
+    (
+        "a lowercase normalizer",
+        {**GEMMA_PIPELINE, "normalizer": {"type": "Lowercase"}},
+        "normalizer {'type': 'Lowercase'}",
+    ),
 ]
 
 
@@ -199,6 +226,18 @@ def test_scores_are_merge_ranks_and_types_follow_sentencepiece():
     assert tokens == ["<unk>", "<0x0A>", "a", "b", "ab", f"{SPACE}a", SPACE, "abab", "<start_of_turn>", "  ", "[PAD10]"]
     assert scores[4:8:3] == [0.0, -2.0] and scores[5] == -1.0  # the first merge that makes a token ranks it
     assert scores[0] == scores[2] == scores[8] == -4.0  # made by no merge: below every merged token
-    assert types == ["UNKNOWN", "BYTE", "NORMAL", "NORMAL", "NORMAL", "NORMAL", "NORMAL", "NORMAL", "CONTROL", "USER_DEFINED", "UNUSED"]
+    assert types == [
+        "UNKNOWN",
+        "BYTE",
+        "NORMAL",
+        "NORMAL",
+        "NORMAL",
+        "NORMAL",
+        "NORMAL",
+        "NORMAL",
+        "CONTROL",
+        "USER_DEFINED",
+        "UNUSED",
+    ]
     with pytest.raises(NotSentencePiece, match="past the model's 8 embedding rows"):
         sentencepiece_vocab(tokenizer, 8)

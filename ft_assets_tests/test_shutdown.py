@@ -12,6 +12,7 @@ from moto import mock_aws
 
 from ft_assets.control import shutdown
 from ft_assets.control.cost_model import CostModel
+from ft_assets.control.rented_workers import RentedWorkersResource
 from ft_assets.control.shutdown import (
     HEARTBEAT_TAG,
     ROLE_TAG_KEY,
@@ -19,10 +20,12 @@ from ft_assets.control.shutdown import (
     Ec2WorkersResource,
     IdleWorker,
     WorkerRun,
+    find_idle_slurm_jobs,
     find_idle_workers,
     idle_gpu_worker_sensor,
     stop_idle_workers,
 )
+from ft_assets.control.slurm import JobState
 from ft_assets.training.ec2_metadata import WORKER_TAG
 
 S = dg.DagsterRunStatus
@@ -70,7 +73,12 @@ CASES = [
     ("recent run among old ones", ec2_instance(), [ended(120, "a"), ended(10, "b")], None),
     ("launched recently", ec2_instance(launched=5), [], None),
     ("heartbeat recent", ec2_instance({**WORKER, HEARTBEAT_TAG: minutes_ago(5).isoformat()}), [], None),
-    ("heartbeat old", ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:15Z"}), [ended(100)], (45, "heartbeat tag")),
+    (
+        "heartbeat old",
+        ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:15Z"}),
+        [ended(100)],
+        (45, "heartbeat tag"),
+    ),
     ("heartbeat without zone is UTC", ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:50:00"}), [], None),
     ("heartbeat unreadable: kept", ec2_instance({**WORKER, HEARTBEAT_TAG: "yesterday"}, launched=6000), [], None),
     ("untagged instance", ec2_instance(tags={}, launched=6000), [], None),
@@ -187,7 +195,8 @@ class Lines(logging.Handler):
 def tick(instance, **config) -> tuple[str, list[str]]:
     """One sensor evaluation: its skip message and what it logged."""
     log = Lines()
-    with dg.build_sensor_context(instance=instance, resources={"ec2_workers": Ec2WorkersResource(**config)}) as context:
+    resources = {"ec2_workers": Ec2WorkersResource(**config), "rented_workers": RentedWorkersResource()}
+    with dg.build_sensor_context(instance=instance, resources=resources) as context:
         context.log.addHandler(log)
         return idle_gpu_worker_sensor(context).skip_message, log.lines
 
@@ -292,8 +301,10 @@ def test_sensor_warns_about_an_unreadable_heartbeat(ec2, two_hours_later, dagste
     worker = launch(ec2, tags={**WORKER, HEARTBEAT_TAG: "soon"})
     summary, lines = tick(dagster_instance)
     assert summary == "1 GPU worker(s) running, none idle for more than 30 min"
-    assert lines == [f"{worker}: instance tag {HEARTBEAT_TAG}='soon' is not an ISO 8601 timestamp; write e.g. "
-                     "'2026-01-31T14:05:00Z' (the worker stays up until it is fixed)"]
+    assert lines == [
+        f"{worker}: instance tag {HEARTBEAT_TAG}='soon' is not an ISO 8601 timestamp; write e.g. "
+        "'2026-01-31T14:05:00Z' (the worker stays up until it is fixed)"
+    ]
     assert state(ec2, worker) == "running"
 
 
@@ -310,3 +321,29 @@ def test_one_refusal_does_not_block_the_others(aws):
     assert "UnsupportedOperation: You can't stop the Spot Instance" in actions[0].describe()
     with pytest.raises(ValueError, match="'stop' or 'terminate'"):
         stop_idle_workers(client, workers, "hibernate", dry_run=False)
+
+
+# A Slurm gpu pool's jobs: (case, job state, whether it started, the run it names, expected: None = left alone)
+SLURM_CASES = [
+    ("queued for a run that ended an hour ago", "PENDING", False, ended(60), "its run r1 ended SUCCESS 60 min ago"),
+    ("running after its run failed", "RUNNING", True, ended(45, status=S.FAILURE), "its run r1 ended FAILURE 45 min ago"),
+    ("a run canceled in the UI", "PENDING", False, ended(31, status=S.CANCELED), "its run r1 ended CANCELED 31 min ago"),
+    ("its run ended within the threshold", "RUNNING", True, ended(5), None),
+    ("its run is still going", "RUNNING", True, busy(S.STARTED), None),
+    ("requeued, its run waits for it", "PENDING", False, busy(S.STARTED), None),
+    ("finishing", "COMPLETING", True, ended(60), None),
+    ("already over", "COMPLETED", True, ended(60), None),
+    ("a run this instance does not know (another deployment's)", "RUNNING", True, None, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "state", "started", "run", "expected"), SLURM_CASES, ids=[c[0] for c in SLURM_CASES])
+def test_idle_slurm_jobs_are_those_no_unfinished_run_needs(case, state, started, run, expected):
+    job = JobState("42", state, start=minutes_ago(90) if started else None)
+    idle = find_idle_slurm_jobs([("r1", job)], {"r1": run} if run else {}, NOW, THRESHOLD)
+    assert [j.why for j in idle] == ([] if expected is None else [expected])
+    if idle:
+        said = idle[0].describe(NOW)
+        assert (
+            said.startswith("Slurm job 42 (") and ("90 min on its allocation" if started else "not billed yet") in said
+        )

@@ -1,7 +1,8 @@
-"""Signed delivery end to end: one ``ft-assets run`` with ``FT_SIGNING_KEY`` set publishes ``model.sig``, which
-``model_signing verify`` (the library's own CLI) accepts; serving_smoke verified it before serving; the run is a
-model version in MLflow's registry (champion) with its signature digest; one flipped byte makes both that CLI and
-``ft-assets lineage --public-key`` refuse, naming the file; rewritten with a matching manifest, serving_smoke refuses it."""
+"""Signed delivery end to end: the session's published run (``published.py``: one ``ft-assets run`` with
+``FT_SIGNING_KEY`` set) holds ``model.sig``, which ``model_signing verify`` (the library's own CLI) accepts;
+serving_smoke verified it before serving; the run is a model version in MLflow's registry (champion) with its
+signature digest; one flipped byte (in a copy of the run) makes both that CLI and ``ft-assets lineage --public-key``
+refuse, naming the file; rewritten with a matching manifest, serving_smoke refuses it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from ft_assets.delivery import model_registry, signing
 from ft_assets.delivery.assets import serving_smoke
@@ -23,21 +21,10 @@ from ft_assets.delivery.config import ServingConfig
 from ft_assets.manifests import publish_dir, read_manifest
 from ft_assets.refs import read_ref
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.storage import LocalStore
-from ft_assets_tests.support import run_cli, run_config, write_dataset
+from ft_assets_tests.support import run_cli
 
 pytestmark = pytest.mark.integration
 CLI = str(Path(sys.executable).parent / "model_signing")
-
-
-def key_pair(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    folder.mkdir(mode=0o700)
-    private, public = folder / "signing.pem", folder / "signing.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public
 
 
 def model_signing_verify(directory: Path, public: Path) -> subprocess.CompletedProcess:
@@ -47,20 +34,10 @@ def model_signing_verify(directory: Path, public: Path) -> subprocess.CompletedP
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
-def test_a_signed_run_is_verified_by_model_signing_and_lineage_and_registered(home, capsys, tiny_model_dir, monkeypatch):
-    private, public = key_pair(home / "keys")
-    monkeypatch.setenv(signing.KEY_ENV, str(private))
-    monkeypatch.setenv(signing.PUBLIC_KEY_ENV, str(public))  # serving_smoke verifies before it serves
-    tracking = f"sqlite:///{home / 'mlflow.db'}"  # a local registry: MLflow's server takes no local store path as a source
-    config = run_config(tiny_model_dir, steps=60, lr=0.01)
-    config["ops"]["lora_adapter"]["config"]["mlflow_tracking_uri"] = tracking
-    (home / "run_config.yaml").write_text(yaml.safe_dump(config))
-    data = write_dataset(home / "data")
-    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "v1",
-                                 "--config", str(home / "run_config.yaml"), "--json")  # fmt: skip
-    assert code == 0, err
-
-    store = LocalStore(home / "home" / "store")
+def test_a_signed_run_is_verified_by_model_signing_and_lineage_and_registered(
+    published_run, capsys, monkeypatch, tmp_path
+):
+    store, summary, public = published_run.store, published_run.summary, published_run.public_key
     published = Path(summary["published_uri"])
     prefix = published.relative_to(store.root).as_posix()
     signature_sha256 = hashlib.sha256((published / "model.sig").read_bytes()).hexdigest()
@@ -72,37 +49,42 @@ def test_a_signed_run_is_verified_by_model_signing_and_lineage_and_registered(ho
     result = model_signing_verify(published, public)
     assert result.returncode == 0 and "Verification succeeded" in result.stdout, result.stderr
 
-    monkeypatch.delenv(signing.PUBLIC_KEY_ENV)
-    monkeypatch.delenv("DAGSTER_HOME")  # lineage reads the store alone
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)  # lineage reads the store alone
     code, chain, err = run_cli(capsys, "lineage", str(published), "--json", "--public-key", str(public))
     assert code == 0 and chain["verified"] and chain["signature"]["status"].startswith("ok, signed (key"), err
     code, chain, _ = run_cli(capsys, "lineage", str(published), "--json")
     assert code == 0 and chain["signature"]["status"].startswith("signed; not checked")
 
-    version = model_registry_champion(tracking)
+    version = model_registry_champion(published_run.tracking_uri)
     assert version.source == str(published) and version.tags["ft.signature.sha256"] == signature_sha256
     assert version.tags["ft.digest.published_model"] == read_manifest(store, prefix).digest
     assert version.tags["ft.dataset_version"] == "acks@v1" and version.tags["ft.gate.passed"] == "True"
 
-    # One flipped byte in the shipped GGUF: both verifiers refuse, ours naming the file.
-    gguf = published / "gguf" / Path(summary["gguf_uri"]).name
+    # One flipped byte in the shipped GGUF of a copy of the run: both verifiers refuse, ours naming the file.
+    run = published_run.copy(tmp_path / "copy")
+    store, published = run.store, Path(run.summary["published_uri"])
+    gguf = published / "gguf" / Path(run.summary["gguf_uri"]).name
     original = gguf.read_bytes()
     gguf.write_bytes(original[:1000] + bytes([original[1000] ^ 1]) + original[1001:])
     result = model_signing_verify(published, public)
     assert result.returncode == 1 and "Verification failed" in result.stderr
     code, chain, _ = run_cli(capsys, "lineage", str(published), "--json", "--public-key", str(public))
     assert code == 1 and not chain["verified"]
-    assert chain["signature"]["status"].startswith("REFUSED:") and f"(changed: gguf/{gguf.name})" in chain["signature"]["status"]
+    assert (
+        chain["signature"]["status"].startswith("REFUSED:")
+        and f"(changed: gguf/{gguf.name})" in chain["signature"]["status"]
+    )
 
     # Whoever can write the bucket rewrites the manifest to match: lineage's digests change, the signature still refuses,
     # and serving_smoke will not serve it.
-    rewritten = home / "rewritten"
+    rewritten = tmp_path / "rewritten"
     shutil.copytree(published, rewritten)
     publish_dir(store, prefix, rewritten)
-    monkeypatch.setenv(signing.PUBLIC_KEY_ENV, str(public))
+    run.env(monkeypatch)  # the copy's FT_HOME: serving_smoke reads its store
+    monkeypatch.setenv(signing.PUBLIC_KEY_ENV, str(public))  # and verifies with the public key
     refs = {name: read_ref(store, "acks@v1", name) for name in ("published_model", "lora_adapter")}
-    context = dg.build_asset_context(partition_key="acks@v1")
-    with pytest.raises(dg.Failure, match=rf"not serving {published}: .*\(changed: gguf/{gguf.name}\)"):
+    changed = r"not serving .*: .*\(changed: gguf/" + gguf.name.replace(".", r"\.") + r"\)"
+    with dg.build_asset_context(partition_key="acks@v1") as context, pytest.raises(dg.Failure, match=changed):
         serving_smoke(context, ServingConfig(), ObjectStoreResource(), refs["published_model"], refs["lora_adapter"])
 
 

@@ -71,8 +71,15 @@ def _certificate(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.C
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=not ca, key_cert_sign=ca, crl_sign=ca, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False,
+                digital_signature=not ca,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )  # fmt: skip
@@ -99,7 +106,10 @@ def keys(tmp_path_factory) -> Keys:
     return Keys(**{name: root / f"{name}.pem" for name in files})
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# llama's published directory holds a real GGUF (llama.cpp's converter process): its cases are integration
+@pytest.fixture(
+    scope="module", params=[pytest.param(f, marks=[pytest.mark.integration] if f == "llama" else []) for f in FAMILIES]
+)
 def published(request, tmp_path_factory) -> Path:
     """A published directory as ``published_model`` lays it out, for one model family (not yet signed)."""
     from peft import LoraConfig, get_peft_model
@@ -111,13 +121,17 @@ def published(request, tmp_path_factory) -> Path:
     else:
         build_family(request.param, root / "merged")
     base = AutoModelForCausalLM.from_pretrained(root / "merged")
-    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(root / "adapter")
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        root / "adapter"
+    )
     if request.param == "llama":
         (root / "gguf").mkdir()
         export_gguf(root / "merged", root / "gguf" / "tiny-f16.gguf", "f16", name="tiny")
         (root / "gguf" / "Modelfile").write_text("FROM ./tiny-f16.gguf\n")
     (root / "eval").mkdir()
-    (root / "eval" / "report.json").write_text(json.dumps({"stats": {"metric_name": "exact_match", "finetuned_metric": 0.75}}))
+    (root / "eval" / "report.json").write_text(
+        json.dumps({"stats": {"metric_name": "exact_match", "finetuned_metric": 0.75}})
+    )
     (root / "lineage.json").write_text(json.dumps({"partition": "acks@v1", "family": request.param}))
     return root
 
@@ -146,13 +160,23 @@ def flip_byte(path: Path) -> None:
 
 
 def signed_files(directory: Path) -> list[str]:
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name not in signing.UNSIGNED_FILES)
+    return sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name not in signing.UNSIGNED_FILES
+    )
 
 
 def test_the_signature_covers_every_published_file(signed, keys):
     described = signing.verify_directory(signed, keys.public)
     files = signed_files(signed)
-    expected = {"merged/model.safetensors", "merged/tokenizer.json", "adapter/adapter_model.safetensors", "eval/report.json", "lineage.json"}
+    expected = {
+        "merged/model.safetensors",
+        "merged/tokenizer.json",
+        "adapter/adapter_model.safetensors",
+        "eval/report.json",
+        "lineage.json",
+    }
     assert expected <= set(files)
     assert described["files"] == len(files) and described["method"] == "key" and described["signed"]
     public = serialization.load_pem_public_key(keys.public.read_bytes())
@@ -305,7 +329,10 @@ def test_a_published_model_verifies_in_the_store_and_tampering_there_is_named(si
     publish_dir(store, prefix, signed)
     publish_dir(store, unsigned, published)
     assert signing.verify_published(store, prefix, keys.public)["signed"]
-    assert signing.lineage_check(store, prefix, None, {})["status"] == "signed; not checked (give --public-key or FT_SIGNING_PUBLIC_KEY)"
+    assert (
+        signing.lineage_check(store, prefix, None, {})["status"]
+        == "signed; not checked (give --public-key or FT_SIGNING_PUBLIC_KEY)"
+    )
     assert signing.lineage_check(store, unsigned, None, {})["status"].startswith("unsigned; not checked")
     from_env = signing.lineage_check(store, prefix, None, {signing.PUBLIC_KEY_ENV: str(keys.public)})
     assert from_env["verified"] and from_env["status"].startswith("ok, signed (key sha256:")
@@ -313,5 +340,9 @@ def test_a_published_model_verifies_in_the_store_and_tampering_there_is_named(si
     assert not refused["verified"] and "is unsigned (no model.sig)" in refused["status"]
     store.put_bytes(f"{prefix}/lineage.json", b'{"partition": "rewritten"}')
     check = signing.lineage_check(store, prefix, str(keys.public))
-    assert not check["verified"] and check["status"].startswith("REFUSED: ") and "(changed: lineage.json)" in check["status"]
+    assert (
+        not check["verified"]
+        and check["status"].startswith("REFUSED: ")
+        and "(changed: lineage.json)" in check["status"]
+    )
     assert store.uri(prefix) in check["status"]

@@ -29,13 +29,20 @@ QA = ColumnMapping.of({"prompt": "question", "response": "answer"})
 
 @pytest.mark.parametrize(
     "spec,commit,rows",
-    [("hf://acme/qa@main", MAIN, 30), ("hf://acme/qa", MAIN, 30), (f"acme/qa@{MAIN}", MAIN, 30), ("hf://acme/qa@v1.0", V1, 10)],
+    [
+        ("hf://acme/qa@main", MAIN, 30),
+        ("hf://acme/qa", MAIN, 30),
+        (f"acme/qa@{MAIN}", MAIN, 30),
+        ("hf://acme/qa@v1.0", V1, 10),
+    ],
     ids=["branch", "default-main", "bare-commit", "tag"],
 )
 def test_hub_dataset_pinned_to_the_commit_of_its_revision(hub_cache, tmp_path, spec, commit, rows):
     staged = stage(spec, tmp_path / "work")
     assert staged.name == "qa"
-    assert staged.source["commit"] == commit and staged.source["repo"] == "acme/qa" and staged.source["split"] == "train"
+    assert (
+        staged.source["commit"] == commit and staged.source["repo"] == "acme/qa" and staged.source["split"] == "train"
+    )
     assert all(rel.startswith("data/train-") for rel, _ in staged.files)  # the test split stays out
     stats = read_dataset(staged.files, Artifact.folder(tmp_path / "raw"), QA)
     assert stats["rows_parsed"] == rows
@@ -48,7 +55,9 @@ def test_hub_split_from_the_readme_configs(hub_cache, tmp_path):
     """Which files make a split is what ``datasets`` reads from the repo's README (``configs``)."""
     readme = b"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: chats/*.jsonl\n---\n"
     chats = (json.dumps({"messages": CHAT}) + "\n").encode()
-    add_hub_revision(hub_cache, "acme/chats", MAIN, {"README.md": readme, "chats/a.jsonl": chats, "other/b.jsonl": chats}, ("main",))
+    add_hub_revision(
+        hub_cache, "acme/chats", MAIN, {"README.md": readme, "chats/a.jsonl": chats, "other/b.jsonl": chats}, ("main",)
+    )
     staged = stage("hf://acme/chats@main", tmp_path / "work")
     assert [rel for rel, _ in staged.files] == ["chats/a.jsonl"]
 
@@ -100,7 +109,11 @@ def test_parquet_prefix_in_s3(s3_env, seaweedfs, tmp_path):
     client.put_object(Bucket=bucket, Key="exports/other/part-0.parquet", Body=qa_rows(5))
     staged = stage(f"s3://{bucket}/exports/chat/", tmp_path / "work")
     assert staged.name == "chat"
-    assert staged.source == {"kind": "s3", "uri": f"s3://{bucket}/exports/chat/", "files": ["day=2/part-1.parquet", "part-0.parquet"]}
+    assert staged.source == {
+        "kind": "s3",
+        "uri": f"s3://{bucket}/exports/chat/",
+        "files": ["day=2/part-1.parquet", "part-0.parquet"],
+    }
     stats = read_dataset(staged.files, Artifact.folder(tmp_path / "raw"), QA)
     assert stats["rows_per_file"] == {"day=2/part-1.parquet": 3, "part-0.parquet": 7}
     with pytest.raises(DatasetFileError, match=rf"s3://{bucket}/exports/none/: no data files"):
@@ -135,7 +148,10 @@ def test_unsupported_input_is_refused_before_anything_is_uploaded(home, capsys):
     (inputs / "notes.xlsx").write_bytes(b"PK")
     (inputs / "README.md").write_text("# notes\n")
     for path, error in [
-        (inputs / "notes.xlsx", r"notes\.xlsx: not an input ft-assets reads; use a data file \(\.jsonl, .*hf://owner/name@revision"),
+        (
+            inputs / "notes.xlsx",
+            r"notes\.xlsx: not an input ft-assets reads; use a data file \(\.jsonl, .*hf://owner/name@revision",
+        ),
         (inputs, r"inputs: no data files in this directory \(found: README\.md, notes\.xlsx\); use a data file"),
         (home / "missing.jsonl", r"dataset path .*missing\.jsonl does not exist"),
     ]:
@@ -154,7 +170,12 @@ def test_a_hub_version_records_its_origin(hub_cache, tmp_path):
     version = key.split("@")[1]
     assert sorted(store.list(f"datasets/qa/{version}")) == [
         f"datasets/qa/{version}/{name}"
-        for name in ("_SUCCESS", "_source.json", "data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet")
+        for name in (
+            "_SUCCESS",
+            "_source.json",
+            "data/train-00000-of-00002.parquet",
+            "data/train-00001-of-00002.parquet",
+        )
     ]
     assert store.get_json(f"datasets/qa/{version}/_source.json")["commit"] == MAIN
     assert register_dataset(store, "hf://acme/qa@v1.0", None, None)[0] != key

@@ -274,10 +274,14 @@ def test_outage_is_a_store_error_and_data_survives_a_restart(seaweedfs, s3_env):
 
 def s3_expect(bucket, prefix):
     url = f"s3://{bucket}/{prefix}".rstrip("/")
-    return lambda store, tmp: isinstance(store, S3Store) and (store.bucket, store.prefix, store.url) == (
-        bucket,
-        prefix,
-        url,
+    return lambda store, tmp: (
+        isinstance(store, S3Store)
+        and (store.bucket, store.prefix, store.url)
+        == (
+            bucket,
+            prefix,
+            url,
+        )
     )
 
 

@@ -24,7 +24,13 @@ import pytest
 import torch
 from boto3.exceptions import RetriesExceededError
 from boto3.s3.transfer import TransferConfig
-from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, NoCredentialsError, ResponseStreamingError
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ResponseStreamingError,
+)
 
 from ft_assets import layout
 from ft_assets.manifests import MANIFEST, ArtifactNotFound, fetch_artifact, publish_dir, read_manifest
@@ -58,14 +64,26 @@ def quiet(line: str) -> None:
 
 
 def client_error(code: str, status: int = 400) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
 
 
 RETRY_CASES = [
     # (name, errors raised by successive attempts, expected: result / exception type and message, attempts)
-    ("connection-refused", [EndpointConnectionError(endpoint_url="http://x")] * 9, (StoreError, "cannot reach .*gave up after 4 attempt"), 4),
+    (
+        "connection-refused",
+        [EndpointConnectionError(endpoint_url="http://x")] * 9,
+        (StoreError, "cannot reach .*gave up after 4 attempt"),
+        4,
+    ),
     ("connection-reset", [ConnectionClosedError(endpoint_url="http://x")] * 9, (StoreError, "cannot reach"), 4),
-    ("stream-broke-during-download", [RetriesExceededError(ResponseStreamingError(error="reset"))] * 9, (StoreError, "cannot reach"), 4),
+    (
+        "stream-broke-during-download",
+        [RetriesExceededError(ResponseStreamingError(error="reset"))] * 9,
+        (StoreError, "cannot reach"),
+        4,
+    ),
     ("server-restarting", [client_error("InternalError", 500)] * 9, (StoreError, "answered InternalError"), 4),
     ("throttled", [client_error("SlowDown", 503)] * 9, (StoreError, "answered SlowDown"), 4),
     ("outage-then-back", [EndpointConnectionError(endpoint_url="http://x")] * 2, "ok", 3),
@@ -123,7 +141,9 @@ def stop_during_upload(store: S3Store, seaweedfs, step: int, restart_after: floa
 
 
 @pytest.mark.integration
-def test_outage_during_a_checkpoint_upload_is_retried_and_the_run_completes(s3_env, seaweedfs, tiny_model, shards, tmp_path, reference, caplog):
+def test_outage_during_a_checkpoint_upload_is_retried_and_the_run_completes(
+    s3_env, seaweedfs, tiny_model, shards, tmp_path, reference, caplog
+):
     store = s3_store(s3_env)
     stopped = stop_during_upload(store, seaweedfs, step=8, restart_after=OUTAGE_S)
     with caplog.at_level(logging.WARNING, logger="ft_assets.storage"):
@@ -133,11 +153,18 @@ def test_outage_during_a_checkpoint_upload_is_retried_and_the_run_completes(s3_e
     assert retries and all(seaweedfs.endpoint in line for line in retries)
     assert result.steps == 24 and [uri.rsplit("-", 1)[-1] for uri in result.checkpoints][:2] == ["00000004", "00000008"]
     assert_same_weights(final_weights(result), reference)
-    record_figures("outage_during_a_checkpoint_upload", server_killed=1, retries=len(retries), run_completed_with_the_uninterrupted_adapter=True)
+    record_figures(
+        "outage_during_a_checkpoint_upload",
+        server_killed=1,
+        retries=len(retries),
+        run_completed_with_the_uninterrupted_adapter=True,
+    )
 
 
 @pytest.mark.integration
-def test_store_down_for_good_fails_the_upload_clearly_and_a_rerun_resumes(s3_env, seaweedfs, tiny_model, shards, tmp_path, reference):
+def test_store_down_for_good_fails_the_upload_clearly_and_a_rerun_resumes(
+    s3_env, seaweedfs, tiny_model, shards, tmp_path, reference
+):
     store = s3_store(s3_env, max_attempts=SHORT_ATTEMPTS)
     stop_during_upload(store, seaweedfs, step=8, restart_after=None)
     started = time.monotonic()
@@ -158,7 +185,9 @@ def test_store_down_for_good_fails_the_upload_clearly_and_a_rerun_resumes(s3_env
     assert complete_checkpoints(store, RUN) == [store.uri(layout.checkpoint(RUN, 4))]
 
     lines = []
-    result = train(config(max_steps=24, save_steps=4), tiny_model, shards, s3_store(s3_env), RUN, tmp_path / "w2", log=lines.append)
+    result = train(
+        config(max_steps=24, save_steps=4), tiny_model, shards, s3_store(s3_env), RUN, tmp_path / "w2", log=lines.append
+    )
     assert result.resumed_from_step == 4
     assert any("skipping" in line and "checkpoint-00000008" in line and "no manifest.json" in line for line in lines)
     assert_same_weights(final_weights(result), reference)
@@ -185,7 +214,9 @@ def test_outage_while_resuming_is_an_error_not_a_corrupt_checkpoint(s3_env, seaw
 
     store.list = list_then_stop
     try:
-        with pytest.raises(StoreError, match=f"cannot resume from .*checkpoint-00000008.*cannot reach {seaweedfs.endpoint}") as info:
+        with pytest.raises(
+            StoreError, match=f"cannot resume from .*checkpoint-00000008.*cannot reach {seaweedfs.endpoint}"
+        ) as info:
             train(cfg.model_copy(update={"max_steps": 12}), tiny_model, shards, store, RUN, tmp_path / "w2", log=quiet)
         assert "Nothing was skipped or deleted" in str(info.value)
     finally:
@@ -248,15 +279,21 @@ def test_outage_mid_download_is_retried_and_the_shards_verify(s3_env, seaweedfs,
     for rel, info in manifest.files.items():
         assert sha256_file(dest / rel) == info["sha256"] == sha256_file(published_shards / rel)
     assert not list(dest.rglob(".tmp-*"))
-    record_figures("outage_mid_shard_download", server_killed=1, retries=len(retries), shards_verified=len(manifest.files))
+    record_figures(
+        "outage_mid_shard_download", server_killed=1, retries=len(retries), shards_verified=len(manifest.files)
+    )
 
 
 @pytest.mark.integration
-def test_download_with_the_store_down_fails_clearly_and_leaves_no_partial_file(s3_env, seaweedfs, published_shards, tmp_path):
+def test_download_with_the_store_down_fails_clearly_and_leaves_no_partial_file(
+    s3_env, seaweedfs, published_shards, tmp_path
+):
     dest = tmp_path / "fetched"
     watcher = stop_when_streaming(seaweedfs, dest, restart_after=None)
     try:
-        with pytest.raises(StoreError, match=f"download of .*{SHARDS}/train-00000.parquet failed: cannot reach {seaweedfs.endpoint}"):
+        with pytest.raises(
+            StoreError, match=f"download of .*{SHARDS}/train-00000.parquet failed: cannot reach {seaweedfs.endpoint}"
+        ):
             fetch_artifact(throttled(s3_env, max_attempts=SHORT_ATTEMPTS), SHARDS, dest)
         watcher.join()
     finally:
@@ -327,7 +364,15 @@ def case_checkpoint_write(disk: Path, ctx: dict) -> None:
 
 def case_training(disk: Path, ctx: dict) -> None:
     fill(disk, leave=16 * 1024)  # the model loads from elsewhere; the first checkpoint does not fit
-    train(config(max_steps=4, save_steps=2), ctx["tiny_model"], ctx["shards"], LocalStore(ctx["train_store"]), RUN, disk / "work", log=quiet)
+    train(
+        config(max_steps=4, save_steps=2),
+        ctx["tiny_model"],
+        ctx["shards"],
+        LocalStore(ctx["train_store"]),
+        RUN,
+        disk / "work",
+        log=quiet,
+    )
 
 
 FULL_DISK_CASES = [
@@ -358,7 +403,9 @@ def full_disk_worker(disk: str, ctx: dict, env: dict, result_path: str) -> None:
             outcome = {"type": None, "message": "no error"}
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
             outcome = {"type": type(exc).__name__, "message": str(exc)}
-        outcome["left_on_disk"] = sorted(p.relative_to(disk).as_posix() for p in disk.rglob("*") if p.is_file() and p.name != "filler")
+        outcome["left_on_disk"] = sorted(
+            p.relative_to(disk).as_posix() for p in disk.rglob("*") if p.is_file() and p.name != "filler"
+        )
         outcome["manifest_published"] = ctx.pop("manifest_published", False)
         results[name] = outcome
         for path in sorted(disk.iterdir()):
@@ -395,4 +442,6 @@ def test_a_full_local_disk_is_a_clear_error_naming_the_path(forkserver, s3_env, 
         assert "FT_SCRATCH" in outcome["message"], (name, outcome["message"])  # what to do about it
         assert outcome["left_on_disk"] == [], (name, outcome["left_on_disk"])  # no partial file
         assert not outcome["manifest_published"], name
-    record_figures("full_local_disk", tmpfs_bytes=DISK_BYTES, cases=[case[0] for case in FULL_DISK_CASES], partial_files_left=0)
+    record_figures(
+        "full_local_disk", tmpfs_bytes=DISK_BYTES, cases=[case[0] for case in FULL_DISK_CASES], partial_files_left=0
+    )

@@ -23,17 +23,34 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_cpu_thread")
 DIGESTS = {"raw_dataset": "a" * 64, "tokenized_shards": "b" * 64, "base_model": "c" * 64}  # the refs' manifest digests
 
 
-def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow_server, pair_model, pair_shards, tmp_path):
+def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(
+    mlflow_server, pair_model, pair_shards, tmp_path
+):
     experiment = f"dpo-{uuid.uuid4().hex[:8]}"
     cfg = dpo_config(mlflow_tracking_uri=mlflow_server.uri, mlflow_experiment=experiment, eval_steps=8)
     tags = lineage_tags("timers@v1", {name: {"digest": digest} for name, digest in DIGESTS.items()})
     lines = []
-    result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w1", log=lines.append, tags=tags, objective=DPO)
+    result = train(
+        cfg,
+        pair_model,
+        pair_shards,
+        LocalStore(tmp_path / "store"),
+        RUN,
+        tmp_path / "w1",
+        log=lines.append,
+        tags=tags,
+        objective=DPO,
+    )
     client = mlflow_server.client()
     run = the_run(client, experiment)
     assert run.info.run_id == result.mlflow_run_id and run.info.run_name == "dpo" and run.info.status == "FINISHED"
     params = run.data.params
-    assert (params["objective"], params["method"], params["dpo_beta"], params["dpo_loss"]) == ("dpo", "lora", "0.1", "sigmoid")
+    assert (params["objective"], params["method"], params["dpo.beta"], params["dpo.loss"]) == (
+        "dpo",
+        "lora",
+        "0.1",
+        "sigmoid",
+    )
     assert (params["learning_rate"], params["total_steps"], params["seed"]) == ("0.005", "16", "7")
     assert run.data.tags["ft.dataset_version"] == "timers@v1" and run.data.tags["ft.run_id"] == "dpo"
     assert {f"ft.digest.{name}": digest for name, digest in DIGESTS.items()}.items() <= run.data.tags.items()
@@ -49,10 +66,22 @@ def test_a_dpo_run_is_logged_with_params_metrics_eval_figures_and_lineage(mlflow
     assert all(value > 0 for _, value in history("grad_norm"))
     assert [step for step, _ in history("eval_loss")] == [8, 16]
     assert history("eval_reward_accuracy")[-1][1] == pytest.approx(result.eval_metrics["eval_reward_accuracy"])
-    assert history("eval_reference_reward_accuracy")[-1][1] == pytest.approx(result.eval_metrics["eval_reference_reward_accuracy"])
+    assert history("eval_reference_reward_accuracy")[-1][1] == pytest.approx(
+        result.eval_metrics["eval_reference_reward_accuracy"]
+    )
 
     # Another attempt of the same run continues its MLflow run.
-    again = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "w2", log=lines.append, tags=tags, objective=DPO)
+    again = train(
+        cfg,
+        pair_model,
+        pair_shards,
+        LocalStore(tmp_path / "store"),
+        RUN,
+        tmp_path / "w2",
+        log=lines.append,
+        tags=tags,
+        objective=DPO,
+    )
     assert again.mlflow_run_id == run.info.run_id and the_run(client, experiment).info.status == "FINISHED"
     assert any("(resumed)" in line for line in lines)
 
@@ -63,7 +92,9 @@ def test_a_tracker_that_does_not_answer_is_a_warning(pair_model, pair_shards, tm
     result = train(dpo_config(max_steps=4, mlflow_tracking_uri=dead), pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN,
                    tmp_path / "work", log=lines.append, objective=DPO)  # fmt: skip
     assert result.steps == 4 and result.mlflow_run_id is None
-    assert any(line.startswith(f"WARNING: MLflow at {dead} did not answer") and "training goes on" in line for line in lines)
+    assert any(
+        line.startswith(f"WARNING: MLflow at {dead} did not answer") and "training goes on" in line for line in lines
+    )
 
 
 def test_a_tracker_that_dies_mid_run_is_a_warning(pair_model, pair_shards, tmp_path):
@@ -78,11 +109,23 @@ def test_a_tracker_that_dies_mid_run_is_a_warning(pair_model, pair_shards, tmp_p
                 server.stop()
 
         cfg = dpo_config(mlflow_tracking_uri=server.uri)
-        result = train(cfg, pair_model, pair_shards, LocalStore(tmp_path / "store"), RUN, tmp_path / "work", log=lines.append, on_metrics=on_metrics, objective=DPO)
+        result = train(
+            cfg,
+            pair_model,
+            pair_shards,
+            LocalStore(tmp_path / "store"),
+            RUN,
+            tmp_path / "work",
+            log=lines.append,
+            on_metrics=on_metrics,
+            objective=DPO,
+        )
     finally:
         server.stop()
     assert result.steps == 16 and result.mlflow_run_id is not None
-    assert [line for line in lines if "MLflow" in line and "WARNING" in line][0].startswith(f"WARNING: MLflow at {server.uri} failed to log metrics")
+    assert [line for line in lines if "MLflow" in line and "WARNING" in line][0].startswith(
+        f"WARNING: MLflow at {server.uri} failed to log metrics"
+    )
     assert sum("tracking is off" in line for line in lines) == 1  # one warning, then no more calls
 
 

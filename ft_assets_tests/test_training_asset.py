@@ -21,7 +21,23 @@ def test_two_processes_train_through_pipes_and_report_from_rank_0(home, capsys, 
     config["ops"]["lora_adapter"]["config"].update(num_processes=2, save_steps=3)
     (home / "config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data", rows=120)
-    code = main(["run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "ddp", "--until", "training", "--config", str(home / "config.yaml"), "--json"])
+    code = main(
+        [
+            "run",
+            "--in-process",
+            "--dataset",
+            str(data),
+            "--name",
+            "acks",
+            "--version",
+            "ddp",
+            "--until",
+            "training",
+            "--config",
+            str(home / "config.yaml"),
+            "--json",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     summary = json.loads(out.out.strip().splitlines()[-1])
@@ -35,7 +51,9 @@ def test_two_processes_train_through_pipes_and_report_from_rank_0(home, capsys, 
     assert "[pipes] external process successfully opened dagster pipes." in messages
 
 
-def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(home, capsys, tiny_model_dir, monkeypatch):
+def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(
+    home, capsys, tiny_model_dir, monkeypatch
+):
     """A spot notice to the run's worker process during training: checkpoint, fail as ft/preempted, retry, resume.
 
     ``ft-assets run`` launched the run through the instance (no daemon here), so it makes the retry the
@@ -45,7 +63,25 @@ def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(ho
     config["ops"]["lora_adapter"]["config"].update(save_steps=5, logging_steps=1)
     (home / "config.yaml").write_text(yaml.safe_dump(config))
     data = write_dataset(home / "data", rows=120)
-    assert main(["run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", "spot", "--until", "data", "--config", str(home / "config.yaml")]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--in-process",
+                "--dataset",
+                str(data),
+                "--name",
+                "acks",
+                "--version",
+                "spot",
+                "--until",
+                "data",
+                "--config",
+                str(home / "config.yaml"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
 
     store = LocalStore(home / "home" / "store")
@@ -63,7 +99,22 @@ def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(ho
 
     watcher = threading.Thread(target=send_sigterm_after_first_checkpoint, daemon=True)
     watcher.start()
-    code = main(["run", "--dataset", str(data), "--name", "acks", "--version", "spot", "--until", "training", "--config", str(home / "config.yaml"), "--json"])
+    code = main(
+        [
+            "run",
+            "--dataset",
+            str(data),
+            "--name",
+            "acks",
+            "--version",
+            "spot",
+            "--until",
+            "training",
+            "--config",
+            str(home / "config.yaml"),
+            "--json",
+        ]
+    )
     fired.set()
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -75,6 +126,8 @@ def test_sigterm_mid_training_is_a_retryable_preemption_and_the_retry_resumes(ho
     instance = dg.DagsterInstance.get()
     first, retry = (instance.get_run_by_id(run_id) for run_id in summary["runs"]["training"])
     assert first.status == dg.DagsterRunStatus.FAILURE and first.tags["ft/preempted"] == "true"
-    assert retry.parent_run_id == first.run_id and retry.tags["dagster/retry_number"] == "1"  # the UI shows it as the retry
+    assert (
+        retry.parent_run_id == first.run_id and retry.tags["dagster/retry_number"] == "1"
+    )  # the UI shows it as the retry
     assert first.tags["dagster/auto_retry_run_id"] == retry.run_id  # a daemon started later does not retry it again
     assert "was preempted; retrying" in out.err

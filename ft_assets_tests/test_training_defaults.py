@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
+from ft_assets.data.chat_encoding import ChatEncoder
+from ft_assets.data.tokenizing import tokenize_and_pack
 from ft_assets.delivery import evaluate as ev
 from ft_assets.delivery.merge import load_full_precision, merge_adapter
 from ft_assets.objectives import SFT
@@ -52,12 +53,22 @@ def exact_match_after_training(small_task, name: str, settings: TrainingConfig) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = train(settings, model_dir, shards, LocalStore(root / name / "store"), "runs/t/v/train/r", root / name / "work", log=print)
+        result = train(
+            settings,
+            model_dir,
+            shards,
+            LocalStore(root / name / "store"),
+            "runs/t/v/train/r",
+            root / name / "work",
+            log=print,
+        )
         merge_adapter(model_dir, result.output_dir, root / name / "merged")
         scores = {}
         for label, directory in (("base", model_dir), ("tuned", root / name / "merged")):
             tokenizer = AutoTokenizer.from_pretrained(directory)
-            scores[label] = ev.score_model(load_full_precision(directory), tokenizer, examples, shards, "exact_match", 12, log=lambda _: None)
+            scores[label] = ev.score_model(
+                load_full_precision(directory), tokenizer, examples, shards, "exact_match", 12, log=lambda _: None
+            )
     finally:
         torch.set_num_threads(threads)
     return scores["base"].metric, scores["tuned"].metric, result.steps

