@@ -92,8 +92,18 @@ SYSTEM_PROMPTS = [
     "Think carefully, then give a short final answer.",
     "You translate and explain idioms between English, French and German.",
 ]
-OPENERS = ["How do I", "Can you explain", "Why does", "What is the best way to", "Write a short note about",
-           "Summarize", "Give me three ideas for", "Is it true that", "Help me", "Compare"]
+OPENERS = [
+    "How do I",
+    "Can you explain",
+    "Why does",
+    "What is the best way to",
+    "Write a short note about",
+    "Summarize",
+    "Give me three ideas for",
+    "Is it true that",
+    "Help me",
+    "Compare",
+]
 NON_ASCII = ["café", "naïve", "Zürich", "São Paulo", "北京", "東京", "🙂", "👍", "λ", "€", "—", "½"]
 CODE_NAMES = ["items", "total", "config", "result", "buffer", "count", "path", "rows", "tokens", "batch"]
 NEAR_EDITS = ["Thanks!", "Thank you.", "Please.", "Hi there.", "Quick question:", "thanks a lot"]
@@ -103,7 +113,9 @@ CONTROL_CHARS = ["\x07", "\x1b", "\x0b", "\u200b"]
 def _sentence(rng: random.Random, n: int) -> str:
     words = rng.choices(WORDS, k=n)
     if rng.random() < 0.3:
-        words[rng.randrange(n)] = str(rng.choice([rng.randint(0, 100), rng.randint(100, 99_999), round(rng.random() * 100, 2)]))
+        words[rng.randrange(n)] = str(
+            rng.choice([rng.randint(0, 100), rng.randint(100, 99_999), round(rng.random() * 100, 2)])
+        )
     if rng.random() < 0.04:
         words[rng.randrange(n)] = rng.choice(NON_ASCII)
     words[0] = words[0].capitalize()
@@ -164,7 +176,11 @@ def _line(file: str, turns: list[tuple[str, str]]) -> str:
     else:
         system = [c for r, c in turns if r == "system"]
         user, reply = [c for r, c in turns if r == "user"][0], [c for r, c in turns if r == "assistant"][0]
-        record = {"instruction": system[0], "input": user, "output": reply} if system else {"instruction": user, "input": "", "output": reply}
+        record = (
+            {"instruction": system[0], "input": user, "output": reply}
+            if system
+            else {"instruction": user, "input": "", "output": reply}
+        )
     return json.dumps(record, ensure_ascii=False)
 
 
@@ -197,7 +213,9 @@ def _dirty(rng: random.Random, kind: str, turns, file: str, pool: deque) -> str 
         if sum(len(c.split()) for r, c in source if r != "system") < 40:
             return None
         edit = rng.choice(NEAR_EDITS)
-        return _line(source_file, _replace(source, "user", lambda c: f"{c} {edit}" if rng.random() < 0.5 else f"{edit} {c}"))
+        return _line(
+            source_file, _replace(source, "user", lambda c: f"{c} {edit}" if rng.random() < 0.5 else f"{edit} {c}")
+        )
     if kind == "needs_normalizing":
         variant = rng.randrange(3)
         if variant == 0:
@@ -207,7 +225,9 @@ def _dirty(rng: random.Random, kind: str, turns, file: str, pool: deque) -> str 
         return _line(file, _replace(turns, "assistant", lambda c: c + rng.choice(["  ", "\n", " \t"])))
     if kind == "malformed":
         line = _line(file, turns)
-        return [line[: len(line) // 2], "[1, 2, 3]", "null", repr({"messages": turns[:1]}), "<<<<<<< HEAD"][rng.randrange(5)]
+        return [line[: len(line) // 2], "[1, 2, 3]", "null", repr({"messages": turns[:1]}), "<<<<<<< HEAD"][
+            rng.randrange(5)
+        ]
     if kind == "wrong_roles":
         if file == "alpaca.jsonl":
             return None

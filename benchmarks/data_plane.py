@@ -91,18 +91,22 @@ def work_ours(
 ) -> dict:  # fmt: skip
     import dagster as dg
 
+    from ft_assets.data.chat_encoding import TokenizerFiles
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-    from ft_assets.data.packing import TokenizerFiles, tokenize_splits
     from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
     from ft_assets.data.resources import DataExecutorResource
     from ft_assets.data.split import split_dataset
+    from ft_assets.data.tokenizing import tokenize_splits
 
-    settings = {"workers": workers, "ray_address": "local" if ray else ""} | ({"shard_rows": shard_rows} if shard_rows else {})
+    settings = {"workers": workers, "ray_address": "local" if ray else ""} | (
+        {"shard_rows": shard_rows} if shard_rows else {}
+    )
     watch = Stopwatch()
     with ExitStack() as stack:
-        opened = DataExecutorResource(**settings).yield_for_execution(dg.build_init_resource_context())
+        init = stack.enter_context(dg.build_init_resource_context())  # its ephemeral instance is closed with it
+        opened = DataExecutorResource(**settings).yield_for_execution(init)
         executor = watch("executor_start", stack.enter_context, opened).executor
         out = {name: Artifact.folder(work / name) for name in ("raw", "cleaned", "deduplicated", "split", "shards")}
         raw = watch("read", read_dataset, data_files(corpus), out["raw"], None, executor)
@@ -110,7 +114,16 @@ def work_ours(
         deduplicated = watch("dedup", deduplicate_dataset, out["cleaned"], out["deduplicated"], DedupRules(), executor)
         split = watch("split", split_dataset, out["deduplicated"], out["split"], EVAL_FRACTION, "ft-assets", executor)
         tokenizer = TokenizerFiles.from_dir(model_dir)
-        packed = watch("tokenize_pack", tokenize_splits, out["split"], ("train", "eval"), tokenizer, seq_len, out["shards"], executor=executor)
+        packed = watch(
+            "tokenize_pack",
+            tokenize_splits,
+            out["split"],
+            ("train", "eval"),
+            tokenizer,
+            seq_len,
+            out["shards"],
+            executor=executor,
+        )
         driver_peak = peak_rss_mib()  # before the untimed extra below
         part_bytes = sum(f.stat().st_size for f in work.rglob("*.parquet"))
         outputs = hashlib.sha256()  # every file the stages wrote, untimed: the same in every mode?
@@ -132,10 +145,14 @@ def work_ours(
         "stages": watch.stages,
         "wall_s": wall,
         "cpu_s": watch.total("cpu_s"),  # the driver's (all of it when the executor is in-process)
-        "workers_cpu_s": sum(u.process_cpu_s for u in others.values()),  # every worker's, imports and tokenizer loads included
+        "workers_cpu_s": sum(
+            u.process_cpu_s for u in others.values()
+        ),  # every worker's, imports and tokenizer loads included
         "workers_stage_cpu_s": sum(u.cpu_s for u in others.values()),  # inside stage functions only
         "rows_in": raw["rows_in"],
-        "rows_quarantined": raw["rows_quarantined"] + cleaned["rows_quarantined"] + sum(len(p.rejected) for p in packed.values()),
+        "rows_quarantined": raw["rows_quarantined"]
+        + cleaned["rows_quarantined"]
+        + sum(len(p.rejected) for p in packed.values()),
         "exact_duplicates": deduplicated["exact_duplicates"],
         "near_duplicates": deduplicated["near_duplicates"],
         "train_rows": split["train_rows"],
@@ -179,7 +196,7 @@ def write_rendered_texts(encoder, split, texts_path: Path) -> None:
 def work_ceiling(texts_path: Path, model_dir: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from ft_assets.data.packing import TOKENIZE_BATCH
+    from ft_assets.data.chat_encoding import TOKENIZE_BATCH
 
     texts = pq.read_table(texts_path).column("text").to_pylist()  # input, not timed
     wall, cpu = time.perf_counter(), time.process_time()
@@ -189,7 +206,9 @@ def work_ceiling(texts_path: Path, model_dir: Path) -> dict:
     load_s = time.perf_counter() - wall
     tokens = 0
     for start in range(0, len(texts), TOKENIZE_BATCH):
-        tokens += sum(len(e) for e in backend.encode_batch(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False))
+        tokens += sum(
+            len(e) for e in backend.encode_batch(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)
+        )
     return {
         "wall_s": time.perf_counter() - wall,
         "cpu_s": time.process_time() - cpu,
@@ -210,7 +229,9 @@ def to_messages(record) -> list[dict] | None:
     if "messages" in record:
         return record["messages"]
     if "conversations" in record:
-        return [{"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in record["conversations"]]
+        return [
+            {"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in record["conversations"]
+        ]
     if "instruction" in record and "output" in record:
         prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
@@ -243,7 +264,8 @@ def work_baseline(corpus: Path, work: Path, model_dir: Path, seq_len: int) -> di
     cache = work / "hf_datasets_cache"
     dataset = datasets.Dataset.from_generator(records, cache_dir=str(cache))
     dataset = dataset.map(
-        lambda row: {"text": tokenizer.apply_chat_template(row["messages"], tokenize=False)}, remove_columns=["messages"]
+        lambda row: {"text": tokenizer.apply_chat_template(row["messages"], tokenize=False)},
+        remove_columns=["messages"],
     )
 
     def tokenize(batch):
@@ -296,7 +318,9 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--ray", action="store_true")
     parser.add_argument("--shard-rows", type=int, default=0)
-    parser.add_argument("--render-texts", action="store_true", help="ours: write the ceiling's input afterwards (untimed)")
+    parser.add_argument(
+        "--render-texts", action="store_true", help="ours: write the ceiling's input afterwards (untimed)"
+    )
     args = parser.parse_args(argv)
     print(json.dumps(run_kind(
         args.kind, args.work, args.model, args.corpus, args.seq_len, args.render_texts, args.workers, args.ray, args.shard_rows,
@@ -312,7 +336,11 @@ def run_worker(kind: str, in_process: bool, render_texts: bool = False, ray: boo
         result = run_kind(kind, render_texts=render_texts, ray=ray, **options)
         result["peak_rss_mib"] = round(result.pop("peak_rss_mib_self"), 1)  # this whole process's
         return result
-    argv = ["-m", "benchmarks.data_plane", "worker", kind] + (["--render-texts"] if render_texts else []) + (["--ray"] if ray else [])
+    argv = (
+        ["-m", "benchmarks.data_plane", "worker", kind]
+        + (["--render-texts"] if render_texts else [])
+        + (["--ray"] if ray else [])
+    )
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     child = run_child(argv, env=ENV)
@@ -399,7 +427,8 @@ def projection(run: dict, larger: dict | None = None) -> dict:
     )  # fmt: skip
     table_ = {
         f"{total:,} rows": {
-            f"{cores} cores": round((total * max(worker_s / cores, driver_s + network_s) + start_s) / 3600, 2) for cores in PROJECTION_CORES
+            f"{cores} cores": round((total * max(worker_s / cores, driver_s + network_s) + start_s) / 3600, 2)
+            for cores in PROJECTION_CORES
         }
         for total in PROJECTION_ROWS
     }
@@ -427,7 +456,8 @@ def summarize(runs: dict, scales: list[int], workers: int) -> dict:
         f"rows_per_s_n{workers}": many["rows_in"] / many["wall_s"],
         f"tokens_per_s_n{workers}": many["tokens"] / many["wall_s"],
         "speedup": one["wall_s"] / many["wall_s"],
-        "speedup_cpu": one["cpu_s"] / (many["cpu_s"] + many["workers_cpu_s"]),  # < 1: what the N-process run costs in extra CPU
+        "speedup_cpu": one["cpu_s"]
+        / (many["cpu_s"] + many["workers_cpu_s"]),  # < 1: what the N-process run costs in extra CPU
         "scaling_efficiency": one["wall_s"] / many["wall_s"] / workers,
         "ceiling_tokens_per_s": ceiling["tokens"] / ceiling["wall_s"],
         "ratio_to_ceiling": ceiling["wall_s"] / one["wall_s"],
@@ -465,7 +495,22 @@ def report(runs: dict, summary: dict, scales: list[int], workers: int) -> str:
             kind, scale, fmt(rows_in), fmt(run["wall_s"], 1), fmt(cpu, 1), fmt(rows_in / run["wall_s"]),
             fmt(run["tokens"] / run["wall_s"]), fmt(peak), fmt(run["peak_rss_mib"]),
         ])  # fmt: skip
-    out = [table(["run", "corpus", "rows in", "wall s", "cpu s (all)", "rows/s", "tokens/s", "peak RSS/worker MiB", "driver MiB"], rows)]
+    out = [
+        table(
+            [
+                "run",
+                "corpus",
+                "rows in",
+                "wall s",
+                "cpu s (all)",
+                "rows/s",
+                "tokens/s",
+                "peak RSS/worker MiB",
+                "driver MiB",
+            ],
+            rows,
+        )
+    ]
     for name in (f"ours_x{scales[0]}", f"ours_n{workers}_x{scales[0]}"):
         out.append(f"\nstages of {name}:\n" + table(
             ["stage", "wall s", "driver cpu s", "share"],
@@ -488,9 +533,12 @@ def main(argv: list[str] | None = None) -> dict:
     if argv[:1] == ["worker"]:
         worker(argv[1:])
         return {}
-    parser = argparse.ArgumentParser(description="Data-plane throughput on 1 and N cores and on Ray, vs the tokenizer ceiling and the HF-tutorial baseline.")
+    parser = argparse.ArgumentParser(
+        description="Data-plane throughput on 1 and N cores and on Ray, vs the tokenizer ceiling and the HF-tutorial baseline."
+    )
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help=f"{QUICK_ROWS} rows in shards of {QUICK_SHARD_ROWS}, tiny.py's tokenizer, every run in this process (no per-run RSS): a smoke run of every path",
     )
     parser.add_argument("--rows", type=int, help=f"rows of the x1 corpus (default {ROWS_PER_UNIT:,})")

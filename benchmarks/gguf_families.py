@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     results, rows = {}, []
     for family in FAMILIES:
         name = family.name
-        files = {q: file_entry(work / f"{name}-{q}.gguf", q, tensor_types(work / f"{name}-{q}.gguf")) for q in CONVERTED}
+        files = {
+            q: file_entry(work / f"{name}-{q}.gguf", q, tensor_types(work / f"{name}-{q}.gguf")) for q in CONVERTED
+        }
         for qtype in QUANTIZED:
             files[qtype] = llamacpp.quantize(files["f16"]["path"], work / f"{name}-{qtype}.gguf", qtype)
         ref = llamacpp.reference(dirs[name])
@@ -86,13 +88,26 @@ def main(argv: list[str] | None = None) -> dict:
             + [str(all(f["tokens_match"] for f in r.values()))]
             + [f"{second['rel_error']:.1e}" if "rel_error" in second else "cannot load"]
         )
-    results["gemma3"]["f16_without_layer_pattern"] = without_layer_pattern(work / "gemma3-f16.gguf", llamacpp.reference(dirs["gemma3"]))
+    results["gemma3"]["f16_without_layer_pattern"] = without_layer_pattern(
+        work / "gemma3-f16.gguf", llamacpp.reference(dirs["gemma3"])
+    )
     print(f"llama-cpp-python {llama_cpp.__version__}; converter for all families in one process: {convert_s:.1f} s")
     print(f"gemma3 F16 without its layer pattern: {results['gemma3']['f16_without_layer_pattern']}")
     print(
         table(
-            ["family", "token ids equal (F16)", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "F16 greedy equal", "all types: ids equal",
-             "transformers' reader, F16"],
+            [
+                "family",
+                "token ids equal (F16)",
+                "F16",
+                "Q8_0",
+                "Q6_K",
+                "Q5_K_M",
+                "Q4_K_M",
+                "Q4_0",
+                "F16 greedy equal",
+                "all types: ids equal",
+                "transformers' reader, F16",
+            ],
             rows,
         )
     )

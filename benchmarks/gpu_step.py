@@ -63,25 +63,37 @@ def prepare_examples(model_dir: Path, work: Path, seq_len: int, limit: int | Non
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
+    from ft_assets.data.chat_encoding import ChatEncoder
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.formats import is_data_file
-    from ft_assets.data.packing import ChatEncoder, Example, tokenize_and_pack
     from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
+    from ft_assets.data.sequences import Example
+    from ft_assets.data.tokenizing import tokenize_and_pack
     from ft_assets.shards import load_packed_rows, shard_files
 
     shutil.rmtree(work, ignore_errors=True)
     sample = ROOT / "samples" / "toolcalls"
-    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw"))
+    read_dataset(
+        [(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw")
+    )
     clean_dataset(raw, cleaned := Artifact.folder(work / "cleaned"), CleaningRules())
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
     records = [(r["source"], r["messages"]) for r in cleaned.records("rows")][:limit]
     (work / "shards").mkdir()
     tokenize_and_pack(iter(records), encoder, seq_len, work / "shards", "train")
-    examples = [e for e in encoder.encode_batch([m for _, m in records]) if isinstance(e, Example) and len(e.input_ids) <= seq_len]
-    pad_id = encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
+    examples = [
+        e
+        for e in encoder.encode_batch([m for _, m in records])
+        if isinstance(e, Example) and len(e.input_ids) <= seq_len
+    ]
+    pad_id = (
+        encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
+    )
     files = shard_files(work / "shards", "train")  # the order load_packed_rows reads them in
-    row_tokens = np.array([sum(n) for f in files for n in pq.read_table(f, columns=["seq_lens"]).column("seq_lens").to_pylist()])
+    row_tokens = np.array(
+        [sum(n) for f in files for n in pq.read_table(f, columns=["seq_lens"]).column("seq_lens").to_pylist()]
+    )
     return load_packed_rows(work / "shards", "train", seq_len), row_tokens, examples, pad_id
 
 
@@ -172,7 +184,9 @@ def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int,
     from ft_assets.training.config import TrainingConfig
     from ft_assets.training.model import load_model, trainable_parameters
 
-    config = TrainingConfig(method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing)
+    config = TrainingConfig(
+        method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing
+    )
     model = load_model(config, method, model_dir, device)
     if method != "qlora":  # qlora's loader places the quantized weights itself
         model.to(device)
@@ -182,7 +196,9 @@ def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int,
     return model, optimizer
 
 
-def figures(name: dict, elapsed: float, real: int, slots: int, steps: int, flops: float, peak_tflops, device, context, loss) -> dict:
+def figures(
+    name: dict, elapsed: float, real: int, slots: int, steps: int, flops: float, peak_tflops, device, context, loss
+) -> dict:
     import torch
 
     cuda = device.type == "cuda"
@@ -238,12 +254,16 @@ def smollm2_suite(args, device, peak_tflops, context) -> dict:
         batch, steps, warmup, model_dir = 2, args.steps or 2, 1, args.model or tiny_model_dir()
     else:
         batch, steps, warmup, model_dir = BATCH, args.steps or STEPS, WARMUP, args.model or smollm2_dir()
-    data = prepare_examples(model_dir, cache_dir() / "work" / "gpu-step-data", SEQ_LEN, SMOKE_RECORDS if args.cpu_smoke else None)
+    data = prepare_examples(
+        model_dir, cache_dir() / "work" / "gpu-step-data", SEQ_LEN, SMOKE_RECORDS if args.cpu_smoke else None
+    )
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
 
     def run(method: str, layout: str, attention: str) -> dict:
         flops = flops_per_token(shape, method, SEQ_LEN, False)
-        return measure(method, layout, model_dir, data, device, batch, steps, warmup, attention, flops, peak_tflops, context)
+        return measure(
+            method, layout, model_dir, data, device, batch, steps, warmup, attention, flops, peak_tflops, context
+        )
 
     results = [run(method, layout, "auto") for method in args.methods.split(",") for layout in ("packed", "padded")]
     attention = [run("lora", "packed", backend) for backend in backends(device)]
@@ -286,7 +306,9 @@ def llama2_7b_suite(args, device, peak_tflops, context) -> dict:
     """LoRA and QLoRA at 1 x 2048 (planner beside the measured peak), then LoRA at 1 x 4096 per attention backend."""
     import torch
 
+    from ft_assets.cli.plan import plan_request
     from ft_assets.control.planner import ModelShape, estimate_vram, flops_per_token
+    from ft_assets.training.config import TrainingConfig
 
     if device.type != "cuda":
         raise SystemExit("--shape llama2-7b needs a CUDA GPU (~20 GiB)")
@@ -303,12 +325,26 @@ def llama2_7b_suite(args, device, peak_tflops, context) -> dict:
             ids = torch.randint(0, shape.vocab, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
             position_ids = torch.cat([torch.arange(seq_len // documents)] * documents).unsqueeze(0).to(device)
             batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids}
-            elapsed, real, slots, loss = timed_steps(model, optimizer, lambda step: (batch, seq_len), device, steps, warmup)
+            elapsed, real, slots, loss = timed_steps(
+                model, optimizer, lambda step: (batch, seq_len), device, steps, warmup
+            )
         except torch.OutOfMemoryError as exc:
             optimizer.zero_grad(set_to_none=True)
             return {**name, "error": f"out of memory: {str(exc)[:200]}"}
-        result = figures(name, elapsed, real, slots, steps, flops_per_token(shape, method, seq_len, True), peak_tflops, device, context, loss)
-        planned = estimate_vram(shape, method, seq_len, 1, True, attention=used)
+        result = figures(
+            name,
+            elapsed,
+            real,
+            slots,
+            steps,
+            flops_per_token(shape, method, seq_len, True),
+            peak_tflops,
+            device,
+            context,
+            loss,
+        )
+        settings = TrainingConfig(per_device_batch_size=1, gradient_checkpointing=True, attn_implementation=used)
+        planned = estimate_vram(plan_request(shape, method, seq_len, seq_len, settings))
         result["planner_total_gib"] = planned.total_gib
         result["planner"] = planned.as_dict()
         return result
@@ -336,12 +372,24 @@ def llama2_7b_suite(args, device, peak_tflops, context) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="LoRA/QLoRA step throughput and memory on a GPU, beside the planner.")
-    parser.add_argument("--cpu-smoke", action="store_true", help="run 2 tiny steps of the smollm2 suite on CPU (no figures)")
-    parser.add_argument("--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b (default smollm2)")
-    parser.add_argument("--model", type=Path, help="HF model directory for smollm2 (default: SmolLM2-135M-Instruct; --cpu-smoke: tiny.py's model)")
-    parser.add_argument("--steps", type=int, help=f"timed steps per configuration (default {STEPS}; llama2-7b {SEVEN_B_STEPS})")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="run 2 tiny steps of the smollm2 suite on CPU (no figures)"
+    )
+    parser.add_argument(
+        "--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b (default smollm2)"
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="HF model directory for smollm2 (default: SmolLM2-135M-Instruct; --cpu-smoke: tiny.py's model)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help=f"timed steps per configuration (default {STEPS}; llama2-7b {SEVEN_B_STEPS})"
+    )
     parser.add_argument("--methods", default="lora,qlora", help="smollm2 suite: methods to compare packed vs padded")
-    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: datasheet value by name)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: datasheet value by name)"
+    )
     args = parser.parse_args(argv)
     import torch
 

@@ -38,13 +38,14 @@ def build_shards(corpus: Path, work: Path, seq_len: int, model_dir: Path) -> Pat
     """Run the data plane's plain functions on ``corpus`` into ``work``; returns the shards folder."""
     from transformers import AutoTokenizer
 
+    from ft_assets.data.chat_encoding import ChatEncoder
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.dedup import DedupRules, deduplicate_dataset
     from ft_assets.data.formats import is_data_file
-    from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
     from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
     from ft_assets.data.split import split_dataset
+    from ft_assets.data.tokenizing import tokenize_and_pack
 
     stage = {name: Artifact.folder(work / name) for name in ("raw", "cleaned", "deduplicated", "split")}
     read_dataset([(p.name, p) for p in sorted(corpus.iterdir()) if is_data_file(p.name)], stage["raw"])
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir, model_name = benchmark_model(args.quick)
     work = cache_dir() / "work"
     shutil.rmtree(work / "packing-sample", ignore_errors=True)
-    results = {"sample": efficiencies(*shard_lengths(build_shards(SAMPLE, work / "packing-sample", SAMPLE_SEQ_LEN, model_dir)))}
+    results = {
+        "sample": efficiencies(*shard_lengths(build_shards(SAMPLE, work / "packing-sample", SAMPLE_SEQ_LEN, model_dir)))
+    }
     corpus_dir, counts = ensure_corpus(cache_dir(), 1, rows)
     shards, stamp = work / "data-plane-x1" / "shards", work / "data-plane-x1" / "corpus.txt"
     if not (shards.is_dir() and stamp.is_file() and stamp.read_text() == f"{corpus_dir}\n{model_dir}"):
@@ -124,14 +127,35 @@ def main(argv: list[str] | None = None) -> dict:
     results["corpus_x1"] = efficiencies(*shard_lengths(shards))
     results["corpus_x1"]["rows_in"] = counts["lines"]
 
-    header = ["dataset", "examples", "seq_len", "mean len", "ours (packed)", "pad longest, batch 8", "pad longest, map 1000", "pad to max length"]
+    header = [
+        "dataset",
+        "examples",
+        "seq_len",
+        "mean len",
+        "ours (packed)",
+        "pad longest, batch 8",
+        "pad longest, map 1000",
+        "pad to max length",
+    ]
     body = [
-        [name, fmt(r["examples"]), r["seq_len"], fmt(r["mean_length"]), f"{r['ours_packing']:.4f}", f"{r['pad_longest_batch8']:.4f}",
-         f"{r['pad_longest_map1000']:.4f}", f"{r['pad_max_length']:.4f}"]
+        [
+            name,
+            fmt(r["examples"]),
+            r["seq_len"],
+            fmt(r["mean_length"]),
+            f"{r['ours_packing']:.4f}",
+            f"{r['pad_longest_batch8']:.4f}",
+            f"{r['pad_longest_map1000']:.4f}",
+            f"{r['pad_max_length']:.4f}",
+        ]
         for name, r in results.items()
     ]
     print(table(header, body))
-    write_result("packing", {"tokenizer": model_name, "results": results, "benchmark_seconds": round(time.perf_counter() - started, 1)}, argv)
+    write_result(
+        "packing",
+        {"tokenizer": model_name, "results": results, "benchmark_seconds": round(time.perf_counter() - started, 1)},
+        argv,
+    )
     return results
 
 

@@ -45,7 +45,16 @@ def target(name: str, goal: str, measured: str, ok: bool, why: str) -> list[str]
     return [name, goal, measured, verdict(ok), "" if ok else why]
 
 
-OUTPUT_COUNTS = ("rows_in", "rows_quarantined", "exact_duplicates", "near_duplicates", "train_rows", "eval_rows", "tokens", "packed_rows")
+OUTPUT_COUNTS = (
+    "rows_in",
+    "rows_quarantined",
+    "exact_duplicates",
+    "near_duplicates",
+    "train_rows",
+    "eval_rows",
+    "tokens",
+    "packed_rows",
+)
 
 
 def same_outputs(result: dict) -> str:
@@ -57,14 +66,18 @@ def same_outputs(result: dict) -> str:
     digests = {run.get("outputs_sha256") for run in ours.values()}
     if None in digests:
         return f"Every mode wrote the same counts ({', '.join(OUTPUT_COUNTS)}); file digests were not recorded in this run."
-    return "Every mode wrote the same counts and the same files (sha256 of every Parquet file)." if len(digests) == 1 else (
-        "Every mode wrote the same counts, **but not the same files** (sha256 differs)."
+    return (
+        "Every mode wrote the same counts and the same files (sha256 of every Parquet file)."
+        if len(digests) == 1
+        else ("Every mode wrote the same counts, **but not the same files** (sha256 differs).")
     )
 
 
 def sizing_text(p: dict, n: int, first: str, last: str) -> str:
     """The sentence over the sizing table: the figures the projection rests on (``data_plane.projection``)."""
-    head = f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
+    head = (
+        f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
+    )
     if "network_bytes_per_row_by_kind" not in p:  # a result from before the workers wrote their own parts (issue #26)
         return head + (
             f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
@@ -76,7 +89,9 @@ def sizing_text(p: dict, n: int, first: str, last: str) -> str:
     by_kind = ", ".join(f"{kinds[kind]} {value:,.0f}" for kind, value in p["network_bytes_per_row_by_kind"].items())
     basis = (
         f"its CPU seconds at {last} less those at {first}, over the rows in between; its other {p['driver_cpu_s_fixed']:.1f} s "
-        "are counted once, in the start-up" if p.get("driver_cpu_s_per_row_from") == "x1 and x4 runs" else "its CPU seconds over the rows"
+        "are counted once, in the start-up"
+        if p.get("driver_cpu_s_per_row_from") == "x1 and x4 runs"
+        else "its CPU seconds over the rows"
     )
     return head + (
         f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
@@ -172,7 +187,8 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
         limit = (
             f"the baseline's time is mostly the same tokenizer: tokenizing alone is only {bound:.1f}x faster than the baseline, so "
             f"no pipeline that tokenizes the same text on one core gets to {TARGETS['speedup_over_baseline']:.0f}x"
-            if bound < TARGETS["speedup_over_baseline"] else "our stages above cost more than the baseline's untokenized work"
+            if bound < TARGETS["speedup_over_baseline"]
+            else "our stages above cost more than the baseline's untokenized work"
         )
         why_baseline = (
             f"{limit}. The gap shows downstream: the baseline leaves "
@@ -180,9 +196,15 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
             f"{1 - one['packing_efficiency']:.2%} of {slots_ours / 1e6:,.0f}M: {baseline['slots'] / slots_ours:.1f}x fewer slots "
             "for the GPU to process"
         )
-        targets.append(target("speedup over the HF-tutorial baseline, 1 process", f"≥ {TARGETS['speedup_over_baseline']:.0f}x",
-                              f"{s['speedup_over_baseline']:.2f}x (CPU time: {s['speedup_over_baseline_cpu']:.2f}x)",
-                              s["speedup_over_baseline"] >= TARGETS["speedup_over_baseline"], why_baseline))
+        targets.append(
+            target(
+                "speedup over the HF-tutorial baseline, 1 process",
+                f"≥ {TARGETS['speedup_over_baseline']:.0f}x",
+                f"{s['speedup_over_baseline']:.2f}x (CPU time: {s['speedup_over_baseline_cpu']:.2f}x)",
+                s["speedup_over_baseline"] >= TARGETS["speedup_over_baseline"],
+                why_baseline,
+            )
+        )
     growth = s["peak_rss_growth"]
     targets.append(target(f"peak RSS a worker, {last} / {first} ({n} processes)", f"≤ {TARGETS['peak_rss_growth']}",
                           f"{growth:.2f} ({' → '.join(fmt(v) + ' MiB' for v in s['peak_rss_mib_per_worker'].values())}; driver "
@@ -194,19 +216,54 @@ def data_plane_section(result: dict) -> tuple[list[str], list[list[str]]]:
 
 def packing_section(result: dict) -> tuple[list[str], list[list[str]]]:
     names = {"sample": "shipped sample", "corpus_x1": "generated corpus x1"}
-    lines = ["### Packing: real tokens / slots", "", f"{result['tokenizer']} tokenizer; the same examples in every column.", ""]
+    lines = [
+        "### Packing: real tokens / slots",
+        "",
+        f"{result['tokenizer']} tokenizer; the same examples in every column.",
+        "",
+    ]
     rows = [
-        [names.get(k, k), fmt(r["examples"]), r["seq_len"], fmt(r["mean_length"]), f"**{r['ours_packing']:.4f}**", f"{r['pad_longest_batch8']:.3f}",
-         f"{r['pad_longest_map1000']:.3f}", f"{r['pad_max_length']:.3f}"]
+        [
+            names.get(k, k),
+            fmt(r["examples"]),
+            r["seq_len"],
+            fmt(r["mean_length"]),
+            f"**{r['ours_packing']:.4f}**",
+            f"{r['pad_longest_batch8']:.3f}",
+            f"{r['pad_longest_map1000']:.3f}",
+            f"{r['pad_max_length']:.3f}",
+        ]
         for k, r in result["results"].items()
     ]
-    lines.append(table(["dataset", "examples", "seq_len", "mean tokens", "ours (packed)", "pad to longest, batch of 8",
-                        "pad to longest, map batch of 1,000", "pad to max length"], rows))
+    lines.append(
+        table(
+            [
+                "dataset",
+                "examples",
+                "seq_len",
+                "mean tokens",
+                "ours (packed)",
+                "pad to longest, batch of 8",
+                "pad to longest, map batch of 1,000",
+                "pad to max length",
+            ],
+            rows,
+        )
+    )
     worst_name, worst = min(result["results"].items(), key=lambda kv: kv[1]["ours_packing"])
-    why = (f"{names.get(worst_name, worst_name)}: {worst['packed_rows']} rows where {worst['lower_bound_rows']} would hold every "
-           "token; each packing window can leave one row part-filled")
-    return lines, [target("packing efficiency", f"≥ {TARGETS['packing']}", f"{worst['ours_packing']:.4f} (lower of the two)",
-                          worst["ours_packing"] >= TARGETS["packing"], why)]
+    why = (
+        f"{names.get(worst_name, worst_name)}: {worst['packed_rows']} rows where {worst['lower_bound_rows']} would hold every "
+        "token; each packing window can leave one row part-filled"
+    )
+    return lines, [
+        target(
+            "packing efficiency",
+            f"≥ {TARGETS['packing']}",
+            f"{worst['ours_packing']:.4f} (lower of the two)",
+            worst["ours_packing"] >= TARGETS["packing"],
+            why,
+        )
+    ]
 
 
 def training_section(result: dict) -> tuple[list[str], list[list[str]]]:
@@ -222,22 +279,65 @@ def training_section(result: dict) -> tuple[list[str], list[list[str]]]:
         "",
     ]
     rows = [
-        [f"every {f['save_steps']} steps" if f["save_steps"] < f["steps"] else "final only", f["upload"], f["steps"],
-         f"{f['seconds_per_step']:.3f}", f"{f['upload_s_per_checkpoint']:.2f}", fmt(f["loop_blocked_on_uploads_s"], 1),
-         fmt(f["wall_s"], 1), f"**{f['effective_training_fraction']:.3f}**"]
+        [
+            f"every {f['save_steps']} steps" if f["save_steps"] < f["steps"] else "final only",
+            f["upload"],
+            f["steps"],
+            f"{f['seconds_per_step']:.3f}",
+            f"{f['upload_s_per_checkpoint']:.2f}",
+            fmt(f["loop_blocked_on_uploads_s"], 1),
+            fmt(f["wall_s"], 1),
+            f"**{f['effective_training_fraction']:.3f}**",
+        ]
         for f in fractions
     ]
-    lines.append(table(["checkpoints", "upload", "steps", "s/step", "s/upload", "s blocked on uploads", "wall s",
-                        "effective-training fraction"], rows))
+    lines.append(
+        table(
+            [
+                "checkpoints",
+                "upload",
+                "steps",
+                "s/step",
+                "s/upload",
+                "s blocked on uploads",
+                "wall s",
+                "effective-training fraction",
+            ],
+            rows,
+        )
+    )
     kill, term = resume["SIGKILL"], resume["SIGTERM"]
-    lines += ["", f"Resume: `python -m ft_assets.training.worker` (checkpoints every {result['resume_save_steps']} steps, "
-              f"{resume['store']}) killed with SIGKILL at step {kill['last_step_before_kill']}, restarted, stopped with SIGTERM "
-              f"at step {term['last_step_before_kill']}, restarted. Restart times include the interpreter and its imports.", ""]
-    lines.append(table(
-        ["kill", "last step done", "resumed from", "steps lost", "s restart → resumed", "s restart → first new step"],
-        [[k, r["last_step_before_kill"], r["resumed_from_step"], r["steps_lost"], f"{r['seconds_restart_to_resume']:.1f}",
-          f"{r['seconds_restart_to_first_new_step']:.1f}"] for k, r in resume.items() if k in ("SIGKILL", "SIGTERM")],
-    ))
+    lines += [
+        "",
+        f"Resume: `python -m ft_assets.training.worker` (checkpoints every {result['resume_save_steps']} steps, "
+        f"{resume['store']}) killed with SIGKILL at step {kill['last_step_before_kill']}, restarted, stopped with SIGTERM "
+        f"at step {term['last_step_before_kill']}, restarted. Restart times include the interpreter and its imports.",
+        "",
+    ]
+    lines.append(
+        table(
+            [
+                "kill",
+                "last step done",
+                "resumed from",
+                "steps lost",
+                "s restart → resumed",
+                "s restart → first new step",
+            ],
+            [
+                [
+                    k,
+                    r["last_step_before_kill"],
+                    r["resumed_from_step"],
+                    r["steps_lost"],
+                    f"{r['seconds_restart_to_resume']:.1f}",
+                    f"{r['seconds_restart_to_first_new_step']:.1f}",
+                ]
+                for k, r in resume.items()
+                if k in ("SIGKILL", "SIGTERM")
+            ],
+        )
+    )
     targets = []
     final_only = [f for f in fractions if f["save_steps"] >= f["steps"]]
     for f in fractions:
@@ -248,14 +348,29 @@ def training_section(result: dict) -> tuple[list[str], list[list[str]]]:
             fixed = final_only[0]["wall_s"] - final_only[0]["step_s"]  # start-up, final eval and save, once per run
             checkpoints = f["wall_s"] - f["step_s"] - fixed
             steady = f["step_s"] / (f["wall_s"] - fixed)
-            why = (f"a {f['steps']}-step run is short: start-up and the final eval and save take {fixed:.1f} s of its "
-                   f"{f['wall_s']:.0f} s once per run; the checkpoints cost {checkpoints:.1f} s, so a long run (start-up "
-                   f"amortized) spends {steady:.3f} of its time in steps")
-        targets.append(target("effective-training fraction, background upload, checkpoints every 50 steps",
-                              f"≥ {TARGETS['fraction_background_50']}", f"{f['effective_training_fraction']:.3f}",
-                              f["effective_training_fraction"] >= TARGETS["fraction_background_50"], why))
-    targets.append(target("steps lost to SIGTERM", f"≤ {TARGETS['sigterm_steps_lost']}", str(term["steps_lost"]),
-                          term["steps_lost"] <= TARGETS["sigterm_steps_lost"], "the worker did not checkpoint at the step boundary"))
+            why = (
+                f"a {f['steps']}-step run is short: start-up and the final eval and save take {fixed:.1f} s of its "
+                f"{f['wall_s']:.0f} s once per run; the checkpoints cost {checkpoints:.1f} s, so a long run (start-up "
+                f"amortized) spends {steady:.3f} of its time in steps"
+            )
+        targets.append(
+            target(
+                "effective-training fraction, background upload, checkpoints every 50 steps",
+                f"≥ {TARGETS['fraction_background_50']}",
+                f"{f['effective_training_fraction']:.3f}",
+                f["effective_training_fraction"] >= TARGETS["fraction_background_50"],
+                why,
+            )
+        )
+    targets.append(
+        target(
+            "steps lost to SIGTERM",
+            f"≤ {TARGETS['sigterm_steps_lost']}",
+            str(term["steps_lost"]),
+            term["steps_lost"] <= TARGETS["sigterm_steps_lost"],
+            "the worker did not checkpoint at the step boundary",
+        )
+    )
     return lines, targets
 
 
@@ -281,19 +396,46 @@ def gpu_section(result: dict | None) -> list[str]:
             "writes `benchmarks/results/gpu_step.json`. `--cpu-smoke` checks the script on CPU.",
         ]
     runs = result.get("results", []) + result.get("attention", [])
-    rows = [[r["method"], r["layout"], r["attention"], r["batch"], f"{r['seconds_per_step']:.3f}", fmt(r["real_tokens_per_s"]),
-             "-" if r["mfu"] is None else f"{r['mfu']:.1%}", "-" if r["peak_memory_mib"] is None else fmt(r["peak_memory_mib"])]
-            for r in runs]
-    out = lines + [f"{result['device']}, {result.get('seq_len')} tokens a row:", "",
-                   table(["method", "layout", "attention", "rows/examples", "s/step", "real tokens/s", "MFU", "peak MiB"], rows)]
+    rows = [
+        [
+            r["method"],
+            r["layout"],
+            r["attention"],
+            r["batch"],
+            f"{r['seconds_per_step']:.3f}",
+            fmt(r["real_tokens_per_s"]),
+            "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+            "-" if r["peak_memory_mib"] is None else fmt(r["peak_memory_mib"]),
+        ]
+        for r in runs
+    ]
+    out = lines + [
+        f"{result['device']}, {result.get('seq_len')} tokens a row:",
+        "",
+        table(["method", "layout", "attention", "rows/examples", "s/step", "real tokens/s", "MFU", "peak MiB"], rows),
+    ]
     seven = result.get("llama2_7b")
     if seven:
-        rows = [[r["method"], r["seq_len"], r["attention"]] + (["out of memory", "", "", ""] if "error" in r else [
-            fmt(r["real_tokens_per_s"]), "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
-            "-" if r["peak_with_context_gib"] is None else f"{r['peak_with_context_gib']:.1f}", f"{r['planner_total_gib']:.1f}"])
-            for r in seven["results"] + seven["attention"]]
-        out += ["", "Llama-2-7B shape, random weights, gradient checkpointing:", "",
-                table(["method", "tokens", "attention", "tokens/s", "MFU", "peak GiB (+context)", "planner GiB"], rows)]
+        rows = [
+            [r["method"], r["seq_len"], r["attention"]]
+            + (
+                ["out of memory", "", "", ""]
+                if "error" in r
+                else [
+                    fmt(r["real_tokens_per_s"]),
+                    "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+                    "-" if r["peak_with_context_gib"] is None else f"{r['peak_with_context_gib']:.1f}",
+                    f"{r['planner_total_gib']:.1f}",
+                ]
+            )
+            for r in seven["results"] + seven["attention"]
+        ]
+        out += [
+            "",
+            "Llama-2-7B shape, random weights, gradient checkpointing:",
+            "",
+            table(["method", "tokens", "attention", "tokens/s", "MFU", "peak GiB (+context)", "planner GiB"], rows),
+        ]
     return out
 
 

@@ -54,8 +54,12 @@ class Settings:
     records: int | None  # sample rows to tokenize (None: all 3,300)
 
 
-FULL = Settings(hidden=256, seq_len=256, batch=4, steps=200, cadences=(10, 50), resume_save_steps=10, kill_at_step=25, records=None)
-QUICK = Settings(hidden=64, seq_len=128, batch=2, steps=8, cadences=(2,), resume_save_steps=2, kill_at_step=3, records=400)
+FULL = Settings(
+    hidden=256, seq_len=256, batch=4, steps=200, cadences=(10, 50), resume_save_steps=10, kill_at_step=25, records=None
+)
+QUICK = Settings(
+    hidden=64, seq_len=128, batch=2, steps=8, cadences=(2,), resume_save_steps=2, kill_at_step=3, records=400
+)
 RESUME_MAX_STEPS = 10_000  # the resume runs are killed long before: a run that ends cannot be interrupted
 
 
@@ -71,18 +75,23 @@ def build_inputs(settings: Settings) -> tuple[Path, Path]:
     shutil.rmtree(work, ignore_errors=True)
     from transformers import AutoTokenizer
 
+    from ft_assets.data.chat_encoding import ChatEncoder
     from ft_assets.data.cleaning import CleaningRules, clean_dataset
     from ft_assets.data.formats import is_data_file
-    from ft_assets.data.packing import ChatEncoder, tokenize_and_pack
     from ft_assets.data.parts import Artifact
     from ft_assets.data.readers import read_dataset
+    from ft_assets.data.tokenizing import tokenize_and_pack
     from ft_assets_tests.tiny import build_tiny_model
 
     sample = ROOT / "samples" / "toolcalls"
-    read_dataset([(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw"))
+    read_dataset(
+        [(p.name, p) for p in sorted(sample.iterdir()) if is_data_file(p.name)], raw := Artifact.folder(work / "raw")
+    )
     clean_dataset(raw, cleaned := Artifact.folder(work / "cleaned"), CleaningRules())
     records = [(r["source"], r["messages"]) for r in cleaned.records("rows")][: settings.records]
-    build_tiny_model(model_dir, extra_text=[m["content"] for _, messages in records[:600] for m in messages], hidden=settings.hidden)
+    build_tiny_model(
+        model_dir, extra_text=[m["content"] for _, messages in records[:600] for m in messages], hidden=settings.hidden
+    )
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model_dir))
     shards.mkdir(parents=True)
     tokenize_and_pack(iter(records[EVAL_RECORDS:]), encoder, settings.seq_len, shards, "train")
@@ -144,7 +153,9 @@ def training_config(settings: Settings, **overrides):
 # --- 1. effective-training fraction ------------------------------------------------------------------
 
 
-def fraction_run(settings: Settings, model_dir: Path, shards: Path, work: Path, save_steps: int, synchronous: bool, steps: int) -> dict:
+def fraction_run(
+    settings: Settings, model_dir: Path, shards: Path, work: Path, save_steps: int, synchronous: bool, steps: int
+) -> dict:
     """One in-process training run; ``synchronous`` makes every checkpoint upload block the loop."""
     import torch
 
@@ -171,8 +182,13 @@ def fraction_run(settings: Settings, model_dir: Path, shards: Path, work: Path, 
     recipe.BackgroundUploader = BenchmarkUploader  # the recipe looks the class up when it starts a run
     try:
         result = recipe.train(
-            training_config(settings, save_steps=save_steps, max_steps=steps), model_dir, shards, throttled_store(work / "store"),
-            RUN_PREFIX, work / "worker", log=lambda line: None,
+            training_config(settings, save_steps=save_steps, max_steps=steps),
+            model_dir,
+            shards,
+            throttled_store(work / "store"),
+            RUN_PREFIX,
+            work / "worker",
+            log=lambda line: None,
         )
     finally:
         recipe.BackgroundUploader = BackgroundUploader
@@ -199,7 +215,11 @@ def fraction_run(settings: Settings, model_dir: Path, shards: Path, work: Path, 
 
 def recipe_command(settings: Settings, model_dir: Path, shards: Path, store_url: str, work: Path) -> list[str]:
     config = training_config(
-        settings, save_steps=settings.resume_save_steps, max_steps=RESUME_MAX_STEPS, logging_steps=1, save_total_limit=None
+        settings,
+        save_steps=settings.resume_save_steps,
+        max_steps=RESUME_MAX_STEPS,
+        logging_steps=1,
+        save_total_limit=None,
     )
     return [
         sys.executable, "-m", "ft_assets.training.worker", "--config", config.model_dump_json(),
@@ -220,7 +240,9 @@ class RecipeProcess:
 
     def __init__(self, command: list[str], env: dict):
         self.started = time.monotonic()
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+        )
         self.lines: list[str] = []
 
     def wait_for(self, wanted) -> tuple[str, float]:
@@ -229,7 +251,9 @@ class RecipeProcess:
             self.lines.append(line)
             if wanted(line):
                 return line, time.monotonic() - self.started
-        raise RuntimeError(f"the recipe exited with {self.process.wait()} before the awaited line:\n{''.join(self.lines[-20:])}")
+        raise RuntimeError(
+            f"the recipe exited with {self.process.wait()} before the awaited line:\n{''.join(self.lines[-20:])}"
+        )
 
     def stop(self, kind: signal.Signals) -> int:
         """Send ``kind``, read the rest of the output, return the exit code."""
@@ -241,13 +265,18 @@ class RecipeProcess:
         return max((s for s in map(step_of, self.lines) if s is not None), default=0)
 
 
-def kill_restart_chain(settings: Settings, model_dir: Path, shards: Path, store_url: str, env: dict, work: Path) -> dict:
+def kill_restart_chain(
+    settings: Settings, model_dir: Path, shards: Path, store_url: str, env: dict, work: Path
+) -> dict:
     """One run killed twice: SIGKILL at ``kill_at_step``, then SIGTERM a few steps after the restart.
 
     Each restart is timed from its process start to its ``resuming from`` line and to its first new step.
     """
     command = recipe_command(settings, model_dir, shards, store_url, work / "worker")
-    plan = [(signal.SIGKILL, settings.kill_at_step), (signal.SIGTERM, settings.kill_at_step + settings.resume_save_steps + 2)]
+    plan = [
+        (signal.SIGKILL, settings.kill_at_step),
+        (signal.SIGTERM, settings.kill_at_step + settings.resume_save_steps + 2),
+    ]
     worker = RecipeProcess(command, env)
     results = {}
     for kind, at_step in plan:
@@ -313,23 +342,58 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir, shards = build_inputs(settings)
     steps = settings.steps
     if not args.quick:
-        fraction_run(settings, model_dir, shards, work / "warm-up", 2, False, 2)  # first-run costs (lazy imports) out of the figures
+        fraction_run(
+            settings, model_dir, shards, work / "warm-up", 2, False, 2
+        )  # first-run costs (lazy imports) out of the figures
     runs = [(cadence, synchronous) for cadence in settings.cadences for synchronous in (False, True)] + [(steps, False)]
-    fractions = [fraction_run(settings, model_dir, shards, work / f"fraction-{s}-{int(sync)}", s, sync, steps) for s, sync in runs]
+    fractions = [
+        fraction_run(settings, model_dir, shards, work / f"fraction-{s}-{int(sync)}", s, sync, steps)
+        for s, sync in runs
+    ]
     use_s3 = not (args.quick or args.local_store) and _weed_installed()
     resume = resume_costs(settings, model_dir, shards, work / "resume", use_s3)
 
-    print(table(
-        ["checkpoint every", "upload", "steps", "s/step", "wall s", "effective-training fraction"],
-        [[f"{f['save_steps']} steps" if f["save_steps"] < f["steps"] else "end only", f["upload"], f["steps"],
-          f"{f['seconds_per_step']:.3f}", fmt(f["wall_s"], 1), f"{f['effective_training_fraction']:.3f}"] for f in fractions],
-    ))
+    print(
+        table(
+            ["checkpoint every", "upload", "steps", "s/step", "wall s", "effective-training fraction"],
+            [
+                [
+                    f"{f['save_steps']} steps" if f["save_steps"] < f["steps"] else "end only",
+                    f["upload"],
+                    f["steps"],
+                    f"{f['seconds_per_step']:.3f}",
+                    fmt(f["wall_s"], 1),
+                    f"{f['effective_training_fraction']:.3f}",
+                ]
+                for f in fractions
+            ],
+        )
+    )
     print()
-    print(table(
-        ["kill", "last step done", "resumed from", "steps lost", "s restart → resume", "s restart → first new step"],
-        [[r["signal"], r["last_step_before_kill"], r["resumed_from_step"], r["steps_lost"], f"{r['seconds_restart_to_resume']:.1f}",
-          f"{r['seconds_restart_to_first_new_step']:.1f}"] for k, r in resume.items() if k != "store"],
-    ))
+    print(
+        table(
+            [
+                "kill",
+                "last step done",
+                "resumed from",
+                "steps lost",
+                "s restart → resume",
+                "s restart → first new step",
+            ],
+            [
+                [
+                    r["signal"],
+                    r["last_step_before_kill"],
+                    r["resumed_from_step"],
+                    r["steps_lost"],
+                    f"{r['seconds_restart_to_resume']:.1f}",
+                    f"{r['seconds_restart_to_first_new_step']:.1f}",
+                ]
+                for k, r in resume.items()
+                if k != "store"
+            ],
+        )
+    )
     data = {
         "model": f"tiny.py's Llama at hidden {settings.hidden} (2 layers), full fine-tune",
         "seq_len": settings.seq_len, "batch": settings.batch, "store": {"bandwidth_mb_s": BANDWIDTH_MB_S, "latency_s": LATENCY_S},

