@@ -212,8 +212,13 @@ CANCELLED = (
 )
 WARNED = "JobId=3 JobName=job.sh JobState=RUNNING Reason=None Requeue=1 Restarts=0 RunTime=00:00:06 TimeLimit=00:01:00"
 TIMED_OUT = "JobId=5 JobState=COMPLETING Reason=None Restarts=0 RunTime=00:01:00 TimeLimit=00:01:00"
+# the time-limit warning caught while slurmctld's agent was still delivering it (a fresh-clone run's time-limit test)
+SIGNALING = (
+    "JobId=3 JobState=SIGNALING Reason=None Requeue=1 Restarts=0 BatchFlag=1 RunTime=00:00:10 TimeLimit=00:02:00"
+)
 STOP_CASES = [(REQUEUED, 0, slurm_job.REQUEUE), (CANCELLED, 0, slurm_job.CANCEL), (WARNED, 0, slurm_job.TIME_LIMIT),
-              (TIMED_OUT, 0, slurm_job.TIME_LIMIT), (REQUEUED, 1, slurm_job.CANCEL)]  # fmt: skip
+              (TIMED_OUT, 0, slurm_job.TIME_LIMIT), (SIGNALING, 0, slurm_job.TIME_LIMIT),
+              (REQUEUED, 1, slurm_job.CANCEL)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("scontrol", "restarts", "reason"), STOP_CASES)

@@ -17,7 +17,9 @@ worker reads here:
   ==========================================  ==========================  =====================
   ``scontrol requeue``, preemption (REQUEUE)  ``Restarts`` one above the  ``REQUEUE``
   or a node failure with ``--requeue``        job's ``SLURM_RESTART_COUNT``
-  ``--signal=B:TERM@grace`` (time limit near)  ``JobState=RUNNING``        ``TIME_LIMIT``
+  ``--signal=B:TERM@grace`` (time limit near)  ``JobState=RUNNING``, or    ``TIME_LIMIT``
+                                              ``SIGNALING`` while the
+                                              signal is still pending
   the time limit itself                       ``COMPLETING``, run time     ``TIME_LIMIT``
                                               >= time limit
   ``scancel`` (or PreemptMode=CANCEL)         ``COMPLETING``              ``CANCEL``
@@ -54,6 +56,9 @@ OUTPUT_TAG = "ft/slurm-output"
 STARTED_ENV = "FT_SLURM_JOB_STARTED"
 SIGNAL_FILE_ENV = "FT_SLURM_SIGNAL_FILE"
 REQUEUE, TIME_LIMIT, CANCEL = "requeue", "time limit", "cancel"
+# The job still runs when the trap asks: scontrol shows the SIGNALING flag in place of RUNNING until every node has
+# taken the signal (slurmctld's agent clears it), so which of the two the trap sees is a race.
+RUNNING_STATES = ("RUNNING", "SIGNALING", "TIMEOUT")
 PEER_WORK_DIR = "/tmp/ft-node"  # each peer's scratch, as on Kubernetes (training/nodes.py)
 PEER_STOP_S = 30  # srun passes SIGTERM to the peers' torchrun, which gives its ranks launch.SHUTDOWN_TIMEOUT_S
 
@@ -125,7 +130,7 @@ def stop_reason(scontrol_text: str, restarts_at_start: int) -> str:
     fields = parse_scontrol(scontrol_text)
     if int(fields.get("Restarts") or 0) > restarts_at_start:
         return REQUEUE
-    if fields.get("JobState") in ("RUNNING", "TIMEOUT"):
+    if fields.get("JobState") in RUNNING_STATES:
         return TIME_LIMIT
     run, limit = duration_s(fields.get("RunTime", "")), duration_s(fields.get("TimeLimit", ""))
     if run is not None and limit is not None and run >= limit:
