@@ -22,7 +22,7 @@ os.environ.setdefault("FT_VLLM_PYTHON", "")
 # server), which set FT_MLX=1.
 os.environ.setdefault("FT_MLX", "0")
 
-pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver"]
+pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver", "ft_assets_tests.dagster_context"]
 
 
 @pytest.fixture
