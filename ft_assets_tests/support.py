@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -554,9 +555,15 @@ def wandb_records(wandb_dir: Path, run_id: str) -> list:
     its Go core only; the framing is LevelDB's log format, each record one of wandb's own protobuf messages."""
     from wandb.proto import wandb_internal_pb2
 
+    # offline-run-<YYYYmmdd_HHMMSS>-<id>, and -<id>-<n> for a second wandb.init of that id in the same second
+    named = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    folders = {}
+    for folder in Path(wandb_dir).glob("wandb/offline-run-*"):
+        if matched := named.fullmatch(folder.name):
+            folders[(matched[1], int(matched[2] or 0))] = folder
     found = []
-    for path in sorted(Path(wandb_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
-        found += _finished_records(path, wandb_internal_pb2.Record)
+    for _, folder in sorted(folders.items()):
+        found += _finished_records(folder / f"run-{run_id}.wandb", wandb_internal_pb2.Record)
     return found
 
 
