@@ -1,13 +1,13 @@
 """A pytest plugin: every test leaves Dagster's current instance context as it found it.
 
-A Dagster instance, once entered (``with instance``; ``dg.build_init_resource_context()`` and
-``dg.build_asset_context()`` enter an ephemeral one when given none), sets itself as the process's current
-defs-state storage, a context variable that only its exit resets. A context a test builds without a ``with`` is
-exited by the garbage collector, later and out of order: the variable is then reset to an instance an earlier test
+A Dagster instance, once entered (``with instance``, or an ephemeral one a context enters for itself), sets itself
+as the process's current defs-state storage, a context variable that only its exit resets. A context left open is
+exited later, by the garbage collector and out of order: the variable is then reset to an instance an earlier test
 already deleted, and a later test's ``dg.materialize`` fails with sqlite's "unable to open database file" (twice on
-fresh clones: test_parallel's Ray resource test). test_style flags the known ways to leave one open; this fixture
-puts the variable back after each test that changed it, collecting the test's leftovers first so that they reset
-it now rather than during a later test, and the run's summary names those tests.
+fresh clones: test_parallel's Ray resource test). Building ``dg.build_init_resource_context()`` alone, without a
+``with``, does not set it; which call in test_benchmarks_smoke (the test named on the last run) leaves one open is
+not found yet. This fixture puts the variable back after each test that changed it, collecting the test's leftovers
+first so that they reset it now rather than during a later test, and the run's summary names those tests.
 """
 
 import gc
