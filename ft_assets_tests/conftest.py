@@ -22,7 +22,12 @@ os.environ.setdefault("FT_VLLM_PYTHON", "")
 # server), which set FT_MLX=1.
 os.environ.setdefault("FT_MLX", "0")
 
-pytest_plugins = ["ft_assets_tests.s3server", "ft_assets_tests.mlflowserver", "ft_assets_tests.dagster_context"]
+pytest_plugins = [
+    "ft_assets_tests.s3server",
+    "ft_assets_tests.mlflowserver",
+    "ft_assets_tests.leaks",
+    "ft_assets_tests.progress",
+]
 
 
 @pytest.fixture

@@ -1,38 +1,108 @@
-"""A pytest plugin: every test leaves Dagster's current instance context as it found it.
+"""A pytest plugin: a test that leaves process-wide state changed fails, and the state is put back for the next one.
 
-A Dagster instance, once entered (``with instance``, or an ephemeral one a context enters for itself), sets itself
-as the process's current defs-state storage, a context variable that only its exit resets. A context left open is
-exited later, by the garbage collector and out of order: the variable is then reset to an instance an earlier test
-already deleted, and a later test's ``dg.materialize`` fails with sqlite's "unable to open database file" (twice on
-fresh clones: test_parallel's Ray resource test). Building ``dg.build_init_resource_context()`` alone, without a
-``with``, does not set it; which call in test_benchmarks_smoke (the test named on the last run) leaves one open is
-not found yet. This fixture puts the variable back after each test that changed it, collecting the test's leftovers
-first so that they reset it now rather than during a later test, and the run's summary names those tests.
+Two such leaks once failed tests far from their cause, and only in full runs:
+- **A Dagster instance left entered.** An instance, once entered (``with instance``, ``instance_for_test``, an
+  ephemeral one that a context enters for itself, or one that a sensor context opens from its reference), sets
+  itself as the process's current defs-state storage, a context variable that only its exit resets. One left
+  entered inside an object that nothing closes is exited later, by the garbage collector, during some other test:
+  the variable then goes back to an instance an earlier test already deleted, and a later ``dg.materialize``
+  fails with sqlite's "unable to open database file". So every entry is recorded with where it was made, and a
+  test that ends with one of its own still open fails, naming the line that entered it.
+- **SIGTERM's disposition and mask.** A child process inherits an ignored or blocked SIGTERM across exec, and a
+  shell started so cannot trap it; a handler left behind (``ray.init``'s, say) changes what SIGTERM does to the
+  test process itself.
+
+A test that leaked gets an error in its teardown naming what (the test itself passed or failed as it did); the
+state is put back first and its leftovers collected, so the tests after it run as they would alone.
 """
 
+from __future__ import annotations
+
+import contextlib
 import gc
+import itertools
+import signal
+import sysconfig
+import traceback
+from collections.abc import Iterator
 
 import pytest
+from dagster._core.storage.defs_state import base as defs_state
 
-LEFT_OPEN: list[str] = []
+LIBRARIES = tuple(
+    {sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")}
+)  # where a line is not ours
+_entered: dict[int, str] = {}  # the instances entered and not yet exited: entry number -> where it was entered
+_numbers = itertools.count()
+_set_storage = defs_state.set_defs_state_storage
 
 
-@pytest.fixture(autouse=True)
-def dagster_instance_context_left_as_found(request):
-    from dagster._core.storage.defs_state.base import _current_storage
+@contextlib.contextmanager
+def _recorded_set_defs_state_storage(storage):
+    """Dagster's own ``set_defs_state_storage`` (what entering an instance does), recording where it was entered."""
+    number = next(_numbers)
+    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(LIBRARIES)]
+    _entered[number] = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(no frame outside the libraries)"
 
-    before = _current_storage.get()
+    try:
+        with _set_storage(storage):
+            yield
+    finally:
+        _entered.pop(number, None)
+
+
+defs_state.set_defs_state_storage = _recorded_set_defs_state_storage  # DagsterInstance.__enter__ looks it up per call
+
+
+def sigterm_state() -> tuple[object, bool]:
+    """SIGTERM's handler in this process and whether this thread blocks it."""
+    return signal.getsignal(signal.SIGTERM), signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def restore_sigterm(state: tuple[object, bool]) -> None:
+    handler, blocked = state
+    if handler is not None:  # None: a handler set outside Python, which Python cannot put back
+        signal.signal(signal.SIGTERM, handler)
+    signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, [signal.SIGTERM])
+
+
+def left_as_found() -> Iterator[None]:
+    """Fails if what is within changed either state and did not put it back; puts it back first."""
+    storage, sigterm, entered = defs_state._current_storage.get(), sigterm_state(), set(_entered)
     yield
-    if _current_storage.get() is before:
-        return
-    gc.collect()
-    _current_storage.set(before)
-    LEFT_OPEN.append(request.node.nodeid)
-
-
-def pytest_terminal_summary(terminalreporter):
-    if LEFT_OPEN:
-        terminalreporter.write_line(
-            f"{len(LEFT_OPEN)} tests left a Dagster instance context open (Dagster's current defs-state storage was "
-            f"put back after them): {', '.join(LEFT_OPEN)}"
+    changed = []
+    left_open = {number: where for number, where in _entered.items() if number not in entered}
+    if left_open:
+        changed.append(
+            f"left {len(left_open)} Dagster instance(s) entered, at {', '.join(sorted(set(left_open.values())))}"
         )
+        gc.collect()  # the leftovers exit now, not during a later test
+        for number in left_open:  # named once: one still referenced (so never exited) is not the next scope's leak
+            _entered.pop(number, None)
+    if defs_state._current_storage.get() is not storage:
+        defs_state._current_storage.set(storage)
+        if not left_open:
+            changed.append("changed Dagster's current defs-state storage")
+    if sigterm_state() != sigterm:
+        now = sigterm_state()
+        restore_sigterm(sigterm)
+        changed.append(f"changed SIGTERM's handler or mask from {sigterm} to {now}")
+    if changed:
+        pytest.fail("; and ".join(changed) + " (put back for the next test)", pytrace=False)
+
+
+# Each scope's own check: set up before, and torn down after, the fixtures of its scope (autouse fixtures come first),
+# so a module's fixtures that leave a change behind are caught at the module's end, not missed by every test in it.
+@pytest.fixture(autouse=True)
+def test_leaves_process_state_as_found():
+    yield from left_as_found()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_leaves_process_state_as_found():
+    yield from left_as_found()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_leaves_process_state_as_found():
+    yield from left_as_found()

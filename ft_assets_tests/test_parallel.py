@@ -29,7 +29,7 @@ import pytest
 from ft_assets.data.chat_encoding import TokenizerFiles
 from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
-from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks, ShardFailed
+from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks, ShardFailed, sigterm_handler_kept
 from ft_assets.data.parts import Artifact, Target, Written
 from ft_assets.data.readers import file_shards, read_dataset
 from ft_assets.data.resources import DataExecutorResource
@@ -94,7 +94,8 @@ def local_ray(ray_session):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with sigterm_handler_kept():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
 def run_stage(stage: str, files, out: Artifact, executor, tokenizer, artifacts: dict) -> dict:
@@ -209,7 +210,10 @@ def test_workers_write_their_parts_to_s3(kind, corpus, tokenizer, reference, s3_
     store = open_store(s3_env)
     if kind.startswith("ray"):
         ray.shutdown()  # this test's Ray, with the store's endpoint and keys in its workers' environment
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": seaweedfs.env()})
+        with sigterm_handler_kept():
+            ray.init(
+                num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": seaweedfs.env()}
+            )
     stats, artifacts = {}, {}
     try:
         with ProcessPool(2, SHARD_ROWS) if kind == "processes" else RayTasks(2, SHARD_ROWS, remote=True) as executor:
@@ -410,7 +414,8 @@ def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
     defs = make_definitions(
         DataExecutorResource(workers=2, ray=LocalRay(ray_init_options={"num_cpus": 2, "include_dashboard": False}))
     )
-    result = dg.materialize([squares], resources={"data_executor": defs.resources["data_executor"]})
+    with sigterm_handler_kept():  # Dagster connects dagster-ray's LocalRay (ray.init) before ft-assets' resource opens
+        result = dg.materialize([squares], resources={"data_executor": defs.resources["data_executor"]})
     assert result.output_for_node("squares") == [i * i for i in range(6)]
 
 

@@ -17,7 +17,7 @@ from ft_assets.data.cleaning import CleaningRules, clean_dataset
 from ft_assets.data.decoding import parse_line
 from ft_assets.data.dedup import DedupRules, deduplicate_dataset
 from ft_assets.data.kinds import CHAT, PREFERENCE, PROMPT
-from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks
+from ft_assets.data.parallel import InProcess, ProcessPool, RayTasks, sigterm_handler_kept
 from ft_assets.data.parts import Artifact
 from ft_assets.data.prompt_packing import PROMPTS
 from ft_assets.data.prompts import split_prompt
@@ -252,7 +252,8 @@ def test_prompt_shards_are_the_same_bytes_whatever_the_executor(mode, tiny_model
     if mode.startswith("ray"):
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with sigterm_handler_kept():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             with RayTasks(2, 50, remote=True) as executor:
                 counts, digests = prompt_plane(path, tmp_path / "mode", tokenizer, executor)

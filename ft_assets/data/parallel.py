@@ -40,12 +40,15 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -524,6 +527,22 @@ class RayTasks(Executor):
         finally:
             for ref in queue:
                 ray.cancel(ref)
+
+
+@contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """Around ``ray.init`` (or a dagster-ray resource that calls it): SIGTERM's handler from before is back on exit.
+
+    ``ray.init`` replaces the handler with its own (``sys.exit``) and ``ray.shutdown`` leaves it there, so the
+    process would lose its own for the rest of its life: in a Dagster run, the handler that turns a terminate from
+    the UI into a clean interrupt. Only the main thread sets handlers; a handler set outside Python cannot be put back.
+    """
+    handler = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:

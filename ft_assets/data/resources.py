@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import dagster as dg
@@ -36,6 +36,7 @@ from ft_assets.data.parallel import (
     RayTasks,
     RayUnreachable,
     check_ray_address,
+    sigterm_handler_kept,
 )
 
 
@@ -141,11 +142,10 @@ class DataExecutorResource(dg.ConfigurableResource):
             if self.ray_address == "local":
                 options["num_cpus"] = self.workers or os.cpu_count()
             local = self.ray_address == "local"  # its workers share this machine's files, a local store included
-            with (
-                ray_cluster(self.ray_address, options).yield_for_execution(context),
-                RayTasks(self.workers, self.shard_rows, remote=not local) as executor,
-            ):
-                yield executor
+            with ExitStack() as stack:
+                with sigterm_handler_kept():  # Dagster's, which turns a terminate from the UI into an interrupt
+                    stack.enter_context(ray_cluster(self.ray_address, options).yield_for_execution(context))
+                yield stack.enter_context(RayTasks(self.workers, self.shard_rows, remote=not local))
             return
         workers = self.workers or os.cpu_count() or 1
         with InProcess(1, self.shard_rows) if workers == 1 else ProcessPool(workers, self.shard_rows) as executor:
