@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 from dagster._core.storage.defs_state import base as defs_state
+from dagster._utils.interrupts import setup_interrupt_handlers
 
 LIBRARIES = tuple(
     {sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")}
@@ -52,6 +53,11 @@ def _recorded_set_defs_state_storage(storage):
 
 
 defs_state.set_defs_state_storage = _recorded_set_defs_state_storage  # DagsterInstance.__enter__ looks it up per call
+
+# The suite's process is a Dagster process: Dagster's CLI maps SIGTERM to SIGINT's handler when it starts
+# (setup_interrupt_handlers), and every execution in a process (dg.materialize, execute_in_process) sets that mapping
+# again when it ends (capture_interrupts). Set from the start, it is the state every test must leave.
+setup_interrupt_handlers()
 
 
 def sigterm_state() -> tuple[object, bool]:

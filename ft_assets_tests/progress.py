@@ -31,9 +31,11 @@ def pytest_runtest_logstart(nodeid, location):
 def pytest_runtest_logreport(report):
     """One line for the test's outcome (its call, or the setup or teardown that failed or skipped it)."""
     if _file and (report.when == "call" or report.outcome != "passed"):
-        _file.write(
-            f"{time.strftime('%H:%M:%S')} {report.outcome} {report.when} {report.nodeid} {report.duration:.1f}s\n"
-        )
+        line = f"{time.strftime('%H:%M:%S')} {report.outcome} {report.when} {report.nodeid} {report.duration:.1f}s"
+        if report.failed:  # what went wrong, in a line, as it happens (the whole error is in junit.xml at the end)
+            crash = getattr(report.longrepr, "reprcrash", None)
+            line += ": " + " ".join((crash.message if crash else str(report.longrepr)).split())[:300]
+        _file.write(line + "\n")
 
 
 def pytest_unconfigure(config):

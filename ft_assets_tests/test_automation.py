@@ -112,15 +112,13 @@ def test_cheap_window_holds_training_until_the_schedule(env, tmp_path, tiny_mode
         left = on_success(train_after_data, instance, instance.get_run_by_id(data_run.run_id))
         assert isinstance(left, dg.SkipReason) and "`ft-assets run` started run" in left.skip_message
 
-        window = dg.build_schedule_context(
-            instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def()
-        )
-        requests = training_window.evaluate_tick(window).run_requests
+        def tick():  # a schedule context with resources opens its own instance from the ref: closed by its `with`
+            with dg.build_schedule_context(
+                instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def()
+            ) as window:
+                return training_window.evaluate_tick(window).run_requests
+
+        requests = tick()
         assert [r.partition_key for r in requests] == ["acks@night"]
         execute(instance, requests[0], "training_plane", config)
-        after = training_window.evaluate_tick(
-            dg.build_schedule_context(
-                instance=instance, resources={"store": ObjectStoreResource()}, repository_def=defs.get_repository_def()
-            )
-        )
-        assert not after.run_requests  # nothing left waiting once the adapter is newer than the shards
+        assert not tick()  # nothing left waiting once the adapter is newer than the shards

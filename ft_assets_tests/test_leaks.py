@@ -27,9 +27,9 @@ def test_enters_an_instance_and_keeps_it():
     KEPT.append(dg.DagsterInstance.ephemeral().__enter__())
 
 
-def test_closes_what_it_enters():
-    with dg.instance_for_test():
-        pass
+def test_closes_what_it_enters_and_executes_in_process():
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([dg.asset(lambda: 1, name="one")], instance=instance).success
 
 
 def test_ignores_sigterm():
@@ -41,7 +41,7 @@ def test_blocks_sigterm():
 
 
 def test_sees_sigterm_as_it_was():
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler  # Dagster's mapping, as in a dagster CLI
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
@@ -69,9 +69,12 @@ def test_a_leaking_test_is_named_with_what_it_left_and_the_next_test_sees_the_st
     entered = errors.pop("ERROR test_sample.py::test_enters_an_instance_and_keeps_it")
     assert f"left 1 Dagster instance(s) entered, at {tmp_path}/test_sample.py:11 " in entered, entered
     ignored = errors.pop("ERROR test_sample.py::test_ignores_sigterm")
-    assert "changed SIGTERM's handler or mask from (<Handlers.SIG_DFL: 0>, False) to (<Handlers.SIG_IGN: 1>" in ignored
+    assert (
+        "changed SIGTERM's handler or mask from (<built-in function default_int_handler>, False) to (<Handlers.SIG_IGN: 1>"
+        in ignored
+    )
     blocked = errors.pop("ERROR test_sample.py::test_blocks_sigterm")
-    assert "to (<Handlers.SIG_DFL: 0>, True)" in blocked
+    assert "to (<built-in function default_int_handler>, True)" in blocked
     module = errors.pop("ERROR test_sample.py::test_in_a_module_whose_fixture_leaks")  # at the module's end
     assert "changed SIGTERM's handler" in module and "<lambda>" in module and "Dagster" not in module
     assert not errors, errors
