@@ -85,9 +85,14 @@ system-deps:
 	sh scripts/install-system-deps.sh
 
 # Every test's outcome and time go to $(JUNIT); .ci/run sets it (and FT_TEST_PROGRESS) to a folder outside the clone.
+# The modules run on $(TEST_WORKERS) pytest-xdist workers, a whole module to a worker (--dist loadfile: its fixtures
+# are made once), the slowest first (conftest.py's SLOWEST; --no-loadscope-reorder keeps that order). Run serially,
+# the suite left one of 2 cores idle a third of the time: tiny models on one thread, servers starting, runs waiting.
+# A worker that crashes (a native library's fault) is restarted once; its test is reported failed each time.
 JUNIT ?= test-artifacts/junit.xml
+TEST_WORKERS ?= 2
 test: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP) system-deps
-	$(BIN)/python -m pytest -q --durations=30 --junitxml=$(JUNIT)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=1 --durations=30 --junitxml=$(JUNIT)
 
 # The unit tier: no Dagster runs, servers, kills or browsers (about a minute on 2 cores).
 test-fast: $(STAMP)

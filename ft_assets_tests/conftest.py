@@ -58,10 +58,23 @@ def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+# The slowest modules, slowest first (per-module times of a full run: junit.xml or .ci/run's progress.log). They are
+# collected first, so the workers of `make test` (pytest-xdist, a module at a time) start on them and the run does not
+# end with one worker alone on a long module; the rest keep their order.
+SLOWEST = [
+    "test_image.py", "test_slurm.py", "test_vllm.py", "test_real_gemma.py", "test_parallel.py", "test_cli.py",
+    "test_concurrency.py", "test_production.py", "test_grpo.py", "test_ui.py", "test_mlx_pipeline.py",
+    "test_skypilot_pool.py", "test_benchmarks_smoke.py", "test_families.py", "test_fsdp.py", "test_chaos.py",
+]  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: on CPU-only machines (CI) they are reported as skipped, with the reason."""
+    """The slowest modules first (``SLOWEST``); `gpu` tests need CUDA: on CPU-only machines (CI) they are reported
+    as skipped, with the reason."""
     import torch
 
+    rank = {name: i for i, name in enumerate(SLOWEST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (CI has none; run on a GPU worker)")

@@ -5,6 +5,7 @@ Plain functions and constants only (fixtures live in ``conftest.py``); no test m
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -162,11 +163,14 @@ PRELOAD = [
 
 
 def record_figures(name: str, **figures) -> None:
-    """Keep one test's figures in test-artifacts/reliability.json, the source of the README's Reliability numbers."""
+    """Keep one test's figures in test-artifacts/reliability.json, the source of the README's Reliability numbers.
+    Under a lock: the suite's workers (make test runs two) may record at the same time."""
     FIGURES.parent.mkdir(parents=True, exist_ok=True)
-    recorded = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-    recorded[name] = figures
-    FIGURES.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
+    with open(FIGURES.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        recorded = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+        recorded[name] = figures
+        FIGURES.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
 
 
 def wait_until(predicate, process, what: str, log_path: Path, timeout_s: float = 120) -> None:

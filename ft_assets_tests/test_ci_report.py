@@ -28,18 +28,19 @@ def test_crash():
 """
 
 
-def run_ci(tmp_path: Path, selection: str) -> tuple[int, str, Path]:
+def run_ci(tmp_path: Path, selection: str, *options: str) -> tuple[int, str, Path]:
     """pytest on FAILING (``selection``: a -k expression) with junit and progress in a run folder, then the report."""
     tests = tmp_path / "suite"
     tests.mkdir(exist_ok=True)
     (tests / "test_sample.py").write_text(FAILING)
-    run_dir = tmp_path / "ci" / selection.replace(" ", "_")
+    run_dir = tmp_path / "ci" / "_".join([selection, *options]).replace(" ", "_")
     run_dir.mkdir(parents=True)
     env = {**os.environ, "FT_TEST_PROGRESS": str(run_dir / "progress.log"), "PYTHONPATH": str(ROOT)}
     with open(run_dir / "output.log", "w") as output:
         status = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ft_assets_tests.progress",
-             "-c", os.devnull, "--rootdir", str(tests), f"--junitxml={run_dir / 'junit.xml'}", "-k", selection, str(tests)],
+             "-c", os.devnull, "--rootdir", str(tests), f"--junitxml={run_dir / 'junit.xml'}", "-k", selection, *options,
+             str(tests)],
             stdout=output, stderr=subprocess.STDOUT, env=env, timeout=120,
         ).returncode  # fmt: skip
     report = subprocess.run(
@@ -72,6 +73,18 @@ def test_a_crashed_pytest_is_named_by_the_test_it_died_in(tmp_path):
     assert "pytest wrote no junit.xml; the last 40 lines of output.log:" in report
     assert "Fatal Python error: Segmentation fault" in report  # faulthandler's traceback, from the kept output
     assert "passed call test_sample.py::test_fine" in (run_dir / "progress.log").read_text()
+
+
+def test_a_worker_that_crashed_is_named_by_its_test(tmp_path):
+    """Under make test's workers (pytest-xdist) a worker's crash is the test's failure, and junit.xml is written."""
+    status, report, run_dir = run_ci(
+        tmp_path, "fine or crash", "-n", "2", "--dist", "loadfile", "--max-worker-restart=1"
+    )
+    assert status == 1 and (run_dir / "junit.xml").is_file()
+    lines = report.splitlines()
+    assert "1 passed, 1 failed" in lines[0]
+    (failed,) = [i for i, line in enumerate(lines) if line.startswith("FAILED test_sample.py::test_crash")]
+    assert "crashed while running" in lines[failed + 1] and "died" not in report
 
 
 def test_a_passing_run_reports_its_times_and_nothing_else(tmp_path):

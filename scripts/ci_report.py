@@ -11,6 +11,7 @@ prints the end of ``output.log``.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -58,18 +59,18 @@ def failures(junit: Path, root: Path) -> tuple[dict, list[tuple[str, str, list[s
     return totals, failed
 
 
-def died_in(progress: Path) -> str | None:
-    """The test that was started and never reported on: where pytest died, if it did."""
+def died_in(progress: Path) -> list[str]:
+    """The tests that were started and never reported on (one a worker): where pytest died, if it did."""
     if not progress.is_file():
-        return None
-    started = None
+        return []
+    running: dict[str, None] = {}
     for line in progress.read_text(errors="replace").splitlines():
-        fields = line.split(" ", 2)
-        if len(fields) == 3 and fields[1] == "start":
-            started = fields[2]
-        elif len(fields) == 3 and started and started in fields[2]:
-            started = None
-    return started
+        fields = line.split(" ", 4)
+        if len(fields) >= 3 and fields[1] == "start":
+            running[fields[2]] = None
+        elif len(fields) >= 4 and fields[2] in ("call", "setup", "teardown"):
+            running.pop(fields[3], None)
+    return list(running)
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
@@ -94,13 +95,21 @@ def report(run_dir: Path, status: int, seconds: float, root: Path) -> list[str]:
         )
     out.insert(0, head)
     if failed:
-        out.append(f"ci: {len(failed)} failing tests:")
+        times = Counter(nodeid for nodeid, _, _ in failed)  # a test that crashed its worker is reported per restart
+        out.append(f"ci: {len(times)} failing tests:")
+        shown = set()
         for nodeid, kind, lines in failed:
-            out.append(f"FAILED {nodeid}" + (" (error in setup or teardown)" if kind == "error" else ""))
+            if nodeid in shown:
+                continue
+            shown.add(nodeid)
+            notes = (["error in setup or teardown"] if kind == "error" else []) + (
+                [f"{times[nodeid]} times"] if times[nodeid] > 1 else []
+            )
+            out.append(f"FAILED {nodeid}" + (f" ({', '.join(notes)})" if notes else ""))
             out.extend(f"    {line}" for line in lines)
-    crashed = died_in(run_dir / "progress.log")
+    crashed = [] if totals else died_in(run_dir / "progress.log")  # with junit.xml, pytest itself did not die
     if crashed:
-        out.append(f"ci: pytest died while running {crashed} (started, never reported: progress.log)")
+        out.append(f"ci: pytest died while running {', '.join(crashed)} (started, never reported: progress.log)")
     if status != 0 and not failed:
         why = "pytest wrote no junit.xml" if not totals else "no test failed"
         out.append(f"ci: {why}; the last {TAIL_LINES} lines of output.log:")
