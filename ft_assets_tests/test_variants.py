@@ -173,7 +173,9 @@ def test_two_variants_of_one_version_train_deliver_and_are_compared(home, capsys
     assert rows["harsh"]["general (base → tuned → shipped)"] == f"{KM_TASK} 1.000 → 0.000 ✗ → 0.000 ✗"
     assert rows["harsh"]["verdict"].startswith("not published: it forgot general abilities")
     assert rows["gentle"]["verdict"] == "published" and rows["gentle"]["promoted"]
-    assert rows["harsh"]["tokens"] > rows["gentle"]["tokens"] and rows["harsh"]["usd"] > rows["gentle"]["usd"] > 0
+    # More steps, more tokens; each run billed. Dollars come from each run's wall clock, which the suite's other
+    # worker slows by its own amount, so their order is not the steps' (it was equal at $0.0007 under load once).
+    assert rows["harsh"]["tokens"] > rows["gentle"]["tokens"] and rows["harsh"]["usd"] > 0 and rows["gentle"]["usd"] > 0
     store = open_store()
     harsh_general = read_ref(store, "acks@v1~harsh", "general_eval")  # the figures behind the block, in the store
     stored = json.loads(store.get_bytes(f"{harsh_general['prefix']}/general.json"))
