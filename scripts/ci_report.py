@@ -96,7 +96,7 @@ def report(run_dir: Path, status: int, seconds: float, root: Path) -> list[str]:
     out.insert(0, head)
     if failed:
         times = Counter(nodeid for nodeid, _, _ in failed)  # a test that crashed its worker is reported per restart
-        out.append(f"ci: {len(times)} failing tests:")
+        out.append(f"ci: {len(times)} failing test{'s' if len(times) > 1 else ''}:")
         shown = set()
         for nodeid, kind, lines in failed:
             if nodeid in shown:
