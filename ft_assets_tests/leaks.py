@@ -30,9 +30,8 @@ import pytest
 from dagster._core.storage.defs_state import base as defs_state
 from dagster._utils.interrupts import setup_interrupt_handlers
 
-LIBRARIES = tuple(
-    {sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")}
-)  # where a line is not ours
+# Where a line is not ours: the standard library and the installed packages (ft-assets is installed editable).
+LIBRARIES = tuple({sysconfig.get_paths()[name] for name in ("stdlib", "purelib", "platlib")})
 _entered: dict[int, str] = {}  # the instances entered and not yet exited: entry number -> where it was entered
 _numbers = itertools.count()
 _set_storage = defs_state.set_defs_state_storage
@@ -44,7 +43,6 @@ def _recorded_set_defs_state_storage(storage):
     number = next(_numbers)
     frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(LIBRARIES)]
     _entered[number] = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(no frame outside the libraries)"
-
     try:
         with _set_storage(storage):
             yield
