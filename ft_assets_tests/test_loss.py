@@ -1,8 +1,10 @@
 """training/loss.py: the chunked lm_head + cross-entropy gives the model's own loss, at a fraction of the memory.
 
-The memory test measures each loss in a fresh process: ``ru_maxrss`` (the kernel's high-water mark
-of resident memory) after the inputs exist, then after loss + backward; the difference is the peak
-that loss + backward added. torch's CPU allocator hands large blocks straight back to the OS, so RSS
+The memory test measures each loss in a fresh process: VmHWM (the kernel's high-water mark of its
+resident memory since exec) after the inputs exist, then after loss + backward; the difference is the peak
+that loss + backward added. Not getrusage's ``ru_maxrss``: Linux carries that across fork and exec, so a child
+starts at its parent's peak (under a pytest worker that had held several GiB, the full loss once read 2.5 GiB
+over that baseline instead of ~5.9). torch's CPU allocator hands large blocks straight back to the OS, so RSS
 follows live tensors, and a high-water mark cannot miss a short-lived peak the way sampling can
 (tracemalloc does not see torch's allocations at all).
 """
@@ -23,7 +25,8 @@ from ft_assets.training.loss import chunk_tokens, chunked_cross_entropy_sum, lea
 VOCAB, TOKENS, HIDDEN = 128_256, 4096, 32  # Llama-3's vocabulary at 4k tokens; a small hidden size keeps lm_head small
 
 PEAK_SCRIPT = """
-import json, resource, sys, torch, torch.nn.functional as F
+import json, sys, torch, torch.nn.functional as F
+from ft_assets.data.parallel import peak_rss_mib
 from ft_assets.training.loss import chunked_cross_entropy_sum
 torch.set_num_threads(1)
 mode, out = sys.argv[1], sys.argv[2]
@@ -33,15 +36,15 @@ h = torch.randn(tokens, hidden, requires_grad=True)
 lm_head = torch.nn.Linear(hidden, vocab, bias=False)
 targets = torch.randint(0, vocab, (tokens,))
 targets[::5] = -100  # unlearned positions, as prompts are
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_rss_mib()
 if mode == "full":  # what the model's own loss does: every token's logits, upcast to fp32
     loss = F.cross_entropy(lm_head(h).float(), targets, ignore_index=-100, reduction="sum")
 else:
     loss = chunked_cross_entropy_sum(h, lm_head, targets)
 loss.backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = peak_rss_mib()
 torch.save({"loss": loss.detach(), "h": h.grad, "w": lm_head.weight.grad}, out + ".pt")
-json.dump({"peak_kib": peak - before}, open(out, "w"))
+json.dump({"peak_kib": (peak - before) * 1024}, open(out, "w"))
 """
 
 
