@@ -61,10 +61,11 @@ def tiny_model_dir(tmp_path_factory):
 # The slowest modules, slowest first (per-module times of a full run: junit.xml or .ci/run's progress.log). They are
 # collected first, so the workers of `make test` (pytest-xdist, a module at a time) start on them and the run does not
 # end with one worker alone on a long module; the rest keep their order.
-SLOWEST = [
-    "test_image.py", "test_slurm.py", "test_vllm.py", "test_real_gemma.py", "test_parallel.py", "test_cli.py",
-    "test_concurrency.py", "test_production.py", "test_grpo.py", "test_ui.py", "test_mlx_pipeline.py",
-    "test_skypilot_pool.py", "test_benchmarks_smoke.py", "test_families.py", "test_fsdp.py", "test_chaos.py",
+SLOWEST = [  # test_image.py first: 66 s with its base, wheelhouse and layers cached, ~5 min cold
+    "test_image.py", "test_slurm.py", "test_real_gemma.py", "test_vllm.py", "test_parallel.py", "test_production.py",
+    "test_concurrency.py", "test_cli.py", "test_grpo.py", "test_training.py", "test_recovery.py",
+    "test_skypilot_pool.py", "test_training_asset.py", "test_benchmarks_smoke.py", "test_security.py", "test_fsdp.py",
+    "test_variants.py", "test_ui.py", "test_data_plane.py", "test_mlx_pipeline.py",
 ]  # fmt: skip
 
 
