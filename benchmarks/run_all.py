@@ -389,7 +389,7 @@ def gpu_section(result: dict | None) -> list[str]:
     lines = ["### GPU: LoRA / QLoRA steps on SmolLM2-135M and a Llama-2-7B shape", "", H200_ONCE, ""]
     if result is None:
         return lines + [
-            "**Pending a GPU session**: the same figures for this version (chunked loss, flash/flex attention, fused "
+            "**Pending a run on a GPU**: the same figures for this version (chunked loss, flash/flex attention, fused "
             "AdamW, no host sync per step). `python -m benchmarks.gpu_step --shape smollm2,llama2-7b` (under 5 min on "
             "one GPU) measures real tokens/s, MFU and peak memory of LoRA and QLoRA steps: SmolLM2 packed vs padded at "
             "an equal token budget, the 7B shape beside the planner's estimate, the attention backends side by side; it "
