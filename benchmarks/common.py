@@ -96,13 +96,16 @@ class ChildRun:
     returncode: int
     wall_seconds: float
     cpu_seconds: float  # user + system of the child alone
-    peak_rss_mib: float  # the child's own maximum resident set (wait4 rusage), not the parent's
+    # wait4's ru_maxrss: the larger of the child's own peak and this process's peak when it started the child (Linux
+    # carries the figure across fork and exec); a child's own peak alone is its VmHWM (ft_assets.data.parallel).
+    peak_rss_mib: float
     output: str
 
 
 def run_child(argv: list[str], env: dict | None = None, timeout: float | None = None) -> ChildRun:
-    """Run ``python argv…`` and return its own peak RSS and CPU time (``os.wait4``: per child, unlike
-    ``RUSAGE_CHILDREN``, which keeps the maximum over every child ever waited for)."""
+    """Run ``python argv…`` and return its peak RSS and CPU time (``os.wait4``: per child, unlike
+    ``RUSAGE_CHILDREN``, which keeps the maximum over every child ever waited for; the peak is at least this
+    process's own, see ``ChildRun.peak_rss_mib``)."""
     started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, *argv],
