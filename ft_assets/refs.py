@@ -114,6 +114,8 @@ class AdapterStats(TypedDict):
     mlflow_run_id: str | None
     restarts: list[dict]
     worker_image: dict  # ft_assets.training.worker_image: the image's digest (None outside one, with the reason)
+    gpu_target: str  # where it trained: "local", or a GPU target (ft_assets.pools) such as ssh://host
+    attempts: list[dict]  # a GPU target's worker attempts: outcome, seconds, exit code, the machine ([] locally)
 
 
 class CostStats(TypedDict):

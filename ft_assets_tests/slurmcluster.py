@@ -7,9 +7,8 @@ user the suite runs as (root in CI: ``SlurmUser=root``). ``gres.conf`` gives the
 ``CUDA_VISIBLE_DEVICES`` for a job as on a real GPU node, and training runs on the CPU. ``sinfo`` shows
 the node idle ~3 s after the daemons start; they are stopped by the pids in their pid files.
 
-``login_node``: an ``sshd`` on a free loopback port with a host key and a client key made in the temp
-folder, public-key login only; its sessions get ``SLURM_CONF`` (``SetEnv``), as a login node has
-``/etc/slurm/slurm.conf``.
+``login_node``: an ``sshd`` on a free loopback port (``sshhost.running_sshd``) whose sessions get
+``SLURM_CONF`` (``SetEnv``), as a login node has ``/etc/slurm/slurm.conf``.
 
 Missing binaries FAIL the test (``make test`` installs them: scripts/install-system-deps.sh).
 """
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from ft_assets_tests.sshhost import free_port, running_sshd
+
 INSTALL_HINT = (
     "`make test` installs it (scripts/install-system-deps.sh: apt-get install slurm-wlm munge openssh-server)"
 )
@@ -36,12 +37,6 @@ START_TIMEOUT_S = 30.0
 KILL_WAIT_S = 5  # SIGTERM to SIGKILL of a cancelled job: room for a tiny checkpoint, not the default 30 s
 PARTITION = "gpu"
 NODE_GPUS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _need(binary: str) -> str:
@@ -153,60 +148,8 @@ def slurm_cluster():
             shutil.rmtree(root, ignore_errors=True)
 
 
-@dataclass
-class LoginNode:
-    host: str
-    port: int
-    user: str
-    identity_file: Path
-    known_hosts: Path
-    log: Path  # sshd's log: one "Accepted publickey" line per session
-
-    @property
-    def ssh_config(self) -> dict:
-        """The ``ssh`` block of SlurmRunLauncher's config for this node."""
-        return {
-            "host": self.host, "port": self.port, "user": self.user, "identity_file": str(self.identity_file),
-            "options": [f"UserKnownHostsFile={self.known_hosts}", "StrictHostKeyChecking=accept-new"],
-        }  # fmt: skip
-
-
 @pytest.fixture(scope="session")
 def login_node(slurm_cluster):
     """sshd on a free loopback port: public-key login for this user, sessions with the test cluster's SLURM_CONF."""
-    sshd, keygen = _need("sshd"), _need("ssh-keygen")
-    _need("ssh")
-    root = Path(tempfile.mkdtemp(prefix="ft-assets-sshd-"))
-    for name in ("host_key", "client_key"):
-        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True)
-    (root / "authorized_keys").write_text((root / "client_key.pub").read_text())
-    (root / "authorized_keys").chmod(0o600)
-    port = free_port()
-    (root / "sshd_config").write_text(
-        "\n".join([
-            f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {root}/host_key", f"PidFile {root}/sshd.pid",
-            f"AuthorizedKeysFile {root}/authorized_keys", "PubkeyAuthentication yes", "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password", "UsePAM no", "StrictModes no",
-            f"SetEnv SLURM_CONF={slurm_cluster.conf}", "LogLevel INFO",
-        ]) + "\n"
-    )  # fmt: skip
-    Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
-    started = subprocess.run([sshd, "-f", str(root / "sshd_config"), "-E", str(root / "sshd.log")],
-                             capture_output=True, text=True)  # fmt: skip
-    if started.returncode != 0:
-        pytest.fail(f"sshd did not start: {started.stderr.strip()}")
-    user = pwd.getpwuid(os.getuid()).pw_name
-    node = LoginNode("127.0.0.1", port, user, root / "client_key", root / "known_hosts", root / "sshd.log")
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (root / "sshd.pid").is_file():
-            if time.monotonic() > deadline:
-                pytest.fail(f"sshd wrote no pid file: {(root / 'sshd.log').read_text()}")
-            time.sleep(0.1)
+    with running_sshd(pwd.getpwuid(os.getuid()).pw_name, [f"SetEnv SLURM_CONF={slurm_cluster.conf}"]) as node:
         yield node
-    finally:
-        try:
-            os.kill(int((root / "sshd.pid").read_text()), signal.SIGTERM)
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
-        shutil.rmtree(root, ignore_errors=True)

@@ -31,9 +31,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import MappingProxyType
 
 import dagster as dg
 from dagster._core.execution.plan.resume_retry import ReexecutionStrategy
@@ -161,14 +162,16 @@ def follow(instance: dg.DagsterInstance, run_id: str, verbose: bool) -> dg.Dagst
 
 
 def create_run(
-    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, key: str, run_config: dict
-) -> dg.DagsterRun:
-    """A run of ``job`` for partition ``key`` whose origin is the code location's job (as the UI creates one)."""
+    instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, key: str, run_config: dict,
+    tags: Mapping[str, str] = MappingProxyType({}),
+) -> dg.DagsterRun:  # fmt: skip
+    """A run of ``job`` for partition ``key`` whose origin is the code location's job (as the UI creates one), with
+    ``tags`` besides the job's own (the training plane's GPU target)."""
     remote_job = remote(context, job.name)
     return instance.create_run_for_job(
         job_def=job,
         run_config=run_config,
-        tags={**job.tags, "dagster/partition": key, "ft/dataset": key, **CLI_TAGS},
+        tags={**job.tags, "dagster/partition": key, "ft/dataset": key, **CLI_TAGS, **tags},
         remote_job_origin=remote_job.get_remote_origin(),
         job_code_origin=remote_job.get_python_origin(),
     )
@@ -223,19 +226,20 @@ def launch_plane(
     key: str,
     run_config: dict,
     verbose: bool,
+    tags: Mapping[str, str] = MappingProxyType({}),
 ) -> list[str]:
     """Submit one plane's run, follow it, follow or make its retries; the run ids (several after retries)."""
     return finish_plane(
-        instance, context, job, plane, key, submit_plane(instance, context, job, plane, key, run_config), verbose
+        instance, context, job, plane, key, submit_plane(instance, context, job, plane, key, run_config, tags), verbose
     )
 
 
 def submit_plane(
     instance: dg.DagsterInstance, context: WorkspaceProcessContext, job: dg.JobDefinition, plane: str, key: str,
-    run_config: dict,
+    run_config: dict, tags: Mapping[str, str] = MappingProxyType({}),
 ) -> dg.DagsterRun:  # fmt: skip
     """Create and submit (or launch) one plane's run for ``key``; it runs in its own process from here."""
-    run = create_run(instance, context, job, key, run_config)
+    run = create_run(instance, context, job, key, run_config, tags)
     start(instance, context, run, plane)
     return run
 
@@ -272,8 +276,8 @@ def finish_plane(
 class PlaneLauncher:
     """``launch_plane`` for each plane that runs; the code location is loaded for the first one, once."""
 
-    def __init__(self, instance: dg.DagsterInstance, verbose: bool):
-        self.instance, self.verbose = instance, verbose
+    def __init__(self, instance: dg.DagsterInstance, verbose: bool, plane_tags: Mapping[str, Mapping] = MappingProxyType({})):
+        self.instance, self.verbose, self.plane_tags = instance, verbose, plane_tags  # plane -> its runs' extra tags
         self.stack = ExitStack()
         self.context: WorkspaceProcessContext | None = None
 
@@ -295,8 +299,9 @@ class PlaneLauncher:
 
     def run(self, job: dg.JobDefinition, plane: str, key: str, run_config: dict) -> list[str]:
         return launch_plane(
-            self.instance, self._context(), job, plane, key, steps_in_one_process(run_config), self.verbose
-        )
+            self.instance, self._context(), job, plane, key, steps_in_one_process(run_config), self.verbose,
+            self.plane_tags.get(plane, {}),
+        )  # fmt: skip
 
     def run_all(
         self, job: dg.JobDefinition, plane: str, targets: dict[str, dict]
@@ -306,7 +311,9 @@ class PlaneLauncher:
         or the ``PlaneFailed`` that ended it (the others still finish)."""
         context = self._context()
         submitted = {
-            key: submit_plane(self.instance, context, job, plane, key, steps_in_one_process(config))
+            key: submit_plane(
+                self.instance, context, job, plane, key, steps_in_one_process(config), self.plane_tags.get(plane, {})
+            )
             for key, config in targets.items()
         }
         outcome = {}

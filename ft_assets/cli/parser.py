@@ -45,6 +45,11 @@ def add_run(sub) -> None:
         help="data plane on Ray: 'local' starts Ray on this machine; ray://head:10001 or head:6379 uses a running cluster",
     )  # fmt: skip
     run.add_argument(
+        "--gpu", metavar="TARGET",
+        help="where the training plane's GPU work runs: local (default: this machine), or "
+        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into; the run stays here)",
+    )  # fmt: skip
+    run.add_argument(
         "--force", action="store_true", help="rerun planes that are already materialized from the same inputs"
     )
     run.add_argument(

@@ -120,8 +120,11 @@ def wait_for_partition(store: ObjectStore, instance: dg.DagsterInstance, key: st
         time.sleep(poll_seconds)
 
 
-def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, key: str, run_config: dict) -> list[str]:
-    """Execute one plane's job for a partition; like the daemon's run retries, a preempted run is rerun.
+def run_plane(
+    instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, key: str, run_config: dict, tags: dict | None = None
+) -> list[str]:
+    """Execute one plane's job for a partition (``tags`` besides ft-assets' own: the training plane's GPU target);
+    like the daemon's run retries, a preempted run is rerun.
 
     Returns the run ids (more than one when a preempted run was retried and resumed).
     """
@@ -133,7 +136,7 @@ def run_plane(instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, k
             instance=instance,
             partition_key=key,
             run_config=run_config,
-            tags={"ft/dataset": key, **CLI_TAGS},
+            tags={"ft/dataset": key, **CLI_TAGS, **(tags or {})},
             raise_on_error=False,
         )
         run_ids.append(result.run_id)

@@ -40,6 +40,7 @@ from ft_assets.data.registration import RegistrationError, register_dataset
 from ft_assets.data.rows import DatasetFileError
 from ft_assets.definitions import defs
 from ft_assets.partitions import DatasetVersion
+from ft_assets.pools import TARGET_TAG, TargetError, parse_target
 from ft_assets.refs import read_ref
 from ft_assets.storage import open_store
 
@@ -75,8 +76,22 @@ def checked_run_config(args: argparse.Namespace, jobs: dict[str, dg.JobDefinitio
     return run_config, variants
 
 
+def plane_tags(args: argparse.Namespace) -> dict[str, dict]:
+    """Each plane's extra run tags: the training plane's GPU target (``--gpu``)."""
+    return {"training": {TARGET_TAG: args.gpu}} if getattr(args, "gpu", None) else {}
+
+
+def checked_target(text: str | None) -> None:
+    """``--gpu`` refused in one line before anything runs when it names no usable target."""
+    try:
+        parse_target(text)
+    except TargetError as exc:
+        raise CliError(f"--gpu: {exc}") from exc
+
+
 def execute(args: argparse.Namespace, summary: dict) -> dict:
     """Register the dataset version and run each plane; ``summary`` fills as planes complete (for --json on failure)."""
+    checked_target(args.gpu)
     ensure_home()
     jobs = {plane: defs.resolve_job_def(name) for plane, name in JOBS.items()}
     run_config, variants = checked_run_config(args, jobs)
@@ -97,7 +112,7 @@ def execute(args: argparse.Namespace, summary: dict) -> dict:
         add_partitions(instance, "dataset_version", list(keys))
         summary["variants"] = {name: {"partition": k} for name, k in zip(variants, keys)}
     planes = Planes(args, store, instance, asset_parents(defs), summary)
-    with PlaneLauncher(instance, args.verbose) as launcher:
+    with PlaneLauncher(instance, args.verbose, plane_tags(args)) as launcher:
         for plane in PLANES[: PLANES.index(args.until) + 1]:
             if plane == "data" or not variants:
                 planes.run(launcher, plane, jobs[plane], {key: run_config})
@@ -157,7 +172,8 @@ class Planes:
             for key, config in todo.items():
                 try:
                     outcome[key] = (
-                        run_plane(self.instance, job, plane, key, config) if self.args.in_process
+                        run_plane(self.instance, job, plane, key, config, plane_tags(self.args).get(plane))
+                        if self.args.in_process
                         else launcher.run(job, plane, key, config)
                     )  # fmt: skip
                 except PlaneFailed as exc:

@@ -19,7 +19,14 @@ from pydantic import Field
 
 from ft_assets import layout, objectives
 from ft_assets import portable
-from ft_assets.manifests import ArtifactCorrupt, ArtifactNotFound, publish_dir, read_manifest, verify_artifact
+from ft_assets.manifests import (
+    ArtifactCorrupt,
+    ArtifactNotFound,
+    fetch_artifact,
+    publish_dir,
+    read_manifest,
+    verify_artifact,
+)
 from ft_assets.materialize import STORE_KIND, Materialization, figures, op_config, ref_metadata, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
@@ -33,6 +40,9 @@ from ft_assets.objectives import Objective
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.worker_identity import worker_tag
+from ft_assets.training.ec2_metadata import WORKER_TAG
+from ft_assets.pools import LOCAL, TARGET_TAG, Target, TargetError, parse_target
+from ft_assets.pools.session import train_remote
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
 from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
@@ -228,6 +238,9 @@ def _train(
     """Fetch the base and the shards, run the recipe of the run's backend in this process (torch or mlx; or torchrun the
     torch one on ``num_processes`` x ``num_nodes``); its result."""
     tokenized_shards, base_model = inputs
+    target = gpu_target(context)
+    if target is not None:
+        return _train_on_target(context, target, training, objective, m, inputs, prefix)
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
     tags = {}
@@ -256,6 +269,42 @@ def _train(
         ) from exc
     except (ValueError, FileNotFoundError) as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+
+
+def gpu_target(context) -> Target | None:
+    """The run's GPU target (the ``ft/gpu-target`` run tag: ``ft-assets run --gpu``, the gpu pool's ``target``);
+    None: train here. A target that cannot be used fails the step in one line, before anything is started."""
+    try:
+        return parse_target(context.run.tags.get(TARGET_TAG))
+    except TargetError as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+
+
+def _train_on_target(context, target: Target, training, objective, m: Materialization, inputs, prefix: str) -> dict:
+    """Train on ``target`` through a Pipes session (``ft_assets.pools.session``): the worker reads the base model and
+    the shards from the store itself; its final weights come back here to be published as on a local run."""
+    tokenized_shards, base_model = inputs
+    if training.world_size > 1:
+        raise dg.Failure(
+            f"lora_adapter for {context.partition_key}: num_processes x num_nodes = {training.world_size} on the "
+            f"target {target.describe()}: a GPU target runs one process for now; use num_processes 1, or the local "
+            "target on a multi-GPU machine"
+        )
+    tags = {}
+    if training.mlflow_tracking_uri or training.wandb.enabled:
+        chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
+        tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
+    job = WorkerJob(training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
+    try:
+        result, summary = train_remote(context, target, job, m.store, os.environ)
+    except TargetError as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+    worker = {key: value for key, value in summary["worker"].items() if key == WORKER_TAG}
+    if worker:
+        context.instance.add_run_tags(context.run.run_id, worker)
+    output = m.work / "output"
+    fetch_artifact(m.store, result["output_key"], output)
+    return {**result, "output_dir": str(output), "remote": summary}
 
 
 def slurm_stop(context, exc: Preempted, run_prefix: str) -> None:
@@ -320,11 +369,14 @@ def lora_adapter(
         prefix = layout.of(m.partition).train(run)
         with GpuUtilization() as utilization:
             result = _train(context, training, objective, m, (tokenized_shards, base_model), prefix, started)
+        remote = result.get("remote") or {}
         stats = {key: result[key] for key in RESULT_STATS}
         stats.update(
             run_id=run,
             seq_len=tokenized_shards["stats"]["seq_len"],
-            gpu_utilization=utilization.mean,
+            gpu_utilization=remote.get("gpu_utilization") if remote else utilization.mean,
+            gpu_target=context.run.tags.get(TARGET_TAG, LOCAL),
+            attempts=remote.get("attempts", []),
             worker_image=image,
             billed_as=slurm_job.billing(),  # what the worker declared it is billed as; slurm in a Slurm job
         )

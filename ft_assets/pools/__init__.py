@@ -1,0 +1,99 @@
+"""Where a training run's GPU work goes: the targets of ``--gpu TARGET`` and of the gpu pool's ``target`` setting.
+
+A run's Dagster process always stays on the control host. With the target ``local`` (the default) it trains in
+that process, on this machine's GPU or CPU. Any other target starts the training worker on another machine and
+talks to it through Dagster Pipes, its messages carried by the object store (``ft_assets.pools.session``): the
+worker gets the code, the store and its run's settings, never the instance (no ``DAGSTER_HOME``, no database).
+
+Each target is one module here and one ``register`` line: it turns its URL into a ``Target``, which can start a
+worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``). ``parse_target`` is the one
+reader of a target's text; an unknown scheme is refused in one line that lists the known ones.
+
+| target | module | the worker runs |
+|---|---|---|
+| ``local`` | (none) | in the run's own process, as without a target |
+| ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.pools.ssh`` | on any host you can ssh into |
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+TARGET_TAG = "ft/gpu-target"  # the run tag that names a training run's target (``ft-assets run --gpu``, the pool)
+LOCAL = "local"
+
+
+class TargetError(ValueError):
+    """A target that cannot be used as written, or a worker that cannot be reached; the message is one line."""
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """One attempt of a training worker, in terms every target understands."""
+
+    name: str  # unique per attempt: names the worker's folder, job or cluster
+    module: str  # ``python -m <module> <args>``
+    args: tuple[str, ...]  # nothing secret: they show in ``ps`` and in the job's script
+    env: Mapping[str, str] = field(default_factory=dict)  # plain settings (the store's endpoint and region)
+    secrets: Mapping[str, str] = field(default_factory=dict)  # reach the worker as the target's secrets only
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What ``poll`` saw: still running, ended with an exit code, or gone without one (its machine lost)."""
+
+    running: bool
+    exit_code: int | None = None  # None with running False: the worker vanished (kill of its host, lost node)
+    detail: str = ""  # the end of the worker's output, when the target can read it
+
+    @property
+    def lost(self) -> bool:
+        return not self.running and self.exit_code is None
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A place a training worker can run. ``launch`` returns a handle (plain JSON) that ``poll`` and ``cancel`` take,
+    also in a later process: the handle is kept in the store, so a restarted control host finds the worker."""
+
+    scheme: str
+
+    def launch(self, launch: WorkerLaunch) -> dict: ...
+
+    def poll(self, handle: Mapping) -> WorkerState: ...
+
+    def cancel(self, handle: Mapping) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+TARGETS: dict[str, str] = {}  # scheme -> "module:function" that parses a target of that scheme
+
+
+def register(scheme: str, parser: str) -> None:
+    """Make ``scheme://...`` (or ``scheme:...``) a target, parsed by ``parser`` ("package.module:function")."""
+    TARGETS[scheme] = parser
+
+
+register("ssh", "ft_assets.pools.ssh:parse")
+
+
+def scheme_of(text: str) -> str:
+    return text.split("://", 1)[0] if "://" in text else text.split(":", 1)[0]
+
+
+def parse_target(text: str | None) -> Target | None:
+    """The target ``text`` names; None for ``local`` (or nothing): train in the run's own process."""
+    text = (text or "").strip()
+    if text in ("", LOCAL):
+        return None
+    scheme = scheme_of(text)
+    if scheme not in TARGETS:
+        known = ", ".join([LOCAL, *(f"{name}://..." for name in sorted(TARGETS))])
+        raise TargetError(f"GPU target {text!r}: unknown kind {scheme!r}; use one of {known}")
+    module, _, function = TARGETS[scheme].partition(":")
+    parser: Callable[[str], Target] = getattr(importlib.import_module(module), function)
+    return parser(text)

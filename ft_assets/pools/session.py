@@ -1,0 +1,186 @@
+"""A training run on a GPU target: the control host's side of the Dagster Pipes session with the worker.
+
+``train_remote`` runs in ``lora_adapter``'s step, in the run's own process on the control host. For each
+attempt it opens a Pipes session whose messages the worker writes to the store under
+``<run>/pipes/<attempt>/`` (``StoreMessageReader``; the worker's ``StoreMessageWriter``), writes the attempt's job
+next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and asks the target to start
+``python -m ft_assets.training.remote``. The worker's log lines appear in the run's log as it trains.
+
+- A worker that ends with ``EXIT_PREEMPTED`` (SIGTERM, checkpoint saved), is killed (exit code 128 + signal) or
+  vanishes with its machine starts a new attempt, up to ``max_attempts``; the recipe resumes from the newest
+  complete checkpoint in the store. Each attempt keeps its own messages; ``attempts`` lists them all, with their
+  seconds, for the bill.
+- A worker that fails (any other exit code) fails the step with the end of its output.
+- The worker's handle is kept at ``<run>/pipes/worker.json`` while it runs: a re-executed run (a control host
+  that restarted mid-run) finds a worker still running there and cancels it before starting its own, so one run
+  never pays for two workers; the new attempt resumes from the checkpoint.
+- Terminating the run (the UI, Ctrl-C of ``ft-assets run``) interrupts the wait: the worker is cancelled before
+  the step ends.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import dagster as dg
+from dagster._core.pipes.utils import PipesBlobStoreMessageReader, PipesEnvContextInjector
+
+from ft_assets.pools import Target, WorkerLaunch, WorkerState
+from ft_assets.storage import ObjectNotFound, ObjectStore
+from ft_assets.training import remote
+from ft_assets.training.launch import WorkerJob
+from ft_assets.training.preemption import EXIT_PREEMPTED
+
+DEFAULT_ATTEMPTS = 4  # a worker lost or preempted 3 times in a row fails the step (run retries may go on)
+POLL_S = 5.0  # how often the target is asked whether the worker still runs
+READ_INTERVAL_S = 2.0  # how often the store is read for the worker's next message chunk
+SIGKILL_EXIT = 128 + 9  # a shell's exit code for a child killed by SIGKILL (kill -9, the OOM killer)
+REMOTE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")  # the store's settings
+REMOTE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # the store's credentials
+
+
+class StoreMessageReader(PipesBlobStoreMessageReader):
+    """Reads the chunks ``<key_prefix>/<n>.json`` that the worker's ``StoreMessageWriter`` puts in the store."""
+
+    def __init__(self, store: ObjectStore, key_prefix: str, interval: float = READ_INTERVAL_S):
+        super().__init__(interval=interval)
+        self.store, self.key_prefix = store, key_prefix
+
+    @contextmanager
+    def get_params(self):
+        yield {"key_prefix": self.key_prefix}
+
+    def messages_are_readable(self, params) -> bool:
+        return self.store.exists(f"{self.key_prefix}/1.json")
+
+    def download_messages_chunk(self, index: int, params) -> str | None:
+        try:
+            return self.store.get_bytes(f"{self.key_prefix}/{index}.json").decode()
+        except ObjectNotFound:
+            return None
+
+    def no_messages_debug_text(self) -> str:
+        return f"read message chunks from {self.store.uri(self.key_prefix)}, written by ft_assets.training.remote"
+
+
+@dataclass
+class Attempt:
+    number: int
+    name: str
+    seconds: float = 0.0
+    exit_code: int | None = None
+    outcome: str = "running"  # finished | preempted | killed | lost | failed | cancelled
+    identity: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"attempt": self.number, "name": self.name, "seconds": round(self.seconds, 1),
+                "exit_code": self.exit_code, "outcome": self.outcome, "worker": self.identity or {}}  # fmt: skip
+
+
+def outcome_of(state: WorkerState) -> str:
+    if state.lost:
+        return "lost"
+    if state.exit_code == 0:
+        return "finished"
+    if state.exit_code == EXIT_PREEMPTED:
+        return "preempted"
+    if state.exit_code is not None and state.exit_code > 128:
+        return "killed"
+    return "failed"
+
+
+def worker_environment(environ: Mapping[str, str]) -> tuple[dict, dict]:
+    """(plain settings, secrets) of the store that the worker needs from this host's environment; nothing else."""
+    return ({k: environ[k] for k in REMOTE_ENV if environ.get(k)}, {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)})
+
+
+def cancel_leftover(target: Target, store: ObjectStore, record_key: str, log: Callable[[str], None]) -> None:
+    """A worker that an earlier execution of this run left running (its control host restarted): cancelled."""
+    try:
+        record = store.get_json(record_key)
+    except ObjectNotFound:
+        return
+    if target.poll(record["handle"]).running:
+        log(f"a worker of this run is still running on {record['target']} (attempt {record['attempt']}, from run "
+            f"{record['dagster_run']}): cancelling it; this run resumes from its newest checkpoint")  # fmt: skip
+        target.cancel(record["handle"])
+    store.delete(record_key)
+
+
+def train_remote(
+    context: dg.AssetExecutionContext,
+    target: Target,
+    job: WorkerJob,
+    store: ObjectStore,
+    environ: Mapping[str, str],
+    max_attempts: int = DEFAULT_ATTEMPTS,
+    poll_s: float = POLL_S,
+) -> tuple[dict, dict]:
+    """Train ``job`` on ``target`` until an attempt finishes; (the TrainingResult as JSON with ``output_key``,
+    a summary: the attempts, the worker's identity and GPU utilization)."""
+    log = context.log.info
+    pipes_prefix = f"{job.run_prefix}/pipes"
+    record_key = f"{pipes_prefix}/worker.json"
+    cancel_leftover(target, store, record_key, log)
+    env, secrets = worker_environment(environ)
+    first = 1 + len(store.list_dirs(pipes_prefix))  # a re-executed run's attempts go on from the earlier ones
+    attempts: list[Attempt] = []
+    for number in range(first, first + max_attempts):
+        attempt = Attempt(number, f"{job.run_prefix.rsplit('/', 1)[-1]}-{number}")
+        attempts.append(attempt)
+        key_prefix = f"{pipes_prefix}/{number:03d}"
+        started = time.monotonic()
+        with dg.open_pipes_session(
+            context=context, context_injector=PipesEnvContextInjector(), message_reader=StoreMessageReader(store, key_prefix)
+        ) as session:
+            spec = {"job": job.to_json(), "pipes": session.get_bootstrap_env_vars(), "attempt": number,
+                    "output": f"{job.run_prefix}/output"}  # fmt: skip
+            store.put_json(f"{key_prefix}/job.json", spec)
+            launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
+                                  ("--store", store.url, "--job", f"{key_prefix}/job.json"), env, secrets)  # fmt: skip
+            log(f"starting attempt {number} of this run's worker on {target.describe()}")
+            handle = target.launch(launch)
+            store.put_json(record_key, {"target": target.describe(), "handle": handle, "attempt": number,
+                                        "dagster_run": context.run.run_id})  # fmt: skip
+            try:
+                state = wait(target, handle, poll_s)
+            except BaseException:  # the run was terminated (or this process interrupted): nothing left running
+                attempt.outcome = "cancelled"
+                log(f"cancelling the worker on {target.describe()} (attempt {number})")
+                target.cancel(handle)
+                store.delete(record_key)
+                raise
+            store.delete(record_key)
+        attempt.seconds, attempt.exit_code, attempt.outcome = time.monotonic() - started, state.exit_code, outcome_of(state)
+        messages = {m.get("kind"): m for m in session.get_custom_messages() if isinstance(m, dict)}
+        attempt.identity = (messages.get(remote.WORKER_MESSAGE) or {}).get("identity")
+        if attempt.outcome == "finished" and remote.RESULT_MESSAGE in messages:
+            found = messages[remote.RESULT_MESSAGE]
+            summary = {"attempts": [a.as_dict() for a in attempts], "worker": attempt.identity or {},
+                       "gpu_utilization": found.get("gpu_utilization")}  # fmt: skip
+            return {**found["result"], "output_key": spec["output"]}, summary
+        if attempt.outcome in ("failed", "finished"):  # finished without a result: its messages were lost
+            raise dg.Failure(
+                description=f"the training worker on {target.describe()} failed (attempt {number}, exit code "
+                f"{state.exit_code}); the end of its output:\n{state.detail}",
+                metadata={"attempts": dg.MetadataValue.json([a.as_dict() for a in attempts])},
+            )
+        log(f"attempt {number} on {target.describe()} was {attempt.outcome} after {attempt.seconds:.0f} s; "
+            "the next attempt resumes from the newest complete checkpoint")  # fmt: skip
+    raise dg.Failure(
+        description=f"the training worker on {target.describe()} ended {max_attempts} times without finishing "
+        f"(last: {attempts[-1].outcome}); its checkpoints stay in {store.uri(job.run_prefix)}",
+        metadata={"attempts": dg.MetadataValue.json([a.as_dict() for a in attempts])},
+        allow_retries=True,
+    )
+
+
+def wait(target: Target, handle: Mapping, poll_s: float) -> WorkerState:
+    while True:
+        state = target.poll(handle)
+        if not state.running:
+            return state
+        time.sleep(poll_s)

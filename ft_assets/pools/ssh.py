@@ -1,0 +1,158 @@
+"""The ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` target: a training worker on any host you can ssh into.
+
+A pod started by hand, a lab workstation, a Lambda instance: OpenSSH's own client runs every command, so the
+user's ``~/.ssh/config``, agent and ``known_hosts`` apply (``identity=PATH`` and ``option=Key=Value`` add to them).
+Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
+
+- ``env`` (mode 0600): the worker's secrets, written through ssh's stdin by ``umask 077; cat > env``; the wrapper
+  reads it and deletes it before the worker starts, so the secrets live only in the worker's environment;
+- ``output.log``: the worker's stdout and stderr (its Dagster messages go through the store);
+- ``wrapper.pid`` / ``worker.pid``: the detached ``sh`` that waits for the worker, and the worker;
+- ``exit.code``: written by the wrapper when the worker ends (137 after a ``kill -9`` of the worker).
+
+A worker with no ``exit.code`` whose wrapper is gone was lost with its host (or the wrapper was killed): the
+session starts a new attempt. ``cancel`` sends SIGTERM to the worker (it checkpoints at the step boundary and
+exits), waits ``CANCEL_GRACE_S``, then kills the wrapper's whole process group.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+
+DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
+SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
+CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
+LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
+
+# The detached wrapper: sources and deletes the secrets, runs the worker, records its pid and exit code, and passes
+# a SIGTERM on to it (a trap, not ``trap '' TERM``: an ignored signal would be inherited by the worker).
+WRAPPER = r"""
+echo $$ > wrapper.pid
+set -a; . ./env; set +a; rm -f ./env
+"$@" &
+child=$!
+echo $child > worker.pid
+trap 'kill -TERM $child 2>/dev/null' TERM INT HUP
+while :; do
+  wait $child; status=$?
+  kill -0 $child 2>/dev/null || break
+done
+echo $status > exit.code.tmp && mv exit.code.tmp exit.code
+"""
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    host: str
+    user: str | None = None
+    port: int | None = None
+    python: str = "python3"
+    workdir: str = DEFAULT_WORKDIR
+    identity: str | None = None
+    options: tuple[str, ...] = ()
+
+    scheme = "ssh"
+
+    def describe(self) -> str:
+        where = f"{self.user}@{self.host}" if self.user else self.host
+        return f"ssh://{where}{f':{self.port}' if self.port else ''}"
+
+    def ssh(self, command: str, stdin: str | None = None, timeout: float = SSH_TIMEOUT_S) -> subprocess.CompletedProcess:
+        """``command`` (one shell line) on the host; its stdin from ``stdin``. The command line holds no secret."""
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
+        if self.port:
+            argv += ["-p", str(self.port)]
+        if self.identity:
+            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        for option in self.options:
+            argv += ["-o", option]
+        argv += [f"{self.user}@{self.host}" if self.user else self.host, command]
+        try:
+            done = subprocess.run(argv, input=stdin or "", capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TargetError(f"{self.describe()}: no answer within {timeout:.0f} s") from None
+        if done.returncode == 255:  # ssh's own failure: the host, the key or the network
+            raise TargetError(f"{self.describe()}: ssh failed: {done.stderr.strip().splitlines()[-1:] or ['?']}")
+        return done
+
+    def folder(self, name: str) -> str:
+        return f"{self.workdir.rstrip('/')}/{name}"
+
+    def launch(self, launch: WorkerLaunch) -> dict:
+        folder = self.folder(launch.name)
+        env = "".join(f"{key}={shlex.quote(value)}\n" for key, value in {**launch.env, **launch.secrets}.items())
+        made = self.ssh(f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(folder)}/env", stdin=env)
+        if made.returncode != 0:
+            raise TargetError(f"{self.describe()}: cannot write {folder}: {made.stderr.strip()}")
+        worker = " ".join(shlex.quote(part) for part in (self.python, "-m", launch.module, *launch.args))
+        started = self.ssh(
+            f"cd {shlex.quote(folder)} && (setsid sh -c {shlex.quote(WRAPPER)} sh {worker} "
+            "> output.log 2>&1 < /dev/null &) && sleep 0.2 && cat wrapper.pid"
+        )
+        if started.returncode != 0 or not started.stdout.strip().isdigit():
+            raise TargetError(f"{self.describe()}: the worker did not start in {folder}: {started.stderr.strip()}")
+        return {"folder": folder, "wrapper_pid": int(started.stdout.strip())}
+
+    def poll(self, handle: Mapping) -> WorkerState:
+        folder = shlex.quote(handle["folder"])
+        answer = self.ssh(
+            f"cd {folder} 2>/dev/null || {{ echo gone; exit 0; }}; "
+            f"if [ -f exit.code ]; then echo exit $(cat exit.code); "
+            f"elif kill -0 {int(handle['wrapper_pid'])} 2>/dev/null; then echo running; else echo gone; fi"
+        ).stdout.split()
+        if answer[:1] == ["running"]:
+            return WorkerState(running=True)
+        code = int(answer[1]) if answer[:1] == ["exit"] and len(answer) > 1 and answer[1].isdigit() else None
+        return WorkerState(running=False, exit_code=code, detail=self.tail(handle))
+
+    def tail(self, handle: Mapping) -> str:
+        out = self.ssh(f"tail -n {LOG_TAIL_LINES} {shlex.quote(handle['folder'])}/output.log 2>/dev/null")
+        return out.stdout.strip()
+
+    def cancel(self, handle: Mapping) -> None:
+        folder, wrapper = shlex.quote(handle["folder"]), int(handle["wrapper_pid"])
+        self.ssh(f"kill -TERM $(cat {folder}/worker.pid 2>/dev/null) 2>/dev/null; true")
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while time.monotonic() < deadline and self.poll(handle).running:
+            time.sleep(1.0)
+        self.ssh(f"kill -KILL -- -{wrapper} 2>/dev/null; true")  # the wrapper leads its session's process group
+
+
+def parse(text: str) -> SshTarget:
+    """``ssh://[user@]host[:port]?python=PATH&workdir=DIR&identity=PATH&option=Key=Value``."""
+    parts = urlsplit(text)
+    if parts.scheme != "ssh" or not parts.hostname:
+        raise TargetError(f"GPU target {text!r}: write ssh://[user@]host[:port][?python=PATH&workdir=DIR]")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = set(query) - {"python", "workdir", "identity", "option"}
+    if unknown:
+        raise TargetError(
+            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; "
+            "known: python, workdir, identity, option"
+        )
+    if parts.password:
+        raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
+    try:
+        port = parts.port
+    except ValueError:
+        raise TargetError(f"GPU target {text!r}: the port is not a number") from None
+
+    def one(name: str, default: str | None) -> str | None:
+        return query[name][-1] if query.get(name) else default
+
+    return SshTarget(
+        host=parts.hostname,
+        user=unquote(parts.username) if parts.username else None,
+        port=port,
+        python=one("python", "python3"),
+        workdir=one("workdir", DEFAULT_WORKDIR),
+        identity=one("identity", None),
+        options=tuple(query.get("option", ())),
+    )

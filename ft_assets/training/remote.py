@@ -1,0 +1,114 @@
+"""The training worker on a rented machine: ``python -m ft_assets.training.remote --store URL --job KEY``.
+
+Started by a GPU target (``ft_assets.pools``) for one attempt of one run. Everything it needs comes from the
+object store: the attempt's job (``KEY``: the run's ``WorkerJob`` and its Pipes parameters, written by the
+control host), the base model and the shards (fetched into ``--work-dir``, kept there between attempts: a file
+already present with the right sha256 is not fetched again), the newest complete checkpoint of the run. It holds
+no key to the control plane: it reports to the run's Dagster process through Pipes messages that it writes to the
+store (``StoreMessageWriter``, read back by ``ft_assets.pools.session``), and the store credentials, if any, come
+from its environment.
+
+It ends with exit code 0 after publishing the final weights at the job's ``output`` key, ``EXIT_PREEMPTED`` (75)
+after a SIGTERM once its checkpoint is in the store, 1 on an error (its message is the last Pipes log line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from io import StringIO
+from pathlib import Path
+
+from dagster_pipes import (
+    PipesBlobStoreMessageWriter,
+    PipesBlobStoreMessageWriterChannel,
+    PipesDefaultContextLoader,
+    PipesMappingParamsLoader,
+    open_dagster_pipes,
+)
+
+from ft_assets.manifests import fetch_artifact, publish_dir
+from ft_assets.objectives import named
+from ft_assets.storage import ObjectStore, open_store
+from ft_assets.training.gpu_monitor import GpuUtilization
+from ft_assets.training.launch import WorkerJob
+from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
+from ft_assets.training.worker_identity import worker_tag
+
+MESSAGE_INTERVAL_S = 2.0  # Pipes messages go to the store in chunks at most this often (one object each)
+WORKER_MESSAGE, RESULT_MESSAGE, PREEMPTED_MESSAGE = "worker", "result", "preempted"  # custom messages' "kind"
+
+
+class StoreMessageChannel(PipesBlobStoreMessageWriterChannel):
+    """Pipes message chunks as objects ``<key_prefix>/<n>.json`` of the run's store, as dagster-aws' S3 channel
+    writes them, through ft-assets' store (S3 or a shared filesystem alike)."""
+
+    def __init__(self, store: ObjectStore, key_prefix: str, interval: float):
+        super().__init__(interval=interval)
+        self.store, self.key_prefix = store, key_prefix
+
+    def upload_messages_chunk(self, payload: StringIO, index: int) -> None:
+        self.store.put_bytes(f"{self.key_prefix}/{index}.json", payload.read().encode())
+
+
+class StoreMessageWriter(PipesBlobStoreMessageWriter):
+    def __init__(self, store: ObjectStore, interval: float = MESSAGE_INTERVAL_S):
+        super().__init__(interval=interval)
+        self.store = store
+
+    def make_channel(self, params) -> StoreMessageChannel:
+        return StoreMessageChannel(self.store, params["key_prefix"], self.interval)
+
+
+def worker_identity() -> dict:
+    """Who runs this attempt: the host name, and the rented machine's tag where the provider says (``worker_tag``)."""
+    return {"host": socket.gethostname(), **worker_tag()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one attempt of a training run on this machine (a GPU target's worker).")
+    parser.add_argument("--store", required=True, help="the object store: s3://bucket/prefix or a shared folder")
+    parser.add_argument("--job", required=True, help="the attempt's job in the store (written by the control host)")
+    parser.add_argument("--work-dir", type=Path, default=Path("work"), help="scratch folder (default ./work)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    store = open_store(args.store)
+    spec = store.get_json(args.job)
+    job = WorkerJob.from_json(spec["job"])
+    params = PipesMappingParamsLoader(spec["pipes"])
+    with open_dagster_pipes(
+        params_loader=params, context_loader=PipesDefaultContextLoader(), message_writer=StoreMessageWriter(store)
+    ) as pipes:
+        log = pipes.log.info
+        pipes.report_custom_message({"kind": WORKER_MESSAGE, "identity": worker_identity()})
+        log(f"attempt {spec['attempt']} on {socket.gethostname()}: fetching the base model and the shards")
+        base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
+        fetch_artifact(store, job.base_model_key, base_dir)
+        fetch_artifact(store, job.shards_key, shards_dir)
+        from ft_assets.training.recipe import train  # torch and transformers: after the cheap checks above
+
+        try:
+            with GpuUtilization() as utilization:
+                result = train(
+                    job.config, base_dir, shards_dir, store, job.run_prefix, args.work_dir / "run", log=log,
+                    started_at=started, tags=job.tags, objective=named(job.objective),
+                )  # fmt: skip
+        except Preempted as exc:
+            log(str(exc))
+            pipes.report_custom_message({"kind": PREEMPTED_MESSAGE, "step": exc.step, "checkpoint": exc.checkpoint_uri})
+            return EXIT_PREEMPTED
+        except Exception as exc:
+            pipes.log.error(f"the worker failed: {type(exc).__name__}: {exc}")
+            raise
+        publish_dir(store, spec["output"], result.output_dir)
+        log(f"final weights published at {store.uri(spec['output'])}")
+        pipes.report_custom_message(
+            {"kind": RESULT_MESSAGE, "result": result.to_json(), "gpu_utilization": utilization.mean}
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Training on a GPU target through Dagster Pipes: the ``ssh://`` target against OpenSSH's sshd on loopback.
+
+The worker logs in as an unprivileged user (``sshhost.worker_host``) who cannot read the control host's
+``DAGSTER_HOME`` and whose environment holds no instance setting; the store is a folder both users write. One
+data plane for the module (embedded SQLite instance, ``ft-assets run --in-process``), then:
+(a) a training run on the target whose worker is killed with ``kill -9`` after its first checkpoint: the next
+attempt resumes from it, the run's log shows the worker's progress, and the adapter equals the one an
+uninterrupted run of the same seed trains; (b) terminating the run cancels the worker; (c) a worker left running
+by an earlier execution of the run is cancelled before a new one starts, and a worker's secrets reach its
+environment only; (d) a target that cannot be used is refused in one line before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from ft_assets.cli.launch import PlaneLauncher
+from ft_assets.cli.output import PlaneFailed
+from ft_assets.control.jobs import TRAINING_PLANE
+from ft_assets.manifests import fetch_artifact
+from ft_assets.pools import TARGET_TAG, TargetError, WorkerLaunch, parse_target
+from ft_assets.pools.session import cancel_leftover
+from ft_assets.refs import read_ref
+from ft_assets.storage import LocalStore
+from ft_assets.training.config import TrainingConfig
+from ft_assets.training.recipe import train
+from ft_assets_tests.support import assert_same_weights, run_cli, run_config
+
+pytest_plugins = ["ft_assets_tests.sshhost"]
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
+SAMPLE_LINES = 200
+VERSION = "remote1"
+KEY = f"toolcalls@{VERSION}"
+WAIT_S = 240.0
+
+
+def settings(**overrides) -> dict:
+    return {"per_device_batch_size": 2, "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "learning_rate": 0.01,
+            "max_steps": 24, "save_steps": 8, "seed": 3, **overrides}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def remote_home(worker_host, tmp_path_factory, tiny_model_dir):
+    """The control host: an embedded instance in a folder only root reads, the store shared with the worker, the
+    data plane materialized once. The control side writes with umask 000 so that the worker may add to its folders."""
+    root = tmp_path_factory.mktemp("remote")
+    home = root / "dagster_home"
+    home.mkdir(mode=0o700)
+    store_dir = worker_host.store / "module-a"
+    data = root / "toolcalls.jsonl"
+    data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:SAMPLE_LINES]))
+    config = run_config(tiny_model_dir, steps=24, lr=0.01)
+    config["ops"]["lora_adapter"]["config"] = settings()
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    umask = os.umask(0)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DAGSTER_HOME", str(home))
+            mp.setenv("FT_HOME", str(root / "ft"))
+            mp.setenv("FT_STORE", str(store_dir))
+            mp.setenv("OMP_NUM_THREADS", "1")
+            argv = ["run", "--dataset", str(data), "--name", "toolcalls", "--version", VERSION, "--until", "data",
+                    "--config", str(root / "run.yaml"), "--in-process"]  # fmt: skip
+            from ft_assets.cli import main
+
+            assert main(argv) == 0, "the data plane failed"
+            yield {"root": root, "data": data, "store": LocalStore(store_dir), "config": root / "run.yaml",
+                   "home": home}  # fmt: skip
+    finally:
+        os.umask(umask)
+
+
+def worker_pids(worker_host) -> list[int]:
+    """The workers' pids (``worker.pid`` of each attempt folder in the worker user's home) that still run."""
+    pids = []
+    for path in (Path(worker_host.account.pw_dir) / "ft-assets-worker").glob("*/worker.pid"):
+        pid = int(path.read_text().strip() or 0)
+        if pid and Path(f"/proc/{pid}").exists():
+            pids.append(pid)
+    return pids
+
+
+def checkpoints(store: LocalStore) -> set[str]:
+    return {k for k in store.list(f"runs/toolcalls/{VERSION}/train") if "/checkpoint-" in k and k.endswith("manifest.json")}
+
+
+class WhenTraining(threading.Thread):
+    """Calls ``act(pid)`` with the worker's pid once it runs (and, with ``after_checkpoint``, has saved one)."""
+
+    def __init__(self, worker_host, store, act, after_checkpoint: bool):
+        super().__init__(daemon=True)
+        self.worker_host, self.store, self.act, self.after_checkpoint = worker_host, store, act, after_checkpoint
+        self.before = checkpoints(store)
+        self.pid, self.environ, self.error, self.stop = None, None, None, threading.Event()
+
+    def run(self):
+        deadline = time.monotonic() + WAIT_S
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                pids = worker_pids(self.worker_host)
+                if pids and (not self.after_checkpoint or checkpoints(self.store) - self.before):
+                    self.pid = pids[0]
+                    self.environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
+                    self.act(self.pid)
+                    return
+                time.sleep(0.2)
+        except Exception as exc:  # reported by the test
+            self.error = exc
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+
+@pytest.mark.integration
+def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapter(
+    remote_home, worker_host, capsys, tmp_path, monkeypatch
+):
+    store = remote_home["store"]
+    for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    umask = os.umask(0)
+    try:
+        with WhenTraining(worker_host, store, lambda pid: os.kill(pid, 9), after_checkpoint=True) as killer:
+            code, summary, err = run_cli(
+                capsys, "run", "--dataset", str(remote_home["data"]), "--name", "toolcalls", "--version", VERSION,
+                "--until", "training", "--config", str(remote_home["config"]), "--gpu", worker_host.target(),
+                "--in-process", "--json",
+            )  # fmt: skip
+    finally:
+        os.umask(umask)
+    assert killer.error is None and killer.pid, killer.error
+    assert code == 0, err
+    environ = {line.split(b"=", 1)[0].decode() for line in killer.environ if b"=" in line}
+    assert not {name for name in environ if name.startswith(("DAGSTER", "PG")) or name == "FT_HOME"}, environ
+    assert not os.access(remote_home["home"], os.R_OK) or os.getuid() == 0  # the home is root's alone (mode 0700)
+    assert oct(remote_home["home"].stat().st_mode & 0o777) == "0o700"
+
+    adapter = read_ref(store, KEY, "lora_adapter")
+    stats = adapter["stats"]
+    assert stats["gpu_target"].startswith("ssh://ftworker@127.0.0.1")
+    outcomes = [a["outcome"] for a in stats["attempts"]]
+    assert outcomes == ["killed", "finished"], stats["attempts"]
+    assert stats["attempts"][0]["exit_code"] == 137 and stats["steps"] == 24 and stats["resumed_from_step"] >= 8
+    assert all(a["worker"].get("host") for a in stats["attempts"])
+    instance = dg.DagsterInstance.get()
+    try:
+        [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, tags={TARGET_TAG: worker_host.target()}))
+        said = [e.message or "" for e in instance.all_logs(run.run_id)]
+    finally:
+        instance.dispose()
+    assert any(m.startswith("starting attempt 2 of this run's worker on ssh://") for m in said)
+    assert any("was killed after" in m and "resumes from the newest complete checkpoint" in m for m in said)
+    assert any(m.startswith("attempt 1 on ") and "fetching the base model" in m for m in said)  # the worker's own
+    assert any("resuming" in m.lower() for m in said), said[-20:]  # the recipe's resume line, sent through Pipes
+
+    inputs = {name: read_ref(store, KEY, name)["prefix"] for name in ("base_model", "tokenized_shards")}
+    for name, prefix in inputs.items():
+        fetch_artifact(store, prefix, tmp_path / name)
+    reference = train(TrainingConfig(**settings()), tmp_path / "base_model", tmp_path / "tokenized_shards",
+                      LocalStore(tmp_path / "ref"), "runs/ref/v/train/ref", tmp_path / "work", log=lambda line: None)  # fmt: skip
+    fetch_artifact(store, adapter["prefix"], tmp_path / "adapter")
+    assert_same_weights(load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+                        load_file(reference.output_dir / "adapter_model.safetensors"))  # fmt: skip
+
+
+@pytest.mark.integration
+def test_terminating_the_run_cancels_its_worker(remote_home, worker_host, monkeypatch):
+    store = remote_home["store"]
+    for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    config = {"ops": {"lora_adapter": {"config": settings(max_steps=400, save_steps=100, seed=4)}}}
+    instance = dg.DagsterInstance.get()
+    umask = os.umask(0)
+    try:
+
+        def terminate(pid):
+            [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, statuses=[dg.DagsterRunStatus.STARTED]))
+            assert instance.run_launcher.terminate(run.run_id)
+
+        with WhenTraining(worker_host, store, terminate, after_checkpoint=False) as watcher:
+            with PlaneLauncher(instance, False, {"training": {TARGET_TAG: worker_host.target()}}) as planes:
+                with pytest.raises(PlaneFailed):
+                    planes.run(TRAINING_PLANE, "training", KEY, config)
+        assert watcher.error is None and watcher.pid, watcher.error
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{watcher.pid}").exists():
+            assert time.monotonic() < deadline, "the worker still runs after its run was terminated"
+            time.sleep(0.5)
+        assert not [k for k in store.list(f"runs/toolcalls/{VERSION}/train") if k.endswith("pipes/worker.json")]
+    finally:
+        os.umask(umask)
+        instance.dispose()
+
+
+def test_a_worker_left_running_is_cancelled_and_its_secrets_stay_out_of_its_command_line(worker_host, tmp_path):
+    target = parse_target(worker_host.target())
+    secret = "planted-secret-" + os.urandom(6).hex()
+    launch = WorkerLaunch("leftover", "http.server", ("0", "--bind", "127.0.0.1"), {"AWS_DEFAULT_REGION": "x"},
+                          {"AWS_SECRET_ACCESS_KEY": secret})  # fmt: skip
+    handle = target.launch(launch)
+    folder = Path(worker_host.account.pw_dir) / handle["folder"]
+    deadline = time.monotonic() + 30
+    while not (folder / "worker.pid").is_file():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pid = int((folder / "worker.pid").read_text())
+    assert target.poll(handle).running
+    assert not (folder / "env").exists()  # read and deleted before the worker started
+    assert secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            assert secret.encode() not in (proc / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    store = LocalStore(tmp_path / "store")
+    store.put_json("run/pipes/worker.json", {"target": target.describe(), "handle": handle, "attempt": 1,
+                                             "dagster_run": "earlier"})  # fmt: skip
+    said = []
+    cancel_leftover(target, store, "run/pipes/worker.json", said.append)
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert not target.poll(handle).running and not store.exists("run/pipes/worker.json")
+    assert said and "still running on ssh://" in said[0] and "cancelling it" in said[0]
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, ssh://..."),
+        ("ssh://host?pyhton=/x", "unknown setting(s) pyhton"),
+        ("ssh://user:pw@host", "no password in the URL"),
+        ("ssh://host:port", "the port is not a number"),
+    ],
+)
+def test_a_target_that_cannot_be_used_is_refused_in_one_line(text, said):
+    with pytest.raises(TargetError, match=None) as caught:
+        parse_target(text)
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_ft_assets_run_refuses_an_unknown_target_before_anything_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    code, summary, err = run_cli(capsys, "run", "--dataset", str(SAMPLE), "--gpu", "runpod", "--json")
+    assert code != 0 and "--gpu: GPU target 'runpod': unknown kind 'runpod'" in err
+    assert not (tmp_path / "home").exists()
