@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from ft_assets.cli.launch import PlaneLauncher
 from ft_assets.cli.output import PlaneFailed
 from ft_assets.control.jobs import TRAINING_PLANE
+from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
 from ft_assets.pools import TARGET_TAG, TargetError, WorkerLaunch, parse_target
 from ft_assets.pools.session import cancel_leftover
@@ -91,7 +92,9 @@ def worker_pids(worker_host) -> list[int]:
 
 
 def checkpoints(store: LocalStore) -> set[str]:
-    return {k for k in store.list(f"runs/toolcalls/{VERSION}/train") if "/checkpoint-" in k and k.endswith("manifest.json")}
+    return {
+        k for k in store.list(f"runs/toolcalls/{VERSION}/train") if "/checkpoint-" in k and k.endswith("manifest.json")
+    }
 
 
 class WhenTraining(threading.Thread):
@@ -184,7 +187,7 @@ def test_terminating_the_run_cancels_its_worker(remote_home, worker_host, monkey
     for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
                         ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
         monkeypatch.setenv(name, str(value))
-    config = {"ops": {"lora_adapter": {"config": settings(max_steps=400, save_steps=100, seed=4)}}}
+    config = {"ops": {"lora_adapter": {"config": settings(max_steps=20000, save_steps=10000, seed=4)}}}
     instance = dg.DagsterInstance.get()
     umask = os.umask(0)
     try:
@@ -196,13 +199,16 @@ def test_terminating_the_run_cancels_its_worker(remote_home, worker_host, monkey
         with WhenTraining(worker_host, store, terminate, after_checkpoint=False) as watcher:
             with PlaneLauncher(instance, False, {"training": {TARGET_TAG: worker_host.target()}}) as planes:
                 with pytest.raises(PlaneFailed):
-                    planes.run(TRAINING_PLANE, "training", KEY, config)
+                    planes.run(defs.resolve_job_def(TRAINING_PLANE), "training", KEY, config)
         assert watcher.error is None and watcher.pid, watcher.error
         deadline = time.monotonic() + 60
         while Path(f"/proc/{watcher.pid}").exists():
             assert time.monotonic() < deadline, "the worker still runs after its run was terminated"
             time.sleep(0.5)
         assert not [k for k in store.list(f"runs/toolcalls/{VERSION}/train") if k.endswith("pipes/worker.json")]
+        [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, statuses=[dg.DagsterRunStatus.CANCELED]))
+        said = [e.message or "" for e in instance.all_logs(run.run_id)]
+        assert any(m.startswith("cancelling the worker on ssh://ftworker@127.0.0.1") for m in said), said[-10:]
     finally:
         os.umask(umask)
         instance.dispose()

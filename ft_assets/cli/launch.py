@@ -276,7 +276,9 @@ def finish_plane(
 class PlaneLauncher:
     """``launch_plane`` for each plane that runs; the code location is loaded for the first one, once."""
 
-    def __init__(self, instance: dg.DagsterInstance, verbose: bool, plane_tags: Mapping[str, Mapping] = MappingProxyType({})):
+    def __init__(
+        self, instance: dg.DagsterInstance, verbose: bool, plane_tags: Mapping[str, Mapping] = MappingProxyType({})
+    ):
         self.instance, self.verbose, self.plane_tags = instance, verbose, plane_tags  # plane -> its runs' extra tags
         self.stack = ExitStack()
         self.context: WorkspaceProcessContext | None = None

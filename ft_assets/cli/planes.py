@@ -121,7 +121,12 @@ def wait_for_partition(store: ObjectStore, instance: dg.DagsterInstance, key: st
 
 
 def run_plane(
-    instance: dg.DagsterInstance, job: dg.JobDefinition, plane: str, key: str, run_config: dict, tags: dict | None = None
+    instance: dg.DagsterInstance,
+    job: dg.JobDefinition,
+    plane: str,
+    key: str,
+    run_config: dict,
+    tags: dict | None = None,
 ) -> list[str]:
     """Execute one plane's job for a partition (``tags`` besides ft-assets' own: the training plane's GPU target);
     like the daemon's run retries, a preempted run is rerun.

@@ -15,7 +15,8 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
   that restarted mid-run) finds a worker still running there and cancels it before starting its own, so one run
   never pays for two workers; the new attempt resumes from the checkpoint.
 - Terminating the run (the UI, Ctrl-C of ``ft-assets run``) interrupts the wait: the worker is cancelled before
-  the step ends.
+  the step ends. A termination that comes while the worker is being started waits until its handle is kept
+  (Dagster's ``capture_interrupts``), so a worker is never started without a way to stop it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, PipesEnvContextInjector
+from dagster._utils.interrupts import capture_interrupts, check_captured_interrupt
 
 from ft_assets.pools import Target, WorkerLaunch, WorkerState
 from ft_assets.storage import ObjectNotFound, ObjectStore
@@ -94,7 +97,10 @@ def outcome_of(state: WorkerState) -> str:
 
 def worker_environment(environ: Mapping[str, str]) -> tuple[dict, dict]:
     """(plain settings, secrets) of the store that the worker needs from this host's environment; nothing else."""
-    return ({k: environ[k] for k in REMOTE_ENV if environ.get(k)}, {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)})
+    return (
+        {k: environ[k] for k in REMOTE_ENV if environ.get(k)},
+        {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)},
+    )
 
 
 def cancel_leftover(target: Target, store: ObjectStore, record_key: str, log: Callable[[str], None]) -> None:
@@ -134,7 +140,9 @@ def train_remote(
         key_prefix = f"{pipes_prefix}/{number:03d}"
         started = time.monotonic()
         with dg.open_pipes_session(
-            context=context, context_injector=PipesEnvContextInjector(), message_reader=StoreMessageReader(store, key_prefix)
+            context=context,
+            context_injector=PipesEnvContextInjector(),
+            message_reader=StoreMessageReader(store, key_prefix),
         ) as session:
             spec = {"job": job.to_json(), "pipes": session.get_bootstrap_env_vars(), "attempt": number,
                     "output": f"{job.run_prefix}/output"}  # fmt: skip
@@ -142,19 +150,28 @@ def train_remote(
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
                                   ("--store", store.url, "--job", f"{key_prefix}/job.json"), env, secrets)  # fmt: skip
             log(f"starting attempt {number} of this run's worker on {target.describe()}")
-            handle = target.launch(launch)
-            store.put_json(record_key, {"target": target.describe(), "handle": handle, "attempt": number,
-                                        "dagster_run": context.run.run_id})  # fmt: skip
+            with capture_interrupts():  # a termination during the launch is acted on once the handle is kept
+                handle = target.launch(launch)
+                store.put_json(record_key, {"target": target.describe(), "handle": handle, "attempt": number,
+                                            "dagster_run": context.run.run_id})  # fmt: skip
+                interrupted = check_captured_interrupt()
             try:
+                if interrupted:
+                    raise DagsterExecutionInterruptedError()
                 state = wait(target, handle, poll_s)
             except BaseException:  # the run was terminated (or this process interrupted): nothing left running
                 attempt.outcome = "cancelled"
-                log(f"cancelling the worker on {target.describe()} (attempt {number})")
-                target.cancel(handle)
-                store.delete(record_key)
+                with capture_interrupts():
+                    log(f"cancelling the worker on {target.describe()} (attempt {number})")
+                    target.cancel(handle)
+                    store.delete(record_key)
                 raise
             store.delete(record_key)
-        attempt.seconds, attempt.exit_code, attempt.outcome = time.monotonic() - started, state.exit_code, outcome_of(state)
+        attempt.seconds, attempt.exit_code, attempt.outcome = (
+            time.monotonic() - started,
+            state.exit_code,
+            outcome_of(state),
+        )
         messages = {m.get("kind"): m for m in session.get_custom_messages() if isinstance(m, dict)}
         attempt.identity = (messages.get(remote.WORKER_MESSAGE) or {}).get("identity")
         if attempt.outcome == "finished" and remote.RESULT_MESSAGE in messages:

@@ -64,7 +64,9 @@ class SshTarget:
         where = f"{self.user}@{self.host}" if self.user else self.host
         return f"ssh://{where}{f':{self.port}' if self.port else ''}"
 
-    def ssh(self, command: str, stdin: str | None = None, timeout: float = SSH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    def ssh(
+        self, command: str, stdin: str | None = None, timeout: float = SSH_TIMEOUT_S
+    ) -> subprocess.CompletedProcess:
         """``command`` (one shell line) on the host; its stdin from ``stdin``. The command line holds no secret."""
         argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
         if self.port:

@@ -294,7 +294,9 @@ def _train_on_target(context, target: Target, training, objective, m: Materializ
     if training.mlflow_tracking_uri or training.wandb.enabled:
         chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
         tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
-    job = WorkerJob(training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
+    job = WorkerJob(
+        training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
+    )
     try:
         result, summary = train_remote(context, target, job, m.store, os.environ)
     except TargetError as exc:

@@ -68,7 +68,9 @@ def worker_identity() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one attempt of a training run on this machine (a GPU target's worker).")
+    parser = argparse.ArgumentParser(
+        description="Run one attempt of a training run on this machine (a GPU target's worker)."
+    )
     parser.add_argument("--store", required=True, help="the object store: s3://bucket/prefix or a shared folder")
     parser.add_argument("--job", required=True, help="the attempt's job in the store (written by the control host)")
     parser.add_argument("--work-dir", type=Path, default=Path("work"), help="scratch folder (default ./work)")
