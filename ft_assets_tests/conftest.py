@@ -64,7 +64,7 @@ def tiny_model_dir(tmp_path_factory):
 SLOWEST = [  # test_image.py first: 66 s with its base, wheelhouse and layers cached, ~5 min cold
     "test_image.py", "test_slurm.py", "test_real_gemma.py", "test_vllm.py", "test_parallel.py", "test_production.py",
     "test_concurrency.py", "test_cli.py", "test_grpo.py", "test_training.py", "test_recovery.py",
-    "test_skypilot_pool.py", "test_training_asset.py", "test_benchmarks_smoke.py", "test_security.py", "test_fsdp.py",
+    "test_skypilot_pool.py", "test_training_asset.py", "test_remote_worker.py", "test_benchmarks_smoke.py", "test_security.py", "test_fsdp.py",
     "test_variants.py", "test_ui.py", "test_data_plane.py", "test_mlx_pipeline.py",
 ]  # fmt: skip
 

@@ -133,8 +133,12 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     remote_home, worker_host, capsys, tmp_path, monkeypatch
 ):
     store = remote_home["store"]
+    secret = (
+        "planted-secret-" + os.urandom(6).hex()
+    )  # the store's key (unused by a folder store): forwarded as a secret
     for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
-                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1"), ("AWS_ACCESS_KEY_ID", "planted-id"),
+                        ("AWS_SECRET_ACCESS_KEY", secret)):  # fmt: skip
         monkeypatch.setenv(name, str(value))
     umask = os.umask(0)
     try:
@@ -149,6 +153,10 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     assert killer.error is None and killer.pid, killer.error
     assert code == 0, err
     environ = {line.split(b"=", 1)[0].decode() for line in killer.environ if b"=" in line}
+    assert f"AWS_SECRET_ACCESS_KEY={secret}".encode() in killer.environ  # the secret reached the worker, and only it:
+    worker_files = [*store.root.rglob("pipes/*/*"), *Path(worker_host.account.pw_dir).rglob("ft-assets-worker/*/*.log")]
+    assert worker_files and not [f for f in worker_files if f.is_file() and secret.encode() in f.read_bytes()]
+    assert secret not in err
     assert not {name for name in environ if name.startswith(("DAGSTER", "PG")) or name == "FT_HOME"}, environ
     assert not os.access(remote_home["home"], os.R_OK) or os.getuid() == 0  # the home is root's alone (mode 0700)
     assert oct(remote_home["home"].stat().st_mode & 0o777) == "0o700"
@@ -166,6 +174,7 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
         said = [e.message or "" for e in instance.all_logs(run.run_id)]
     finally:
         instance.dispose()
+    assert not [m for m in said if secret in m]
     assert any(m.startswith("starting attempt 2 of this run's worker on ssh://") for m in said)
     assert any("was killed after" in m and "resumes from the newest complete checkpoint" in m for m in said)
     assert any(m.startswith("attempt 1 on ") and "fetching the base model" in m for m in said)  # the worker's own
