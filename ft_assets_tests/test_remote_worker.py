@@ -12,6 +12,7 @@ environment only; (d) a target that cannot be used is refused in one line before
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from ft_assets.cli.output import PlaneFailed
 from ft_assets.control.jobs import TRAINING_PLANE
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
-from ft_assets.pools import TARGET_TAG, TargetError, WorkerLaunch, parse_target
+from ft_assets.pools import TARGET_TAG, TARGETS, Target, TargetError, WorkerLaunch, parse_target
 from ft_assets.pools.session import cancel_leftover
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
@@ -273,3 +274,13 @@ def test_ft_assets_run_refuses_an_unknown_target_before_anything_runs(capsys, tm
     code, summary, err = run_cli(capsys, "run", "--dataset", str(SAMPLE), "--gpu", "runpod", "--json")
     assert code != 0 and "--gpu: GPU target 'runpod': unknown kind 'runpod'" in err
     assert not (tmp_path / "home").exists()
+
+
+def test_every_registered_target_parses_its_example_into_the_target_protocol_and_the_readme_shows_it():
+    readme = (REPO / "README.md").read_text()
+    assert TARGETS, "no GPU target is registered"
+    for scheme, spec in TARGETS.items():
+        module = importlib.import_module(spec.partition(":")[0])
+        target = parse_target(module.EXAMPLE)
+        assert isinstance(target, Target) and target.scheme == scheme, (scheme, target)
+        assert module.EXAMPLE in readme, f"README shows no --gpu example of {scheme}"

@@ -6,7 +6,8 @@ talks to it through Dagster Pipes, its messages carried by the object store (``f
 worker gets the code, the store and its run's settings, never the instance (no ``DAGSTER_HOME``, no database).
 
 Each target is one module here and one ``register`` line: it turns its URL into a ``Target``, which can start a
-worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``). ``parse_target`` is the one
+worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``), and gives an ``EXAMPLE`` of
+its URL (the README shows it; a checklist test parses it). ``parse_target`` is the one
 reader of a target's text; an unknown scheme is refused in one line that lists the known ones.
 
 | target | module | the worker runs |

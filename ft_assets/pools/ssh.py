@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
 
+EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # the README's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
 CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
