@@ -8,9 +8,10 @@ Two such leaks once failed tests far from their cause, and only in full runs:
   the variable then goes back to an instance an earlier test already deleted, and a later ``dg.materialize``
   fails with sqlite's "unable to open database file". So every entry is recorded with where it was made, and a
   test that ends with one of its own still open fails, naming the line that entered it.
-- **SIGTERM's disposition and mask.** A child process inherits an ignored or blocked SIGTERM across exec, and a
-  shell started so cannot trap it; a handler left behind (``ray.init``'s, say) changes what SIGTERM does to the
-  test process itself.
+- **SIGTERM's disposition and mask, and SIGINT's disposition.** A child process inherits an ignored or blocked
+  SIGTERM across exec, and a shell started so cannot trap it; a handler left behind (``ray.init``'s, say) changes
+  what SIGTERM does to the test process itself. An ignored SIGINT is inherited too (a Python child then keeps it
+  ignored), and Dagster maps SIGTERM to SIGINT's handler, so it ends up ignoring SIGTERM as well.
 
 A test that leaked gets an error in its teardown naming what (the test itself passed or failed as it did); the
 state is put back first and its leftovers collected, so the tests after it run as they would alone.
@@ -58,15 +59,28 @@ defs_state.set_defs_state_storage = _recorded_set_defs_state_storage  # DagsterI
 setup_interrupt_handlers()
 
 
-def sigterm_state() -> tuple[object, bool]:
-    """SIGTERM's handler in this process and whether this thread blocks it."""
-    return signal.getsignal(signal.SIGTERM), signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+def ignored_by_the_os() -> str:
+    """Which of SIGINT and SIGTERM the kernel has as ignored for this process (``SigIgn`` in /proc/self/status): what
+    a child inherits, also when native code set it behind Python's back (``signal.getsignal`` would not tell)."""
+    with open("/proc/self/status") as status:
+        mask = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+    return ",".join(s.name for s in (signal.SIGINT, signal.SIGTERM) if mask & (1 << (s - 1))) or "none"
 
 
-def restore_sigterm(state: tuple[object, bool]) -> None:
-    handler, blocked = state
+def sigterm_state() -> tuple[object, bool, object, str]:
+    """SIGTERM's handler in this process, whether this thread blocks it, SIGINT's handler (Dagster maps SIGTERM
+    to it: an ignored SIGINT is inherited by every child, and makes the next mapping ignore SIGTERM too), and which
+    of the two the kernel has as ignored."""
+    blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return signal.getsignal(signal.SIGTERM), blocked, signal.getsignal(signal.SIGINT), ignored_by_the_os()
+
+
+def restore_sigterm(state: tuple[object, bool, object, str]) -> None:
+    handler, blocked, interrupt, _ = state
     if handler is not None:  # None: a handler set outside Python, which Python cannot put back
         signal.signal(signal.SIGTERM, handler)
+    if interrupt is not None:  # setting it again also puts the kernel's disposition back
+        signal.signal(signal.SIGINT, interrupt)
     signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, [signal.SIGTERM])
 
 
@@ -90,7 +104,7 @@ def left_as_found() -> Iterator[None]:
     if sigterm_state() != sigterm:
         now = sigterm_state()
         restore_sigterm(sigterm)
-        changed.append(f"changed SIGTERM's handler or mask from {sigterm} to {now}")
+        changed.append(f"changed SIGTERM's handler or mask (or SIGINT's handler) from {sigterm} to {now}")
     if changed:
         pytest.fail("; and ".join(changed) + " (put back for the next test)", pytrace=False)
 

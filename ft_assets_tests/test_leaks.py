@@ -40,6 +40,10 @@ def test_blocks_sigterm():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
 
 
+def test_ignores_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_sees_sigterm_as_it_was():
     assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler  # Dagster's mapping, as in a dagster CLI
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -66,19 +70,26 @@ def test_a_leaking_test_is_named_with_what_it_left_and_the_next_test_sees_the_st
     )  # fmt: skip
     out = done.stdout
     errors = {line.split(" - ")[0]: line for line in out.splitlines() if line.startswith("ERROR ")}
+    expected = ("enters_an_instance_and_keeps_it", "ignores_sigterm", "blocks_sigterm", "ignores_sigint",
+                "in_a_module_whose_fixture_leaks")  # fmt: skip
+    assert set(errors) == {f"ERROR test_sample.py::test_{name}" for name in expected}, out + done.stderr
     entered = errors.pop("ERROR test_sample.py::test_enters_an_instance_and_keeps_it")
     assert f"left 1 Dagster instance(s) entered, at {tmp_path}/test_sample.py:11 " in entered, entered
     ignored = errors.pop("ERROR test_sample.py::test_ignores_sigterm")
     assert (
-        "changed SIGTERM's handler or mask from (<built-in function default_int_handler>, False) to (<Handlers.SIG_IGN: 1>"
-        in ignored
+        "changed SIGTERM's handler or mask (or SIGINT's handler) from (<built-in function default_int_handler>, False, "
+        "<built-in function default_int_handler>, 'none') to (<Handlers.SIG_IGN: 1>, False" in ignored
     )
     blocked = errors.pop("ERROR test_sample.py::test_blocks_sigterm")
-    assert "to (<built-in function default_int_handler>, True)" in blocked
+    assert (
+        "to (<built-in function default_int_handler>, True, <built-in function default_int_handler>, 'none')" in blocked
+    )
+    sigint = errors.pop("ERROR test_sample.py::test_ignores_sigint")
+    assert "to (<built-in function default_int_handler>, False, <Handlers.SIG_IGN: 1>, 'SIGINT')" in sigint, sigint
     module = errors.pop("ERROR test_sample.py::test_in_a_module_whose_fixture_leaks")  # at the module's end
     assert "changed SIGTERM's handler" in module and "<lambda>" in module and "Dagster" not in module
     assert not errors, errors
-    assert "6 passed, 4 errors" in out, out  # test_sees_sigterm_as_it_was passed after the two SIGTERM leaks
+    assert "7 passed, 5 errors" in out, out  # test_sees_sigterm_as_it_was passed after the two SIGTERM leaks
 
 
 def test_sigterm_handler_kept_puts_back_what_ray_init_replaces():

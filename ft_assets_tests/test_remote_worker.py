@@ -21,6 +21,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
+from dagster._check import CheckError
+from dagster._core.launcher.base import LaunchRunContext, RunLauncher
+from dagster._core.test_utils import create_run_for_test
+from dagster._serdes import ConfigurableClass
 from safetensors.torch import load_file
 
 from ft_assets.cli.launch import PlaneLauncher
@@ -29,6 +33,7 @@ from ft_assets.control.jobs import TRAINING_PLANE
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
 from ft_assets.pools import TARGET_TAG, TARGETS, Target, TargetError, WorkerLaunch, parse_target
+from ft_assets.pools import ssh as ssh_target
 from ft_assets.pools.session import cancel_leftover
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
@@ -236,6 +241,9 @@ def test_a_worker_left_running_is_cancelled_and_its_secrets_stay_out_of_its_comm
         assert time.monotonic() < deadline
         time.sleep(0.1)
     pid = int((folder / "worker.pid").read_text())
+    while b"http.server" not in Path(f"/proc/{pid}/cmdline").read_bytes():  # forked, not yet exec'd: the shell's env
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert target.poll(handle).running
     assert not (folder / "env").exists()  # read and deleted before the worker started
     assert secret.encode() in Path(f"/proc/{pid}/environ").read_bytes()
@@ -284,3 +292,64 @@ def test_every_registered_target_parses_its_example_into_the_target_protocol_and
         target = parse_target(module.EXAMPLE)
         assert isinstance(target, Target) and target.scheme == scheme, (scheme, target)
         assert module.EXAMPLE in readme, f"README shows no --gpu example of {scheme}"
+
+
+class Recorder(RunLauncher, ConfigurableClass):
+    """A pool's launcher that only records the runs it is handed (the pool's routing is what is tested)."""
+
+    def __init__(self, inst_data=None):
+        self._inst_data = inst_data
+        super().__init__()
+
+    @property
+    def inst_data(self):
+        return self._inst_data
+
+    @classmethod
+    def config_type(cls):
+        return {}
+
+    @classmethod
+    def from_config_value(cls, inst_data, config_value):
+        return cls(inst_data)
+
+    def launch_run(self, context) -> None:
+        pass
+
+    def terminate(self, run_id: str) -> bool:
+        return False
+
+
+def pool_instance(target: str):
+    recorder = {"module": __name__, "class": "Recorder"}
+    pools = {"gpu": {**recorder, "target": target}, "cpu": recorder}
+    launcher = {"module": "ft_assets.control.launcher", "class": "PoolRunLauncher", "config": {"pools": pools}}
+    return dg.instance_for_test(overrides={"run_launcher": launcher})
+
+
+def test_the_gpu_pools_target_tags_its_runs_and_a_runs_own_target_wins():
+    with pool_instance(ssh_target.EXAMPLE) as instance:
+        for own, expected in ((None, ssh_target.EXAMPLE), ("ssh://other-box", "ssh://other-box")):
+            run = create_run_for_test(
+                instance, job_name=TRAINING_PLANE, tags={"ft/pool": "gpu", **({TARGET_TAG: own} if own else {})}
+            )
+            instance.run_launcher.launch_run(LaunchRunContext(run, None))
+            assert instance.get_run_by_id(run.run_id).tags[TARGET_TAG] == expected
+            said = [e.message or "" for e in instance.all_logs(run.run_id)]
+            assert any(f"lora_adapter trains on {parse_target(expected).describe()}" in m for m in said), said
+        cpu = create_run_for_test(instance, job_name="data_plane", tags={"ft/pool": "cpu"})
+        instance.run_launcher.launch_run(LaunchRunContext(cpu, None))
+        assert TARGET_TAG not in instance.get_run_by_id(cpu.run_id).tags
+        wrong = create_run_for_test(
+            instance, job_name=TRAINING_PLANE, tags={"ft/pool": "gpu", TARGET_TAG: "gpu-cloud://x"}
+        )
+        instance.run_launcher.launch_run(LaunchRunContext(wrong, None))
+        assert instance.get_run_by_id(wrong.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert any("ft-assets refused this run: GPU target 'gpu-cloud://x': unknown kind" in (e.message or "")
+                   for e in instance.all_logs(wrong.run_id))  # fmt: skip
+
+
+def test_a_gpu_pool_target_that_cannot_be_used_stops_the_instance_in_one_line():
+    with pool_instance("ssh://host?pyhton=/x") as instance:
+        with pytest.raises(CheckError, match=r"pools.gpu.target: GPU target .* unknown setting\(s\) pyhton"):
+            instance.run_launcher  # noqa: B018 (loading the launcher is the test)

@@ -13,6 +13,10 @@ Two pieces, both configured in ``dagster.yaml``:
   ``nvidia.com/gpu`` limits or ``SlurmRunLauncher`` (``ft_assets.control.slurm``) for ``gpu``) and hands
   each run to the launcher of its pool, and run monitoring's health checks and resumes to it.
 
+The gpu pool may name a GPU target (``target``, ``ft_assets.pools``): its runs then stay with the pool's launcher
+(the control host's ``DefaultRunLauncher``) and ``lora_adapter`` sends only the training to the target; the
+launcher tags each gpu run ``ft/gpu-target`` with it unless the run names its own (``ft-assets run --gpu``).
+
 A training run asks its pool for the GPUs its training settings need: ``num_processes`` per node
 (``gpus_per_node``), read from the run config's lora_adapter settings by ``run_training_config``, the
 one reader ``training_plan`` plans with too, so the GPUs asked for are the GPUs planned for.
@@ -51,6 +55,7 @@ from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordi
 from dagster._core.storage.dagster_run import DagsterRun
 from dagster._serdes import ConfigurableClass, ConfigurableClassData
 
+from ft_assets.pools import TARGET_TAG, TargetError, parse_target
 from ft_assets.training.settings import run_training_config
 
 POOL_TAG = "ft/pool"
@@ -169,6 +174,10 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
         check.invariant(not missing, f"PoolRunLauncher needs pools {sorted(missing)} in dagster.yaml")
         self._pool_specs = pools
         self._launchers: dict[str, RunLauncher] = {}
+        try:  # a target that cannot be used stops the instance from loading, with its one line
+            parse_target(pools[GPU].get("target"))
+        except TargetError as exc:
+            raise check.CheckError(f"run_launcher.config.pools.gpu.target: {exc}") from None
         super().__init__()
 
     @property
@@ -178,7 +187,17 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
     @classmethod
     def config_type(cls):
         launcher = Shape(
-            {"module": str, "class": str, "config": Field(Permissive(), is_required=False, default_value={})}
+            {
+                "module": str,
+                "class": str,
+                "config": Field(Permissive(), is_required=False, default_value={}),
+                "target": Field(
+                    str,
+                    is_required=False,
+                    description="gpu pool: where lora_adapter's GPU work runs (ft_assets.pools), e.g. "
+                    "ssh://me@gpu-box?python=/opt/venv/bin/python; the run itself stays with this pool's launcher",
+                ),
+            }
         )
         return {"pools": Shape({GPU: launcher, CPU: launcher})}
 
@@ -204,17 +223,23 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
         pool = self._pool_of(run)
         inner = self.launcher(pool)
         tags = {POOL_TAG: pool}
+        where = ""
         if pool == GPU:
+            target = run.tags.get(TARGET_TAG) or self._pool_specs[GPU].get("target")  # the run's own wins
             try:
                 gpus = gpus_per_node(run.run_config)
-            except ValueError as exc:
+                remote = parse_target(target)
+            except ValueError as exc:  # a TargetError too
                 self._instance.report_engine_event(f"ft-assets refused this run: {exc}", run, cls=self.__class__)
                 self._instance.report_run_failed(run)
                 return
             tags.update(gpu_request_tags(type(inner).__name__, gpus, run.tags))
+            if remote is not None:
+                tags[TARGET_TAG] = target
+                where = f"; lora_adapter trains on {remote.describe()}"
         self._instance.add_run_tags(run.run_id, tags)
         self._instance.report_engine_event(
-            f"ft-assets routed this run to the {pool} pool ({type(inner).__name__})", run, cls=self.__class__
+            f"ft-assets routed this run to the {pool} pool ({type(inner).__name__}){where}", run, cls=self.__class__
         )
         inner.launch_run(LaunchRunContext(self._instance.get_run_by_id(run.run_id), context.workspace))
 
