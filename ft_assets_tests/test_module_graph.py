@@ -12,6 +12,7 @@ The planes, and the one direction imports run (``ALLOWED``)::
 - core: the package's top-level modules (``layout``, ``storage``, ``manifests``, ``refs``, ``shards``,
   ``materialize``, ``rewards``, ``portable``, ``generation``, ...) and ``ft_assets.objectives``, which
   names its pieces in the planes as ``module:name`` and imports none of them. Core imports no plane.
+- ``ft_assets.pools`` (the GPU targets a training run's worker goes to) is part of the training plane.
 - data imports core; training imports data and core; delivery imports training, data and core; control
   (the planner, the cost model, the sensors) imports training, data and core, never delivery.
 
@@ -36,6 +37,7 @@ import ft_assets
 PACKAGE = Path(ft_assets.__file__).parent
 DATA_PLANE = "ft_assets.data"
 PLANES = ("data", "training", "delivery", "control", "cli")  # a subpackage each; every other module is core
+PART_OF = {"pools": "training"}  # subpackages of a plane that sit beside it: the GPU targets the training plane runs on
 ALLOWED = {  # plane -> the planes its modules may import (its own included)
     "core": {"core"},
     "data": {"core", "data"},
@@ -113,6 +115,8 @@ def plane_of(module: str) -> str:
     """The plane a module belongs to: its subpackage under ``PLANES``, ``cli`` for ``definitions`` (it assembles
     every plane), else ``core``."""
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] in PART_OF:
+        return PART_OF[parts[1]]
     if len(parts) > 1 and parts[1] in PLANES:
         return parts[1]
     return "cli" if parts[1:] == ["definitions"] else "core"
