@@ -265,7 +265,10 @@ def test_a_worker_left_running_is_cancelled_and_its_secrets_stay_out_of_its_comm
 @pytest.mark.parametrize(
     "text, said",
     [
-        ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, ssh://..."),
+        ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, slurm://..., ssh://..."),
+        ("slurm://login.example.edu", "write slurm://[user@]login-host[:port]/partition"),
+        ("slurm://login.example.edu/gpu?gpus=0", "gpus=0 is not a count of GPUs >= 1"),
+        ("slurm://login.example.edu/gpu?partition=a100", "unknown setting(s) partition"),
         ("ssh://host?pyhton=/x", "unknown setting(s) pyhton"),
         ("ssh://user:pw@host", "no password in the URL"),
         ("ssh://host:port", "the port is not a number"),

@@ -25,7 +25,7 @@ from ft_assets.control.shutdown import (
     idle_gpu_worker_sensor,
     stop_idle_workers,
 )
-from ft_assets.control.slurm import JobState
+from ft_assets.pools.slurm_cli import JobState
 from ft_assets.training.ec2_metadata import WORKER_TAG
 
 S = dg.DagsterRunStatus

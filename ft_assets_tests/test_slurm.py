@@ -40,19 +40,18 @@ from safetensors.torch import load_file
 from ft_assets.cli import main
 from ft_assets.cli.launch import QUEUE_DAEMON, PlaneLauncher
 from ft_assets.cli.output import PlaneFailed
+from ft_assets.cli.planes import run_plane
+from ft_assets.pools import TARGET_TAG
 from ft_assets.control.launcher import POOL_TAG, PoolRunLauncher
-from ft_assets.control.slurm import (
-    Container,
+from ft_assets.control.slurm import Container, SlurmRunLauncher, batch_script, worker_health
+from ft_assets.pools.slurm_cli import (
     JobRequest,
     JobState,
     SlurmError,
-    SlurmRunLauncher,
     SshTarget,
-    batch_script,
     parse_job_id,
     parse_sacct,
     parse_squeue,
-    worker_health,
 )
 from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
 from ft_assets.refs import read_ref
@@ -757,3 +756,45 @@ def test_the_idle_sensor_cancels_a_slurm_job_whose_run_has_ended(slurm_prod):
         assert cluster.state(jobs["not-a-run-of-this-instance"]) in ("PENDING", "RUNNING")
     finally:
         cluster.run("scancel", *jobs.values(), check=False)
+
+
+@pytest.mark.integration
+def test_the_slurm_target_trains_in_a_job_that_holds_no_instance_setting(slurm_prod, tmp_path):
+    """``--gpu slurm://localhost/gpu``: the run stays in this process, only the worker is an sbatch job (Pipes through
+    the store), submitted with --export=NONE so the database settings in this environment stay here."""
+    instance, store = slurm_prod["instance"], slurm_prod["store"]
+    jobs = slurm_prod["root"] / "target-jobs"
+    target = f"slurm://localhost/gpu?python={sys.executable}&workdir={jobs}&time=10:00"
+    seen = {}
+
+    def watch(stop: threading.Event):
+        while not stop.is_set():
+            for pid_file in jobs.glob("*/worker.pid"):
+                pid = int(pid_file.read_text().strip() or 0)
+                if (
+                    pid
+                    and Path(f"/proc/{pid}/cmdline").is_file()
+                    and b"remote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                ):
+                    seen["environ"] = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    return
+            time.sleep(0.1)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+    watcher.start()
+    config = {"ops": {"lora_adapter": {"config": {**train_settings(), "max_steps": 12, "save_steps": 6, "seed": 7}}}}
+    try:
+        [run_id] = run_plane(instance, TRAINING_PLANE, "training", KEY, config, {TARGET_TAG: target})
+    finally:
+        stop.set()
+    assert instance.get_run_by_id(run_id).status == DagsterRunStatus.SUCCESS
+    stats = read_ref(store, KEY, "lora_adapter")["stats"]
+    assert stats["gpu_target"] == target and stats["steps"] == 12
+    assert [a["outcome"] for a in stats["attempts"]] == ["finished"]
+    names = {line.split(b"=", 1)[0].decode() for line in seen.get("environ", []) if b"=" in line}
+    assert "SLURM_JOB_ID" in names, names  # it ran as a Slurm job
+    assert not {n for n in names if n.startswith(("DAGSTER", "PG")) or n == "FT_HOME"}, names
+    said = events(instance, run_id)
+    assert any(m.startswith("starting attempt 1 of this run's worker on slurm://localhost/gpu") for m in said)
+    assert any("fetching the base model" in m for m in said)  # the worker's own line, through Pipes

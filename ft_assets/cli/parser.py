@@ -47,7 +47,8 @@ def add_run(sub) -> None:
     run.add_argument(
         "--gpu", metavar="TARGET",
         help="where the training plane's GPU work runs: local (default: this machine), or "
-        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into; the run stays here)",
+        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into), or "
+        "slurm://[user@]login-host/partition?python=PATH (an sbatch job per attempt); the run itself stays here",
     )  # fmt: skip
     run.add_argument(
         "--force", action="store_true", help="rerun planes that are already materialized from the same inputs"

@@ -61,7 +61,8 @@ from pydantic import Field
 from ft_assets.control.cost_model import CostModel
 from ft_assets.control.rented_workers import RentedWorkersResource, rented_tick
 from ft_assets.control.launcher import GPU, POOL_TAG, PoolRunLauncher
-from ft_assets.control.slurm import JobState, SlurmError, SlurmRunLauncher
+from ft_assets.control.slurm import SlurmRunLauncher
+from ft_assets.pools.slurm_cli import JobState, SlurmError
 from ft_assets.training.ec2_metadata import WORKER_TAG
 
 ROLE_TAG_KEY = "ft-assets:role"  # EC2 instance tag that marks a machine as ours to stop

@@ -14,6 +14,7 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 |---|---|---|
 | ``local`` | (none) | in the run's own process, as without a target |
 | ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.pools.ssh`` | on any host you can ssh into |
+| ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.pools.slurm`` | as an ``sbatch`` job per attempt |
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def register(scheme: str, parser: str) -> None:
 
 
 register("ssh", "ft_assets.pools.ssh:parse")
+register("slurm", "ft_assets.pools.slurm:parse")
 
 
 def scheme_of(text: str) -> str:
