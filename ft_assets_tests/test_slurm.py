@@ -31,6 +31,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
+from dagster._check import CheckError
 from dagster._config import process_config
 from dagster._config.field_utils import convert_potential_field
 from dagster._core.launcher.base import LaunchRunContext, WorkerStatus
@@ -278,6 +279,14 @@ def test_the_slurm_example_matches_the_launchers_own_schema():
     assert monitoring["enabled"] and monitoring["max_resume_run_attempts"] >= 1  # a requeued job resumes its run
 
 
+def test_the_examples_gpu_tier_is_an_offering_and_an_unknown_one_is_refused_when_the_instance_loads(tmp_path):
+    config = example_block()["config"]["pools"]["gpu"]["config"]
+    assert config["env"]["FT_GPU_TIER"] == "a100-80gb" and "FT_RENTAL_MODE" not in config["env"]  # billed as slurm
+    SlurmRunLauncher(work_dir=str(tmp_path), env={"FT_GPU_TIER": config["env"]["FT_GPU_TIER"]})
+    with pytest.raises(CheckError, match=r"env.FT_GPU_TIER: no GPU offering named 'slurm-a100-80gb' in the cost model"):
+        SlurmRunLauncher(work_dir=str(tmp_path), env={"FT_GPU_TIER": "slurm-a100-80gb"})
+
+
 def local_block(work_dir: Path) -> dict:
     block = example_block()
     gpu = block["config"]["pools"]["gpu"]["config"]
@@ -394,7 +403,7 @@ def slurm_pool(work_dir: Path, **overrides) -> dict:
         key: value for key, value in pool["config"].items() if key not in ("ssh", "account", "qos", "setup", "env")
     }
     config.update(work_dir=str(work_dir), partition="gpu", time_limit="10:00", python=sys.executable, sbatch_options=[],
-                  env={"FT_GPU_TIER": "a100-80gb"})  # fmt: skip
+                  env={"FT_GPU_TIER": pool["config"]["env"]["FT_GPU_TIER"]})  # the example's tier; its store is S3  # fmt: skip
     return {**pool, "config": {**config, **overrides}}
 
 

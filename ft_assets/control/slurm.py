@@ -44,6 +44,7 @@ image that has no Slurm client it needs the venv path.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from dagster._core.storage.tags import MAX_RETRIES_TAG
 from dagster._grpc.types import ResumeRunArgs
 from dagster._serdes import ConfigurableClass, ConfigurableClassData
 
+from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpus_per_node
 from ft_assets.pools.slurm_cli import (
     COMMAND_TIMEOUT_S,
@@ -161,6 +163,18 @@ def worker_health(job: JobState | None, run_status: DagsterRunStatus) -> CheckRu
 # --- the launcher ----------------------------------------------------------------------------------
 
 
+def check_billing(env: Mapping[str, str]) -> None:
+    """The pool's ``FT_GPU_TIER`` must name an offering of the cost model (``FT_COST_MODEL``'s, else the shipped one):
+    refused in one line when the instance loads, not after the paid part as the cost asset's KeyError."""
+    tier = env.get("FT_GPU_TIER")
+    if not tier:
+        return
+    try:
+        load_cost_model(os.environ.get("FT_COST_MODEL") or None).offering(tier)
+    except KeyError as exc:
+        raise check.CheckError(f"SlurmRunLauncher env.FT_GPU_TIER: {exc.args[0]}") from None
+
+
 def _entry_point(args: Sequence[str], python: str | None) -> list[str]:
     """The run worker's command with the cluster's Python in place of the code location's (``python``)."""
     if not python:
@@ -194,6 +208,7 @@ class SlurmRunLauncher(RunLauncher, ConfigurableClass):
         self.defaults = dict(partition=partition, account=account, qos=qos, time_limit=time_limit)
         self.signal_grace_seconds, self.requeue, self.python = signal_grace_seconds, requeue, python
         self.setup, self.env, self.sbatch_options = tuple(setup), dict(env or {}), tuple(sbatch_options)
+        check_billing(self.env)
         self.container = (
             Container(container["runtime"], container["image"], tuple(container.get("mounts") or ()))
             if container
