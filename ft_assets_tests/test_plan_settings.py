@@ -116,6 +116,31 @@ def test_the_plan_is_made_for_the_settings_it_is_given(settings, gpus, adapter, 
     assert stats["planned_for"] == "lora_adapter of run r1" and stats["resolved"]["method"] == "lora"  # no CUDA here
 
 
+TARGET_PLANS = [  # (the run's GPU target, tier planned, rental mode, $/h: the cost model's price of that mode)
+    ("ssh://me@gpu-box", None, "spot", None),  # a host whose card is not named: as with no target, the cheapest
+    ("ssh://me@gpu-box?gpu=h100-80gb", "h100-80gb", "on_demand", 3.50),
+    ("slurm://login/a100?gpu=a100-80gb", "a100-80gb", "slurm", 1.00),
+]
+
+
+@pytest.mark.parametrize("target, tier, mode, usd_per_hour", TARGET_PLANS)
+def test_the_plan_is_made_for_the_card_the_target_names_at_its_price(target, tier, mode, usd_per_hour):
+    shards, base = refs()
+    plan = plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=False, target=target).plan
+    cheapest = plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=False).plan
+    assert (plan.tier, plan.mode) == (tier or cheapest.tier, mode) and (tier is None or tier != cheapest.tier)
+    if usd_per_hour is not None:
+        assert plan.usd_per_hour == pytest.approx(usd_per_hour)
+
+
+def test_a_target_card_the_cost_model_lacks_is_refused_in_one_line():
+    shards, base = refs()
+    with pytest.raises(ValueError, match=r"GPU target slurm://login/a100\?gpu=slurm-a100-80gb: no GPU offering named"):
+        plan_run(
+            TrainingConfig(), PlanConfig(), shards, base, cuda=False, target="slurm://login/a100?gpu=slurm-a100-80gb"
+        )
+
+
 @pytest.mark.parametrize(
     "selected, said",
     [

@@ -773,7 +773,7 @@ def test_the_slurm_target_trains_in_a_job_that_holds_no_instance_setting(slurm_p
     the store), submitted with --export=NONE so the database settings in this environment stay here."""
     instance, store = slurm_prod["instance"], slurm_prod["store"]
     jobs = slurm_prod["root"] / "target-jobs"
-    target = f"slurm://localhost/gpu?python={sys.executable}&workdir={jobs}&time=10:00"
+    target = f"slurm://localhost/gpu?gpu=a100-80gb&python={sys.executable}&workdir={jobs}&time=10:00"
     seen = {}
 
     def watch(stop: threading.Event):
@@ -801,6 +801,8 @@ def test_the_slurm_target_trains_in_a_job_that_holds_no_instance_setting(slurm_p
     stats = read_ref(store, KEY, "lora_adapter")["stats"]
     assert stats["gpu_target"] == target and stats["steps"] == 12
     assert [a["outcome"] for a in stats["attempts"]] == ["finished"]
+    plan = read_ref(store, KEY, "training_plan")["stats"]  # made for the partition's card, at its GPU-hour price
+    assert (plan["gpu_tier"], plan["rental_mode"], plan["usd_per_hour"]) == ("a100-80gb", "slurm", 1.0)
     names = {line.split(b"=", 1)[0].decode() for line in seen.get("environ", []) if b"=" in line}
     assert "SLURM_JOB_ID" in names, names  # it ran as a Slurm job
     assert not {n for n in names if n.startswith(("DAGSTER", "PG")) or n == "FT_HOME"}, names

@@ -120,7 +120,7 @@ def execute(args: argparse.Namespace, summary: dict) -> dict:
                 planes.run(launcher, plane, jobs[plane], {k: c for k, c in keys.items() if k not in planes.failed})
             if plane == "data":
                 for target, config in ({key: run_config} if not variants else keys).items():
-                    planes.update(target, plan_before_training(store, key, config))
+                    planes.update(target, plan_before_training(store, key, config, args.gpu))
                     log(f"training plan{planes.label(target)}: {plan_line(planes.figures(target))}")
         if variants and args.until == "delivery":
             planes.run(launcher, "comparison", defs.resolve_job_def(COMPARISON), {key: run_config}, always=True)

@@ -63,7 +63,7 @@ def plan_summary(plan: PlanStats) -> dict:
     }
 
 
-def plan_before_training(store: ObjectStore, partition_key: str, run_config: dict) -> dict:
+def plan_before_training(store: ObjectStore, partition_key: str, run_config: dict, target: str | None = None) -> dict:
     """The plan of the training run this run config starts, made here before the training plane is submitted, with
     training_plan's own function: a run no GPU fits is refused before anything is rented (``CliError``).
 
@@ -73,7 +73,7 @@ def plan_before_training(store: ObjectStore, partition_key: str, run_config: dic
     try:
         run = plan_run(
             run_training_config(run_config), PlanConfig(**settings), read_ref(store, partition_key, "tokenized_shards"),
-            read_ref(store, partition_key, "base_model"), torch.cuda.is_available(),
+            read_ref(store, partition_key, "base_model"), torch.cuda.is_available(), target,
         )  # fmt: skip
     except NoGpuFits as exc:
         raise CliError(f"training_plan for {partition_key}: {exc}") from exc

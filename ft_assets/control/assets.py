@@ -43,6 +43,7 @@ from ft_assets.control.planner import ModelShape, PlanRequest, Throughput, throu
 from ft_assets.control.sky_bill import adapter_bill
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
+from ft_assets.pools import TARGET_TAG, parse_target
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
@@ -100,12 +101,15 @@ class PlannedRun:
 
 
 def plan_run(
-    training: "TrainingConfig", config: PlanConfig, tokenized_shards: dict, base_model: dict, cuda: bool
-) -> PlannedRun:
-    """The plan of a training run of these settings on these shards and this base model (their references).
+    training: "TrainingConfig", config: PlanConfig, tokenized_shards: dict, base_model: dict, cuda: bool,
+    target: str | None = None,
+) -> PlannedRun:  # fmt: skip
+    """The plan of a training run of these settings on these shards and this base model (their references), on the
+    run's GPU ``target`` (its card and price where the target names one: ``Target.pinned_gpu``).
 
     training_plan's, and ``ft-assets run``'s before it submits the training plane. Raises ``NoGpuFits`` when no
-    offering fits, a ValueError (a ``CostModelError`` too) for settings the objective or the planner refuse.
+    offering fits, a ValueError (a ``CostModelError`` and a ``TargetError`` too) for settings the objective, the
+    planner or the target refuse.
     """
     base = stats_of(base_model, BaseModelStats)
     shape = ModelShape.from_config(base_model["model_config"], name=base["model_id"], params=base.get("parameters"))
@@ -116,7 +120,12 @@ def plan_run(
     resolved = training.resolve(shards["train_packed_rows"], cuda, objective)
     work = objective.step.work(training, shards, resolved)
     request = PlanRequest(shape, training, resolved.method, work)
-    return PlannedRun(training, resolved, work, plan_training(request, cost_model, config.purpose, region), region)
+    pinned = getattr(parse_target(target), "pinned_gpu", None)
+    try:
+        plan = plan_training(request, cost_model, config.purpose, region, pinned=pinned)
+    except KeyError as exc:  # the target's gpu= names no offering
+        raise ValueError(f"GPU target {target}: {exc.args[0]}") from None
+    return PlannedRun(training, resolved, work, plan, region)
 
 
 def planned_for(selected: Collection[dg.AssetKey], run_id: str) -> str:
@@ -151,7 +160,8 @@ def training_plan(
     whose = planned_for(context.job_def.asset_layer.selected_asset_keys, context.run.run_id)
     try:
         training = run_training_config(context.run.run_config)
-        run = plan_run(training, config, tokenized_shards, base_model, torch.cuda.is_available())
+        target = context.run.tags.get(TARGET_TAG)
+        run = plan_run(training, config, tokenized_shards, base_model, torch.cuda.is_available(), target)
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
     except ValueError as exc:

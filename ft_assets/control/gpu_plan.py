@@ -163,8 +163,13 @@ def plan_training(
     data_region: str | None,
     *,
     fewest_gpus: bool = False,
+    pinned: tuple[str, RentalMode] | None = None,
 ) -> TrainingPlan:
     """Cheapest fitting GPU offering for the run ``request`` describes, its rental mode, hours and cost.
+
+    ``pinned`` (offering name, rental mode): the card a GPU target has (``ft_assets.pools``: a Slurm partition's, an
+    ssh host's), planned at that mode's price; a name the cost model lacks is a KeyError, a card that does not fit
+    NoGpuFits, as for any other plan.
 
     The run's GPUs are its settings' ``num_processes`` x ``num_nodes`` with their ``parallelism``; with
     ``fewest_gpus`` (``ft-assets plan --gpus auto``) the fewest of ``GPU_COUNTS`` that fit, FSDP above one.
@@ -186,6 +191,9 @@ def plan_training(
     )  # fmt: skip
     total_tokens = round(work.tokens * factor)
     mode, warnings = rental_mode_for(purpose)
+    if pinned is not None and mode != "none":
+        name, mode = pinned
+        cost_model = cost_model.model_copy(update={"offerings": (cost_model.offering(name),)})
     if mode == "none":
         vram = estimates[counts[0]]
         return TrainingPlan(purpose, method, "none", None, None, None, vram, total_tokens, None, 0.0, 0.0, None, flops, factor,
@@ -206,6 +214,8 @@ def plan_training(
             _no_fit_message(request, estimates[counts[0]], candidates, cost_model), estimates[counts[0]], candidates
         )
     eligible = [c for c in candidates if not c.reason]
+    if not eligible and pinned is not None:
+        raise ValueError(f"the target's GPU {pinned[0]} has no {pinned[1]} price in the cost model (FT_COST_MODEL)")
     if not eligible:  # only possible on spot: nothing that fits has a spot price
         warnings.append("no offering that fits has a spot price: falling back to on-demand")
         mode = "on_demand"

@@ -6,7 +6,8 @@ worker as every target: Pipes messages through the store), so the compute node n
 instance: no database reachable from the cluster, no ``DAGSTER_HOME`` there. It is submitted with ``--export=NONE``:
 nothing of the submitting shell's environment (the control host's database settings among it) reaches the job.
 
-Settings (query): ``python`` (the cluster's Python with ft-assets, default ``python3``), ``workdir`` (on the shared
+Settings (query): ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
+it and the run billed at its ``slurm_usd_per_h``), ``python`` (the cluster's Python with ft-assets, default ``python3``), ``workdir`` (on the shared
 filesystem, default ``~/ft-assets-worker``: the job's output file, its ``env`` and ``exit.code``), ``gpus`` (per
 job, default 1), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
 repeatable: ``sbatch=--mem=64G``), and ``identity`` / ``option`` for ssh.
@@ -28,13 +29,13 @@ from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, Slu
 from ft_assets.pools.slurm_cli import SshTarget as LoginNode
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
 
-EXAMPLE = "slurm://me@login.hpc.example.edu/gpu?python=/shared/venv/bin/python&time=08:00:00"
+EXAMPLE = "slurm://me@login.hpc.example.edu/gpu?gpu=a100-80gb&python=/shared/venv/bin/python&time=08:00:00"
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the cluster account's home, on the shared filesystem
 JOB_PREFIX = "ft-worker-"  # not slurm_cli.JOB_NAME_PREFIX: the idle check reads those names as Dagster run ids
 LOCAL_HOSTS = ("localhost", "127.0.0.1")  # sbatch on this machine
 PATH = "/usr/local/bin:/usr/bin:/bin"  # --export=NONE leaves the job no PATH of the submitter's
 LOG_TAIL_LINES = 30
-SETTINGS = ("python", "workdir", "gpus", "time", "account", "qos", "sbatch", "identity", "option")
+SETTINGS = ("python", "workdir", "gpu", "gpus", "time", "account", "qos", "sbatch", "identity", "option")
 
 # The batch script's body after its #SBATCH lines: the secrets sourced and deleted, the worker in a process group of
 # its own (setsid) with SIGTERM passed on to it (a time limit's --signal=B:TERM reaches the batch shell only), its
@@ -68,8 +69,14 @@ class SlurmTarget:
     account: str | None = None
     qos: str | None = None
     sbatch: tuple[str, ...] = ()
+    gpu: str | None = None  # the partition's card as a cost-model offering: planned and billed at its slurm_usd_per_h
 
     scheme = "slurm"
+
+    @property
+    def pinned_gpu(self) -> tuple[str, str] | None:
+        """(offering, rental mode) the plan is made for: the partition's card, at its price per allocated GPU-hour."""
+        return (self.gpu, "slurm") if self.gpu else None
 
     def describe(self) -> str:
         where = (
@@ -171,4 +178,5 @@ def parse(text: str) -> SlurmTarget:
     return SlurmTarget(
         partition=partition, login=login, python=one("python", "python3"), workdir=one("workdir", DEFAULT_WORKDIR),
         gpus=int(gpus), time=one("time"), account=one("account"), qos=one("qos"), sbatch=tuple(query.get("sbatch", ())),
+        gpu=one("gpu"),
     )  # fmt: skip

@@ -2,6 +2,8 @@
 
 A pod started by hand, a lab workstation, a Lambda instance: OpenSSH's own client runs every command, so the
 user's ``~/.ssh/config``, agent and ``known_hosts`` apply (``identity=PATH`` and ``option=Key=Value`` add to them).
+``gpu=`` names the host's card as a cost-model offering: the plan is made, and the run billed, for that card at its
+on-demand price; without it the plan is the cheapest offering that fits, as for a cloud.
 Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
 
 - ``env`` (mode 0600): the worker's secrets, written through ssh's stdin by ``umask 077; cat > env``; the wrapper
@@ -58,8 +60,14 @@ class SshTarget:
     workdir: str = DEFAULT_WORKDIR
     identity: str | None = None
     options: tuple[str, ...] = ()
+    gpu: str | None = None  # the host's card as a cost-model offering (gpu=a100-80gb): planned and billed at its price
 
     scheme = "ssh"
+
+    @property
+    def pinned_gpu(self) -> tuple[str, str] | None:
+        """(offering, rental mode) the plan is made for: a host rented by the hour, at the card's on-demand price."""
+        return (self.gpu, "on_demand") if self.gpu else None
 
     def describe(self) -> str:
         where = f"{self.user}@{self.host}" if self.user else self.host
@@ -134,11 +142,11 @@ def parse(text: str) -> SshTarget:
     if parts.scheme != "ssh" or not parts.hostname:
         raise TargetError(f"GPU target {text!r}: write ssh://[user@]host[:port][?python=PATH&workdir=DIR]")
     query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = set(query) - {"python", "workdir", "identity", "option"}
+    unknown = set(query) - {"python", "workdir", "identity", "option", "gpu"}
     if unknown:
         raise TargetError(
             f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; "
-            "known: python, workdir, identity, option"
+            "known: python, workdir, identity, option, gpu"
         )
     if parts.password:
         raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
@@ -158,4 +166,5 @@ def parse(text: str) -> SshTarget:
         workdir=one("workdir", DEFAULT_WORKDIR),
         identity=one("identity", None),
         options=tuple(query.get("option", ())),
+        gpu=one("gpu", None),
     )
