@@ -56,6 +56,11 @@ defs_state.set_defs_state_storage = _recorded_set_defs_state_storage  # DagsterI
 # The suite's process is a Dagster process: Dagster's CLI maps SIGTERM to SIGINT's handler when it starts
 # (setup_interrupt_handlers), and every execution in a process (dg.materialize, execute_in_process) sets that mapping
 # again when it ends (capture_interrupts). Set from the start, it is the state every test must leave.
+# A pytest-xdist worker starts with SIGINT ignored (execnet's workers leave Ctrl-C to the controller): mapped to it,
+# SIGTERM would be ignored too, and every child would inherit both ignored (a shell that cannot trap SIGTERM, a Python
+# that never sees KeyboardInterrupt). Each worker starts as a plain Python process does instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 setup_interrupt_handlers()
 
 
