@@ -148,6 +148,7 @@ class WorkerHost:
 @pytest.fixture(scope="session")
 def worker_host():
     account = worker_account()
+    shutil.rmtree(Path(account.pw_dir) / "ft-assets-worker", ignore_errors=True)  # an interrupted session's
     root = Path(tempfile.mkdtemp(prefix="ft-assets-worker-", dir="/var/tmp"))
     root.chmod(0o755)
     venv = root / "venv"

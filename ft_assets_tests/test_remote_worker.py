@@ -88,11 +88,17 @@ def remote_home(worker_host, tmp_path_factory, tiny_model_dir):
 
 
 def worker_pids(worker_host) -> list[int]:
-    """The workers' pids (``worker.pid`` of each attempt folder in the worker user's home) that still run."""
+    """The workers' pids (``worker.pid`` of each attempt folder in the worker user's home) that still run: processes
+    of the worker user running ``ft_assets.training.remote`` (a pid is never taken on trust: pids are reused)."""
     pids = []
     for path in (Path(worker_host.account.pw_dir) / "ft-assets-worker").glob("*/worker.pid"):
         pid = int(path.read_text().strip() or 0)
-        if pid and Path(f"/proc/{pid}").exists():
+        try:
+            ours = Path(f"/proc/{pid}").stat().st_uid == worker_host.account.pw_uid
+            started = b"ft_assets.training.remote" in Path(f"/proc/{pid}/cmdline").read_bytes()  # exec'd, not forked
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if pid and ours and started:
             pids.append(pid)
     return pids
 
@@ -156,8 +162,8 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
             )  # fmt: skip
     finally:
         os.umask(umask)
-    assert killer.error is None and killer.pid, killer.error
     assert code == 0, err
+    assert killer.error is None and killer.pid, killer.error
     environ = {line.split(b"=", 1)[0].decode() for line in killer.environ if b"=" in line}
     assert f"AWS_SECRET_ACCESS_KEY={secret}".encode() in killer.environ  # the secret reached the worker, and only it:
     worker_files = [*store.root.rglob("pipes/*/*"), *Path(worker_host.account.pw_dir).rglob("ft-assets-worker/*/*.log")]

@@ -22,9 +22,10 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from secrets import token_hex
 
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
@@ -135,7 +136,8 @@ def train_remote(
     first = 1 + len(store.list_dirs(pipes_prefix))  # a re-executed run's attempts go on from the earlier ones
     attempts: list[Attempt] = []
     for number in range(first, first + max_attempts):
-        attempt = Attempt(number, f"{job.run_prefix.rsplit('/', 1)[-1]}-{number}")
+        # unique on the target even across stores and sessions: a folder or job name of an earlier run is never reused
+        attempt = Attempt(number, f"{job.run_prefix.rsplit('/', 1)[-1]}-{number}-{token_hex(3)}")
         attempts.append(attempt)
         key_prefix = f"{pipes_prefix}/{number:03d}"
         started = time.monotonic()
