@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from ft_assets_tests.sshhost import free_port, running_sshd
+from ft_assets_tests.pg import free_port
+from ft_assets_tests.sshhost import running_sshd
 
 INSTALL_HINT = (
     "`make test` installs it (scripts/install-system-deps.sh: apt-get install slurm-wlm munge openssh-server)"

@@ -28,6 +28,8 @@ from urllib.parse import quote
 
 import pytest
 
+from ft_assets_tests.pg import free_port
+
 START_TIMEOUT_S = 30.0
 WORKER_USER = "ftworker"
 WORKER_PYTHON = "/usr/bin/python3.11"  # Debian 12's: the suite's packages are built for 3.11
@@ -39,14 +41,6 @@ def need(binary: str) -> str:
     if path is None:
         pytest.fail(f"{binary} not found: {INSTALL_HINT}")
     return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

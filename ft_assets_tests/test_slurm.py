@@ -42,25 +42,25 @@ from ft_assets.cli import main
 from ft_assets.cli.launch import QUEUE_DAEMON, PlaneLauncher
 from ft_assets.cli.output import PlaneFailed
 from ft_assets.cli.planes import run_plane
-from ft_assets.pools import TARGET_TAG
 from ft_assets.control.launcher import POOL_TAG, PoolRunLauncher
 from ft_assets.control.slurm import Container, SlurmRunLauncher, batch_script, worker_health
+from ft_assets.definitions import defs
+from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
+from ft_assets.pools import TARGET_TAG
 from ft_assets.pools.slurm_cli import (
     JobRequest,
     JobState,
     SlurmError,
-    SshTarget,
     parse_job_id,
     parse_sacct,
     parse_squeue,
 )
-from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
+from ft_assets.pools.ssh import SshClient
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training import slurm_job
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.launch import WorkerJob
-from ft_assets.definitions import defs
 from ft_assets.training.recipe import train
 from ft_assets_tests.support import assert_same_weights, dagster_daemon, run_cli, run_config
 
@@ -253,7 +253,7 @@ def test_the_other_nodes_are_one_srun_step_with_a_task_per_node():
 
 
 def test_ssh_runs_the_command_quoted_on_the_login_node():
-    target = SshTarget("login.hpc", "me", 2222, "/k/id", ("StrictHostKeyChecking=yes",))
+    target = SshClient("login.hpc", "me", 2222, "/k/id", ("StrictHostKeyChecking=yes",))
     argv = target.argv(["sbatch", "--parsable"])
     assert argv[:3] == ["ssh", "-o", "BatchMode=yes"] and argv[-3:] == ["me@login.hpc", "--", "sbatch --parsable"]
     assert ["-p", "2222"] == argv[3:5] and "/k/id" in argv and "StrictHostKeyChecking=yes" in argv

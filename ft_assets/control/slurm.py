@@ -71,8 +71,8 @@ from ft_assets.pools.slurm_cli import (
     JobState,
     SlurmCli,
     SlurmError,
-    SshTarget,
 )
+from ft_assets.pools.ssh import SshClient
 from ft_assets.training.settings import run_training_config
 from ft_assets.training.slurm_job import JOB_TAG, OUTPUT_TAG, SIGNAL_FILE_ENV, STARTED_ENV
 
@@ -216,7 +216,7 @@ class SlurmRunLauncher(RunLauncher, ConfigurableClass):
         )
         if self.container is not None:
             self.container.wrap([], self.work_dir)  # a wrong runtime fails when the instance loads, not at a launch
-        target = SshTarget(ssh["host"], ssh.get("user"), ssh.get("port"), ssh.get("identity_file"),
+        target = SshClient(ssh["host"], ssh.get("user"), ssh.get("port"), ssh.get("identity_file"),
                            tuple(ssh.get("options") or ())) if ssh else None  # fmt: skip
         self.cli = SlurmCli(target, command_timeout_seconds)
         super().__init__()

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
-from ft_assets.pools.slurm_cli import SshTarget as LoginNode
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
+from ft_assets.pools.ssh import SshClient as LoginNode
 
 EXAMPLE = "slurm://me@login.hpc.example.edu/gpu?gpu=a100-80gb&python=/shared/venv/bin/python&time=08:00:00"
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the cluster account's home, on the shared filesystem

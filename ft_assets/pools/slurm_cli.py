@@ -8,11 +8,12 @@ Dagster run as a job).
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+
+from ft_assets.pools.ssh import SshClient
 
 JOB_NAME_PREFIX = "ft-assets-"  # + the run id: how the idle check finds this launcher's jobs
 DEFAULT_GRACE_S = 120  # SIGTERM this long before the time limit: a 7B LoRA checkpoint uploads in well under a minute
@@ -173,31 +174,10 @@ def parse_sacct(stdout: str) -> list[JobState]:
 
 
 @dataclass(frozen=True)
-class SshTarget:
-    """A login node reached with ``ssh`` (key auth; ``BatchMode`` so a missing key fails instead of prompting)."""
-
-    host: str
-    user: str | None = None
-    port: int | None = None
-    identity_file: str | None = None
-    options: tuple[str, ...] = ()  # more ``-o`` options, e.g. "StrictHostKeyChecking=accept-new"
-
-    def argv(self, remote: Sequence[str]) -> list[str]:
-        argv = ["ssh", "-o", "BatchMode=yes"]
-        if self.port:
-            argv += ["-p", str(self.port)]
-        if self.identity_file:
-            argv += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
-        for option in self.options:
-            argv += ["-o", option]
-        return [*argv, f"{self.user}@{self.host}" if self.user else self.host, "--", shlex.join(remote)]
-
-
-@dataclass(frozen=True)
 class SlurmCli:
     """Runs Slurm's commands here, or on the login node through ssh."""
 
-    ssh: SshTarget | None = None
+    ssh: SshClient | None = None
     timeout_s: float = COMMAND_TIMEOUT_S
 
     def run(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -30,6 +30,7 @@ from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
 
 EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # the README's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
+CONNECT_TIMEOUT_S = 15  # ssh's own: a host that does not answer is reported before SSH_TIMEOUT_S
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
 CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
 LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
@@ -49,6 +50,28 @@ while :; do
 done
 echo $status > exit.code.tmp && mv exit.code.tmp exit.code
 """
+
+
+@dataclass(frozen=True)
+class SshClient:
+    """A host reached with OpenSSH's ``ssh`` (key auth; ``BatchMode`` so a missing key fails instead of prompting):
+    the ssh target's host, and a Slurm login node (``slurm_cli.SlurmCli``)."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    options: tuple[str, ...] = ()  # more ``-o`` options, e.g. "StrictHostKeyChecking=accept-new"
+
+    def argv(self, remote: Sequence[str]) -> list[str]:
+        argv = ["ssh", "-o", "BatchMode=yes"]
+        if self.port:
+            argv += ["-p", str(self.port)]
+        if self.identity_file:
+            argv += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
+        for option in self.options:
+            argv += ["-o", option]
+        return [*argv, f"{self.user}@{self.host}" if self.user else self.host, "--", shlex.join(remote)]
 
 
 @dataclass(frozen=True)
@@ -77,14 +100,10 @@ class SshTarget:
         self, command: str, stdin: str | None = None, timeout: float = SSH_TIMEOUT_S
     ) -> subprocess.CompletedProcess:
         """``command`` (one shell line) on the host; its stdin from ``stdin``. The command line holds no secret."""
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
-        if self.port:
-            argv += ["-p", str(self.port)]
-        if self.identity:
-            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
-        for option in self.options:
-            argv += ["-o", option]
-        argv += [f"{self.user}@{self.host}" if self.user else self.host, command]
+        client = SshClient(
+            self.host, self.user, self.port, self.identity, (f"ConnectTimeout={CONNECT_TIMEOUT_S}", *self.options)
+        )
+        argv = client.argv(["sh", "-c", command])
         try:
             done = subprocess.run(argv, input=stdin or "", capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
