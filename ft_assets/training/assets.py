@@ -226,6 +226,15 @@ RESULT_STATS = (
 )  # the TrainingResult fields lora_adapter publishes in its stats; loss_history goes to the loss curve only
 
 
+def tracker_tags(training: TrainingConfig, m: Materialization, inputs: tuple[dict, dict]) -> dict:
+    """The MLflow / W&B run's lineage tags (the data chain's digests), read only when the run logs to a tracker."""
+    if not (training.mlflow_tracking_uri or training.wandb.enabled):
+        return {}
+    tokenized_shards, base_model = inputs
+    chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
+    return lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
+
+
 def _train(
     context,
     training: TrainingConfig,
@@ -243,10 +252,7 @@ def _train(
         return _train_on_target(context, target, training, objective, m, inputs, prefix)
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
-    tags = {}
-    if training.mlflow_tracking_uri or training.wandb.enabled:
-        chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
-        tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
+    tags = tracker_tags(training, m, inputs)
     try:
         backend = training.resolved_backend(torch.cuda.is_available(), objective)  # a run mlx cannot do: one line
         if training.world_size > 1:
@@ -290,10 +296,7 @@ def _train_on_target(context, target: Target, training, objective, m: Materializ
             f"target {target.describe()}: a GPU target runs one process for now; use num_processes 1, or the local "
             "target on a multi-GPU machine"
         )
-    tags = {}
-    if training.mlflow_tracking_uri or training.wandb.enabled:
-        chain = {name: read_ref(m.store, m.partition, name) for name in DATA_CHAIN}
-        tags = lineage_tags(m.partition, {**chain, "tokenized_shards": tokenized_shards, "base_model": base_model})
+    tags = tracker_tags(training, m, inputs)
     job = WorkerJob(
         training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
     )
