@@ -85,6 +85,7 @@ class BaseModelStats(TypedDict):
 class PlanStats(TypedDict):
     gpu_tier: str | None  # None: nothing to rent (no GPU fits, or delivery only)
     rental_mode: str
+    accelerator: str  # SkyPilot's name of the tier's card ("" when the offering has none)
     vram_gib: float
     est_hours: float
     estimated_cost_usd: float

@@ -13,7 +13,9 @@ environment only; (d) a target that cannot be used is refused in one line before
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,9 +41,10 @@ from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.recipe import train
+from ft_assets_tests import fake_skypilot
 from ft_assets_tests.support import assert_same_weights, run_cli, run_config
 
-pytest_plugins = ["ft_assets_tests.sshhost"]
+pytest_plugins = ["ft_assets_tests.sshhost", "ft_assets_tests.skypilot_env"]
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
@@ -202,6 +205,94 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
                         load_file(reference.output_dir / "adapter_model.safetensors"))  # fmt: skip
 
 
+class WhenSkyJobTrains(threading.Thread):
+    """Preempts the fake SkyPilot's managed job (SIGKILL of its process group: a reclaimed spot machine) once its
+    worker runs and the run has a checkpoint; SkyPilot's recovery then runs the same command on the next placement."""
+
+    def __init__(self, state: Path, store):
+        super().__init__(daemon=True)
+        self.state, self.store, self.before = state, store, checkpoints(store)
+        self.preempted, self.error, self.stop = None, None, threading.Event()
+
+    def run(self):
+        deadline = time.monotonic() + WAIT_S
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                if checkpoints(self.store) - self.before:
+                    with fake_skypilot.state_file(self.state) as state:
+                        running = [j for j in state["jobs"].values() if j["status"] == "RUNNING"]
+                        if running:
+                            running[0]["commands"].append("preempt")
+                            self.preempted = running[0]["job_id"]
+                            return
+                time.sleep(0.2)
+        except Exception as exc:  # reported by the test
+            self.error = exc
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+
+@pytest.mark.integration
+def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_from_its_checkpoint(
+    remote_home, sky_env, capsys, monkeypatch, tmp_path
+):
+    """``--gpu skypilot:runpod`` at SkyPilot's SDK boundary: the managed job rents the plan's card, gets the store's
+    keys as SkyPilot secrets only, and its recovered start (same command, fresh disk) resumes the run."""
+    store = remote_home["store"]
+    secret = "planted-secret-" + os.urandom(6).hex()
+    for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1"), ("AWS_ACCESS_KEY_ID", "planted-id"),
+                        ("AWS_SECRET_ACCESS_KEY", secret), ("FT_SKYPILOT_PYTHON", sky_env["python"])):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    fake_skypilot.new_state(sky_env["state"], placements=[["RunPod", "CA", "CA-MTL-1"], ["RunPod", "US", "US-GA-1"]])
+    target = f"skypilot:runpod?python={sys.executable}"
+    config = yaml.safe_load(remote_home["config"].read_text())
+    config["ops"]["lora_adapter"]["config"] = settings(seed=5)  # a run of its own (the run id is of the settings)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    umask = os.umask(0)
+    try:
+        with WhenSkyJobTrains(sky_env["state"], store) as preempter:
+            code, summary, err = run_cli(
+                capsys, "run", "--dataset", str(remote_home["data"]), "--name", "toolcalls", "--version", VERSION,
+                "--until", "training", "--config", str(tmp_path / "run.yaml"), "--gpu", target, "--in-process",
+                "--json",
+            )  # fmt: skip
+    finally:
+        os.umask(umask)
+    assert code == 0, err
+    assert preempter.error is None and preempter.preempted, preempter.error
+    state = json.loads(sky_env["state"].read_text())
+    [launched] = state["launches"]
+    plan = read_ref(store, KEY, "training_plan")["stats"]
+    assert launched["task"]["resources"]["accelerators"] == {plan["accelerator"]: 1} and plan["accelerator"]
+    assert launched["task"]["resources"]["use_spot"] == (plan["rental_mode"] == "spot")
+    assert launched["secrets"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert secret not in json.dumps(launched["envs"]) + launched["task"]["run"]
+    assert not [k for k in launched["envs"] if k.startswith(("DAGSTER", "PG", "FT_HOME"))]
+    job = state["jobs"][str(preempter.preempted)]
+    assert job["status"] == "SUCCEEDED" and job["recovery_count"] == 1
+
+    adapter = read_ref(store, KEY, "lora_adapter")["stats"]
+    assert adapter["gpu_target"] == target
+    [attempt] = adapter["attempts"]
+    assert attempt["outcome"] == "finished" and attempt["starts"] == 2, adapter["attempts"]
+    assert adapter["resumed_from_step"] >= 8 and adapter["steps"] == 24
+    instance = dg.DagsterInstance.get()
+    try:
+        [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, tags={TARGET_TAG: target}))
+        said = [e.message or "" for e in instance.all_logs(run.run_id)]
+    finally:
+        instance.dispose()
+    assert any("(start 2: the target restarted it)" in m for m in said), said[-20:]
+    assert any("resuming" in m.lower() for m in said), said[-20:]
+    assert not [m for m in said if secret in m]
+
+
 @pytest.mark.integration
 def test_terminating_the_run_cancels_its_worker(remote_home, worker_host, monkeypatch):
     store = remote_home["store"]
@@ -271,13 +362,16 @@ def test_a_worker_left_running_is_cancelled_and_its_secrets_stay_out_of_its_comm
 @pytest.mark.parametrize(
     "text, said",
     [
-        ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, slurm://..., ssh://..."),
+        ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, skypilot:..., slurm://..., ssh://..."),
         ("slurm://login.example.edu", "write slurm://[user@]login-host[:port]/partition"),
         ("slurm://login.example.edu/gpu?gpus=0", "gpus=0 is not a count of GPUs >= 1"),
         ("slurm://login.example.edu/gpu?partition=a100", "unknown setting(s) partition"),
         ("ssh://host?pyhton=/x", "unknown setting(s) pyhton"),
         ("ssh://user:pw@host", "no password in the URL"),
         ("ssh://host:port", "the port is not a number"),
+        ("skypilot:runpod?imag=x", "unknown setting(s) imag; known: image, python"),
+        ("skypilot:runpod?restarts=-1", "restarts=-1 is not a whole number >= 0"),
+        ("skypilot:runpod,/CA", "'/CA' is not SkyPilot infra"),
     ],
 )
 def test_a_target_that_cannot_be_used_is_refused_in_one_line(text, said):
@@ -289,7 +383,7 @@ def test_a_target_that_cannot_be_used_is_refused_in_one_line(text, said):
 def test_ft_assets_run_refuses_an_unknown_target_before_anything_runs(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
     code, summary, err = run_cli(capsys, "run", "--dataset", str(SAMPLE), "--gpu", "runpod", "--json")
-    assert code != 0 and "--gpu: GPU target 'runpod': unknown kind 'runpod'" in err
+    assert code != 0 and "--gpu: GPU target 'runpod': unknown kind 'runpod'" in err and "write skypilot:runpod" in err
     assert not (tmp_path / "home").exists()
 
 

@@ -20,7 +20,8 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.sky_bill import attempts_bill, update_attempts
-from ft_assets.control.skypilot import ordered_infra, task_config
+from ft_assets.pools import GpuRequest, WorkerLaunch, parse_target
+from ft_assets.pools.skypilot import ordered_infra, task_config
 from ft_assets.training.sky_attempt import attempt_command
 
 pytest_plugins = ["ft_assets_tests.skypilot_env"]
@@ -46,6 +47,16 @@ VARIANTS = {
     "aws spot": a_task("A10G", ["aws/us-east-1"], True),
     "kubernetes": a_task("H100", ["kubernetes"], False, gpus_per_node=2),
     "unknown region": a_task("RTX4090", ["runpod/Mars"], True),
+    "target": parse_target("skypilot:runpod/CA,vast?image=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime&disk=80").task(
+        WorkerLaunch(
+            "run1-1-abc123",
+            "ft_assets.training.remote",
+            ("--store", "s3://b/ft", "--job", "k/job.json"),
+            {"AWS_DEFAULT_REGION": "us-east-1"},
+            {"AWS_SECRET_ACCESS_KEY": "s3cr3t"},
+            GpuRequest("rtx4090-24gb", "RTX4090", 1, "spot"),
+        )
+    ),
 }
 
 
@@ -85,6 +96,22 @@ def test_the_task_is_a_valid_skypilot_task(checked, variant):
     assert task["secrets"] == {"AWS_SECRET_ACCESS_KEY": "s3cr3t", "DAGSTER_PG_PASSWORD": "pw"}
     assert not set(task["secrets"]) & set(task["envs"])  # credentials only as SkyPilot secrets
     assert task["num_nodes"] == 1 and task["name"] == "ft-1a2b3c4d"
+
+
+@pytest.mark.integration
+def test_the_skypilot_targets_job_is_a_valid_skypilot_task(checked):
+    """``--gpu skypilot:runpod/CA,vast``: the plan's card, spot, the worker's command, the keys as secrets only."""
+    task = checked["target"]["ok"]
+    assert [(r["cloud"], r["region"]) for r in task["resources"]] == [("RunPod", "CA"), ("Vast", None)]
+    for resources in task["resources"]:
+        assert resources["accelerators"] == {"RTX4090": 1} and resources["use_spot"] is True
+        assert resources["disk_size"] == 80
+        assert resources["job_recovery"] == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0}
+    assert task["run"] == "python3 -m ft_assets.training.remote --store s3://b/ft --job k/job.json"
+    assert task["envs"] == {"AWS_DEFAULT_REGION": "us-east-1"} and task["secrets"] == {
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t"
+    }
+    assert task["round_trip"] and task["name"] == "run1-1-abc123"
 
 
 @pytest.mark.integration

@@ -83,12 +83,13 @@ class PlannedRun:
     work: "StepWork"  # what the objective computes: rows, trained tokens, the reference's forward, generation
     plan: TrainingPlan
     region: str | None  # where the shards are stored (None: unknown)
+    accelerator: str = ""  # SkyPilot's name of the plan's card (the offering's ``accelerator``; "" for none)
 
     def stats(self, planned_for: str) -> dict:
         """What training_plan publishes (``refs.PlanStats``); ``planned_for`` says whose settings these are."""
         plan = self.plan
         return {
-            "gpu_tier": plan.tier, "rental_mode": plan.mode, "method": plan.method, "vram_gib": plan.vram.total_gib,
+            "gpu_tier": plan.tier, "rental_mode": plan.mode, "accelerator": self.accelerator, "method": plan.method, "vram_gib": plan.vram.total_gib,
             "est_hours": plan.est_hours, "estimated_cost_usd": plan.est_cost_usd, "usd_per_hour": plan.usd_per_hour,
             "total_tokens": plan.total_tokens, "trained_tokens": self.work.tokens, "work_factor": plan.work_factor,
             "warnings": list(plan.warnings), "data_region": self.region,
@@ -125,7 +126,8 @@ def plan_run(
         plan = plan_training(request, cost_model, config.purpose, region, pinned=pinned)
     except KeyError as exc:  # the target's gpu= names no offering
         raise ValueError(f"GPU target {target}: {exc.args[0]}") from None
-    return PlannedRun(training, resolved, work, plan, region)
+    accelerator = cost_model.offering(plan.tier).accelerator if plan.tier else ""
+    return PlannedRun(training, resolved, work, plan, region, accelerator)
 
 
 def planned_for(selected: Collection[dg.AssetKey], run_id: str) -> str:

@@ -62,8 +62,16 @@ from dagster._core.storage.dagster_run import DagsterRun
 from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import ConfigurableClass, ConfigurableClassData, serialize_value
 
-from ft_assets.control import sdk_venv
-from ft_assets.control.sky_bill import ATTEMPTS_TAG, JOB_TAG, RUNNING, SPOT_TAG, update_attempts
+from ft_assets.pools import sdk_venv
+from ft_assets.pools.skypilot import (
+    DEFAULT_AUTOSTOP_MINUTES,
+    DEFAULT_RECOVERY,
+    RUNNING,
+    ordered_infra,
+    secret_values,
+    task_config,
+)
+from ft_assets.control.sky_bill import ATTEMPTS_TAG, JOB_TAG, SPOT_TAG, update_attempts
 from ft_assets.training.ec2_metadata import WORKER_TAG
 from ft_assets.training.worker_identity import SKY
 
@@ -71,66 +79,6 @@ NAME_TAG = "ft/sky-job-name"
 CLOUD_TAG, REGION_TAG, INSTANCE_TAG = "ft/sky-cloud", "ft/sky-region", "ft/sky-instance"
 RECOVERIES_TAG = "ft/sky-recoveries"
 NAME_PREFIX = "ft-"  # + the run id's first 8 characters: the job's name; its clusters are <name>-<job id>
-DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}
-DEFAULT_AUTOSTOP_MINUTES = 30  # the idle sensor's threshold
-
-
-# --- what is submitted ---------------------------------------------------------------------------
-
-
-def ordered_infra(infra: Sequence[str], data_region: str | None) -> list[str]:
-    """``infra`` (``cloud[/region[/zone]]``) with the entries in the data's region first, otherwise in order."""
-    first = [i for i in infra if data_region and i.split("/")[1:2] == [data_region]]
-    return first + [i for i in infra if i not in first]
-
-
-def task_config(
-    *,
-    name: str,
-    command: str,
-    image: str,
-    accelerator: str,
-    gpus_per_node: int,
-    nodes: int,
-    spot: bool,
-    infra: Sequence[str],
-    disk_size: int | None,
-    job_recovery: Mapping[str, Any],
-    autostop_minutes: int,
-    envs: Mapping[str, str],
-    secrets: Mapping[str, str],
-) -> dict[str, Any]:
-    """The managed job's task, in SkyPilot's YAML schema (``sky.Task.from_yaml_config`` reads it)."""
-    resources: dict[str, Any] = {
-        "accelerators": {accelerator: gpus_per_node},
-        "use_spot": spot,
-        "image_id": f"docker:{image}",
-        "job_recovery": dict(job_recovery),
-        "autostop": {"idle_minutes": autostop_minutes, "down": True},
-    }
-    if disk_size is not None:
-        resources["disk_size"] = disk_size
-    if infra:
-        resources["ordered"] = [{"infra": entry} for entry in infra]
-    return {
-        "name": name,
-        "num_nodes": nodes,
-        "resources": resources,
-        "envs": dict(envs),
-        "secrets": dict(secrets),
-        "run": command,
-    }
-
-
-def secret_values(names: Sequence[str], env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The control host's values of the secret variables ``names``; a ValueError names the ones not set."""
-    missing = [name for name in names if not env.get(name)]
-    if missing:
-        raise ValueError(
-            f"secrets {missing} are not set on the control host (dagster-daemon's environment); the managed job "
-            "gets them from there as SkyPilot secrets"
-        )
-    return {name: env[name] for name in names}
 
 
 # --- the launcher --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 | ``local`` | (none) | in the run's own process, as without a target |
 | ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.pools.ssh`` | on any host you can ssh into |
 | ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.pools.slurm`` | as an ``sbatch`` job per attempt |
+| ``skypilot:<infra>[,<infra>...]?image=IMAGE`` | ``ft_assets.pools.skypilot`` | as a SkyPilot managed job per attempt |
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ class TargetError(ValueError):
 
 
 @dataclass(frozen=True)
+class GpuRequest:
+    """The GPU the run's plan chose (``training_plan``): what a target that rents by the card (SkyPilot) asks for."""
+
+    tier: str  # the cost model's offering, e.g. rtx4090-24gb
+    accelerator: str  # SkyPilot's name of its card ("" when the offering has none)
+    count: int  # GPUs on the worker
+    mode: str  # spot | on_demand | slurm
+
+
+@dataclass(frozen=True)
 class WorkerLaunch:
     """One attempt of a training worker, in terms every target understands."""
 
@@ -41,6 +52,7 @@ class WorkerLaunch:
     args: tuple[str, ...]  # nothing secret: they show in ``ps`` and in the job's script
     env: Mapping[str, str] = field(default_factory=dict)  # plain settings (the store's endpoint and region)
     secrets: Mapping[str, str] = field(default_factory=dict)  # reach the worker as the target's secrets only
+    gpu: GpuRequest | None = None  # the plan's card; None when the run was planned on no GPU (a CPU run)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class Target(Protocol):
 
 
 TARGETS: dict[str, str] = {}  # scheme -> "module:function" that parses a target of that scheme
+SKYPILOT_CLOUDS = ("runpod", "vast", "lambda", "aws", "gcp", "azure", "nebius", "kubernetes", "oci", "paperspace")
+SEPARATOR = {"skypilot": ":"}  # schemes written ``scheme:...`` (not a URL with a host)
 
 
 def register(scheme: str, parser: str) -> None:
@@ -82,6 +96,7 @@ def register(scheme: str, parser: str) -> None:
 
 register("ssh", "ft_assets.pools.ssh:parse")
 register("slurm", "ft_assets.pools.slurm:parse")
+register("skypilot", "ft_assets.pools.skypilot:parse")
 
 
 def scheme_of(text: str) -> str:
@@ -95,8 +110,9 @@ def parse_target(text: str | None) -> Target | None:
         return None
     scheme = scheme_of(text)
     if scheme not in TARGETS:
-        known = ", ".join([LOCAL, *(f"{name}://..." for name in sorted(TARGETS))])
-        raise TargetError(f"GPU target {text!r}: unknown kind {scheme!r}; use one of {known}")
+        known = ", ".join([LOCAL, *(f"{name}{SEPARATOR.get(name, '://')}..." for name in sorted(TARGETS))])
+        hint = f"; for that cloud through SkyPilot write skypilot:{text}" if scheme in SKYPILOT_CLOUDS else ""
+        raise TargetError(f"GPU target {text!r}: unknown kind {scheme!r}; use one of {known}{hint}")
     module, _, function = TARGETS[scheme].partition(":")
     parser: Callable[[str], Target] = getattr(importlib.import_module(module), function)
     return parser(text)

@@ -10,6 +10,9 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
   vanishes with its machine starts a new attempt, up to ``max_attempts``; the recipe resumes from the newest
   complete checkpoint in the store. Each attempt keeps its own messages; ``attempts`` lists them all, with their
   seconds, for the bill.
+- A target may restart the worker itself within one attempt (SkyPilot recovers a preempted managed job on a new
+  cluster): each start writes its messages to a folder of its own under the attempt's (``<attempt>/<start>/``), the
+  reader follows them in turn, and the attempt counts its ``starts``.
 - A worker that fails (any other exit code) fails the step with the end of its output.
 - The worker's handle is kept at ``<run>/pipes/worker.json`` while it runs: a re-executed run (a control host
   that restarted mid-run) finds a worker still running there and cancels it before starting its own, so one run
@@ -32,7 +35,7 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, PipesEnvContextInjector
 from dagster._utils.interrupts import capture_interrupts, check_captured_interrupt
 
-from ft_assets.pools import Target, WorkerLaunch, WorkerState
+from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob
@@ -47,27 +50,45 @@ REMOTE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOK
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
-    """Reads the chunks ``<key_prefix>/<n>.json`` that the worker's ``StoreMessageWriter`` puts in the store."""
+    """Reads the chunks ``<key_prefix>/<life>/<n>.json`` that the worker's ``StoreMessageWriter`` puts in the store.
+
+    One attempt can have several lives: a target that restarts its worker itself (SkyPilot's recovery of a managed
+    job) runs the same command again, and each start claims the next ``<life>`` folder (``remote.claim_life``). The
+    reader goes on to life ``k + 1`` once its first chunk is there and life ``k`` has no next chunk: Dagster's one
+    stream of chunks, made of each life's in turn (a chunk a dead life writes after its successor started is not
+    read)."""
 
     def __init__(self, store: ObjectStore, key_prefix: str, interval: float = READ_INTERVAL_S):
         super().__init__(interval=interval)
         self.store, self.key_prefix = store, key_prefix
+        self.life, self.offset = 1, 0  # the life being read, and how many chunks the lives before it had
 
     @contextmanager
     def get_params(self):
         yield {"key_prefix": self.key_prefix}
 
     def messages_are_readable(self, params) -> bool:
-        return self.store.exists(f"{self.key_prefix}/1.json")
+        return self.store.exists(f"{self.key_prefix}/1/1.json")
 
-    def download_messages_chunk(self, index: int, params) -> str | None:
+    def _chunk(self, life: int, index: int) -> str | None:
         try:
-            return self.store.get_bytes(f"{self.key_prefix}/{index}.json").decode()
+            return self.store.get_bytes(f"{self.key_prefix}/{life}/{index}.json").decode()
         except ObjectNotFound:
             return None
 
+    def download_messages_chunk(self, index: int, params) -> str | None:
+        chunk = self._chunk(self.life, index - self.offset)
+        if chunk is None and self.store.exists(f"{self.key_prefix}/{self.life + 1}/1.json"):
+            chunk = self._chunk(self.life, index - self.offset)  # one more look: written just before its successor
+            if chunk is None:
+                self.life, self.offset = self.life + 1, index - 1
+                chunk = self._chunk(self.life, 1)
+        return chunk
+
     def no_messages_debug_text(self) -> str:
-        return f"read message chunks from {self.store.uri(self.key_prefix)}, written by ft_assets.training.remote"
+        return (
+            f"read message chunks from {self.store.uri(self.key_prefix)}/<life>/, written by ft_assets.training.remote"
+        )
 
 
 @dataclass
@@ -77,11 +98,13 @@ class Attempt:
     seconds: float = 0.0
     exit_code: int | None = None
     outcome: str = "running"  # finished | preempted | killed | lost | failed | cancelled
-    identity: dict | None = None
+    identity: dict | None = None  # of its last start
+    starts: int = 1  # the worker's starts in this attempt: more than 1 where the target restarted it (SkyPilot)
 
     def as_dict(self) -> dict:
         return {"attempt": self.number, "name": self.name, "seconds": round(self.seconds, 1),
-                "exit_code": self.exit_code, "outcome": self.outcome, "worker": self.identity or {}}  # fmt: skip
+                "exit_code": self.exit_code, "outcome": self.outcome, "worker": self.identity or {},
+                "starts": self.starts}  # fmt: skip
 
 
 def outcome_of(state: WorkerState) -> str:
@@ -123,11 +146,12 @@ def train_remote(
     job: WorkerJob,
     store: ObjectStore,
     environ: Mapping[str, str],
+    gpu: GpuRequest | None = None,
     max_attempts: int = DEFAULT_ATTEMPTS,
     poll_s: float = POLL_S,
 ) -> tuple[dict, dict]:
-    """Train ``job`` on ``target`` until an attempt finishes; (the TrainingResult as JSON with ``output_key``,
-    a summary: the attempts, the worker's identity and GPU utilization)."""
+    """Train ``job`` on ``target`` (with ``gpu``, the plan's card) until an attempt finishes; (the TrainingResult as
+    JSON with ``output_key``, a summary: the attempts, the worker's identity and GPU utilization)."""
     log = context.log.info
     pipes_prefix = f"{job.run_prefix}/pipes"
     record_key = f"{pipes_prefix}/worker.json"
@@ -150,7 +174,7 @@ def train_remote(
                     "output": f"{job.run_prefix}/output"}  # fmt: skip
             store.put_json(f"{key_prefix}/job.json", spec)
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
-                                  ("--store", store.url, "--job", f"{key_prefix}/job.json"), env, secrets)  # fmt: skip
+                                  ("--store", store.url, "--job", f"{key_prefix}/job.json"), env, secrets, gpu)  # fmt: skip
             log(f"starting attempt {number} of this run's worker on {target.describe()}")
             with capture_interrupts():  # a termination during the launch is acted on once the handle is kept
                 handle = target.launch(launch)
@@ -174,8 +198,10 @@ def train_remote(
             state.exit_code,
             outcome_of(state),
         )
-        messages = {m.get("kind"): m for m in session.get_custom_messages() if isinstance(m, dict)}
+        custom = [m for m in session.get_custom_messages() if isinstance(m, dict)]
+        messages = {m.get("kind"): m for m in custom}  # of each kind, the last start's
         attempt.identity = (messages.get(remote.WORKER_MESSAGE) or {}).get("identity")
+        attempt.starts = max([m.get("life", 1) for m in custom if m.get("kind") == remote.WORKER_MESSAGE] or [1])
         if attempt.outcome == "finished" and remote.RESULT_MESSAGE in messages:
             found = messages[remote.RESULT_MESSAGE]
             summary = {"attempts": [a.as_dict() for a in attempts], "worker": attempt.identity or {},

@@ -41,7 +41,7 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.worker_identity import worker_tag
 from ft_assets.training.ec2_metadata import WORKER_TAG
-from ft_assets.pools import LOCAL, TARGET_TAG, Target, TargetError, parse_target
+from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target
 from ft_assets.pools.session import train_remote
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
@@ -243,13 +243,14 @@ def _train(
     inputs: tuple[dict, dict],
     prefix: str,
     started: float,
+    plan: dict | None = None,
 ) -> dict:
     """Fetch the base and the shards, run the recipe of the run's backend in this process (torch or mlx; or torchrun the
     torch one on ``num_processes`` x ``num_nodes``); its result."""
     tokenized_shards, base_model = inputs
     target = gpu_target(context)
     if target is not None:
-        return _train_on_target(context, target, training, objective, m, inputs, prefix)
+        return _train_on_target(context, target, training, objective, m, inputs, prefix, plan)
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
     tags = tracker_tags(training, m, inputs)
@@ -286,7 +287,9 @@ def gpu_target(context) -> Target | None:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
 
 
-def _train_on_target(context, target: Target, training, objective, m: Materialization, inputs, prefix: str) -> dict:
+def _train_on_target(
+    context, target: Target, training, objective, m: Materialization, inputs, prefix: str, plan: dict | None
+) -> dict:
     """Train on ``target`` through a Pipes session (``ft_assets.pools.session``): the worker reads the base model and
     the shards from the store itself; its final weights come back here to be published as on a local run."""
     tokenized_shards, base_model = inputs
@@ -301,7 +304,7 @@ def _train_on_target(context, target: Target, training, objective, m: Materializ
         training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
     )
     try:
-        result, summary = train_remote(context, target, job, m.store, os.environ)
+        result, summary = train_remote(context, target, job, m.store, os.environ, gpu_request(plan))
     except TargetError as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     worker = {key: value for key, value in summary["worker"].items() if key == WORKER_TAG}
@@ -310,6 +313,16 @@ def _train_on_target(context, target: Target, training, objective, m: Materializ
     output = m.work / "output"
     fetch_artifact(m.store, result["output_key"], output)
     return {**result, "output_dir": str(output), "remote": summary}
+
+
+def gpu_request(plan: dict | None) -> GpuRequest | None:
+    """The card ``training_plan`` (its reference) chose, as a target rents it; None for a plan with no GPU."""
+    stats = (plan or {}).get("stats") or {}
+    if not stats.get("gpu_tier"):
+        return None
+    return GpuRequest(
+        stats["gpu_tier"], stats.get("accelerator") or "", int(stats.get("gpus") or 1), stats["rental_mode"]
+    )
 
 
 def slurm_stop(context, exc: Preempted, run_prefix: str) -> None:
@@ -373,7 +386,9 @@ def lora_adapter(
     with Materialization(context, store, "train") as m:
         prefix = layout.of(m.partition).train(run)
         with GpuUtilization() as utilization:
-            result = _train(context, training, objective, m, (tokenized_shards, base_model), prefix, started)
+            result = _train(
+                context, training, objective, m, (tokenized_shards, base_model), prefix, started, training_plan
+            )
         remote = result.get("remote") or {}
         stats = {key: result[key] for key in RESULT_STATS}
         stats.update(

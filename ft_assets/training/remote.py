@@ -15,6 +15,7 @@ after a SIGTERM once its checkpoint is in the store, 1 on an error (its message 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 import time
@@ -54,12 +55,23 @@ class StoreMessageChannel(PipesBlobStoreMessageWriterChannel):
 
 
 class StoreMessageWriter(PipesBlobStoreMessageWriter):
-    def __init__(self, store: ObjectStore, interval: float = MESSAGE_INTERVAL_S):
+    """Writes this life's chunks under ``<key_prefix>/<life>/`` (``claim_life``; ``session.StoreMessageReader``)."""
+
+    def __init__(self, store: ObjectStore, life: int, interval: float = MESSAGE_INTERVAL_S):
         super().__init__(interval=interval)
-        self.store = store
+        self.store, self.life = store, life
 
     def make_channel(self, params) -> StoreMessageChannel:
-        return StoreMessageChannel(self.store, params["key_prefix"], self.interval)
+        return StoreMessageChannel(self.store, f"{params['key_prefix']}/{self.life}", self.interval)
+
+
+def claim_life(store: ObjectStore, key_prefix: str, identity: dict) -> int:
+    """The number of this start of the attempt's worker: 1, or the next free one when the target restarted it (SkyPilot
+    runs a recovered managed job's command again). Claimed with a conditional put, so two starts never share one."""
+    life = 1
+    while not store.put_bytes_if_absent(f"{key_prefix}/{life}/claim.json", json.dumps(identity).encode()):
+        life += 1
+    return life
 
 
 def worker_identity() -> dict:
@@ -80,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = store.get_json(args.job)
     job = WorkerJob.from_json(spec["job"])
     params = PipesMappingParamsLoader(spec["pipes"])
+    identity = worker_identity()
+    life = claim_life(store, params.load_messages_params()["key_prefix"], identity)
     with open_dagster_pipes(
-        params_loader=params, context_loader=PipesDefaultContextLoader(), message_writer=StoreMessageWriter(store)
+        params_loader=params, context_loader=PipesDefaultContextLoader(), message_writer=StoreMessageWriter(store, life)
     ) as pipes:
         log = pipes.log.info
-        pipes.report_custom_message({"kind": WORKER_MESSAGE, "identity": worker_identity()})
-        log(f"attempt {spec['attempt']} on {socket.gethostname()}: fetching the base model and the shards")
+        pipes.report_custom_message({"kind": WORKER_MESSAGE, "identity": identity, "life": life})
+        again = f" (start {life}: the target restarted it)" if life > 1 else ""
+        log(f"attempt {spec['attempt']} on {socket.gethostname()}{again}: fetching the base model and the shards")
         base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
         fetch_artifact(store, job.base_model_key, base_dir)
         fetch_artifact(store, job.shards_key, shards_dir)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from ft_assets.control import sdk_venv
+from ft_assets.pools import sdk_venv
 from ft_assets.control.idle_backends import RentedWorker
 from ft_assets.training.worker_identity import SKY
 

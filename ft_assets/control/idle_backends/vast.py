@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from ft_assets.control import sdk_venv
+from ft_assets.pools import sdk_venv
 from ft_assets.control.idle_backends import ROLE_ENV, RentedWorker
 from ft_assets.training.worker_identity import VAST
 
