@@ -146,6 +146,11 @@ class ObjectStore(ABC):
     def uri(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
 
+    def download_url(self, key: str, expires_s: int) -> str:
+        """Where a machine without this store's credentials reads ``key`` for ``expires_s`` seconds: a presigned
+        HTTPS URL (S3), a path (a folder store, on a filesystem the machine shares)."""
+        raise StoreError(f"{type(self).__name__} cannot hand out a download URL of {key}")
+
     def delete_prefix(self, prefix: str) -> None:
         for key in self.list(prefix):
             self.delete(key)
@@ -277,6 +282,9 @@ class LocalStore(ObjectStore):
     def uri(self, key: str) -> str:
         return str(self.root / key)
 
+    def download_url(self, key: str, expires_s: int) -> str:
+        return str(self.path(key))
+
 
 def _env_credentials() -> dict:
     """The ``AWS_*`` keys as they are now, for ``boto3.client``.
@@ -327,6 +335,10 @@ class S3Store(ObjectStore):
 
     def _key(self, key: str) -> str:
         return join_key(self.prefix, check_key(key))
+
+    def download_url(self, key: str, expires_s: int) -> str:
+        params = {"Bucket": self.bucket, "Key": self._key(key)}
+        return self.client.generate_presigned_url("get_object", Params=params, ExpiresIn=expires_s)
 
     def _rel(self, full_key: str) -> str:
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key

@@ -36,6 +36,7 @@ from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
 from ft_assets.pools import TARGET_TAG, TARGETS, Target, TargetError, WorkerLaunch, parse_target
 from ft_assets.pools import ssh as ssh_target
+from ft_assets.pools.code import DEFAULT_IMAGE
 from ft_assets.pools.session import cancel_leftover
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
@@ -119,7 +120,7 @@ class WhenTraining(threading.Thread):
         super().__init__(daemon=True)
         self.worker_host, self.store, self.act, self.after_checkpoint = worker_host, store, act, after_checkpoint
         self.before = checkpoints(store)
-        self.pid, self.environ, self.error, self.stop = None, None, None, threading.Event()
+        self.pid, self.environ, self.cmdline, self.error, self.stop = None, None, None, None, threading.Event()
 
     def run(self):
         deadline = time.monotonic() + WAIT_S
@@ -129,6 +130,7 @@ class WhenTraining(threading.Thread):
                 if pids and (not self.after_checkpoint or checkpoints(self.store) - self.before):
                     self.pid = pids[0]
                     self.environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
+                    self.cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
                     self.act(self.pid)
                     return
                 time.sleep(0.2)
@@ -179,6 +181,12 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     adapter = read_ref(store, KEY, "lora_adapter")
     stats = adapter["stats"]
     assert stats["gpu_target"].startswith("ssh://ftworker@127.0.0.1")
+    # the worker ran this checkout's code from the wheel it installed (code=wheel), in its own cached venv
+    code = stats["worker_code"]
+    assert store.sha256(code["uri"].removeprefix(f"{store.root}/")) == code["sha256"]
+    venvs = Path(worker_host.account.pw_dir) / ".cache" / "ft-assets" / "venvs"
+    assert killer.cmdline[0].decode().startswith(f"{venvs}/{code['sha256'][:16]}-"), killer.cmdline
+    assert not [name for name in environ if name in ("FT_CODE_URL", "FT_BOOTSTRAP")]
     outcomes = [a["outcome"] for a in stats["attempts"]]
     assert outcomes == ["killed", "finished"], stats["attempts"]
     assert stats["attempts"][0]["exit_code"] == 137 and stats["steps"] == 24 and stats["resumed_from_step"] >= 8
@@ -271,7 +279,8 @@ def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_f
     plan = read_ref(store, KEY, "training_plan")["stats"]
     assert launched["task"]["resources"]["accelerators"] == {plan["accelerator"]: 1} and plan["accelerator"]
     assert launched["task"]["resources"]["use_spot"] == (plan["rental_mode"] == "spot")
-    assert launched["secrets"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert launched["secrets"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FT_CODE_URL"]  # the wheel's URL too
+    assert launched["task"]["resources"]["image_id"] == {"null": f"docker:{DEFAULT_IMAGE}"}  # PyTorch's, any region
     assert secret not in json.dumps(launched["envs"]) + launched["task"]["run"]
     assert not [k for k in launched["envs"] if k.startswith(("DAGSTER", "PG", "FT_HOME"))]
     job = state["jobs"][str(preempter.preempted)]

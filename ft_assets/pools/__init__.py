@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+BOOTSTRAP_LINE = 'import os; exec(os.environ.pop("FT_BOOTSTRAP"))'  # ``python -c`` of a worker with code=wheel
 TARGET_TAG = "ft/gpu-target"  # the run tag that names a training run's target (``ft-assets run --gpu``, the pool)
 LOCAL = "local"
 
@@ -53,6 +54,14 @@ class WorkerLaunch:
     env: Mapping[str, str] = field(default_factory=dict)  # plain settings (the store's endpoint and region)
     secrets: Mapping[str, str] = field(default_factory=dict)  # reach the worker as the target's secrets only
     gpu: GpuRequest | None = None  # the plan's card; None when the run was planned on no GPU (a CPU run)
+    bootstrap: bool = False  # install the control host's wheel first (``code=wheel``: ``ft_assets.pools.code``)
+
+    def argv(self, python: str) -> list[str]:
+        """The worker's command with ``python``: ``python -m MODULE ARGS``, or, with ``bootstrap``, the same through
+        ``bootstrap.py`` (its source in the worker's environment, ``FT_BOOTSTRAP``)."""
+        if self.bootstrap:
+            return [python, "-c", BOOTSTRAP_LINE, self.module, *self.args]
+        return [python, "-m", self.module, *self.args]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
 - A target may restart the worker itself within one attempt (SkyPilot recovers a preempted managed job on a new
   cluster): each start writes its messages to a folder of its own under the attempt's (``<attempt>/<start>/``), the
   reader follows them in turn, and the attempt counts its ``starts``.
+- The worker's code: with the target's ``code=wheel`` (the default) this ft-assets as a wheel in the store, which the
+  worker installs before it starts (``ft_assets.pools.code``); the summary's ``code`` names it for the lineage.
 - A worker that fails (any other exit code) fails the step with the end of its output.
 - The worker's handle is kept at ``<run>/pipes/worker.json`` while it runs: a re-executed run (a control host
   that restarted mid-run) finds a worker still running there and cancels it before starting its own, so one run
@@ -36,6 +38,7 @@ from dagster._core.pipes.utils import PipesBlobStoreMessageReader, PipesEnvConte
 from dagster._utils.interrupts import capture_interrupts, check_captured_interrupt
 
 from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
+from ft_assets.pools.code import WHEEL, worker_code
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob
@@ -157,6 +160,10 @@ def train_remote(
     record_key = f"{pipes_prefix}/worker.json"
     cancel_leftover(target, store, record_key, log)
     env, secrets = worker_environment(environ)
+    code = None
+    if getattr(target, "code", WHEEL) == WHEEL:
+        code = worker_code(store)
+        log(f"the worker installs this ft-assets: {code.wheel} (sha256 {code.sha256[:12]}), {store.uri(code.key)}")
     first = 1 + len(store.list_dirs(pipes_prefix))  # a re-executed run's attempts go on from the earlier ones
     attempts: list[Attempt] = []
     for number in range(first, first + max_attempts):
@@ -173,8 +180,10 @@ def train_remote(
             spec = {"job": job.to_json(), "pipes": session.get_bootstrap_env_vars(), "attempt": number,
                     "output": f"{job.run_prefix}/output"}  # fmt: skip
             store.put_json(f"{key_prefix}/job.json", spec)
+            plain, hidden = code.environment(store) if code else ({}, {})  # a fresh URL for each attempt
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
-                                  ("--store", store.url, "--job", f"{key_prefix}/job.json"), env, secrets, gpu)  # fmt: skip
+                                  ("--store", store.url, "--job", f"{key_prefix}/job.json"), {**env, **plain},
+                                  {**secrets, **hidden}, gpu, bootstrap=code is not None)  # fmt: skip
             log(f"starting attempt {number} of this run's worker on {target.describe()}")
             with capture_interrupts():  # a termination during the launch is acted on once the handle is kept
                 handle = target.launch(launch)
@@ -202,10 +211,13 @@ def train_remote(
         messages = {m.get("kind"): m for m in custom}  # of each kind, the last start's
         attempt.identity = (messages.get(remote.WORKER_MESSAGE) or {}).get("identity")
         attempt.starts = max([m.get("life", 1) for m in custom if m.get("kind") == remote.WORKER_MESSAGE] or [1])
+        if attempt.outcome == "failed" and custom and custom[-1].get("kind") == remote.PREEMPTED_MESSAGE:
+            attempt.outcome = "preempted"  # it checkpointed after a SIGTERM, whatever exit code its target reports
         if attempt.outcome == "finished" and remote.RESULT_MESSAGE in messages:
             found = messages[remote.RESULT_MESSAGE]
             summary = {"attempts": [a.as_dict() for a in attempts], "worker": attempt.identity or {},
-                       "gpu_utilization": found.get("gpu_utilization")}  # fmt: skip
+                       "gpu_utilization": found.get("gpu_utilization"),
+                       "code": code.lineage(store) if code else None}  # fmt: skip
             return {**found["result"], "output_key": spec["output"]}, summary
         if attempt.outcome in ("failed", "finished"):  # finished without a result: its messages were lost
             raise dg.Failure(

@@ -7,8 +7,10 @@ on-demand) and runs ``python -m ft_assets.training.remote``, the same worker as 
 the store, no database and no ``DAGSTER_HOME`` on the rented machine. The store's keys go in the task's ``secrets``,
 which SkyPilot keeps out of its logs, dashboard and job queue; its endpoint and region go in ``envs``.
 
-Settings (query): ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; without it SkyPilot's
-default VM image), ``python`` (the image's Python with ft-assets, default ``python3``), ``disk`` (GB),
+Settings (query): ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; default PyTorch's CUDA
+runtime image, ``code.DEFAULT_IMAGE``), ``python`` (the image's Python, default ``python3``), ``code`` (``wheel``, the
+default: the worker installs the control host's ft-assets from the store first, ``ft_assets.pools.code``;
+``installed``: the image has ft-assets, e.g. one built from ``deploy/image``), ``disk`` (GB),
 ``recovery`` (SkyPilot's ``job_recovery`` strategy, default ``EAGER_NEXT_REGION``), ``restarts``
 (``max_restarts_on_errors``, default 0: a worker that fails is not run again by SkyPilot) and ``sky_python``
 (the python of the SkyPilot venv; default ``$FT_SKYPILOT_PYTHON``, else this checkout's ``.venv-skypilot``).
@@ -32,12 +34,13 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, sdk_venv
+from ft_assets.pools.code import DEFAULT_IMAGE, WHEEL, code_setting
 
-EXAMPLE = "skypilot:runpod,vast?image=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
+EXAMPLE = "skypilot:runpod,vast"
 DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}  # the execute_run pool's
 DEFAULT_AUTOSTOP_MINUTES = 30  # the idle sensor's threshold
 MAX_GPUS_PER_NODE = 8
-SETTINGS = ("image", "python", "disk", "recovery", "restarts", "sky_python")
+SETTINGS = ("image", "python", "code", "disk", "recovery", "restarts", "sky_python")
 # ManagedJobStatus values (sky.jobs.state) of a job that is not over: its worker runs, or is being (re)started
 RUNNING = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", "CANCELLING"})
 LOST = frozenset({"FAILED_CONTROLLER"})  # the jobs controller died: nothing says what became of the worker
@@ -108,8 +111,9 @@ def secret_values(names: Sequence[str], env: Mapping[str, str] = os.environ) -> 
 @dataclass(frozen=True)
 class SkyPilotTarget:
     infra: tuple[str, ...] = ()
-    image: str | None = None
+    image: str = DEFAULT_IMAGE
     python: str = "python3"
+    code: str = WHEEL  # wheel: install the control host's ft-assets first; installed: the image has it
     disk: int | None = None
     recovery: str = DEFAULT_RECOVERY["strategy"]
     restarts: int = 0
@@ -132,7 +136,7 @@ class SkyPilotTarget:
             )
         if gpu.count > MAX_GPUS_PER_NODE:
             raise TargetError(f"{self.describe()}: {gpu.count} GPUs; a worker runs on one machine (up to 8 GPUs)")
-        worker = shlex.join([self.python, "-m", launch.module, *launch.args])
+        worker = shlex.join(launch.argv(self.python))
         return task_config(
             name=launch.name,
             command=worker,
@@ -211,10 +215,11 @@ def parse(text: str) -> SkyPilotTarget:
         raise TargetError(f"GPU target {text!r}: {bad[0]!r} is not SkyPilot infra (cloud[/region[/zone]])")
     return SkyPilotTarget(
         infra=infra,
-        image=one("image"),
+        image=one("image") or DEFAULT_IMAGE,
         python=one("python") or "python3",
         disk=count("disk", None, 1),
         recovery=one("recovery") or DEFAULT_RECOVERY["strategy"],
         restarts=count("restarts", 0, 0) or 0,
         sky_python=one("sky_python"),
+        code=code_setting(text, one("code")),
     )

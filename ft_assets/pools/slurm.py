@@ -6,7 +6,8 @@ worker as every target: Pipes messages through the store), so the compute node n
 instance: no database reachable from the cluster, no ``DAGSTER_HOME`` there. It is submitted with ``--export=NONE``:
 nothing of the submitting shell's environment (the control host's database settings among it) reaches the job.
 
-Settings (query): ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
+Settings (query): ``code`` (``wheel``, the default: the job installs the control host's ft-assets from the store
+first, ``ft_assets.pools.code``; ``installed``: ``python`` has ft-assets), ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
 it and the run billed at its ``slurm_usd_per_h``), ``python`` (the cluster's Python with ft-assets, default ``python3``), ``workdir`` (on the shared
 filesystem, default ``~/ft-assets-worker``: the job's output file, its ``env`` and ``exit.code``), ``gpus`` (per
 job, default 1), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+from ft_assets.pools.code import WHEEL, code_setting
 from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
 from ft_assets.pools.ssh import SshClient as LoginNode
 
@@ -35,7 +37,7 @@ JOB_PREFIX = "ft-worker-"  # not slurm_cli.JOB_NAME_PREFIX: the idle check reads
 LOCAL_HOSTS = ("localhost", "127.0.0.1")  # sbatch on this machine
 PATH = "/usr/local/bin:/usr/bin:/bin"  # --export=NONE leaves the job no PATH of the submitter's
 LOG_TAIL_LINES = 30
-SETTINGS = ("python", "workdir", "gpu", "gpus", "time", "account", "qos", "sbatch", "identity", "option")
+SETTINGS = ("python", "code", "workdir", "gpu", "gpus", "time", "account", "qos", "sbatch", "identity", "option")
 
 # The batch script's body after its #SBATCH lines: the secrets sourced and deleted, the worker in a process group of
 # its own (setsid) with SIGTERM passed on to it (a time limit's --signal=B:TERM reaches the batch shell only), its
@@ -70,6 +72,7 @@ class SlurmTarget:
     qos: str | None = None
     sbatch: tuple[str, ...] = ()
     gpu: str | None = None  # the partition's card as a cost-model offering: planned and billed at its slurm_usd_per_h
+    code: str = WHEEL  # wheel: install the control host's ft-assets first; installed: ``python`` has it
 
     scheme = "slurm"
 
@@ -109,7 +112,7 @@ class SlurmTarget:
             account=self.account, qos=self.qos, time_limit=self.time, signal_grace_s=DEFAULT_GRACE_S, requeue=False,
             extra=("--export=NONE", *self.sbatch),
         )  # fmt: skip
-        worker = shlex.join([self.python, "-m", launch.module, *launch.args])
+        worker = shlex.join(launch.argv(self.python))
         script = "#!/bin/bash\n" + "".join(f"#SBATCH {option}\n" for option in request.options())
         script += BODY.format(path=PATH, folder=shlex.quote(folder), worker=worker)
         try:
@@ -178,5 +181,5 @@ def parse(text: str) -> SlurmTarget:
     return SlurmTarget(
         partition=partition, login=login, python=one("python", "python3"), workdir=one("workdir", DEFAULT_WORKDIR),
         gpus=int(gpus), time=one("time"), account=one("account"), qos=one("qos"), sbatch=tuple(query.get("sbatch", ())),
-        gpu=one("gpu"),
+        gpu=one("gpu"), code=code_setting(text, one("code")),
     )  # fmt: skip

@@ -2,6 +2,8 @@
 
 A pod started by hand, a lab workstation, a Lambda instance: OpenSSH's own client runs every command, so the
 user's ``~/.ssh/config``, agent and ``known_hosts`` apply (``identity=PATH`` and ``option=Key=Value`` add to them).
+``python`` needs torch; with ``code=wheel`` (the default) the worker first installs the control host's ft-assets from
+the store (``ft_assets.pools.code``), with ``code=installed`` it runs the ft-assets ``python`` has.
 ``gpu=`` names the host's card as a cost-model offering: the plan is made, and the run billed, for that card at its
 on-demand price; without it the plan is the cheapest offering that fits, as for a cloud.
 Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+from ft_assets.pools.code import WHEEL, code_setting
 
 EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # the README's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
@@ -34,6 +37,7 @@ CONNECT_TIMEOUT_S = 15  # ssh's own: a host that does not answer is reported bef
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
 CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
 LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
+SETTINGS = ("python", "code", "workdir", "identity", "option", "gpu")
 
 # The detached wrapper: sources and deletes the secrets, runs the worker, records its pid and exit code, and passes
 # a SIGTERM on to it (a trap, not ``trap '' TERM``: an ignored signal would be inherited by the worker).
@@ -84,6 +88,7 @@ class SshTarget:
     identity: str | None = None
     options: tuple[str, ...] = ()
     gpu: str | None = None  # the host's card as a cost-model offering (gpu=a100-80gb): planned and billed at its price
+    code: str = WHEEL  # wheel: install the control host's ft-assets first; installed: ``python`` has it
 
     scheme = "ssh"
 
@@ -121,7 +126,7 @@ class SshTarget:
         made = self.ssh(f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(folder)}/env", stdin=env)
         if made.returncode != 0:
             raise TargetError(f"{self.describe()}: cannot write {folder}: {made.stderr.strip()}")
-        worker = " ".join(shlex.quote(part) for part in (self.python, "-m", launch.module, *launch.args))
+        worker = shlex.join(launch.argv(self.python))
         started = self.ssh(
             f"cd {shlex.quote(folder)} && (setsid sh -c {shlex.quote(WRAPPER)} sh {worker} "
             "> output.log 2>&1 < /dev/null &) && sleep 0.2 && cat wrapper.pid"
@@ -161,11 +166,10 @@ def parse(text: str) -> SshTarget:
     if parts.scheme != "ssh" or not parts.hostname:
         raise TargetError(f"GPU target {text!r}: write ssh://[user@]host[:port][?python=PATH&workdir=DIR]")
     query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = set(query) - {"python", "workdir", "identity", "option", "gpu"}
+    unknown = set(query) - set(SETTINGS)
     if unknown:
         raise TargetError(
-            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; "
-            "known: python, workdir, identity, option, gpu"
+            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}"
         )
     if parts.password:
         raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
@@ -186,4 +190,5 @@ def parse(text: str) -> SshTarget:
         identity=one("identity", None),
         options=tuple(query.get("option", ())),
         gpu=one("gpu", None),
+        code=code_setting(text, one("code", None)),
     )

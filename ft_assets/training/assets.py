@@ -398,6 +398,7 @@ def lora_adapter(
             gpu_target=context.run.tags.get(TARGET_TAG, LOCAL),
             attempts=remote.get("attempts", []),
             worker_image=image,
+            worker_code=remote.get("code"),  # the wheel a GPU target's worker installed: its sha256
             billed_as=slurm_job.billing(),  # what the worker declared it is billed as; slurm in a Slurm job
         )
         stats["train_loss_window"] = training.logging_steps  # train_loss is the mean of the last this many steps
