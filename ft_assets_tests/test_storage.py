@@ -466,3 +466,37 @@ def test_interrupted_republish_is_no_artifact(store, tmp_path, monkeypatch):
     assert uploaded, "the interrupted publish uploaded nothing; the test proves nothing"
     with pytest.raises(ArtifactNotFound):  # neither v1 (manifest gone) nor a v1/v2 mix
         fetch_artifact(store, PREFIX, tmp_path / "dest")
+
+
+def test_a_worker_without_the_stores_keys_installs_the_runs_wheel_from_its_presigned_url_and_refuses_another(
+    s3_env, tmp_path
+):
+    """``code=wheel`` on S3: the wheel goes to the bucket once; the worker's bootstrap (no AWS key in its environment)
+    reads it through the presigned URL, checks its sha256, installs it and runs the module in that venv."""
+    import subprocess
+    import sys
+
+    from ft_assets.pools import BOOTSTRAP_LINE
+    from ft_assets.pools.code import worker_code
+
+    store = open_store(s3_env)
+    code = worker_code(store)
+    assert worker_code(store) == code and store.sha256(code.key) == code.sha256  # put once, by its sha256
+    plain, hidden = code.environment(store)
+    assert hidden["FT_CODE_URL"].startswith("http") and "Signature=" in hidden["FT_CODE_URL"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env = {**base, **plain, **hidden, "FT_CODE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", BOOTSTRAP_LINE, "ft_assets.training.remote", "--help"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0 and "a GPU target's worker" in done.stdout, done.stderr[-2000:]
+    [venv] = (tmp_path / "cache" / "venvs").glob(f"{code.sha256[:16]}-*/")
+    where = subprocess.run([venv / "bin" / "python", "-c", "import ft_assets; print(ft_assets.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout  # fmt: skip
+    assert where.startswith(str(venv))  # the wheel's code, not this checkout's
+    assert "ft-assets bootstrap: installing" in done.stderr
+
+    other = {**env, "FT_CODE_SHA256": "0" * 64, "FT_CODE_CACHE": str(tmp_path / "other")}
+    refused = subprocess.run([sys.executable, "-c", BOOTSTRAP_LINE, "json.tool", "--help"], env=other,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0 and f"has sha256 {code.sha256}, not {'0' * 64}" in refused.stderr
+    assert not list((tmp_path / "other").rglob("*.whl")) and not list((tmp_path / "other").rglob("bin/python"))

@@ -18,6 +18,7 @@ torch version ft-assets is tested with (the Containerfile's ``BASE`` too), whose
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def build_wheel(root: Path, cache: Path = CACHE) -> Path:
             tail = " ".join((done.stderr or done.stdout).split())[-400:]
             raise TargetError(f"cannot build the ft-assets wheel for the worker from {root}: {tail}")
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(wheels[0], folder / wheels[0].name)
+        partial = folder / f".{wheels[0].name}.{os.getpid()}"  # another process may build the same one meanwhile
+        shutil.copy2(wheels[0], partial)
+        os.replace(partial, folder / wheels[0].name)
     return folder / wheels[0].name
 
 
