@@ -16,7 +16,9 @@ import pytest
 from ft_assets.cli.output import CliError
 from ft_assets.cli.summaries import plan_before_training
 from ft_assets.control.assets import PlanConfig, plan_of_the_run, plan_run, planned_for
+from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpu_request_tags, gpus_per_node
+from ft_assets.pools import worker_has_cuda
 from ft_assets.refs import RefOutdated, write_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.assets import plan_mismatch
@@ -221,3 +223,15 @@ def test_ft_assets_run_plans_before_it_submits_training_and_refuses_what_fits_no
     expected = plan_run(run_training_config(run_config), PlanConfig(), shards, base, cuda=False).plan
     assert summary["gpus"] == 2 and summary["estimated_vram_gib"] == round(expected.vram.total_gib, 2)
     assert summary["gpu_tier"] == expected.tier and summary["estimated_cost_usd"] == round(expected.est_cost_usd, 4)
+
+
+@pytest.mark.parametrize("target", ["ssh://me@gpu-box", "skypilot:runpod", "slurm://login/a100?gpu=a100-80gb"])
+def test_a_run_on_a_gpu_target_is_planned_for_the_workers_cuda_from_a_control_host_without_one(target):
+    """The laptop has no CUDA, the rented worker has: an unset ``method`` is qlora there, so it is planned (and
+    pinned in the worker's job) as qlora, not as the lora this machine would resolve."""
+    shards, base = refs()
+    cuda = worker_has_cuda(target, here=False)
+    run = plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=cuda, target=target)
+    assert cuda and run.resolved.method == "qlora" and run.plan.method == "qlora"
+    assert not worker_has_cuda("local", here=False) and not worker_has_cuda(None, here=False)
+    assert run.stats("r1")["accelerator"] == load_cost_model(None).offering(run.plan.tier).accelerator != ""

@@ -57,7 +57,7 @@ WAIT_S = 240.0
 
 def settings(**overrides) -> dict:
     return {"per_device_batch_size": 2, "warmup_steps": 0, "lora_r": 8, "lora_alpha": 16, "learning_rate": 0.01,
-            "max_steps": 24, "save_steps": 8, "seed": 3, **overrides}  # fmt: skip
+            "max_steps": 24, "save_steps": 8, "seed": 3, "method": "lora", **overrides}  # fmt: skip  # a CPU worker
 
 
 @pytest.fixture(scope="module")

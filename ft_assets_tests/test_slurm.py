@@ -792,7 +792,8 @@ def test_the_slurm_target_trains_in_a_job_that_holds_no_instance_setting(slurm_p
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
     watcher.start()
-    config = {"ops": {"lora_adapter": {"config": {**train_settings(), "max_steps": 12, "save_steps": 6, "seed": 7}}}}
+    config = {"ops": {"lora_adapter": {"config": {**train_settings(), "max_steps": 12, "save_steps": 6, "seed": 7,
+                                                  "method": "lora"}}}}  # fmt: skip  # a CPU node: not qlora
     try:
         [run_id] = run_plane(instance, TRAINING_PLANE, "training", KEY, config, {TARGET_TAG: target})
     finally:

@@ -18,6 +18,7 @@ from ft_assets.control.assets import PlanConfig, measured_throughput, plan_run
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.gpu_plan import NoGpuFits
 from ft_assets.delivery.exports import EXPORTS
+from ft_assets.pools import worker_has_cuda
 from ft_assets.refs import AdapterStats, CostStats, EvalStats, PlanStats, ShardStats, read_ref, stats_of
 from ft_assets.storage import ObjectStore, join_key
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config
@@ -73,7 +74,7 @@ def plan_before_training(store: ObjectStore, partition_key: str, run_config: dic
     try:
         run = plan_run(
             run_training_config(run_config), PlanConfig(**settings), read_ref(store, partition_key, "tokenized_shards"),
-            read_ref(store, partition_key, "base_model"), torch.cuda.is_available(), target,
+            read_ref(store, partition_key, "base_model"), worker_has_cuda(target, torch.cuda.is_available()), target,
         )  # fmt: skip
     except NoGpuFits as exc:
         raise CliError(f"training_plan for {partition_key}: {exc}") from exc

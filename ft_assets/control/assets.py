@@ -43,7 +43,7 @@ from ft_assets.control.planner import ModelShape, PlanRequest, Throughput, throu
 from ft_assets.control.sky_bill import adapter_bill
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
-from ft_assets.pools import TARGET_TAG, parse_target
+from ft_assets.pools import TARGET_TAG, parse_target, worker_has_cuda
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
@@ -163,7 +163,8 @@ def training_plan(
     try:
         training = run_training_config(context.run.run_config)
         target = context.run.tags.get(TARGET_TAG)
-        run = plan_run(training, config, tokenized_shards, base_model, torch.cuda.is_available(), target)
+        cuda = worker_has_cuda(target, torch.cuda.is_available())
+        run = plan_run(training, config, tokenized_shards, base_model, cuda, target)
     except NoGpuFits as exc:
         raise dg.Failure(str(exc), metadata={"vram": exc.vram.breakdown()}) from exc
     except ValueError as exc:

@@ -108,6 +108,12 @@ register("slurm", "ft_assets.pools.slurm:parse")
 register("skypilot", "ft_assets.pools.skypilot:parse")
 
 
+def worker_has_cuda(target: str | None, here: bool) -> bool:
+    """Whether a run's training worker trains on CUDA: on a GPU target, yes (the machine is there for its GPU; what the
+    run resolves on it, qlora for an unset ``method``, is planned and pinned on the control host); locally, ``here``."""
+    return here or (target or "").strip() not in ("", LOCAL)
+
+
 def scheme_of(text: str) -> str:
     return text.split("://", 1)[0] if "://" in text else text.split(":", 1)[0]
 

@@ -41,7 +41,7 @@ from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.worker_identity import worker_tag
 from ft_assets.training.ec2_metadata import WORKER_TAG
-from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target
+from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target, worker_has_cuda
 from ft_assets.pools.session import train_remote
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
@@ -300,9 +300,8 @@ def _train_on_target(
             "target on a multi-GPU machine"
         )
     tags = tracker_tags(training, m, inputs)
-    job = WorkerJob(
-        training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
-    )
+    pinned = training.model_copy(update={"method": training.resolved_method(True)})  # the planned method, on CUDA
+    job = WorkerJob(pinned, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
     try:
         result, summary = train_remote(context, target, job, m.store, os.environ, gpu_request(plan))
     except TargetError as exc:
@@ -375,14 +374,15 @@ def lora_adapter(
     except ImageDigestError as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     training = training_config(config, "lora_adapter")
+    cuda = worker_has_cuda(context.run.tags.get(TARGET_TAG), torch.cuda.is_available())  # the worker's, not ours
     try:
-        mismatch = plan_mismatch(training_plan, training, training.resolved_method(torch.cuda.is_available()))
+        mismatch = plan_mismatch(training_plan, training, training.resolved_method(cuda))
     except RefOutdated as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     if mismatch:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {mismatch}")
     objective = objectives.of_stats(tokenized_shards["stats"])
-    run = run_id(context.partition_key, training, objective, base_model["digest"], tokenized_shards["digest"])
+    run = run_id(context.partition_key, training, objective, base_model["digest"], tokenized_shards["digest"], cuda)
     with Materialization(context, store, "train") as m:
         prefix = layout.of(m.partition).train(run)
         with GpuUtilization() as utilization:
