@@ -16,11 +16,10 @@ from dagster._core.test_utils import create_run_for_test, freeze_time
 
 from ft_assets.control import shutdown
 from ft_assets.control.idle_backends import RentedWorker
-from ft_assets.control.rented_workers import RentedWorkersResource
-from ft_assets.control.rented_workers import find_idle
+from ft_assets.control.rented_workers import RentedWorkersResource, find_idle
 from ft_assets.control.shutdown import Ec2WorkersResource, WorkerRun, idle_gpu_worker_sensor
-from ft_assets.training.ec2_metadata import WORKER_TAG
-from ft_assets.training.worker_identity import worker_tag
+from ft_assets.pools.ec2_metadata import WORKER_TAG
+from ft_assets.pools.worker_identity import worker_tag
 from ft_assets_tests import fake_skypilot
 from ft_assets_tests.marketplaces import RUNPOD_KEY, VAST_KEY, Marketplaces
 

@@ -25,8 +25,8 @@ from ft_assets.control.shutdown import (
     idle_gpu_worker_sensor,
     stop_idle_workers,
 )
+from ft_assets.pools.ec2_metadata import WORKER_TAG
 from ft_assets.pools.slurm_cli import JobState
-from ft_assets.training.ec2_metadata import WORKER_TAG
 
 S = dg.DagsterRunStatus
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)

@@ -21,8 +21,8 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.sky_bill import attempts_bill, update_attempts
 from ft_assets.pools import GpuRequest, WorkerLaunch, parse_target
+from ft_assets.pools.sky_attempt import attempt_command
 from ft_assets.pools.skypilot import ordered_infra, task_config
-from ft_assets.training.sky_attempt import attempt_command
 
 pytest_plugins = ["ft_assets_tests.skypilot_env"]
 
@@ -32,7 +32,7 @@ RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}
 
 def a_task(accelerator: str, infra: list[str], spot: bool, **changes) -> dict:
     fields = dict(
-        name="ft-1a2b3c4d", command="python -m ft_assets.training.sky_attempt 'ARGS'", image="ghcr.io/example/ft-worker:1",
+        name="ft-1a2b3c4d", command="python -m ft_assets.pools.sky_attempt 'ARGS'", image="ghcr.io/example/ft-worker:1",
         accelerator=accelerator, gpus_per_node=1, nodes=1, spot=spot, infra=infra, disk_size=100, job_recovery=RECOVERY,
         autostop_minutes=30, envs={"FT_STORE": "s3://bucket/ft", "FT_GPU_TIER": "rtx4090-24gb", "FT_RENTAL_MODE": "spot"},
         secrets={"AWS_SECRET_ACCESS_KEY": "s3cr3t", "DAGSTER_PG_PASSWORD": "pw"},
@@ -227,8 +227,8 @@ ORIGIN = RemoteJobOrigin(
      (dg.DagsterRunStatus.FAILURE, None), (dg.DagsterRunStatus.CANCELING, None)],
 )  # fmt: skip
 def test_a_recovered_attempt_resumes_the_run(status, verb):
-    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
     from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
     from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
     from dagster._serdes import deserialize_value
 

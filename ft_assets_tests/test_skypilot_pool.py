@@ -34,11 +34,11 @@ from ft_assets.control.eth import compute_eth
 from ft_assets.control.sky_bill import ATTEMPTS_TAG, JOB_TAG, adapter_bill
 from ft_assets.control.skypilot import CLOUD_TAG, INSTANCE_TAG, RECOVERIES_TAG, REGION_TAG
 from ft_assets.definitions import defs
-from ft_assets.refs import read_ref
 from ft_assets.manifests import MANIFEST
+from ft_assets.pools.ec2_metadata import WORKER_TAG
+from ft_assets.refs import read_ref
 from ft_assets.storage import open_store
 from ft_assets.training.checkpoints import checkpoint_steps
-from ft_assets.training.ec2_metadata import WORKER_TAG
 from ft_assets_tests import fake_skypilot
 from ft_assets_tests.support import write_dataset
 

@@ -46,7 +46,7 @@ from ft_assets.control.launcher import POOL_TAG, PoolRunLauncher
 from ft_assets.control.slurm import Container, SlurmRunLauncher, batch_script, worker_health
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
-from ft_assets.pools import TARGET_TAG
+from ft_assets.pools import TARGET_TAG, slurm_job
 from ft_assets.pools.slurm_cli import (
     JobRequest,
     JobState,
@@ -58,7 +58,6 @@ from ft_assets.pools.slurm_cli import (
 from ft_assets.pools.ssh import SshClient
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
-from ft_assets.training import slurm_job
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.launch import WorkerJob
 from ft_assets.training.recipe import train

@@ -43,9 +43,9 @@ from ft_assets.control.planner import ModelShape, PlanRequest, Throughput, throu
 from ft_assets.control.sky_bill import adapter_bill
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
-from ft_assets.pools import TARGET_TAG, parse_target, worker_has_cuda
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
+from ft_assets.pools import TARGET_TAG, parse_target, worker_has_cuda
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config

@@ -10,7 +10,6 @@ planes once per variant (each its own partition), then ``version_comparison`` on
 
 import dagster as dg
 
-
 DATA_PLANE = "data_plane"
 TRAINING_PLANE = "training_plane"
 DELIVERY_PLANE = "delivery_plane"

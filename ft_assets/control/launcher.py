@@ -35,14 +35,13 @@ in order: an explicit ``ft/pool`` run tag, the run's asset selection, the ``ft/p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import json
-
 import yaml
-
-from dagster import Array, Field, Permissive, Shape, _check as check
+from dagster import Array, Field, Permissive, Shape
+from dagster import _check as check
 from dagster._core.launcher.base import (
     CheckRunHealthResult,
     LaunchRunContext,

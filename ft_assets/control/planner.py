@@ -116,8 +116,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ft_assets.control.cost_model import GIB, CostModel, GpuOffering
 from ft_assets.control.model_shape import ModelShape, lora_params, lora_targets_of
-from ft_assets.training.config import AttentionImplementation, Method, Parallelism, TrainingConfig
 from ft_assets.training.chunking import chunk_tokens
+from ft_assets.training.config import AttentionImplementation, Method, Parallelism, TrainingConfig
 
 if TYPE_CHECKING:  # a name for annotations only: the training step module imports torch
     from ft_assets.training.steps import StepWork

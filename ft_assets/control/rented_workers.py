@@ -12,7 +12,7 @@ lists the machines ft-assets may touch and stops or removes one:
 
 Activity and safety are EC2's (``shutdown.find_idle_workers``): idle since the latest of the machine's
 start and the end of each run tied to it by the run tag ``ft/worker-instance-id``
-(``ft_assets.training.worker_identity``: ``runpod:<pod>``, ``vast:<id>``, ``sky:<cluster>``); never a
+(``ft_assets.pools.worker_identity``: ``runpod:<pod>``, ``vast:<id>``, ``sky:<cluster>``); never a
 machine with an unfinished run tied to it, never one whose start time cannot be read, and nothing
 while a gpu-pool run is started without a worker tag (``sensor`` checks that before calling here).
 Neither marketplace has a dry-run call: a dry run lists and reports only, without checking that the

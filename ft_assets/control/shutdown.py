@@ -18,7 +18,7 @@ When a worker was last active: the latest of
 
       context.instance.add_run_tags(context.run_id, worker_instance_tag())  # {} when not on EC2
 
-  (``ft_assets.training.ec2_metadata.worker_instance_tag`` reads the instance id from the EC2
+  (``ft_assets.pools.ec2_metadata.worker_instance_tag`` reads the instance id from the EC2
   instance metadata service, IMDSv2);
 - the instance tag ``ft-assets:last-active`` (``HEARTBEAT_TAG``), an ISO 8601 timestamp a worker may
   refresh while it does work Dagster does not see (needs ``ec2:CreateTags`` on itself).
@@ -44,10 +44,10 @@ refusal is logged; the sensor does not terminate instead on its own).
 from __future__ import annotations
 
 import os
-from functools import partial
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any, Literal
 
 import boto3
@@ -59,11 +59,11 @@ from dagster._core.storage.dagster_run import RunRecord
 from pydantic import Field
 
 from ft_assets.control.cost_model import CostModel
-from ft_assets.control.rented_workers import RentedWorkersResource, rented_tick
 from ft_assets.control.launcher import GPU, POOL_TAG, PoolRunLauncher
+from ft_assets.control.rented_workers import RentedWorkersResource, rented_tick
 from ft_assets.control.slurm import SlurmRunLauncher
+from ft_assets.pools.ec2_metadata import WORKER_TAG
 from ft_assets.pools.slurm_cli import JobState, SlurmError
-from ft_assets.training.ec2_metadata import WORKER_TAG
 
 ROLE_TAG_KEY = "ft-assets:role"  # EC2 instance tag that marks a machine as ours to stop
 ROLE_TAG_VALUE = "gpu-worker"

@@ -16,6 +16,11 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 | ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.pools.ssh`` | on any host you can ssh into |
 | ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.pools.slurm`` | as an ``sbatch`` job per attempt |
 | ``skypilot:<infra>[,<infra>...]?image=IMAGE`` | ``ft_assets.pools.skypilot`` | as a SkyPilot managed job per attempt |
+
+Beside them, what runs on the worker's side of each provider and the control host's helpers for it: ``code`` and
+``bootstrap`` (the worker's ft-assets, from a wheel), ``worker_identity`` and ``ec2_metadata`` (which rented machine
+this is), ``slurm_job`` (a Slurm job's signals and billing), ``sky_attempt`` (the command of the SkyPilot gpu pool's
+jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel).
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.storage.tags import RETRY_ON_ASSET_OR_OP_FAILURE_TAG
 from pydantic import Field
 
-from ft_assets import layout, objectives
-from ft_assets import portable
+from ft_assets import layout, objectives, portable
 from ft_assets.manifests import (
     ArtifactCorrupt,
     ArtifactNotFound,
@@ -28,26 +27,25 @@ from ft_assets.manifests import (
     verify_artifact,
 )
 from ft_assets.materialize import STORE_KIND, Materialization, figures, op_config, ref_metadata, settings_table, table
+from ft_assets.objectives import Objective
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
+from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target, slurm_job, worker_has_cuda
+from ft_assets.pools.ec2_metadata import WORKER_TAG
+from ft_assets.pools.session import train_remote
+from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.refs import PlanStats, RefOutdated, make_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
-from ft_assets.training import chat_templates
+from ft_assets.training import chat_templates, mlx_recipe, recipe
 from ft_assets.training.chat_templates import ChatTemplateError
 from ft_assets.training.checkpoints import run_id
-from ft_assets.objectives import Objective
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.settings import TrainingSettings, training_config
-from ft_assets.training.worker_identity import worker_tag
-from ft_assets.training.ec2_metadata import WORKER_TAG
-from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target, worker_has_cuda
-from ft_assets.pools.session import train_remote
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
 from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
 from ft_assets.training.preemption import Preempted
-from ft_assets.training import mlx_recipe, recipe, slurm_job
+from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record_run
 from ft_assets.training.worker_image import ImageDigestError, describe, worker_image
 

@@ -77,7 +77,7 @@ from ft_assets.training.checkpoints import (
 )
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.data_order import DataPlan
-from ft_assets.training.ec2_metadata import SpotNoticeWatcher
+from ft_assets.pools.ec2_metadata import SpotNoticeWatcher
 from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
 from ft_assets.training.parallelism import (
     attempt_id,

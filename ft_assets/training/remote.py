@@ -36,7 +36,7 @@ from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob
 from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
-from ft_assets.training.worker_identity import worker_tag
+from ft_assets.pools.worker_identity import worker_tag
 
 MESSAGE_INTERVAL_S = 2.0  # Pipes messages go to the store in chunks at most this often (one object each)
 WORKER_MESSAGE, RESULT_MESSAGE, PREEMPTED_MESSAGE = "worker", "result", "preempted"  # custom messages' "kind"
