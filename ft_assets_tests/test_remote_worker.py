@@ -290,6 +290,7 @@ def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_f
     assert adapter["gpu_target"] == target
     [attempt] = adapter["attempts"]
     assert attempt["outcome"] == "finished" and attempt["starts"] == 2, adapter["attempts"]
+    assert 0 < attempt["paid_seconds"] <= attempt["seconds"]  # from the worker's first start, not the job's launch
     assert adapter["resumed_from_step"] >= 8 and adapter["steps"] == 24
     instance = dg.DagsterInstance.get()
     try:
@@ -465,3 +466,22 @@ def test_a_gpu_pool_target_that_cannot_be_used_stops_the_instance_in_one_line():
     with pool_instance("ssh://host?pyhton=/x") as instance:
         with pytest.raises(CheckError, match=r"pools.gpu.target: GPU target .* unknown setting\(s\) pyhton"):
             instance.run_launcher  # noqa: B018 (loading the launcher is the test)
+
+
+def test_a_gpu_targets_attempts_are_billed_from_each_workers_first_start_and_every_start_counts_as_a_restart():
+    """The bill counts every attempt, a killed one too, from its worker's first start (not the wait for a machine)."""
+    from ft_assets.control.assets import measurements
+    from ft_assets.pools.session import paid_seconds
+
+    assert paid_seconds(100.0, [1_000.0, 1_030.0], now=1_060.0) == 60.0  # pending 40 s: not paid
+    assert paid_seconds(100.0, [], now=1_060.0) == 100.0  # no worker message: launch to end
+    assert paid_seconds(100.0, [2_000.0], now=1_060.0) == 0.0  # a worker clock ahead of ours: never negative
+    attempts = [{"attempt": 1, "seconds": 50.0, "paid_seconds": 40.0, "outcome": "killed", "starts": 1},
+                {"attempt": 2, "seconds": 95.0, "paid_seconds": 90.0, "outcome": "finished", "starts": 2}]  # fmt: skip
+    adapter = {"stats": {"wall_seconds": 20.0, "step_seconds": 15.0, "restarts": [], "checkpoints": [],
+                         "tokens_seen": 1000, "device": "cpu", "attempts": attempts, "gpu_utilization": None},
+               "upstream_bytes": 0, "run_prefix": "runs/x/v/train/r"}  # fmt: skip
+    plan = {"stats": {"gpu_tier": "rtx4090-24gb", "rental_mode": "spot", "warnings": []}}
+    measured, notes = measurements(adapter, plan, store=None, retention_days=0)
+    assert measured.wall_seconds == 130.0 and measured.restarts == 2
+    assert any("billed from the GPU target's 2 attempt(s), 2 restart(s)" in n for n in notes), notes

@@ -324,6 +324,14 @@ def measurements(
     cross_region = any("region" in w for w in plan["stats"]["warnings"])
     egress = adapter["upstream_bytes"] if cross_region else 0
     restarts = len(attempts)
+    on_target = stats.get("attempts") or []  # a GPU target's worker attempts (ft_assets.pools.session)
+    if on_target:
+        wall = sum(a.get("paid_seconds", a["seconds"]) for a in on_target)
+        restarts = sum(a.get("starts", 1) for a in on_target) - 1
+        notes.append(
+            f"billed from the GPU target's {len(on_target)} attempt(s), {restarts} restart(s) in all: each from its "
+            "worker's first start to its end, a killed attempt's time after its last checkpoint included"
+        )
     if bill is not None:
         wall, restarts = bill["paid_seconds"], bill["recoveries"]
         egress = adapter["upstream_bytes"] * bill["attempts_outside_data_region"]

@@ -9,7 +9,7 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
 - A worker that ends with ``EXIT_PREEMPTED`` (SIGTERM, checkpoint saved), is killed (exit code 128 + signal) or
   vanishes with its machine starts a new attempt, up to ``max_attempts``; the recipe resumes from the newest
   complete checkpoint in the store. Each attempt keeps its own messages; ``attempts`` lists them all, with their
-  seconds, for the bill.
+  seconds and ``paid_seconds`` (from the worker's first start), which ``training_cost`` bills.
 - A target may restart the worker itself within one attempt (SkyPilot recovers a preempted managed job on a new
   cluster): each start writes its messages to a folder of its own under the attempt's (``<attempt>/<start>/``), the
   reader follows them in turn, and the attempt counts its ``starts``.
@@ -103,11 +103,20 @@ class Attempt:
     outcome: str = "running"  # finished | preempted | killed | lost | failed | cancelled
     identity: dict | None = None  # of its last start
     starts: int = 1  # the worker's starts in this attempt: more than 1 where the target restarted it (SkyPilot)
+    paid_seconds: float = 0.0  # from the worker's first start (its clock) to the attempt's end (ours): the bill's
 
     def as_dict(self) -> dict:
         return {"attempt": self.number, "name": self.name, "seconds": round(self.seconds, 1),
                 "exit_code": self.exit_code, "outcome": self.outcome, "worker": self.identity or {},
-                "starts": self.starts}  # fmt: skip
+                "starts": self.starts, "paid_seconds": round(self.paid_seconds, 1)}  # fmt: skip
+
+
+def paid_seconds(seconds: float, started_at: list, now: float) -> float:
+    """An attempt's billed time: from its worker's first start (the machine's clock, in its ``worker`` message) to
+    ``now``, so that waiting for a machine (a SkyPilot job pending capacity) is not billed; ``seconds`` (launch to end,
+    as measured here) when the worker never reported, and at most that (a clock ahead of ours)."""
+    starts = [t for t in started_at if isinstance(t, int | float)]
+    return min(seconds, max(0.0, now - min(starts))) if starts else seconds
 
 
 def outcome_of(state: WorkerState) -> str:
@@ -210,7 +219,9 @@ def train_remote(
         custom = [m for m in session.get_custom_messages() if isinstance(m, dict)]
         messages = {m.get("kind"): m for m in custom}  # of each kind, the last start's
         attempt.identity = (messages.get(remote.WORKER_MESSAGE) or {}).get("identity")
-        attempt.starts = max([m.get("life", 1) for m in custom if m.get("kind") == remote.WORKER_MESSAGE] or [1])
+        lives = [m for m in custom if m.get("kind") == remote.WORKER_MESSAGE]
+        attempt.starts = max([m.get("life", 1) for m in lives] or [1])
+        attempt.paid_seconds = paid_seconds(attempt.seconds, [m.get("started_at") for m in lives], time.time())
         if attempt.outcome == "failed" and custom and custom[-1].get("kind") == remote.PREEMPTED_MESSAGE:
             attempt.outcome = "preempted"  # it checkpointed after a SIGTERM, whatever exit code its target reports
         if attempt.outcome == "finished" and remote.RESULT_MESSAGE in messages:

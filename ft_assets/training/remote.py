@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True, help="the attempt's job in the store (written by the control host)")
     parser.add_argument("--work-dir", type=Path, default=Path("work"), help="scratch folder (default ./work)")
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     store = open_store(args.store)
     spec = store.get_json(args.job)
     job = WorkerJob.from_json(spec["job"])
@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         params_loader=params, context_loader=PipesDefaultContextLoader(), message_writer=StoreMessageWriter(store, life)
     ) as pipes:
         log = pipes.log.info
-        pipes.report_custom_message({"kind": WORKER_MESSAGE, "identity": identity, "life": life})
+        pipes.report_custom_message(
+            {"kind": WORKER_MESSAGE, "identity": identity, "life": life, "started_at": started_wall}
+        )
         again = f" (start {life}: the target restarted it)" if life > 1 else ""
         log(f"attempt {spec['attempt']} on {socket.gethostname()}{again}: fetching the base model and the shards")
         base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
