@@ -18,7 +18,8 @@ from ft_assets.cli.summaries import plan_before_training
 from ft_assets.control.assets import PlanConfig, plan_of_the_run, plan_run, planned_for
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpu_request_tags, gpus_per_node
-from ft_assets.pools import worker_has_cuda
+from ft_assets.pools import TARGETS, worker_has_cuda
+from ft_assets.pools.ssh import first_card
 from ft_assets.refs import RefOutdated, write_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.assets import plan_mismatch
@@ -119,7 +120,6 @@ def test_the_plan_is_made_for_the_settings_it_is_given(settings, gpus, adapter, 
 
 
 TARGET_PLANS = [  # (the run's GPU target, tier planned, rental mode, $/h: the cost model's price of that mode)
-    ("ssh://me@gpu-box", None, "spot", None),  # a host whose card is not named: as with no target, the cheapest
     ("ssh://me@gpu-box?gpu=h100-80gb", "h100-80gb", "on_demand", 3.50),
     ("slurm://login/a100?gpu=a100-80gb", "a100-80gb", "slurm", 1.00),
 ]
@@ -225,7 +225,9 @@ def test_ft_assets_run_plans_before_it_submits_training_and_refuses_what_fits_no
     assert summary["gpu_tier"] == expected.tier and summary["estimated_cost_usd"] == round(expected.est_cost_usd, 4)
 
 
-@pytest.mark.parametrize("target", ["ssh://me@gpu-box", "skypilot:runpod", "slurm://login/a100?gpu=a100-80gb"])
+@pytest.mark.parametrize(
+    "target", ["ssh://me@gpu-box?gpu=a100-80gb", "skypilot:runpod", "slurm://login/a100?gpu=a100-80gb"]
+)
 def test_a_run_on_a_gpu_target_is_planned_for_the_workers_cuda_from_a_control_host_without_one(target):
     """The laptop has no CUDA, the rented worker has: an unset ``method`` is qlora there, so it is planned (and
     pinned in the worker's job) as qlora, not as the lora this machine would resolve."""
@@ -235,3 +237,52 @@ def test_a_run_on_a_gpu_target_is_planned_for_the_workers_cuda_from_a_control_ho
     assert cuda and run.resolved.method == "qlora" and run.plan.method == "qlora"
     assert not worker_has_cuda("local", here=False) and not worker_has_cuda(None, here=False)
     assert run.stats("r1")["accelerator"] == load_cost_model(None).offering(run.plan.tier).accelerator != ""
+
+
+class CardHost:
+    """A GPU target that says which card it has, as an ssh host's ``nvidia-smi`` does (``SshTarget.card``)."""
+
+    scheme, pinned_gpu = "cardhost", None
+
+    def __init__(self, answer: str):
+        self.answer = answer
+
+    def card(self):
+        return first_card(self.answer)
+
+
+def card_host(text: str) -> CardHost:
+    return CardHost(text.split(":", 1)[1].replace(";", "\n"))
+
+
+@pytest.mark.parametrize(
+    "answer, tier",
+    [
+        ("NVIDIA A100-SXM4-80GB, 81920;NVIDIA A100-SXM4-80GB, 81920", "a100-80gb"),  # nvidia-smi's CSV, 2 cards
+        ("NVIDIA A100-PCIE-40GB, 40960", "a100-40gb"),
+        ("NVIDIA GeForce RTX 4090, 24564", "rtx4090-24gb"),
+        ("NVIDIA H100 80GB HBM3, 81559", "h100-80gb"),
+        ("", None),  # no nvidia-smi (a CPU host): the cheapest offering, as with no target
+    ],
+)
+def test_a_host_without_gpu_setting_is_planned_for_the_card_its_nvidia_smi_names(answer, tier, monkeypatch):
+    monkeypatch.setitem(TARGETS, "cardhost", f"{__name__}:card_host")
+    shards, base = refs()
+    settings = TrainingConfig(gradient_checkpointing=True)  # a 7B model that fits a 24 GB card too
+    plan = plan_run(settings, PlanConfig(), shards, base, cuda=True, target=f"cardhost:{answer}").plan
+    cheapest = plan_run(settings, PlanConfig(), shards, base, cuda=True).plan
+    assert (plan.tier, plan.mode) == ((tier, "on_demand") if tier else (cheapest.tier, cheapest.mode))
+
+
+def test_a_host_that_cannot_say_its_card_is_refused_in_one_line_that_says_how_to_plan_without_it():
+    shards, base = refs()
+    with pytest.raises(ValueError, match=r"ssh://me@gpu-box.invalid: ssh failed: .* name it with gpu=<offering>") as e:
+        plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=True, target="ssh://me@gpu-box.invalid")
+    assert "\n" not in str(e.value)
+
+
+def test_a_host_card_the_cost_model_lacks_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setitem(TARGETS, "cardhost", f"{__name__}:card_host")
+    shards, base = refs()
+    with pytest.raises(ValueError, match=r"the host's card NVIDIA RTX A6000 \(48 GiB\) is no GPU offering .* gpu="):
+        plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=True, target="cardhost:NVIDIA RTX A6000, 49140")

@@ -45,7 +45,7 @@ from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.pools import TARGET_TAG, parse_target, worker_has_cuda
+from ft_assets.pools import TARGET_TAG, TargetError, parse_target, worker_has_cuda
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config
@@ -121,11 +121,20 @@ def plan_run(
     resolved = training.resolve(shards["train_packed_rows"], cuda, objective)
     work = objective.step.work(training, shards, resolved)
     request = PlanRequest(shape, training, resolved.method, work)
-    pinned = getattr(parse_target(target), "pinned_gpu", None)
+    where = parse_target(target)
     try:
+        pinned = getattr(where, "pinned_gpu", None)
+        if pinned is None and hasattr(where, "card"):  # a host that says which card it has (nvidia-smi over ssh)
+            card = where.card()
+            pinned = (cost_model.offering_for_card(*card).name, "on_demand") if card else None
         plan = plan_training(request, cost_model, config.purpose, region, pinned=pinned)
-    except KeyError as exc:  # the target's gpu= names no offering
+    except KeyError as exc:  # the target's gpu= names no offering, or its card is none
         raise ValueError(f"GPU target {target}: {exc.args[0]}") from None
+    except TargetError as exc:  # the host did not answer which card it has
+        raise TargetError(
+            f"{exc}; the plan asks the host's nvidia-smi which card it has: name it with gpu=<offering> to plan "
+            "without reaching the host"
+        ) from None
     accelerator = cost_model.offering(plan.tier).accelerator if plan.tier else ""
     return PlannedRun(training, resolved, work, plan, region, accelerator)
 

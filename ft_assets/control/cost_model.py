@@ -29,6 +29,7 @@ in GB (10**9 bytes; providers differ, the two are 7% apart and 10**9 errs on the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -221,12 +222,36 @@ class CostModel(BaseModel):
         known = ", ".join(o.name for o in self.offerings)
         raise KeyError(f"no GPU offering named {name!r} in the cost model; known: {known}")
 
+    def offering_for_card(self, name: str, mib: int) -> GpuOffering:
+        """The offering of a card as ``nvidia-smi`` names it, with its memory in MiB (``NVIDIA A100-SXM4-80GB``, 81920:
+        ``a100-80gb``): the same model (RTX 4090, A100, H100, L4, ...) and memory within 15%; a KeyError says why none."""
+        model, gib = card_model(name), mib / 1024
+        fits = [o for o in self.offerings if not o.unified_memory and model and card_model(o.gpu) == model
+                and abs(o.vram_gib - gib) <= 0.15 * o.vram_gib]  # fmt: skip
+        if not fits:
+            raise KeyError(
+                f"the host's card {name} ({gib:.0f} GiB) is no GPU offering of the cost model: add one (FT_COST_MODEL) "
+                "or name the offering to plan and bill it as with gpu="
+            )
+        return min(fits, key=lambda o: abs(o.vram_gib - gib))
+
     def mfu(self, method: str) -> float:
         """Assumed hardware FLOPs utilization of a fine-tuning method ('full', 'lora' or 'qlora')."""
         try:
             return {"full": self.mfu_full, "lora": self.mfu_lora, "qlora": self.mfu_qlora}[method]
         except KeyError:
             raise ValueError(f"unknown method {method!r}: use 'full', 'lora' or 'qlora'") from None
+
+
+CARD_MODEL = re.compile(r"\b(RTX\s*(?:PRO\s*)?\d{4}\w*|[A-Z]{1,2}\d{1,4}[A-Z]?)\b", re.IGNORECASE)
+
+
+def card_model(name: str) -> str:
+    """A card's model in its name, whoever wrote it: ``NVIDIA GeForce RTX 4090`` and ``RTX 4090``: RTX4090;
+    ``NVIDIA A100-SXM4-80GB`` and ``NVIDIA A100 80GB``: A100; "" when there is none."""
+    cleaned = re.sub(r"\b(NVIDIA|GeForce|Tesla|Quadro)\b", " ", name, flags=re.IGNORECASE)
+    found = CARD_MODEL.search(cleaned)
+    return re.sub(r"\s+", "", found.group(1)).upper() if found else ""
 
 
 def _name(offering: GpuOffering | dict) -> str:

@@ -5,7 +5,8 @@ user's ``~/.ssh/config``, agent and ``known_hosts`` apply (``identity=PATH`` and
 ``python`` needs torch; with ``code=wheel`` (the default) the worker first installs the control host's ft-assets from
 the store (``ft_assets.pools.code``), with ``code=installed`` it runs the ft-assets ``python`` has.
 ``gpu=`` names the host's card as a cost-model offering: the plan is made, and the run billed, for that card at its
-on-demand price; without it the plan is the cheapest offering that fits, as for a cloud.
+on-demand price; without it the plan asks the host's ``nvidia-smi`` for its card (``card``) and takes that card's offering,
+and on a host without one the cheapest offering that fits, as for a cloud.
 Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
 
 - ``env`` (mode 0600): the worker's secrets, written through ssh's stdin by ``umask 077; cat > env``; the wrapper
@@ -37,6 +38,7 @@ CONNECT_TIMEOUT_S = 15  # ssh's own: a host that does not answer is reported bef
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
 CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
 LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
+NVIDIA_SMI = "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits"  # the host's cards, one a line
 SETTINGS = ("python", "code", "workdir", "identity", "option", "gpu")
 
 # The detached wrapper: sources and deletes the secrets, runs the worker, records its pid and exit code, and passes
@@ -114,8 +116,14 @@ class SshTarget:
         except subprocess.TimeoutExpired:
             raise TargetError(f"{self.describe()}: no answer within {timeout:.0f} s") from None
         if done.returncode == 255:  # ssh's own failure: the host, the key or the network
-            raise TargetError(f"{self.describe()}: ssh failed: {done.stderr.strip().splitlines()[-1:] or ['?']}")
+            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise TargetError(f"{self.describe()}: ssh failed: {said}")
         return done
+
+    def card(self) -> tuple[str, int] | None:
+        """The host's first GPU as ``nvidia-smi`` names it, with its memory in MiB; None on a host without one."""
+        answer = self.ssh(f"{NVIDIA_SMI} 2>/dev/null")
+        return first_card(answer.stdout) if answer.returncode == 0 else None
 
     def folder(self, name: str) -> str:
         return f"{self.workdir.rstrip('/')}/{name}"
@@ -158,6 +166,15 @@ class SshTarget:
         while time.monotonic() < deadline and self.poll(handle).running:
             time.sleep(1.0)
         self.ssh(f"kill -KILL -- -{wrapper} 2>/dev/null; true")  # the wrapper leads its session's process group
+
+
+def first_card(csv: str) -> tuple[str, int] | None:
+    """(name, MiB) of the first GPU in ``NVIDIA_SMI``'s answer (``NVIDIA A100-SXM4-80GB, 81920`` a line)."""
+    for line in csv.splitlines():
+        name, _, mib = line.rpartition(",")
+        if name.strip() and mib.strip().isdigit():
+            return name.strip(), int(mib)
+    return None
 
 
 def parse(text: str) -> SshTarget:
