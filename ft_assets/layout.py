@@ -14,6 +14,7 @@
 | `registry/<name>/<version>/<run>/` | published models with `lineage.json` | `published_model` |
 | `models/<model>/<sha256[:16]>/` | base models converted once, shared by every version | `base_model` |
 | `leases/<name>/<version>/<generation>/` | partition leases (one writer per version) | `ft_assets.locks` |
+| `code/<sha256>/<wheel>` | the ft-assets wheel a GPU target's worker installs (``code=wheel``) | ``ft_assets.pools.code`` |
 
 Every prefix except `datasets/` holds artifacts (``ft_assets.manifests``: files + a manifest written
 last). Dataset names and versions are validated (``ft_assets.partitions``) before they reach a key.
@@ -35,6 +36,7 @@ RUNS = "runs"
 REGISTRY = "registry"
 MODELS = "models"
 LEASES = "leases"
+CODE = "code"
 SUCCESS_MARKER = "_SUCCESS"  # written last by an uploader: the version is complete
 SOURCE_FILE = "_source.json"  # the origin of a version staged from a non-file source ("_": never a data file)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d{8})$")  # 8 digits: sorts by name up to 99,999,999 steps
@@ -127,6 +129,11 @@ class PartitionLayout:
 def of(partition: str) -> PartitionLayout:
     """The layout of a partition key ``<name>@<version>`` (validated)."""
     return PartitionLayout(DatasetVersion.from_key(partition))
+
+
+def worker_wheel(sha256: str, name: str) -> str:
+    """Where the ft-assets wheel with this sha256 is kept for GPU targets' workers."""
+    return join_key(CODE, sha256, name)
 
 
 def checkpoint_name(step: int) -> str:

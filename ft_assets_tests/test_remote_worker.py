@@ -153,9 +153,11 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     secret = (
         "planted-secret-" + os.urandom(6).hex()
     )  # the store's key (unused by a folder store): forwarded as a secret
+    control = "control-secret-" + os.urandom(6).hex()  # this host's own key: the worker gets its own instead
     for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
-                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1"), ("AWS_ACCESS_KEY_ID", "planted-id"),
-                        ("AWS_SECRET_ACCESS_KEY", secret)):  # fmt: skip
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1"), ("AWS_ACCESS_KEY_ID", "control-id"),
+                        ("AWS_SECRET_ACCESS_KEY", control), ("FT_WORKER_AWS_ACCESS_KEY_ID", "planted-id"),
+                        ("FT_WORKER_AWS_SECRET_ACCESS_KEY", secret)):  # fmt: skip
         monkeypatch.setenv(name, str(value))
     umask = os.umask(0)
     try:
@@ -170,7 +172,9 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     assert code == 0, err
     assert killer.error is None and killer.pid, killer.error
     environ = {line.split(b"=", 1)[0].decode() for line in killer.environ if b"=" in line}
-    assert f"AWS_SECRET_ACCESS_KEY={secret}".encode() in killer.environ  # the secret reached the worker, and only it:
+    assert {b"AWS_ACCESS_KEY_ID=planted-id", f"AWS_SECRET_ACCESS_KEY={secret}".encode()} <= set(killer.environ)
+    assert not [line for line in killer.environ if control.encode() in line or line.startswith(b"FT_WORKER_")]
+    # the workers' key reached the worker, and only it:
     worker_files = [*store.root.rglob("pipes/*/*"), *Path(worker_host.account.pw_dir).rglob("ft-assets-worker/*/*.log")]
     assert worker_files and not [f for f in worker_files if f.is_file() and secret.encode() in f.read_bytes()]
     assert secret not in err
@@ -466,6 +470,35 @@ def test_a_gpu_pool_target_that_cannot_be_used_stops_the_instance_in_one_line():
     with pool_instance("ssh://host?pyhton=/x") as instance:
         with pytest.raises(CheckError, match=r"pools.gpu.target: GPU target .* unknown setting\(s\) pyhton"):
             instance.run_launcher  # noqa: B018 (loading the launcher is the test)
+
+
+def test_the_workers_s3_policy_allows_what_a_worker_reads_and_writes_and_nothing_of_the_other_planes():
+    """``deploy/worker-s3-policy.json`` (the workers' own keys, ``FT_WORKER_AWS_*``) against the keys the layout builds:
+    the IAM wildcard ``*`` matches across ``/`` as fnmatch's does. AWS evaluates the policy; no test here enforces it."""
+    from fnmatch import fnmatchcase
+
+    from ft_assets import layout
+
+    policy = json.loads((REPO / "deploy" / "worker-s3-policy.json").read_text())
+
+    def allowed(action: str, key: str) -> bool:
+        arn = f"arn:aws:s3:::my-bucket/ft/{key}"
+        return any(action in st["Action"] and any(fnmatchcase(arn, r) for r in st["Resource"])
+                   for st in policy["Statement"] if st["Effect"] == "Allow")  # fmt: skip
+
+    part, variant, run = layout.of("toolcalls@v1"), layout.of("toolcalls@v1~wide"), "0123456789abcdef"
+    reads = [f"{layout.base_model('smollm2-135m', 'ab' * 8)}/manifest.json", f"{part.data('shards')}/train-0.parquet"]
+    writes = [f"{layout.checkpoint(p.train(run), 8)}/model.safetensors" for p in (part, variant)]
+    writes += [f"{part.train(run)}/pipes/001/1/1.json", f"{part.train(run)}/output/adapter_model.safetensors"]
+    elsewhere = [f"{part.inputs}/part-000.jsonl", part.ref("lora_adapter"), f"{part.data('cleaned')}/x.parquet",
+                 f"{part.registry(run)}/lineage.json", f"{part.delivery(run, 'merged')}/model.safetensors",
+                 f"{part.control('plan')}/manifest.json", layout.worker_wheel("ab" * 32, "ft_assets-0.1.0.whl")]  # fmt: skip
+    assert all(allowed("s3:GetObject", key) for key in reads + writes)
+    assert all(allowed("s3:PutObject", key) and allowed("s3:DeleteObject", key) for key in writes)
+    assert not [key for key in reads if allowed("s3:PutObject", key) or allowed("s3:DeleteObject", key)]
+    assert not [
+        key for key in elsewhere if any(allowed(a, key) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"))
+    ]
 
 
 def test_a_gpu_targets_attempts_are_billed_from_each_workers_first_start_and_every_start_counts_as_a_restart():

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ft_assets
+from ft_assets import layout
 from ft_assets.pools import TargetError
 from ft_assets.storage import ObjectStore
 
@@ -124,7 +125,7 @@ def worker_code(store: ObjectStore) -> WorkerCode:
         )
     wheel = build_wheel(root)
     sha256 = file_sha256(wheel)
-    key = f"code/{sha256}/{wheel.name}"
+    key = layout.worker_wheel(sha256, wheel.name)
     if not store.exists(key):
         store.put_file(key, wheel)
     return WorkerCode(wheel.name, sha256, key)

@@ -50,6 +50,7 @@ READ_INTERVAL_S = 2.0  # how often the store is read for the worker's next messa
 SIGKILL_EXIT = 128 + 9  # a shell's exit code for a child killed by SIGKILL (kill -9, the OOM killer)
 REMOTE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")  # the store's settings
 REMOTE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # the store's credentials
+WORKER_KEYS = "FT_WORKER_"  # + a REMOTE_SECRETS name: the workers' own keys, sent in place of this host's
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
@@ -132,10 +133,15 @@ def outcome_of(state: WorkerState) -> str:
 
 
 def worker_environment(environ: Mapping[str, str]) -> tuple[dict, dict]:
-    """(plain settings, secrets) of the store that the worker needs from this host's environment; nothing else."""
+    """(plain settings, secrets) of the store that the worker needs from this host's environment; nothing else.
+
+    The secrets are the keys of ``FT_WORKER_AWS_ACCESS_KEY_ID`` / ``FT_WORKER_AWS_SECRET_ACCESS_KEY`` (/
+    ``FT_WORKER_AWS_SESSION_TOKEN``) where this host has them, under the names the worker's store reads: keys meant for
+    workers, which may do less than this host's (``deploy/worker-s3-policy.json``); else this host's own."""
+    own = {k: environ[WORKER_KEYS + k] for k in REMOTE_SECRETS if environ.get(WORKER_KEYS + k)}
     return (
         {k: environ[k] for k in REMOTE_ENV if environ.get(k)},
-        {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)},
+        own or {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)},
     )
 
 
