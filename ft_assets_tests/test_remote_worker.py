@@ -34,7 +34,7 @@ from ft_assets.cli.output import PlaneFailed
 from ft_assets.control.jobs import TRAINING_PLANE
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
-from ft_assets.pools import TARGET_TAG, TARGETS, Target, TargetError, WorkerLaunch, parse_target
+from ft_assets.pools import TARGET_TAG, TARGETS, GpuRequest, Target, TargetError, WorkerLaunch, parse_target
 from ft_assets.pools import ssh as ssh_target
 from ft_assets.pools.code import DEFAULT_IMAGE
 from ft_assets.pools.session import cancel_leftover
@@ -518,3 +518,23 @@ def test_a_gpu_targets_attempts_are_billed_from_each_workers_first_start_and_eve
     measured, notes = measurements(adapter, plan, store=None, retention_days=0)
     assert measured.wall_seconds == 130.0 and measured.restarts == 2
     assert any("billed from the GPU target's 2 attempt(s), 2 restart(s)" in n for n in notes), notes
+
+
+@pytest.mark.integration
+def test_a_skypilot_job_waiting_for_a_machine_is_running_to_the_session_and_its_cancel_is_sky_jobs_cancel(
+    sky_env, monkeypatch
+):
+    """``poll`` and ``cancel`` of the ``skypilot:`` target on a managed job still PENDING (no capacity yet)."""
+    monkeypatch.setenv("FT_SKYPILOT_PYTHON", sky_env["python"])
+    fake_skypilot.new_state(sky_env["state"], hold=True)
+    target = parse_target("skypilot:runpod/CA?code=installed")
+    launch = WorkerLaunch(
+        "held-1-abc123", "http.server", ("0",), {}, {}, GpuRequest("rtx4090-24gb", "RTX4090", 1, "spot")
+    )
+    handle = target.launch(launch)
+    assert target.poll(handle).running
+    target.cancel(handle)
+    state = json.loads(sky_env["state"].read_text())
+    assert state["cancels"] == [handle["job_id"]] and state["jobs"][str(handle["job_id"])]["status"] == "CANCELLED"
+    after = target.poll(handle)  # cancelled by someone else, to a session that did not: a failure, not a retry
+    assert not after.running and after.exit_code == 1 and "cancelled outside this run" in after.detail
