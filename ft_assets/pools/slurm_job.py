@@ -48,7 +48,12 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster._core.storage.tags import RETRY_ON_ASSET_OR_OP_FAILURE_TAG
+
 from ft_assets.training.launch import RDZV_PORT, WorkerJob, node_command
+from ft_assets.training.preemption import Preempted
 
 JOB_TAG = "ft/slurm-job-id"  # Dagster run tags: the job that runs the run, its nodes, its output file
 NODES_TAG = "ft/slurm-nodes"
@@ -182,3 +187,23 @@ class SlurmPeerNodes:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def act_on_signalled_stop(context, exc: Preempted, run_prefix: str) -> None:
+    """A SIGTERM that Slurm sent through the batch script (``signalled_stop``), in a Dagster step, checkpoint saved: a requeue
+    leaves the run unfinished for the requeued job to resume; a cancel fails it for good. Returns for anything else
+    (a time limit, a plain preemption): the caller fails the run as preempted and the run retry resumes it."""
+    stop = signalled_stop()
+    if stop is None or stop[0] == TIME_LIMIT:
+        return
+    reason, job = stop
+    if reason == REQUEUE:
+        context.log.info(f"Slurm is requeueing job {job}: {exc}; the requeued job resumes this run")
+        raise DagsterExecutionInterruptedError(f"Slurm requeued job {job}")  # not a failure: the run will resume
+    context.instance.add_run_tags(context.run.run_id, {RETRY_ON_ASSET_OR_OP_FAILURE_TAG: "false"})
+    raise dg.Failure(
+        description=f"Slurm job {job} was cancelled (scancel) at step {exc.step}; the run is not retried, its "
+        f"checkpoints stay in {run_prefix}",
+        metadata={"slurm_job_id": job, "run_prefix": run_prefix},
+        allow_retries=False,
+    ) from exc

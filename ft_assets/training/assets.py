@@ -13,8 +13,6 @@ from pathlib import Path
 
 import dagster as dg
 import torch
-from dagster._core.errors import DagsterExecutionInterruptedError
-from dagster._core.storage.tags import RETRY_ON_ASSET_OR_OP_FAILURE_TAG
 from pydantic import Field
 
 from ft_assets import layout, objectives, portable
@@ -265,7 +263,7 @@ def _train(
             objective=objective,
         ).to_json()  # fmt: skip
     except Preempted as exc:
-        slurm_stop(context, exc, m.store.uri(prefix))
+        slurm_job.act_on_signalled_stop(context, exc, m.store.uri(prefix))
         context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
         raise dg.Failure(
             description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
@@ -320,26 +318,6 @@ def gpu_request(plan: dict | None) -> GpuRequest | None:
     return GpuRequest(
         stats["gpu_tier"], stats.get("accelerator") or "", int(stats.get("gpus") or 1), stats["rental_mode"]
     )
-
-
-def slurm_stop(context, exc: Preempted, run_prefix: str) -> None:
-    """A SIGTERM that Slurm sent through the batch script (``slurm_job.signalled_stop``), checkpoint saved: a requeue
-    leaves the run unfinished for the requeued job to resume; a cancel fails it for good. Returns for anything else
-    (a time limit, a plain preemption): the caller fails the run as preempted and the run retry resumes it."""
-    stop = slurm_job.signalled_stop()
-    if stop is None or stop[0] == slurm_job.TIME_LIMIT:
-        return
-    reason, job = stop
-    if reason == slurm_job.REQUEUE:
-        context.log.info(f"Slurm is requeueing job {job}: {exc}; the requeued job resumes this run")
-        raise DagsterExecutionInterruptedError(f"Slurm requeued job {job}")  # not a failure: the run will resume
-    context.instance.add_run_tags(context.run.run_id, {RETRY_ON_ASSET_OR_OP_FAILURE_TAG: "false"})
-    raise dg.Failure(
-        description=f"Slurm job {job} was cancelled (scancel) at step {exc.step}; the run is not retried, its "
-        f"checkpoints stay in {run_prefix}",
-        metadata={"slurm_job_id": job, "run_prefix": run_prefix},
-        allow_retries=False,
-    ) from exc
 
 
 @dg.asset(
