@@ -113,26 +113,21 @@ def checkpoints(store: LocalStore) -> set[str]:
     }
 
 
-class WhenTraining(threading.Thread):
-    """Calls ``act(pid)`` with the worker's pid once it runs (and, with ``after_checkpoint``, has saved one)."""
+class Watcher(threading.Thread):
+    """Polls ``ready()`` every 0.2 s (up to ``WAIT_S``) in the background while the test's run goes on, until it says
+    True; an exception is kept in ``error`` for the test to report."""
 
-    def __init__(self, worker_host, store, act, after_checkpoint: bool):
+    def __init__(self):
         super().__init__(daemon=True)
-        self.worker_host, self.store, self.act, self.after_checkpoint = worker_host, store, act, after_checkpoint
-        self.before = checkpoints(store)
-        self.pid, self.environ, self.cmdline, self.error, self.stop = None, None, None, None, threading.Event()
+        self.error, self.stop = None, threading.Event()
+
+    def ready(self) -> bool:
+        raise NotImplementedError
 
     def run(self):
         deadline = time.monotonic() + WAIT_S
         try:
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                pids = worker_pids(self.worker_host)
-                if pids and (not self.after_checkpoint or checkpoints(self.store) - self.before):
-                    self.pid = pids[0]
-                    self.environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
-                    self.cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
-                    self.act(self.pid)
-                    return
+            while not self.stop.is_set() and time.monotonic() < deadline and not self.ready():
                 time.sleep(0.2)
         except Exception as exc:  # reported by the test
             self.error = exc
@@ -143,6 +138,26 @@ class WhenTraining(threading.Thread):
 
     def __exit__(self, *exc):
         self.stop.set()
+
+
+class WhenTraining(Watcher):
+    """Calls ``act(pid)`` with the worker's pid once it runs (and, with ``after_checkpoint``, has saved one)."""
+
+    def __init__(self, worker_host, store, act, after_checkpoint: bool):
+        super().__init__()
+        self.worker_host, self.store, self.act, self.after_checkpoint = worker_host, store, act, after_checkpoint
+        self.before = checkpoints(store)
+        self.pid, self.environ, self.cmdline = None, None, None
+
+    def ready(self) -> bool:
+        pids = worker_pids(self.worker_host)
+        if not pids or (self.after_checkpoint and not checkpoints(self.store) - self.before):
+            return False
+        self.pid = pids[0]
+        self.environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
+        self.cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
+        self.act(self.pid)
+        return True
 
 
 @pytest.mark.integration
@@ -217,36 +232,23 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
                         load_file(reference.output_dir / "adapter_model.safetensors"))  # fmt: skip
 
 
-class WhenSkyJobTrains(threading.Thread):
+class WhenSkyJobTrains(Watcher):
     """Preempts the fake SkyPilot's managed job (SIGKILL of its process group: a reclaimed spot machine) once its
     worker runs and the run has a checkpoint; SkyPilot's recovery then runs the same command on the next placement."""
 
     def __init__(self, state: Path, store):
-        super().__init__(daemon=True)
-        self.state, self.store, self.before = state, store, checkpoints(store)
-        self.preempted, self.error, self.stop = None, None, threading.Event()
+        super().__init__()
+        self.state, self.store, self.before, self.preempted = state, store, checkpoints(store), None
 
-    def run(self):
-        deadline = time.monotonic() + WAIT_S
-        try:
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                if checkpoints(self.store) - self.before:
-                    with fake_skypilot.state_file(self.state) as state:
-                        running = [j for j in state["jobs"].values() if j["status"] == "RUNNING"]
-                        if running:
-                            running[0]["commands"].append("preempt")
-                            self.preempted = running[0]["job_id"]
-                            return
-                time.sleep(0.2)
-        except Exception as exc:  # reported by the test
-            self.error = exc
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
+    def ready(self) -> bool:
+        if not checkpoints(self.store) - self.before:
+            return False
+        with fake_skypilot.state_file(self.state) as state:
+            running = [job for job in state["jobs"].values() if job["status"] == "RUNNING"]
+            if running:
+                running[0]["commands"].append("preempt")
+                self.preempted = running[0]["job_id"]
+        return self.preempted is not None
 
 
 @pytest.mark.integration
