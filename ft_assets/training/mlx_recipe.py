@@ -50,41 +50,36 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ft_assets import layout
-from ft_assets.objectives import SFT, Objective
+from ft_assets.objectives import Objective
 from ft_assets.shards import IGNORE_INDEX, load_packed_rows
 from ft_assets.storage import ObjectStore
-from ft_assets.training import backends
+from ft_assets.training import backends, loop, mlx_peft
 from ft_assets.training import mlx_model as mm
-from ft_assets.training import mlx_peft
 from ft_assets.training.base_model import TOKENIZER_FILES
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
     Checkpoint,
     TrainerState,
     check_resumable,
-    complete_checkpoints,
     delete_checkpoint,
     find_latest_checkpoint,
     write_fresh,
 )
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
 from ft_assets.training.data_order import DataPlan
-from ft_assets.training.preemption import Preempted, SigtermFlag
-from ft_assets.training.progress import Window, duration, eval_line, progress_line
+from ft_assets.training.loop import Log, OnMetrics, RecipeLoop
+from ft_assets.training.preemption import SigtermFlag
+from ft_assets.training.progress import eval_line, progress_line
 from ft_assets.training.result import TrainingResult
 from ft_assets.training.tracking import Trackers
 
-Log = Callable[[str], None]
-OnMetrics = Callable[[dict], None]
 OPTIMIZER = "optimizer.safetensors"
 FULL_WEIGHTS = "model.safetensors"
 MLX_DIR = "mlx"  # mlx-lm's own adapter files, beside the PEFT ones in the final folder
@@ -151,8 +146,10 @@ def loss_sum(model, inputs, targets):
     return (losses * mask).sum()
 
 
-class MlxRecipe:
+class MlxRecipe(RecipeLoop):
     """One attempt at a run on MLX: its state on one object, its phases in the order they run (see the module)."""
+
+    attention = "mlx"
 
     def __init__(
         self,
@@ -287,12 +284,7 @@ class MlxRecipe:
         shutil.rmtree(resume_dir, ignore_errors=True)
         for step in skipped:
             delete_checkpoint(self.store, self.run_prefix, step)
-        self.resumed_from = checkpoint.step if checkpoint else None
-        self.tokens_at_start = self.state.tokens_seen
-        self.last_saved = self.state.step if checkpoint else None
-        self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
-        self.attempt = self.state.attempts[-1]
-        self.window = Window()
+        self.begin_attempt(checkpoint)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         import mlx.core as mx
@@ -308,37 +300,6 @@ class MlxRecipe:
         self.log(f"resuming from {checkpoint.uri} (step {checkpoint.step}/{self.total_steps})")
 
     # --- train loop ---
-
-    def train_loop(self) -> None:
-        config, total = self.config, self.total_steps
-        self.model.train()
-        while True:
-            self.stop_if_preempted()
-            if self.state.step >= total:
-                return
-            self.train_step()
-            step = self.state.step
-            if step % config.logging_steps == 0 or step == total:
-                self.log_progress()
-            if step % config.save_steps == 0 and step < total:
-                self.save_checkpoint()
-            if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
-                metrics = self.evaluate()
-                self.state.eval_history.append((step, metrics["eval_loss"]))
-                self.log(f"step {step}/{total}  {eval_line(metrics)}")
-                self.report({"step": step, **metrics})
-
-    def stop_if_preempted(self) -> None:
-        if not self.sigterm.requested:
-            return
-        self.log(f"SIGTERM received: checkpointing step {self.state.step} and stopping")
-        if self.state.step > 0 and self.last_saved != self.state.step:
-            self.save_checkpoint()
-        self.uploader.wait()
-        uri = (
-            self.store.uri(layout.checkpoint(self.run_prefix, self.last_saved)) if self.last_saved is not None else None
-        )
-        raise Preempted(self.state.step, uri)
 
     def train_step(self) -> None:
         """One optimizer step: every micro-batch's examples forward and backward, gradients summed, divided by the
@@ -475,78 +436,7 @@ class MlxRecipe:
             if (self.base_model_dir / name).is_file():
                 shutil.copyfile(self.base_model_dir / name, out / name)
 
-    def cleanup(self, failed: bool) -> None:
-        if failed:
-            try:
-                self.uploader.wait()
-            except Exception as exc:  # noqa: BLE001 - the original error is what matters
-                self.log(f"WARNING: checkpoint upload also failed: {exc}")
-        if self.tracker is not None:
-            self.tracker.finish(failed)
 
-    def result(self) -> TrainingResult:
-        wall = time.monotonic() - self.started
-        state = self.state
-        trained = state.tokens_seen - self.tokens_at_start
-        recent = [value for _, value in state.loss_history[-self.config.logging_steps :]]
-        result = TrainingResult(
-            output_dir=self.output_dir,
-            method=self.method,
-            objective=self.objective.name,
-            device=f"{self.device} x1",
-            steps=state.step,
-            train_loss=sum(recent) / len(recent) if recent else None,
-            eval_loss=self.eval_loss,
-            eval_metrics=self.eval_metrics,
-            figure_history=[],
-            tokens_seen=state.tokens_seen,
-            wall_seconds=wall,
-            step_seconds=self.step_seconds,
-            effective_training_fraction=self.step_seconds / wall if wall > 0 else 0.0,
-            resumed_from_step=self.resumed_from,
-            checkpoints=complete_checkpoints(self.store, self.run_prefix),
-            loss_history=list(state.loss_history),
-            eval_history=list(state.eval_history),
-            restarts=state.attempts[:-1],
-            bytes_uploaded=self.uploader.bytes_uploaded,
-            resolved=self.resolved.as_dict(),
-            attn_implementation="mlx",
-            tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
-            mlflow_run_id=self.tracker.mlflow_run_id if self.tracker is not None else None,
-            wandb_run_id=self.tracker.wandb_run_id if self.tracker is not None else None,
-        )
-        named = (("train", result.train_loss), ("eval", self.eval_loss))
-        losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
-        self.log(
-            f"done: {result.steps} steps, {losses}, {duration(wall)} wall, "
-            f"{result.effective_training_fraction:.0%} of it in training steps"
-        )
-        return result
-
-
-def train(
-    config: TrainingConfig,
-    base_model_dir: Path,
-    shards_dir: Path,
-    store: ObjectStore,
-    run_prefix: str,
-    work_dir: Path,
-    log: Log = print,
-    on_metrics: OnMetrics | None = None,
-    started_at: float | None = None,
-    tags: dict[str, str] | None = None,
-    objective: Objective = SFT,
-) -> TrainingResult:
+def train(config: TrainingConfig, *args, **kwargs) -> TrainingResult:
     """Train (or resume) the run at ``run_prefix`` with MLX; the same arguments and result as ``recipe.train``."""
-    started = time.monotonic() if started_at is None else started_at
-    with SigtermFlag() as sigterm:
-        recipe = MlxRecipe(config, base_model_dir, shards_dir, store, run_prefix, work_dir, log, on_metrics, sigterm,
-                           started, tags or {}, objective)  # fmt: skip
-        recipe.setup()
-        recipe.resume()
-        try:
-            recipe.train_loop()
-            recipe.finish()
-        finally:
-            recipe.cleanup(failed=sys.exc_info()[0] is not None)
-    return recipe.result()
+    return loop.train(MlxRecipe, config, *args, **kwargs)

@@ -48,9 +48,7 @@ tokens/s. QLoRA dequantizes every weight on every forward, a fixed cost that bat
 from __future__ import annotations
 
 import shutil
-import sys
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,16 +56,16 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 
-from ft_assets import layout
-from ft_assets.objectives import SFT, Objective
+from ft_assets.objectives import Objective
+from ft_assets.pools.ec2_metadata import SpotNoticeWatcher
 from ft_assets.storage import ObjectStore
+from ft_assets.training import loop
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
     Checkpoint,
     TrainerState,
     capture_rng_state,
     check_resumable,
-    complete_checkpoints,
     delete_checkpoint,
     fetch_checkpoint,
     find_latest_checkpoint,
@@ -77,7 +75,7 @@ from ft_assets.training.checkpoints import (
 )
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.data_order import DataPlan
-from ft_assets.pools.ec2_metadata import SpotNoticeWatcher
+from ft_assets.training.loop import Log, OnMetrics, RecipeLoop
 from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
 from ft_assets.training.parallelism import (
     attempt_id,
@@ -87,15 +85,12 @@ from ft_assets.training.parallelism import (
     save_shards,
     start_processes,
 )
-from ft_assets.training.preemption import Preempted, SigtermFlag
-from ft_assets.training.progress import Window, duration, eval_line, progress_line
+from ft_assets.training.preemption import SigtermFlag
+from ft_assets.training.progress import eval_line, progress_line
 from ft_assets.training.result import TrainingResult
 from ft_assets.training.tracking import Trackers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-Log = Callable[[str], None]
-OnMetrics = Callable[[dict], None]
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -109,7 +104,7 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(eq=False)
-class FineTuneRecipe:
+class FineTuneRecipe(RecipeLoop):
     """One attempt at a run, on this process: its state on one object, its phases in the order they run.
 
     ``train`` drives it: ``setup`` (processes, data, model, optimizer) -> ``resume`` (the newest
@@ -259,12 +254,7 @@ class FineTuneRecipe:
         if self.is_main:
             for step in skipped:  # newer than the resume point and unusable: they will be rewritten
                 delete_checkpoint(self.store, self.run_prefix, step)
-        self.resumed_from = checkpoint.step if checkpoint else None
-        self.tokens_at_start = self.state.tokens_seen
-        self.last_saved = self.state.step if checkpoint else None
-        self.state.attempts.append({"resumed_from_step": self.resumed_from, "last_checkpoint_step": None})
-        self.attempt = self.state.attempts[-1]
-        self.window = Window()  # the steps since the last log line, their losses queued on the device
+        self.begin_attempt(checkpoint)
         if rng_state is not None:
             restore_rng_state(rng_state)
 
@@ -292,46 +282,15 @@ class FineTuneRecipe:
 
     # --- train loop ---
 
-    def train_loop(self) -> None:
-        """Optimizer steps up to ``total_steps``; at every step boundary: SIGTERM, logs, checkpoints, evals."""
-        config, total = self.config, self.total_steps
-        self.model.train()
-        self.window.restart()
-        while True:
-            self.stop_if_preempted()
-            if self.state.step >= total:
-                return
-            self.train_step()
-            step = self.state.step
-            if step % config.logging_steps == 0 or step == total:
-                self.log_progress()
-            if step % config.save_steps == 0 and step < total:
-                self.save_checkpoint()
-            if config.eval_steps and self.eval_rows and step % config.eval_steps == 0 and step < total:
-                metrics = self.evaluate()
-                self.state.eval_history.append((step, next(iter(metrics.values()))))  # the headline (GRPO: reward)
-                self.say(f"step {step}/{total}  {eval_line(metrics)}")
-                self.report({"step": step, **metrics})
-
-    def stop_if_preempted(self) -> None:
-        """After SIGTERM on any process: checkpoint this step unless saved, wait for the upload, raise ``Preempted``.
-
-        A collective under DDP: every rank calls it at every step boundary, so all of them stop at the same step.
-        """
+    def stop_requested(self) -> bool:
+        """SIGTERM on any process: a collective under DDP (and a host sync per step), so all stop at the same step."""
         stop = self.sigterm.requested
-        if self.world > 1:  # the processes agree on the step to stop at: a collective and a host sync per step
+        if self.world > 1:
             stop = self.accelerator.reduce(torch.tensor([float(stop)], device=self.device), "sum").item() > 0
-        if not stop:
-            return
-        self.say(f"SIGTERM received: checkpointing step {self.state.step} and stopping")
-        if self.state.step > 0 and self.last_saved != self.state.step:
-            self.save_checkpoint()
-        self.uploader.wait()
+        return stop
+
+    def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
-        uri = (
-            self.store.uri(layout.checkpoint(self.run_prefix, self.last_saved)) if self.last_saved is not None else None
-        )
-        raise Preempted(self.state.step, uri)
 
     def train_step(self) -> None:
         """One optimizer step over this rank's micro-batches of step ``state.step``, then the step's bookkeeping.
@@ -395,10 +354,6 @@ class FineTuneRecipe:
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The objective's summed loss of a micro-batch (DPO's reference: the base with the adapter disabled)."""
         return self.step_run.loss_sum(self.model, self.unwrapped, batch, self.config)
-
-    def read_losses(self) -> None:
-        """Append the losses of the steps since the last read to the loss history (one device-to-host copy)."""
-        self.window.read(self.state.loss_history)
 
     def log_progress(self) -> None:
         """Log and report the mean loss, learning rate, throughput and ETA of the steps since the last log line."""
@@ -496,103 +451,23 @@ class FineTuneRecipe:
         self.uploader.close()
         self.accelerator.wait_for_everyone()
 
-    def cleanup(self, failed: bool) -> None:
-        """End the trackers and free accelerate's memory; after a failure, first let a checkpoint in flight land."""
-        if failed:
-            try:  # the original error is what matters
-                self.uploader.wait()
-            except Exception as exc:  # noqa: BLE001
-                self.log(f"WARNING: checkpoint upload also failed: {exc}")
+    def end_backend_tracking(self) -> None:
         if self.config.report_to:
             self.accelerator.end_training()
-        if self.tracker is not None:
-            self.tracker.finish(failed)
+
+    @staticmethod
+    def watch(log: Log) -> SpotNoticeWatcher:
+        return SpotNoticeWatcher(log=log)  # on an EC2 spot worker: the reclaim notice becomes a SIGTERM
+
+    def release(self) -> None:
         self.accelerator.free_memory()  # drop accelerate's references to the model, run gc, empty the CUDA cache
 
-    def result(self) -> TrainingResult:
-        """This attempt's figures, with wall time up to now; logs the closing line."""
-        wall = time.monotonic() - self.started
-        state = self.state
-        self.read_losses()
-        trained = state.tokens_seen - self.tokens_at_start  # this attempt
-        recent = [value for _, value in state.loss_history[-self.config.logging_steps :]]
-        result = TrainingResult(
-            output_dir=self.output_dir,
-            method=self.method,
-            objective=self.objective.name,
-            device=f"{self.device.type} x{self.world}",
-            steps=state.step,
-            train_loss=sum(recent) / len(recent) if recent else None,
-            eval_loss=self.eval_loss,
-            eval_metrics=self.eval_metrics,
-            figure_history=list(state.figure_history),
-            tokens_seen=state.tokens_seen,
-            wall_seconds=wall,
-            step_seconds=self.step_seconds,
-            effective_training_fraction=self.step_seconds / wall if wall > 0 else 0.0,
-            resumed_from_step=self.resumed_from,
-            checkpoints=complete_checkpoints(self.store, self.run_prefix),
-            loss_history=list(state.loss_history),
-            eval_history=list(state.eval_history),
-            restarts=state.attempts[:-1],
-            bytes_uploaded=self.uploader.bytes_uploaded,
-            resolved=self.resolved.as_dict(),
-            attn_implementation=self.attention,
-            tokens_per_second=trained / self.step_seconds if self.step_seconds > 0 else 0.0,
-            mlflow_run_id=self.tracker.mlflow_run_id if self.tracker is not None else None,
-            wandb_run_id=self.tracker.wandb_run_id if self.tracker is not None else None,
-        )
-        named = (("train", result.train_loss), ("eval", self.eval_loss))
-        losses = ", ".join(f"{name} loss {value:.4f}" for name, value in named if value is not None)
-        self.say(
-            f"done: {result.steps} steps, {losses}, {duration(wall)} wall, "
-            f"{result.effective_training_fraction:.0%} of it in training steps"
-        )
-        return result
+    @property
+    def device_label(self) -> str:
+        return f"{self.device.type} x{self.world}"
 
 
-def train(
-    config: TrainingConfig,
-    base_model_dir: Path,
-    shards_dir: Path,
-    store: ObjectStore,
-    run_prefix: str,
-    work_dir: Path,
-    log: Log = print,
-    on_metrics: OnMetrics | None = None,
-    started_at: float | None = None,
-    tags: dict[str, str] | None = None,
-    objective: Objective = SFT,
-) -> TrainingResult:
-    """Train (or resume) the run at ``run_prefix`` and return the final weights and figures.
-
-    ``started_at`` is a ``time.monotonic()`` value from before the caller's downloads, so that wall
-    time covers them; default now. ``tags`` go to the MLflow run (dataset version, lineage digests).
-    ``objective`` is the one the data plane recorded for the shards (``tokenized_shards``' stats).
-    """
-    started = time.monotonic() if started_at is None else started_at
-    # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
-    # On an EC2 spot worker the watcher turns the reclaim notice into that same SIGTERM.
-    with SigtermFlag() as sigterm, SpotNoticeWatcher(log=log):
-        recipe = FineTuneRecipe(
-            config,
-            Path(base_model_dir),
-            Path(shards_dir),
-            store,
-            run_prefix,
-            Path(work_dir),
-            log,
-            on_metrics,
-            sigterm,
-            started,
-            tags or {},
-            objective,
-        )
-        recipe.setup()
-        recipe.resume()
-        try:
-            recipe.train_loop()
-            recipe.finish()
-        finally:
-            recipe.cleanup(failed=sys.exc_info()[0] is not None)
-    return recipe.result()
+def train(config: TrainingConfig, *args, **kwargs) -> TrainingResult:
+    """Train (or resume) the run at ``run_prefix`` with torch and return the final weights and figures
+    (``loop.train``: the arguments after ``config``)."""
+    return loop.train(FineTuneRecipe, config, *args, **kwargs)
