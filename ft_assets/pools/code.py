@@ -18,6 +18,7 @@ torch version ft-assets is tested with (the Containerfile's ``BASE`` too), whose
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -90,8 +91,9 @@ def build_wheel(root: Path, cache: Path = CACHE) -> Path:
         for path in _package_files(root):
             (src / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, src / path.relative_to(root))
+        isolation = ["--no-build-isolation"] if _has_setuptools(68) else []  # else pip fetches a setuptools for it
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation,
              "--disable-pip-version-check", "--wheel-dir", str(Path(tmp) / "dist"), str(src)],
             capture_output=True, text=True,
         )  # fmt: skip
@@ -104,6 +106,14 @@ def build_wheel(root: Path, cache: Path = CACHE) -> Path:
         shutil.copy2(wheels[0], partial)
         os.replace(partial, folder / wheels[0].name)
     return folder / wheels[0].name
+
+
+def _has_setuptools(major: int) -> bool:
+    """Whether this Python has setuptools ``major`` or later (pyproject.toml's build requirement)."""
+    try:
+        return int(importlib.metadata.version("setuptools").split(".")[0]) >= major
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
 
 
 def file_sha256(path: Path) -> str:
