@@ -1,7 +1,7 @@
 """The code a GPU target's worker runs: the control host's own ft-assets, as a wheel in the store (``code=wheel``).
 
 With ``code=wheel`` (every target's default) the session (``ft_assets.pools.session``) builds a wheel of the
-ft-assets that planned the run, from its source tree (``pip wheel --no-deps``, 1-2 s, kept in
+ft-assets that planned the run, from its source tree (``pip wheel --no-deps``, kept in
 ``~/.cache/ft-assets/wheels/<source digest>/`` until the source changes), and puts it in the store once at
 ``code/<sha256>/<wheel>``. The worker's ``python`` needs torch and nothing of ft-assets: ``bootstrap.py`` fetches the
 wheel, checks its sha256 and installs it in a cached virtual environment on the machine (see there). So the code
