@@ -90,7 +90,7 @@ def main() -> None:
         if (env_dir / READY).exists():
             say(f"{name} ({sha256[:12]}) is installed in {env_dir}")
         else:
-            build(env_dir, fetch(url, cache / "wheels" / sha256 / name, sha256))
+            build(env_dir, fetch(url, cache / "downloads" / sha256 / name, sha256))
     python = str(env_dir / "bin" / "python")
     os.execv(python, [python, "-m", module, *args])
 

@@ -2,7 +2,7 @@
 
 With ``code=wheel`` (every target's default) the session (``ft_assets.pools.session``) builds a wheel of the
 ft-assets that planned the run, from its source tree (``pip wheel --no-deps``, kept in
-``~/.cache/ft-assets/wheels/<source digest>/`` until the source changes), and puts it in the store once at
+``~/.cache/ft-assets/worker-wheels/<source digest>/`` until the source changes), and puts it in the store once at
 ``code/<sha256>/<wheel>``. The worker's ``python`` needs torch and nothing of ft-assets: ``bootstrap.py`` fetches the
 wheel, checks its sha256 and installs it in a cached virtual environment on the machine (see there). So the code
 that trains is the code that planned, with no image to build or registry to push to; the lineage names the wheel's
@@ -37,7 +37,7 @@ CODE_MODES = (WHEEL, INSTALLED)
 DEFAULT_IMAGE = "docker.io/pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"
 URL_EXPIRES_S = 7 * 24 * 3600  # a presigned URL's longest life (SigV4): a worker started later gets a new one
 SOURCE_FILES = ("pyproject.toml", "README.md")  # besides the package: what ``pip wheel`` reads
-CACHE = Path.home() / ".cache" / "ft-assets" / "wheels"
+CACHE = Path.home() / ".cache" / "ft-assets" / "worker-wheels"  # not wheels/: the Makefile keeps llama.cpp's there
 
 
 @dataclass(frozen=True)
