@@ -264,7 +264,7 @@ def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_f
                         ("AWS_SECRET_ACCESS_KEY", secret), ("FT_SKYPILOT_PYTHON", sky_env["python"])):  # fmt: skip
         monkeypatch.setenv(name, str(value))
     fake_skypilot.new_state(sky_env["state"], placements=[["RunPod", "CA", "CA-MTL-1"], ["RunPod", "US", "US-GA-1"]])
-    target = f"skypilot:runpod?python={sys.executable}"
+    target = f"skypilot:runpod?python={sys.executable}&poll=2"
     config = yaml.safe_load(remote_home["config"].read_text())
     config["ops"]["lora_adapter"]["config"] = settings(seed=5)  # a run of its own (the run id is of the settings)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))

@@ -87,7 +87,7 @@ class Target(Protocol):
     """A place a training worker can run. ``launch`` returns a handle (plain JSON) that ``poll`` and ``cancel`` take,
     also in a later process: the handle is kept in the store, so a restarted control host finds the worker."""
 
-    scheme: str
+    scheme: str  # optional too: ``poll_s`` (how often ``poll`` may be called), ``pinned_gpu``, ``card()``, ``code``
 
     def launch(self, launch: WorkerLaunch) -> dict: ...
 

@@ -208,7 +208,7 @@ def train_remote(
             try:
                 if interrupted:
                     raise DagsterExecutionInterruptedError()
-                state = wait(target, handle, poll_s)
+                state = wait(target, handle, getattr(target, "poll_s", poll_s))
             except BaseException:  # the run was terminated (or this process interrupted): nothing left running
                 attempt.outcome = "cancelled"
                 with capture_interrupts():

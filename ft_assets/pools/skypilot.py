@@ -12,7 +12,8 @@ runtime image, ``code.DEFAULT_IMAGE``), ``python`` (the image's Python, default 
 default: the worker installs the control host's ft-assets from the store first, ``ft_assets.pools.code``;
 ``installed``: the image has ft-assets, e.g. one built from ``deploy/image``), ``disk`` (GB),
 ``recovery`` (SkyPilot's ``job_recovery`` strategy, default ``EAGER_NEXT_REGION``), ``restarts``
-(``max_restarts_on_errors``, default 0: a worker that fails is not run again by SkyPilot) and ``sky_python``
+(``max_restarts_on_errors``, default 0: a worker that fails is not run again by SkyPilot), ``poll`` (seconds between
+looks at SkyPilot's job queue, default 30: each is a process start of SkyPilot's venv) and ``sky_python``
 (the python of the SkyPilot venv; default ``$FT_SKYPILOT_PYTHON``, else this checkout's ``.venv-skypilot``).
 
 SkyPilot recovers a preempted spot job itself: it rents another machine (the next region with
@@ -40,7 +41,8 @@ EXAMPLE = "skypilot:runpod,vast"
 DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}  # the execute_run pool's
 DEFAULT_AUTOSTOP_MINUTES = 30  # the idle sensor's threshold
 MAX_GPUS_PER_NODE = 8
-SETTINGS = ("image", "python", "code", "disk", "recovery", "restarts", "sky_python")
+SETTINGS = ("image", "python", "code", "disk", "recovery", "restarts", "poll", "sky_python")
+DEFAULT_POLL_S = 30  # each look at SkyPilot's queue is a process start and ``import sky`` (3-11 s of a core)
 # ManagedJobStatus values (sky.jobs.state) of a job that is not over: its worker runs, or is being (re)started
 RUNNING = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", "CANCELLING"})
 LOST = frozenset({"FAILED_CONTROLLER"})  # the jobs controller died: nothing says what became of the worker
@@ -118,6 +120,7 @@ class SkyPilotTarget:
     recovery: str = DEFAULT_RECOVERY["strategy"]
     restarts: int = 0
     sky_python: str | None = None
+    poll_s: float = DEFAULT_POLL_S  # how often the session asks whether the job still runs
 
     scheme = "skypilot"
 
@@ -222,4 +225,5 @@ def parse(text: str) -> SkyPilotTarget:
         restarts=count("restarts", 0, 0) or 0,
         sky_python=one("sky_python"),
         code=code_setting(text, one("code")),
+        poll_s=count("poll", DEFAULT_POLL_S, 1),
     )
