@@ -24,10 +24,12 @@ import shutil
 import site
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 READY = "ft-assets-ready"  # written last in a complete environment
+STARTED_ENV = "FT_WORKER_STARTED_AT"  # when this start of the worker began (Unix time), for the bill
 CHUNK = 1 << 20
 
 
@@ -79,6 +81,7 @@ def build(env_dir: Path, wheel: Path) -> None:
 
 def main() -> None:
     module, args = sys.argv[1], sys.argv[2:]
+    os.environ[STARTED_ENV] = repr(time.time())  # the worker bills from here: the install is paid time
     url = os.environ.pop("FT_CODE_URL")
     sha256, name = os.environ["FT_CODE_SHA256"], os.environ["FT_CODE_WHEEL"]
     cache = Path(os.environ.get("FT_CODE_CACHE") or Path.home() / ".cache" / "ft-assets").expanduser()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -32,11 +33,12 @@ from dagster_pipes import (
 
 from ft_assets.manifests import fetch_artifact, publish_dir
 from ft_assets.objectives import named
+from ft_assets.pools.bootstrap import STARTED_ENV
+from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob
 from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
-from ft_assets.pools.worker_identity import worker_tag
 
 MESSAGE_INTERVAL_S = 2.0  # Pipes messages go to the store in chunks at most this often (one object each)
 WORKER_MESSAGE, RESULT_MESSAGE, PREEMPTED_MESSAGE = "worker", "result", "preempted"  # custom messages' "kind"
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("work"), help="scratch folder (default ./work)")
     args = parser.parse_args(argv)
     started, started_wall = time.monotonic(), time.time()
+    started_wall = float(os.environ.get(STARTED_ENV) or started_wall)  # the bootstrap's start: its install is paid
     store = open_store(args.store)
     spec = store.get_json(args.job)
     job = WorkerJob.from_json(spec["job"])
