@@ -113,10 +113,10 @@ class Attempt:
 
 
 def paid_seconds(seconds: float, started_at: list, now: float) -> float:
-    """An attempt's billed time: from its worker's first start (the machine's clock, in its ``worker`` message; the
-    bootstrap's start where it installed the code first) to
-    ``now``, so that waiting for a machine (a SkyPilot job pending capacity) is not billed; ``seconds`` (launch to end,
-    as measured here) when the worker never reported, and at most that (a clock ahead of ours)."""
+    """An attempt's billed time: from its worker's first start (the machine's clock, in its ``worker`` message: the
+    bootstrap's start where it installed the code first) to ``now``, so that waiting for a machine (a SkyPilot job
+    pending capacity) is not billed; ``seconds`` (launch to end, as measured here) when the worker never reported,
+    and at most that (a clock ahead of ours)."""
     starts = [t for t in started_at if isinstance(t, int | float)]
     return min(seconds, max(0.0, now - min(starts))) if starts else seconds
 
