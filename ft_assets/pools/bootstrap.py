@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 READY = "ft-assets-ready"  # written last in a complete environment
-STARTED_ENV = "FT_WORKER_STARTED_AT"  # when this start of the worker began (Unix time), for the bill
+STARTED_ENV = "FT_BOOTSTRAP_STARTED_AT"  # when this start of the worker began (Unix time), for the bill
 CHUNK = 1 << 20
 
 
