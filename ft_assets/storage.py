@@ -286,7 +286,7 @@ class LocalStore(ObjectStore):
         return str(self.path(key))
 
 
-def _env_credentials() -> dict:
+def env_credentials() -> dict:
     """The ``AWS_*`` keys as they are now, for ``boto3.client``.
 
     boto3's default session caches the first credentials it resolves, so without this a store opened
@@ -324,7 +324,7 @@ class S3Store(ObjectStore):
         # whole transfer retried as a unit, and an error message that says how long the store was down.
         self.client = client or boto3.client(
             "s3",
-            **_env_credentials(),
+            **env_credentials(),
             config=BotoConfig(
                 retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60
             ),

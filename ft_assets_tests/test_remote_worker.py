@@ -540,3 +540,59 @@ def test_a_skypilot_job_waiting_for_a_machine_is_running_to_the_session_and_its_
     assert state["cancels"] == [handle["job_id"]] and state["jobs"][str(handle["job_id"])]["status"] == "CANCELLED"
     after = target.poll(handle)  # cancelled by someone else, to a session that did not: a failure, not a retry
     assert not after.running and after.exit_code == 1 and "cancelled outside this run" in after.detail
+
+
+def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_run_alone(monkeypatch, tmp_path):
+    """``FT_WORKER_KEYS=sts`` at AWS STS's SDK boundary (moto): GetFederationToken with an inline policy that allows the
+    run's inputs and its own prefix, nothing else; the worker gets the temporary keys, never this host's."""
+    from fnmatch import fnmatchcase
+
+    import boto3
+    from moto import mock_aws
+
+    from ft_assets import layout
+    from ft_assets.pools.credentials import worker_secrets
+    from ft_assets.storage import S3Store
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "AKIAHOSTKEY"), ("AWS_SECRET_ACCESS_KEY", "host-secret"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    part, run = layout.of("toolcalls@v1"), "0123456789abcdef"
+    reads = [layout.base_model("smollm2-135m", "ab" * 8), part.data("shards")]
+    asked = []
+    with mock_aws():
+        boto3.setup_default_session()
+        boto3.DEFAULT_SESSION.events.register(
+            "provide-client-params.sts.GetFederationToken", lambda params, **kw: asked.append(params)
+        )
+        store = S3Store("my-bucket", "ft")
+        keys = worker_secrets({"FT_WORKER_KEYS": "sts", **os.environ}, store, reads, part.train(run), "run-1-abc")
+    [request] = asked
+    assert request["DurationSeconds"] == 12 * 3600 and request["Name"] == "run-1-abc"
+    assert set(keys) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+    assert keys["AWS_ACCESS_KEY_ID"] != "AKIAHOSTKEY" and "host-secret" not in keys.values()
+    policy = json.loads(request["Policy"])
+
+    def allowed(action: str, key: str) -> bool:
+        arn = f"arn:aws:s3:::my-bucket/ft/{key}"
+        return any(action in st["Action"] and any(fnmatchcase(arn, r) for r in st["Resource"])
+                   for st in policy["Statement"])  # fmt: skip
+
+    assert all(allowed("s3:GetObject", f"{prefix}/manifest.json") for prefix in reads)
+    mine = f"{layout.checkpoint(part.train(run), 8)}/model.safetensors"
+    assert allowed("s3:PutObject", mine) and allowed("s3:DeleteObject", mine)
+    other_run = f"{part.train('fedcba9876543210')}/output/adapter_model.safetensors"
+    assert not [k for k in (other_run, f"{reads[1]}/x.parquet", part.ref("lora_adapter"), f"{part.registry(run)}/x")
+                if allowed("s3:PutObject", k) or allowed("s3:DeleteObject", k)]  # fmt: skip
+    assert not allowed("s3:GetObject", other_run) and not allowed("s3:GetObject", part.ref("lora_adapter"))
+
+    for environ, said in (({"FT_WORKER_KEYS": "sts"}, "is not on S3"), ({"FT_WORKER_KEYS": "iam"}, "use sts"),
+                          ({"FT_WORKER_KEYS": "sts", "FT_WORKER_KEYS_HOURS": "48"}, "hours from 0.25 to 36")):  # fmt: skip
+        store_here = LocalStore(tmp_path) if said == "is not on S3" else store
+        with pytest.raises(TargetError, match=said):
+            worker_secrets(environ, store_here, reads, part.train(run), "run-1-abc")
+    assert worker_secrets({"FT_WORKER_AWS_ACCESS_KEY_ID": "w", "AWS_ACCESS_KEY_ID": "h"}, store, reads, "r", "n") == {
+        "AWS_ACCESS_KEY_ID": "w"
+    }

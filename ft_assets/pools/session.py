@@ -39,6 +39,7 @@ from dagster._utils.interrupts import capture_interrupts, check_captured_interru
 
 from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
 from ft_assets.pools.code import WHEEL, worker_code
+from ft_assets.pools.credentials import worker_secrets
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob
@@ -49,8 +50,6 @@ POLL_S = 5.0  # how often the target is asked whether the worker still runs
 READ_INTERVAL_S = 2.0  # how often the store is read for the worker's next message chunk
 SIGKILL_EXIT = 128 + 9  # a shell's exit code for a child killed by SIGKILL (kill -9, the OOM killer)
 REMOTE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")  # the store's settings
-REMOTE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # the store's credentials
-WORKER_KEYS = "FT_WORKER_"  # + a REMOTE_SECRETS name: the workers' own keys, sent in place of this host's
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
@@ -133,17 +132,10 @@ def outcome_of(state: WorkerState) -> str:
     return "failed"
 
 
-def worker_environment(environ: Mapping[str, str]) -> tuple[dict, dict]:
-    """(plain settings, secrets) of the store that the worker needs from this host's environment; nothing else.
-
-    The secrets are the keys of ``FT_WORKER_AWS_ACCESS_KEY_ID`` / ``FT_WORKER_AWS_SECRET_ACCESS_KEY`` (/
-    ``FT_WORKER_AWS_SESSION_TOKEN``) where this host has them, under the names the worker's store reads: keys meant for
-    workers, which may do less than this host's (``deploy/worker-s3-policy.json``); else this host's own."""
-    own = {k: environ[WORKER_KEYS + k] for k in REMOTE_SECRETS if environ.get(WORKER_KEYS + k)}
-    return (
-        {k: environ[k] for k in REMOTE_ENV if environ.get(k)},
-        own or {k: environ[k] for k in REMOTE_SECRETS if environ.get(k)},
-    )
+def worker_environment(environ: Mapping[str, str]) -> dict:
+    """The store's plain settings (endpoint, region) that the worker needs from this host's environment; its keys are
+    ``credentials.worker_secrets``'."""
+    return {k: environ[k] for k in REMOTE_ENV if environ.get(k)}
 
 
 def cancel_leftover(target: Target, store: ObjectStore, record_key: str, log: Callable[[str], None]) -> None:
@@ -175,7 +167,8 @@ def train_remote(
     pipes_prefix = f"{job.run_prefix}/pipes"
     record_key = f"{pipes_prefix}/worker.json"
     cancel_leftover(target, store, record_key, log)
-    env, secrets = worker_environment(environ)
+    env = worker_environment(environ)
+    reads = [job.base_model_key, job.shards_key]
     code = None
     if getattr(target, "code", WHEEL) == WHEEL:
         code = worker_code(store)
@@ -197,6 +190,7 @@ def train_remote(
                     "output": f"{job.run_prefix}/output"}  # fmt: skip
             store.put_json(f"{key_prefix}/job.json", spec)
             plain, hidden = code.environment(store) if code else ({}, {})  # a fresh URL for each attempt
+            secrets = worker_secrets(environ, store, reads, job.run_prefix, attempt.name)  # fresh keys too (sts)
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
                                   ("--store", store.url, "--job", f"{key_prefix}/job.json"), {**env, **plain},
                                   {**secrets, **hidden}, gpu, bootstrap=code is not None)  # fmt: skip
