@@ -29,6 +29,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+from urllib.parse import parse_qs
 
 BOOTSTRAP_LINE = 'import os; exec(os.environ.pop("FT_BOOTSTRAP"))'  # ``python -c`` of a worker with code=wheel
 TARGET_TAG = "ft/gpu-target"  # the run tag that names a training run's target (``ft-assets run --gpu``, the pool)
@@ -113,10 +114,51 @@ register("slurm", "ft_assets.pools.slurm:parse")
 register("skypilot", "ft_assets.pools.skypilot:parse")
 
 
+@dataclass(frozen=True)
+class TargetQuery:
+    """A target's settings: its URL's query (``?python=...&gpu=...``), checked against the names the target knows by
+    ``query_of``; a setting given twice takes its last value."""
+
+    text: str  # the whole target, for the errors
+    values: Mapping[str, list[str]]
+
+    def one(self, name: str, default: str | None = None) -> str | None:
+        return self.values[name][-1] if self.values.get(name) else default
+
+    def every(self, name: str) -> tuple[str, ...]:
+        """A repeatable setting's values (``option=``, ``sbatch=``), in order."""
+        return tuple(self.values.get(name, ()))
+
+    def count(self, name: str, default: int | None, least: int) -> int | None:
+        """A whole number of at least ``least``; ``default`` when not given."""
+        value = self.one(name)
+        if value is None:
+            return default
+        if not value.isdigit() or int(value) < least:
+            raise TargetError(f"GPU target {self.text!r}: {name}={value} is not a whole number >= {least}")
+        return int(value)
+
+
+def query_of(text: str, query: str, known: tuple[str, ...]) -> TargetQuery:
+    """The settings in ``query`` (of the target ``text``); an unknown one is refused in one line that lists ``known``."""
+    values = parse_qs(query, keep_blank_values=True)
+    unknown = set(values) - set(known)
+    if unknown:
+        raise TargetError(
+            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}"
+        )
+    return TargetQuery(text, values)
+
+
+def is_local(target: str | None) -> bool:
+    """Whether ``target`` (a run's ``ft/gpu-target``) trains in the run's own process: ``local``, or nothing."""
+    return (target or "").strip() in ("", LOCAL)
+
+
 def worker_has_cuda(target: str | None, here: bool) -> bool:
     """Whether a run's training worker trains on CUDA: on a GPU target, yes (the machine is there for its GPU; what the
     run resolves on it, qlora for an unset ``method``, is planned and pinned on the control host); locally, ``here``."""
-    return here or (target or "").strip() not in ("", LOCAL)
+    return here or not is_local(target)
 
 
 def scheme_of(text: str) -> str:
@@ -125,9 +167,9 @@ def scheme_of(text: str) -> str:
 
 def parse_target(text: str | None) -> Target | None:
     """The target ``text`` names; None for ``local`` (or nothing): train in the run's own process."""
-    text = (text or "").strip()
-    if text in ("", LOCAL):
+    if is_local(text):
         return None
+    text = text.strip()
     scheme = scheme_of(text)
     if scheme not in TARGETS:
         known = ", ".join([LOCAL, *(f"{name}{SEPARATOR.get(name, '://')}..." for name in sorted(TARGETS))])

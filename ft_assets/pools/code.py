@@ -30,7 +30,7 @@ from pathlib import Path
 import ft_assets
 from ft_assets import layout
 from ft_assets.pools import TargetError
-from ft_assets.storage import ObjectStore
+from ft_assets.storage import ObjectStore, sha256_file
 
 WHEEL, INSTALLED = "wheel", "installed"  # a target's ``code`` setting
 CODE_MODES = (WHEEL, INSTALLED)
@@ -116,14 +116,6 @@ def _has_setuptools(major: int) -> bool:
         return False
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def worker_code(store: ObjectStore) -> WorkerCode:
     """This ft-assets as a wheel in ``store`` (put there once per sha256)."""
     root = source_tree()
@@ -134,7 +126,7 @@ def worker_code(store: ObjectStore) -> WorkerCode:
             "from deploy/image), or run from a checkout"
         )
     wheel = build_wheel(root)
-    sha256 = file_sha256(wheel)
+    sha256 = sha256_file(wheel)
     key = layout.worker_wheel(sha256, wheel.name)
     if not store.exists(key):
         store.put_file(key, wheel)

@@ -32,9 +32,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, sdk_venv
+from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of, sdk_venv
 from ft_assets.pools.code import DEFAULT_IMAGE, WHEEL, code_setting
 
 EXAMPLE = "skypilot:runpod,vast"
@@ -194,23 +193,8 @@ def parse(text: str) -> SkyPilotTarget:
     body = text.split(":", 1)[1] if ":" in text else ""
     body = body[2:] if body.startswith("//") else body
     where, _, query_text = body.partition("?")
-    query = parse_qs(query_text, keep_blank_values=True)
-    unknown = set(query) - set(SETTINGS)
-    if unknown:
-        raise TargetError(
-            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}"
-        )
-
-    def one(name: str) -> str | None:
-        return query[name][-1] if query.get(name) else None
-
-    def count(name: str, default: int | None, least: int) -> int | None:
-        value = one(name)
-        if value is None:
-            return default
-        if not value.isdigit() or int(value) < least:
-            raise TargetError(f"GPU target {text!r}: {name}={value} is not a whole number >= {least}")
-        return int(value)
+    query = query_of(text, query_text, SETTINGS)
+    one, count = query.one, query.count
 
     infra = tuple(entry.strip() for entry in where.split(",") if entry.strip())
     bad = [entry for entry in infra if not all(entry.split("/"))]

@@ -24,9 +24,9 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of
 from ft_assets.pools.code import WHEEL, code_setting
 from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
 from ft_assets.pools.ssh import SshClient as LoginNode
@@ -153,18 +153,10 @@ def parse(text: str) -> SlurmTarget:
             f"GPU target {text!r}: write slurm://[user@]login-host[:port]/partition[?python=PATH&workdir=DIR] "
             "(login-host localhost: sbatch on this machine)"
         )
-    query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = set(query) - set(SETTINGS)
-    if unknown:
-        raise TargetError(
-            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}"
-        )
+    query = query_of(text, parts.query, SETTINGS)
     if parts.password:
         raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
-
-    def one(name: str, default: str | None = None) -> str | None:
-        return query[name][-1] if query.get(name) else default
-
+    one = query.one
     gpus = one("gpus", "1")
     if not gpus.isdigit() or int(gpus) < 1:
         raise TargetError(f"GPU target {text!r}: gpus={gpus} is not a count of GPUs >= 1")
@@ -176,10 +168,10 @@ def parse(text: str) -> SlurmTarget:
     if parts.hostname not in LOCAL_HOSTS:
         login = LoginNode(
             host=parts.hostname, user=unquote(parts.username) if parts.username else None, port=port,
-            identity_file=one("identity"), options=tuple(query.get("option", ())),
+            identity_file=one("identity"), options=query.every("option"),
         )  # fmt: skip
     return SlurmTarget(
         partition=partition, login=login, python=one("python", "python3"), workdir=one("workdir", DEFAULT_WORKDIR),
-        gpus=int(gpus), time=one("time"), account=one("account"), qos=one("qos"), sbatch=tuple(query.get("sbatch", ())),
+        gpus=int(gpus), time=one("time"), account=one("account"), qos=one("qos"), sbatch=query.every("sbatch"),
         gpu=one("gpu"), code=code_setting(text, one("code")),
     )  # fmt: skip

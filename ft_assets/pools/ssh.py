@@ -27,9 +27,9 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState
+from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of
 from ft_assets.pools.code import WHEEL, code_setting
 
 EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # the README's and the registry checklist's
@@ -182,12 +182,7 @@ def parse(text: str) -> SshTarget:
     parts = urlsplit(text)
     if parts.scheme != "ssh" or not parts.hostname:
         raise TargetError(f"GPU target {text!r}: write ssh://[user@]host[:port][?python=PATH&workdir=DIR]")
-    query = parse_qs(parts.query, keep_blank_values=True)
-    unknown = set(query) - set(SETTINGS)
-    if unknown:
-        raise TargetError(
-            f"GPU target {text!r}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}"
-        )
+    query = query_of(text, parts.query, SETTINGS)
     if parts.password:
         raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
     try:
@@ -195,17 +190,14 @@ def parse(text: str) -> SshTarget:
     except ValueError:
         raise TargetError(f"GPU target {text!r}: the port is not a number") from None
 
-    def one(name: str, default: str | None) -> str | None:
-        return query[name][-1] if query.get(name) else default
-
     return SshTarget(
         host=parts.hostname,
         user=unquote(parts.username) if parts.username else None,
         port=port,
-        python=one("python", "python3"),
-        workdir=one("workdir", DEFAULT_WORKDIR),
-        identity=one("identity", None),
-        options=tuple(query.get("option", ())),
-        gpu=one("gpu", None),
-        code=code_setting(text, one("code", None)),
+        python=query.one("python", "python3"),
+        workdir=query.one("workdir", DEFAULT_WORKDIR),
+        identity=query.one("identity"),
+        options=query.every("option"),
+        gpu=query.one("gpu"),
+        code=code_setting(text, query.one("code")),
     )
