@@ -139,6 +139,29 @@ class WorkerHost:
         return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
+TEMPORARY = ("/tmp/", "/var/tmp/")  # where a folder of ours that others cannot enter may be opened for the worker
+
+
+@contextmanager
+def enterable_by_others(*paths: Path):
+    """The folders above ``paths`` that are ours, in a temporary directory and closed to other users (a clone in
+    ``mktemp -d``, mode 0700), made enterable meanwhile (o+x: entered by name, never listed), so that the worker user
+    reaches the suite's packages and the checkout; their modes are put back after. Folders elsewhere are left as
+    they are (the probe then says which cannot be read)."""
+    opened: dict[Path, int] = {}
+    for path in paths:
+        for folder in [path, *path.parents]:
+            info = folder.stat()
+            if str(folder).startswith(TEMPORARY) and info.st_uid == os.getuid() and not info.st_mode & 0o001:
+                opened.setdefault(folder, info.st_mode & 0o7777)
+                folder.chmod(info.st_mode & 0o7777 | 0o001)
+    try:
+        yield
+    finally:
+        for folder, mode in opened.items():
+            folder.chmod(mode)
+
+
 @pytest.fixture(scope="session")
 def worker_host():
     account = worker_account()
@@ -154,7 +177,8 @@ def worker_host():
     store = root / "store"
     store.mkdir()
     store.chmod(0o777)
-    with running_sshd(account.pw_name) as ssh:
+    checkout = Path(__file__).resolve().parents[1]  # an editable install imports ft_assets from here
+    with enterable_by_others(Path(packages), checkout), running_sshd(account.pw_name) as ssh:
         host = WorkerHost(ssh, account, str(venv / "bin" / "python"), store)
         probe = host.as_worker(f"{host.python} -c 'import ft_assets.training.remote'")
         if probe.returncode != 0:
