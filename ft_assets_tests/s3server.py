@@ -19,6 +19,10 @@ What it took to make it start and restart reliably (``weed`` 4.48):
   objects acknowledged before a SIGKILL read back after the restart (the outage test checks it).
 - Each bucket is a collection that grows 7 volumes on its first write (~0.2 s), and ``-volume.max``
   defaults to 8, hence ``-volume.max=200`` and deleting each test's bucket afterwards.
+- The volume server turns every volume read-only, and grows none, while its disk has less than
+  ``-volume.minFreeSpace`` free (1% by default: 2.5 GB of a shared 252 GB disk, which other work on
+  the machine can take mid-session); the tests write megabytes, hence an absolute 256 MiB. A start
+  that fails says how much the disk had free.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ SECRET_KEY = "ft-assets-test-secret-0123456789"
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 2.0  # SIGTERM, then SIGKILL: a graceful stop takes ~20 s and buys the tests nothing
 PROBE_BUCKET = "ft-probe"
+MIN_FREE_SPACE = "256MiB"  # weed's default is 1% of the disk: read-only volumes on a big, busy disk
 COMPONENTS = ("master", "volume", "filer", "s3")  # each listens on an HTTP and a gRPC port
 START_MARKER = "--- weed server start"  # written to the log before each start
 
@@ -131,6 +136,7 @@ class SeaweedFS:
             "-master.resumeState=false",
             "-master.telemetry=false",
             "-volume.max=200",
+            f"-volume.minFreeSpace={MIN_FREE_SPACE}",
         ]
 
     def env(self) -> dict[str, str]:
@@ -197,8 +203,13 @@ class SeaweedFS:
                 time.sleep(0.1)
         raise RuntimeError(
             f"SeaweedFS did not serve S3 on {self.endpoint} within {timeout:.0f} s "
-            f"(last error: {last_error}); log tail:\n{self.log_tail()}"
+            f"(last error: {last_error}; {self.disk_free()}); log tail:\n{self.log_tail()}"
         )
+
+    def disk_free(self) -> str:
+        """How much the data dir's disk has free, for a start that failed (the volume server needs some)."""
+        usage = shutil.disk_usage(self.data_dir)
+        return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.0f} GiB on {self.data_dir}'s disk"
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Stop the server: SIGTERM, then SIGKILL after ``grace`` seconds (0: kill at once)."""
@@ -223,13 +234,13 @@ class SeaweedFS:
             Path(f"/tmp/seaweedfs-{name}-grpc-{self.grpc_ports[name]}.sock").unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 30) -> str:
-        """The end of the log of the latest start, after its fatal lines (a Go panic buries them)."""
+        """The end of the log of the latest start, after its fatal and low-disk lines (the tail buries them)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError as exc:
             return f"(no log at {self.log_path}: {exc})"
         latest = text.rsplit(START_MARKER, 1)[-1].splitlines()
-        fatal = [line for line in latest if re.match(r"F\d{4} ", line)][:5]
+        fatal = [line for line in latest if re.match(r"F\d{4} ", line) or "disk free" in line][:5]
         return "\n".join([*fatal, "...", *latest[-lines:]] if fatal else latest[-lines:])
 
 
