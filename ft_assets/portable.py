@@ -11,6 +11,9 @@ transformers 5 writes files that older readers misread without an error. Measure
   beside it: ``rope_theta``, ``rope_scaling`` for a non-default type, and Gemma 3's
   ``rope_local_base_freq`` (its per-layer-type form). transformers 5 reads ``rope_parameters`` first
   and takes the 4.x keys as the same values; with them the 4.x logits equal 5.x's (< 1e-5).
+- A mixture of experts' count is written as ``num_local_experts`` only; 4.x's Qwen3-MoE reads
+  ``num_experts`` and builds its default 128 experts without it (it then refuses the weights). So
+  ``num_experts`` is written beside it.
 - ``tokenizer_config.json`` names ``TokenizersBackend``, a class 4.x does not have (it refuses to load
   the tokenizer); ``PreTrainedTokenizerFast`` is the same tokenizer.json-backed class in both. And
   transformers 5 rebuilds some families' tokenizers from their class rather than from ``tokenizer.json``
@@ -75,9 +78,18 @@ def _scaling(rope: dict) -> dict:
     return {"rope_scaling": {key: value for key, value in rope.items() if key != "rope_theta"}}
 
 
+def legacy_experts(config: dict) -> dict:
+    """The 4.x name of the expert count: transformers 5 writes every family's as ``num_local_experts``, where 4.x's
+    Qwen2-MoE, Qwen3-MoE and OLMoE configs read ``num_experts`` (and take 60-128 experts by default without it)."""
+    experts = config.get("num_local_experts")
+    if experts and not config.get("num_experts"):
+        return {"num_experts": experts}
+    return {}
+
+
 def portable_config(config: dict) -> dict:
-    """``config.json`` with the 4.x RoPE keys beside transformers 5's ``rope_parameters``."""
-    return config | legacy_rope(config)
+    """``config.json`` with the 4.x RoPE keys beside transformers 5's ``rope_parameters``, and the 4.x expert count."""
+    return config | legacy_rope(config) | legacy_experts(config)
 
 
 def portable_tokenizer_config(tokenizer_config: dict) -> dict:

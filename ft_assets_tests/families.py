@@ -8,6 +8,12 @@ family's own special tokens and chat template (Llama 3 headers, Gemma turns with
 Mistral ``[INST]``, Phi ``<|user|>``, ChatML for Qwen). Building one takes well under a second; no
 download. ``build_family(name, out_dir)`` writes it as a HF directory (safetensors + tokenizer).
 
+The mixtures of experts (``MOE``) are built the same way, with 4 experts of which each token takes 2:
+Qwen3-MoE (normalized top-k, q/k norms), Mixtral (Mistral's template) and gpt-oss (attention
+sinks, q/k/v/o and expert biases, alternating sliding-window layers, YaRN RoPE, the harmony
+format's final channel). transformers 5 holds their experts as fused 3-D parameters and saves
+Qwen3-MoE and Mixtral in their released per-expert layout, gpt-oss in its fused one.
+
 Head dims are multiples of 32 (llama.cpp's K-quants work on rows of 256 values, Q8_0 on 32) and the
 vocabulary is padded to a multiple of 64 so that every GGUF type has whole blocks to quantize.
 """
@@ -46,6 +52,12 @@ MISTRAL_TEMPLATE = (  # [INST] user [/INST] reply</s>; a system message goes bef
     "{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
     "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
+HARMONY_TEMPLATE = (  # gpt-oss's harmony format, its final channel (no reasoning, no tools)
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{% else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant<|channel|>final<|message|>' }}{% endif %}"
+)
 PHI3_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -82,6 +94,10 @@ PHI3_TOKENS = Tokens(
     "<|endoftext|>",
     PHI3_TEMPLATE,
 )
+HARMONY_TOKENS = Tokens(
+    ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
+    "<|startoftext|>", "<|end|>", "<|endoftext|>", HARMONY_TEMPLATE,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,25 @@ FAMILIES = [
         "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": None,
     }, "fused qkv_proj and gate_up_proj"),
 ]  # fmt: skip
+DENSE = [family.name for family in FAMILIES]
+MOE_FAMILIES = [
+    Family("qwen3-moe", "qwen3_moe", "Qwen3MoeConfig", CHATML_TOKENS, {
+        "tie_word_embeddings": False, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256, "norm_topk_prob": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }, "4 experts, top-2 normalized, q/k norms"),
+    Family("mixtral", "mixtral", "MixtralConfig", MISTRAL_TOKENS, {
+        "tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }, "4 experts, top-2, [INST] template"),
+    Family("gpt-oss", "gpt_oss", "GptOssConfig", HARMONY_TOKENS, {
+        "tie_word_embeddings": False, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096, "rope_theta": 150000.0},  # gpt-oss-20b's
+    }, "4 experts, top-2, attention sinks, biases, sliding window, YaRN, harmony"),
+]  # fmt: skip
+MOE = [family.name for family in MOE_FAMILIES]
+FAMILIES = FAMILIES + MOE_FAMILIES
 BY_NAME = {family.name: family for family in FAMILIES}
 
 

@@ -113,6 +113,12 @@ def test_without_the_4x_rope_keys_transformers_4_silently_answers_otherwise(fami
 
 
 @pytest.mark.integration
+def test_without_num_experts_transformers_4_builds_qwen3_moe_with_its_default_experts(seen_by_4x):
+    """The fault the expert rule fixes: transformers 5 writes the count as num_local_experts only."""
+    assert "size mismatch" in seen_by_4x[("qwen3-moe", "rope_parameters_only")]["error"]
+
+
+@pytest.mark.integration
 def test_transformers_4_refuses_the_tokenizer_as_5_saves_it(seen_by_4x):
     for family in FAMILY_NAMES:
         assert "TokenizersBackend" in seen_by_4x[(family, "as_saved")]["error"], family

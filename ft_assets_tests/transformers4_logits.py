@@ -23,7 +23,10 @@ def probe(model_dir: str, out: Path) -> dict:
     except Exception as exc:  # the test reads the reason
         return {"error": f"tokenizer: {type(exc).__name__}: {exc}"[:500]}
     # eager: 4.57's default SDPA drops Gemma 2's attention soft-capping, which 5.x (eager) keeps
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    except Exception as exc:  # a config 4.x reads otherwise (an MoE without num_experts) refuses the weights
+        return {"error": f"model: {type(exc).__name__}: {exc}"[:500]}
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     with torch.no_grad():

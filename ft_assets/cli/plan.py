@@ -4,7 +4,7 @@ With ``--mac TIER`` (and ``--mac-usd-per-hour``) your Mac is one more offering: 
 it, and the cheapest rented plan beside it, in one call. It goes through the planner's one entry point, as
 ``training_plan`` does: its options become the training
 settings they stand for (``TrainingConfig``: every other setting at its default, LoRA r=16 on every
-projection) and supervised rows of ``--seq-len`` tokens, ``--batch`` a forward, ``--tokens`` in all.
+projection, and on every expert of a mixture) and supervised rows of ``--seq-len`` tokens, ``--batch`` a forward, ``--tokens`` in all.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def execute(args: argparse.Namespace, partial: dict) -> dict:
         cost_model = load_cost_model(args.cost_model or os.environ.get("FT_COST_MODEL") or None)
         if args.mac:
             cost_model = cost_model.with_mac(args.mac, args.mac_usd_per_hour)
-        request = plan_request(shape, args.method, args.seq_len, args.tokens, settings_of(args))
+        settings = settings_of(args).for_base(shape.experts)  # a mixture refuses qlora in one line
+        request = plan_request(shape, args.method, args.seq_len, args.tokens, settings)
         plan = plan_training(request, cost_model, "experiment", None, fewest_gpus=args.gpus is None)
         alternative = qlora_alternative(request, cost_model, plan)
         mac, rented = mac_verdict(request, cost_model, plan, args.gpus is None)
@@ -73,6 +74,10 @@ def execute(args: argparse.Namespace, partial: dict) -> dict:
     return {
         "model": shape.name,
         "params": shape.params,
+        "active_params": shape.active_matmul_params if shape.experts else shape.params,
+        "experts": shape.experts,
+        "experts_per_token": shape.experts_per_token,
+        "describe_params": shape.describe_params(),
         **plan.vram.as_dict(),  # method, seq_len, micro_batch, attention, the *_gib parts and total_gib
         "breakdown": plan.vram.breakdown(),
         "tier": plan.tier,
@@ -118,7 +123,7 @@ def mac_verdict(
 
 def qlora_alternative(request: PlanRequest, cost_model, plan: TrainingPlan) -> dict | None:
     """Where the run needs several GPUs for lora or full: the cheapest QLoRA plan (often one GPU), to compare."""
-    if plan.gpus == 1 or request.method == "qlora":
+    if plan.gpus == 1 or request.method == "qlora" or request.shape.experts:  # a mixture: no qlora (for_base)
         return None
     qlora = replace(request, method="qlora", settings=request.settings.model_copy(update={"method": "qlora"}))
     try:
@@ -131,7 +136,7 @@ def qlora_alternative(request: PlanRequest, cost_model, plan: TrainingPlan) -> d
 
 def report(args: argparse.Namespace, plan: dict) -> int:
     print(
-        f"{plan['model']} ({plan['params'] / 1e9:.2f}B params), {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
+        f"{plan['model']} ({plan['describe_params']}), {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
         f"tokens, gradient checkpointing {'on' if plan['grad_checkpointing'] else 'off'}, attention {plan['attention']}\n"
         f"  needs {plan['breakdown']}{' per GPU' if plan['gpus'] > 1 else ''}\n"
         f"  tier {plan['describe']}, ${plan['usd_per_hour']:.2f}/h: "

@@ -28,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -84,6 +84,7 @@ class PlannedRun:
     plan: TrainingPlan
     region: str | None  # where the shards are stored (None: unknown)
     accelerator: str = ""  # SkyPilot's name of the plan's card (the offering's ``accelerator``; "" for none)
+    params: dict = field(default_factory=dict)  # the base's total and active parameters (a mixture's differ)
 
     def stats(self, planned_for: str) -> dict:
         """What training_plan publishes (``refs.PlanStats``); ``planned_for`` says whose settings these are."""
@@ -97,7 +98,7 @@ class PlannedRun:
             "planned_for": planned_for, "flops_per_token": plan.flops_per_token,
             "throughput": plan.throughput.as_dict() if plan.throughput else None,
             "gpus": plan.gpus, "nodes": plan.nodes, "parallelism": plan.parallelism,
-            "prices": plan.prices, "prices_fetched_at": plan.prices_fetched_at,
+            "prices": plan.prices, "prices_fetched_at": plan.prices_fetched_at, "params": self.params,
         }  # fmt: skip
 
 
@@ -114,6 +115,7 @@ def plan_run(
     """
     base = stats_of(base_model, BaseModelStats)
     shape = ModelShape.from_config(base_model["model_config"], name=base["model_id"], params=base.get("parameters"))
+    training = training.for_base(shape.experts)  # a mixture: lora unless set, qlora refused
     shards = stats_of(tokenized_shards, ShardStats)
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
     cost_model = load_cost_model(config.cost_model_path or os.environ.get("FT_COST_MODEL") or None)
@@ -136,7 +138,9 @@ def plan_run(
             "without reaching the host"
         ) from None
     accelerator = cost_model.offering(plan.tier).accelerator if plan.tier else ""
-    return PlannedRun(training, resolved, work, plan, region, accelerator)
+    params = {"total": shape.params, "active": shape.active_matmul_params if shape.experts else shape.params,
+              "experts": shape.experts, "experts_per_token": shape.experts_per_token, "describe": shape.describe_params()}  # fmt: skip
+    return PlannedRun(training, resolved, work, plan, region, accelerator, params)
 
 
 def planned_for(selected: Collection[dg.AssetKey], run_id: str) -> str:
@@ -182,7 +186,7 @@ def training_plan(
     for warning in plan.warnings:
         context.log.warning(warning)
     context.log.info(
-        f"plan for {resolved.describe()} ({whose}) at {work.seq_len} tokens a row: {work.tokens:,} trained tokens x "
+        f"plan for {resolved.describe()} of {run.params['describe']} ({whose}) at {work.seq_len} tokens a row: {work.tokens:,} trained tokens x "
         f"{plan.work_factor:.2f} (the objective's extra work) needs {plan.vram.total_gib:.1f} GiB"
         f"{' per GPU' if plan.gpus > 1 else ''} → {plan.describe()}, ~{plan.est_hours:.2f} h, ~${plan.est_cost_usd:.2f}"
     )
@@ -198,6 +202,7 @@ def training_plan(
         gpu_tier=str(plan.tier),
         rental_mode=plan.mode,
         planned_for=whose,
+        parameters=run.params["describe"],  # a mixture: total (its memory) and active (its FLOPs)
         prices=plan.prices,  # the shipped list, or SkyPilot's catalog and how old it is
         **figures(
             estimated_cost_usd=plan.est_cost_usd,

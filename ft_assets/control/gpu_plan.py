@@ -317,7 +317,7 @@ def _no_fit_message(
 ) -> str:
     largest = max(candidates, key=lambda c: c.usable_gib)
     shape = run.shape
-    what = f"{vram.method} of {shape.name or 'the model'} ({shape.params / 1e9:.2f}B params)"
+    what = f"{vram.method} of {shape.name or 'the model'} ({shape.describe_params()})"
     on = f" per GPU on {vram.gpus} ({vram.parallelism})" if vram.gpus > 1 else ""
     lines = [
         f"no GPU offering fits {what} at seq {vram.seq_len} x batch {vram.micro_batch}: it needs ~{vram.breakdown()}{on}; the "
@@ -333,7 +333,7 @@ def _no_fit_message(
     if batch > 1:
         batch = 1
         options.append(("micro batch 1 (same global batch via gradient accumulation)", method, checkpointing, batch))
-    if method != "qlora":
+    if method != "qlora" and not shape.experts:  # bitsandbytes leaves a mixture's experts unquantized
         method = "qlora"
         options.append(("method qlora", method, checkpointing, batch))
     for number, (label, method, checkpointing, batch) in enumerate(options):

@@ -223,7 +223,7 @@ def estimate_vram(
     _check_inputs(method, seq_len, micro_batch, gpus, attention, loss, parallelism)
     grad_checkpointing = settings.gradient_checkpointing
     tokens = seq_len * micro_batch
-    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.mlp_width
     per_layer_token = BF16_BYTES * (2 * h + 3 * q + 2 * kv) + BF16_BYTES * (2 * h + 4 * i)  # attention + MLP
     trainable, weights, adapter, gradients, optimizer, adapter_per_token = _model_state(shape, method, settings)
     per_layer_token += adapter_per_token
@@ -291,7 +291,7 @@ def _model_state(
             0,
         )
     lora_r, lora_targets = settings.lora_r, settings.target_modules
-    trainable = lora_params(shape, lora_r, lora_targets)
+    trainable = lora_params(shape, lora_r, lora_targets, experts=settings.lora_experts)
     if method == "lora":
         weights = BF16_BYTES * shape.params
     else:
@@ -302,6 +302,10 @@ def _model_state(
     per_token = sum(
         saved_per_input * projections[t][0] + BF16_BYTES * lora_r for t in lora_targets_of(shape, lora_targets)
     )
+    if settings.lora_experts:  # each of the top-k experts a token goes through saves its input and rank-r product
+        per_token += shape.experts_per_token * sum(
+            saved_per_input * a + BF16_BYTES * lora_r for a, _ in shape.expert_projections().values()
+        )
     return trainable, weights, FP32_BYTES * trainable, FP32_BYTES * trainable, ADAMW_STATE_BYTES * trainable, per_token
 
 
@@ -328,7 +332,7 @@ def _per_gpu(
 
 def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool) -> float:
     """Hardware FLOPs one trained token costs (module docstring); LoRA's own matmuls (<1%) left out."""
-    forward_matmul = 2 * shape.matmul_params
+    forward_matmul = 2 * shape.active_matmul_params  # a mixture: the experts a token goes through
     forward_attention = 2 * shape.layers * seq_len * shape.q_dim  # QK^T and AV, halved by the causal mask
     recompute = 1 if grad_checkpointing else 0
     backward_matmul = 2 if method == "full" else 1
@@ -355,7 +359,7 @@ def objective_cost(
     reference's forward (DPO; GRPO with beta > 0) and, for GRPO, generating ``generated_share`` of the tokens, decoded
     ``decode_batch`` sequences at a time (module docstring). SFT: (flops_per_token, 1.0)."""
     train = flops_per_token(shape, method, seq_len, grad_checkpointing)
-    forward = 2 * shape.matmul_params + 2 * shape.layers * seq_len * shape.q_dim
+    forward = 2 * shape.active_matmul_params + 2 * shape.layers * seq_len * shape.q_dim
     reference = forward if reference_forward else 0.0
     if not generated_share:
         return train + reference, (train + reference) / train

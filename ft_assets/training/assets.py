@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from ft_assets import layout, objectives, portable
+from ft_assets.control.model_shape import experts_of
 from ft_assets.manifests import (
     ArtifactCorrupt,
     ArtifactNotFound,
@@ -349,7 +350,10 @@ def lora_adapter(
         image = worker_image()  # the image this worker runs (its digest, for the lineage), checked before any GPU work
     except ImageDigestError as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
-    training = training_config(config, "lora_adapter")
+    try:  # a mixture of experts trains lora unless told otherwise, and refuses qlora
+        training = training_config(config, "lora_adapter").for_base(experts_of(base_model.get("model_config") or {}))
+    except ValueError as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     cuda = worker_has_cuda(context.run.tags.get(TARGET_TAG), torch.cuda.is_available())  # the worker's, not ours
     try:
         mismatch = plan_mismatch(training_plan, training, training.resolved_method(cuda))

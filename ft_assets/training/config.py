@@ -67,6 +67,7 @@ OPERATIONAL_FIELDS = frozenset(
 
 # How the global batch is split over processes, nodes and micro-batches: the same rows in the same steps and the
 # same math (only the dropout draws differ), so the run id hashes their product instead (``result_fields``).
+MOE_DEFAULTS = {"lora_experts": True, "train_router": False, "router_aux_loss_coef": None}  # not in a run id at these
 SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
 # The objectives' settings were flat training settings before each objective owned its own: where each is now.
 MOVED = {
@@ -120,16 +121,37 @@ class CommonTraining(BaseModel):
     method: Method | None = Field(
         default=None,
         description="'qlora' (4-bit NF4 base + LoRA), 'lora' (LoRA on the full-precision base) or 'full' "
-        "(every weight trained). Empty: qlora when a CUDA GPU is present, else lora.",
+        "(every weight trained). Empty: qlora when a CUDA GPU is present, else lora; lora for a mixture of experts "
+        "(bitsandbytes quantizes linear layers only, not the fused experts that hold most of its weights).",
     )
     lora_r: int = Field(default=16, description="LoRA rank: size of the low-rank update (ignored by 'full').")
     lora_alpha: int = Field(default=32, description="LoRA scaling numerator; the update is scaled by alpha / r.")
-    lora_dropout: float = Field(default=0.05, description="Dropout on the LoRA input, in [0, 1).")
+    lora_dropout: float = Field(
+        default=0.05,
+        description="Dropout on the LoRA input, in [0, 1). A mixture of experts with lora_experts takes none: 0 by "
+        "default there.",
+    )
     target_modules: list[str] = Field(
         default_factory=list,
         description="Module names that get LoRA adapters, e.g. ['q_proj', 'v_proj']. Empty: every attention and MLP "
         "projection of the base model (q/k/v/o_proj, gate/up/down_proj for Llama, Qwen, Mistral, Gemma; qkv_proj, o_proj, "
         "gate_up_proj, down_proj for Phi-3). A name the model lacks is refused, naming the ones it has.",
+    )
+    lora_experts: bool = Field(
+        default=True,
+        description="On a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss): LoRA on every expert's fused gate_up_proj "
+        "and down_proj too (PEFT target_parameters). Off: the attention only.",
+    )
+    train_router: bool = Field(
+        default=False,
+        description="On a mixture of experts: train the router (each layer's gate) in full, beside the adapter. Off: "
+        "it stays frozen, so tokens go to the experts they went to before.",
+    )
+    router_aux_loss_coef: float | None = Field(
+        default=None,
+        ge=0,
+        description="Weight of the router's load-balancing loss added to the loss of a mixture of experts. Empty: the "
+        "model's own router_aux_loss_coef when train_router is on, else 0.",
     )
     learning_rate: float | None = Field(
         default=None,
@@ -372,9 +394,35 @@ class CommonTraining(BaseModel):
         if self.resolved_backend(cuda_available, objective) == "mlx":
             fields["backend"] = "mlx"
         if fields["method"] == "full":
-            for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules"):
-                fields.pop(name)
+            for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules", "lora_experts"):
+                fields.pop(name, None)
+        for name, default in MOE_DEFAULTS.items():  # a run that keeps them has the id it had before they existed
+            if fields.get(name, default) == default:
+                fields.pop(name, None)
         return fields
+
+    def for_base(self, experts: int) -> "CommonTraining":
+        """These settings for a base with ``experts`` experts per layer (0: dense): an unset method is lora for a
+        mixture, and qlora is refused there in one line (its experts are 3-D parameters bitsandbytes leaves unquantized,
+        and QLoRA's preparation upcasts them to fp32: more memory than lora, not less)."""
+        if not experts:
+            return self
+        if self.method == "qlora":
+            raise ValueError(
+                f"method 'qlora' on a mixture of {experts} experts: bitsandbytes quantizes linear layers only, and the "
+                "experts, most of the weights, are fused 3-D parameters it leaves as they are (QLoRA's preparation "
+                "would even upcast them to fp32); use method 'lora'"
+            )
+        update = {} if self.method else {"method": "lora"}
+        if self.lora_experts and self.lora_dropout > 0:  # PEFT's LoRA on a 3-D parameter (ParamWrapper) has no dropout
+            if "lora_dropout" in self.model_fields_set:
+                raise ValueError(
+                    f"lora_dropout {self.lora_dropout:g} on a mixture of {experts} experts: PEFT's LoRA on the fused "
+                    "experts (target_parameters) takes no dropout; set lora_dropout 0, or lora_experts false to adapt "
+                    "the attention only"
+                )
+            update["lora_dropout"] = 0.0  # the default, 0.05, becomes 0 for a mixture
+        return self.model_copy(update=update) if update else self
 
 
 TrainingConfig = create_model(

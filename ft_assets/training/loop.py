@@ -12,6 +12,7 @@ processes), ``barrier``, ``end_backend_tracking``, ``release`` and ``device_labe
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_assets import layout
+from ft_assets.control.model_shape import experts_of
 from ft_assets.objectives import SFT, Objective
 from ft_assets.storage import ObjectStore
 from ft_assets.training.checkpoints import Checkpoint, complete_checkpoints
@@ -190,6 +192,7 @@ def train(
     plane recorded for the shards (``tokenized_shards``' stats).
     """
     started = time.monotonic() if started_at is None else started_at
+    config = config.for_base(experts_of(json.loads((Path(base_model_dir) / "config.json").read_text())))
     # The SIGTERM handler goes in first: a spot notice during a long model load still ends in Preempted.
     with SigtermFlag() as sigterm, recipe_class.watch(log):
         recipe = recipe_class(config, Path(base_model_dir), Path(shards_dir), store, run_prefix, Path(work_dir), log,

@@ -141,8 +141,37 @@ def output_head(model) -> torch.nn.Module:
     return SoftCappedHead(head, cap) if cap else head
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy summed over the learned tokens of a batch (count them with ``learned_tokens``).
+# Families whose transformers 5 model builds its attention masks without the position_ids (GptOssModel, 5.24): on a
+# packed row every document would attend to the ones before it (eager, sdpa and flex attention alike). Their masks
+# are built here, from the position_ids that restart at 0, and handed to the model as it takes them from generate.
+POSITION_BLIND_MASKS = frozenset({"gpt_oss"})
+
+
+def packed_inputs(model, inputs: dict[str, torch.Tensor]) -> dict:
+    """``inputs`` for the forward of a packed batch; for a ``POSITION_BLIND_MASKS`` family, with the per-layer-type
+    block-diagonal masks its forward would otherwise build without the documents' boundaries."""
+    base = _unwrap(model)
+    config = base.config
+    if getattr(config, "model_type", None) not in POSITION_BLIND_MASKS or "position_ids" not in inputs:
+        return inputs
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    ids = inputs["input_ids"]
+    dtype = base.get_input_embeddings().weight.dtype
+    shape_only = torch.empty(*ids.shape, 1, dtype=dtype, device=ids.device)  # the mask reads its shape, dtype, device
+    kwargs = {"config": config, "inputs_embeds": shape_only, "attention_mask": None, "cache": None,
+              "position_ids": inputs["position_ids"]}  # fmt: skip
+    masks = {
+        "full_attention": create_causal_mask(**kwargs),
+        "sliding_attention": create_sliding_window_causal_mask(**kwargs),
+    }
+    return {**inputs, "attention_mask": masks}
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False) -> torch.Tensor:
+    """Cross-entropy summed over the learned tokens of a batch (count them with ``learned_tokens``), and with
+    ``router_aux`` a mixture's load-balancing loss at the model's ``router_aux_loss_coef`` per learned token (the model
+    returns it when ``training.model.load_model`` set ``output_router_logits``).
 
     No attention mask and no KV cache: the packed rows' position_ids give the block-diagonal mask.
     The forward goes through ``model`` itself (DDP's gradient hooks need that) and asks only for the
@@ -150,7 +179,7 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     every position, unlearned labels (IGNORE_INDEX) adding 0. Selecting the learned positions first
     would skip their lm_head work but needs a host sync per micro-batch (a boolean index's size).
     """
-    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    inputs = packed_inputs(model, {name: value for name, value in batch.items() if name != "labels"})
     output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     hidden = output.hidden_states[-1][:, :-1]  # the final norm's output: position i predicts label i + 1
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -158,8 +187,13 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     lm_head = output_head(model)
     fused = _fused_linear_cross_entropy(lm_head, hidden)
     if fused is not None:
-        return fused(lm_head.weight, hidden, targets)
-    return chunked_cross_entropy_sum(hidden, lm_head, targets)
+        loss = fused(lm_head.weight, hidden, targets)
+    else:
+        loss = chunked_cross_entropy_sum(hidden, lm_head, targets)
+    aux = getattr(output, "aux_loss", None) if router_aux else None
+    if aux is not None:
+        loss = loss + _unwrap(model).config.router_aux_loss_coef * aux.to(loss.dtype) * learned_tokens(batch)
+    return loss
 
 
 def eval_loss_sum(
@@ -214,7 +248,7 @@ def pair_logps(model, batch: dict[str, torch.Tensor]) -> PairLogps:
     apart), then lm_head + log-softmax chunk by chunk as in ``token_loss_sum``, each token's
     log-probability added to its sequence's slot (its row x its segment id); unlearned labels add 0.
     """
-    inputs = {name: batch[name] for name in ("input_ids", "position_ids")}
+    inputs = packed_inputs(model, {name: batch[name] for name in ("input_ids", "position_ids")})
     output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     hidden = output.hidden_states[-1][:, :-1]
     rows, sequences = batch["pair_mask"].shape[0], 2 * batch["pair_mask"].shape[1]
@@ -348,7 +382,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
     head (``output_head``: Gemma 2's soft-capping included) + log-softmax chunk by chunk as in
     ``token_loss_sum``, recomputed in backward.
     """
-    inputs = {name: batch[name] for name in ("input_ids", "position_ids")}
+    inputs = packed_inputs(model, {name: batch[name] for name in ("input_ids", "position_ids")})
     output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     hidden = output.hidden_states[-1][:, :-1]
     shape = hidden.shape[:2]

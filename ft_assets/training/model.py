@@ -17,6 +17,11 @@ Both choices that depend on the family are read from the model, not from a list 
   head, found in the loaded model: q/k/v/o_proj and gate/up/down_proj for Llama, Qwen, Mistral and
   Gemma, qkv_proj, o_proj, gate_up_proj and down_proj for Phi-3 (fused). An explicit list is checked
   against the same layers; a name the model lacks is refused, naming those it has.
+- a mixture of experts' experts: transformers 5 holds them as fused 3-D parameters
+  (``mlp.experts.gate_up_proj``, ``down_proj``), not linear layers, so LoRA on the projections alone
+  would train the attention only. ``expert_parameters`` finds them in the loaded model and PEFT's
+  ``target_parameters`` adapts each expert (``lora_experts``); the router (``router_modules``) is
+  frozen unless ``train_router``, and its load-balancing loss joins the loss at ``router_aux_loss_coef``.
 """
 
 from __future__ import annotations
@@ -115,6 +120,35 @@ def projection_names(model) -> list[str]:
     return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_layers(model)))
 
 
+def expert_parameters(model) -> list[str]:
+    """The suffixes (``mlp.experts.gate_up_proj``) of a mixture's fused 3-D expert weights, as PEFT's
+    ``target_parameters`` matches them; empty for a dense model. Biases (2-D) are left out."""
+    found = [
+        name.split(".layers.", 1)[-1].split(".", 1)[-1]
+        for name, param in model.named_parameters()
+        if param.ndim == 3 and ".experts." in name and ".layers." in name
+    ]
+    return list(dict.fromkeys(found))
+
+
+def router_modules(model) -> list[str]:
+    """The last names of a mixture's routers (``gate`` for Qwen3-MoE and Mixtral, ``router`` for gpt-oss)."""
+    return list(
+        dict.fromkeys(
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if type(module).__name__.endswith("Router")
+        )
+    )
+
+
+def router_aux_loss_coef(config: TrainingConfig, model_config) -> float:
+    """The load-balancing loss's weight: the setting, else the model's own when the router trains, else 0."""
+    if config.router_aux_loss_coef is not None:
+        return config.router_aux_loss_coef
+    return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0) if config.train_router else 0.0
+
+
 def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
     """The modules LoRA adapts: ``requested`` (names or dotted suffixes, as peft matches them), or every projection when empty."""
     if not requested:
@@ -169,16 +203,28 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
         if method == "lora":
             model.enable_input_require_grads()
+    experts = expert_parameters(model)
+    if experts:
+        coef = router_aux_loss_coef(config, model.config)
+        model.config.output_router_logits = coef > 0  # the model then returns aux_loss (loss.token_loss_sum adds it)
+        model.config.router_aux_loss_coef = coef
     if method in ("lora", "qlora"):
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(model, config.target_modules),
+            target_parameters=experts if config.lora_experts else None,
+            modules_to_save=router_modules(model) if experts and config.train_router else None,
             bias="none",
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
+    elif experts and not config.train_router:  # full: every weight but the router's
+        for name in router_modules(model):
+            for module_name, module in model.named_modules():
+                if module_name.endswith("." + name):
+                    module.requires_grad_(False)
     return model
 
 

@@ -136,7 +136,7 @@ class TokenLossStep(StatelessStep):
         return learned_tokens(batch)
 
     def loss_sum(self, model, unwrapped, batch: dict[str, torch.Tensor], config: TrainingConfig) -> torch.Tensor:
-        return token_loss_sum(model, batch)
+        return token_loss_sum(model, batch, router_aux=True)
 
     def evaluate(self, unwrapped, rows, config, device, rank, world, reduce) -> dict[str, float]:
         """``eval_loss``: the mean token loss over every eval row, each process taking every world-th row."""
