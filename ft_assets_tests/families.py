@@ -211,3 +211,51 @@ def build_family(name: str, out_dir: str | Path, seed: int = 0, init_std: float 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+FP4_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1, by code
+
+
+def write_mxfp4(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """``model_dir`` (a tiny gpt-oss) as the released gpt-oss checkpoints are: the experts' weights as MXFP4 blocks of
+    32 (4-bit E2M1 codes, two a byte, low nibble first, laid out (experts, out, in / 32, 16)) with one power-of-two
+    scale each (E8M0, bias 127), ``quantization_config.quant_method: mxfp4`` in config.json. Everything else as it was.
+    Returns ``out_dir``; ``exact_weights(out_dir)`` are the weights it stands for."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    codes = torch.tensor(FP4_CODES)
+    state = load_file(model_dir / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(name).transpose(1, 2).float()  # (experts, in, out) -> the checkpoint's (experts, out, in)
+        experts, rows, columns = weight.shape
+        blocks = weight.reshape(experts, rows, columns // 32, 32)
+        exponent = torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 6.0))
+        index = (blocks.div(torch.pow(2.0, exponent)).unsqueeze(-1) - codes).abs().argmin(-1)  # the nearest code
+        state[name + "_blocks"] = (index[..., 0::2] | (index[..., 1::2] << 4)).to(torch.uint8)
+        state[name + "_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def exact_weights(mxfp4_dir: str | Path) -> dict:
+    """The float weights an MXFP4 folder of ``write_mxfp4`` stands for, as the model names them (experts dequantized)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state, codes = load_file(Path(mxfp4_dir) / "model.safetensors"), torch.tensor(FP4_CODES)
+    for name in [n[: -len("_blocks")] for n in state if n.endswith("_blocks")]:
+        packed, scales = state.pop(name + "_blocks"), state.pop(name + "_scales").to(torch.int32) - 127
+        values = torch.stack([codes[(packed & 0x0F).long()], codes[(packed >> 4).long()]], -1).flatten(-2)
+        weight = torch.ldexp(values, scales.unsqueeze(-1)).flatten(-2)  # (experts, out, in)
+        state[name] = weight.transpose(1, 2).contiguous()
+    return state

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+from ft_assets.training.config import MOE_KEYS, experts_of
 
 
 @dataclass(frozen=True)
@@ -184,9 +184,9 @@ class ModelShape:
     def describe_params(self) -> str:
         """ "7.62B params", or for a mixture "20.91B params, 3.61B active (4 of 32 experts)"."""
         if not self.experts:
-            return f"{self.params / 1e9:.2f}B params"
+            return f"{_count(self.params)} params"
         return (
-            f"{self.params / 1e9:.2f}B params, {self.active_matmul_params / 1e9:.2f}B active "
+            f"{_count(self.params)} params, {_count(self.active_matmul_params)} active "
             f"({self.experts_per_token} of {self.experts} experts)"
         )
 
@@ -272,12 +272,8 @@ class ModelShape:
         )
 
 
-def experts_of(config: Mapping[str, Any]) -> int:
-    """Experts per layer of the model whose config.json is ``config`` (its ``text_config`` for a multimodal one); 0 for a
-    dense model."""
-    if isinstance(config.get("text_config"), Mapping):
-        config = config["text_config"]
-    return next((int(config[key]) for key in MOE_KEYS if config.get(key)), 0)
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
 
 
 def _moe_layers(config: Mapping[str, Any], layers: int) -> int:

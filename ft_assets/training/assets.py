@@ -16,7 +16,6 @@ import torch
 from pydantic import Field
 
 from ft_assets import layout, objectives, portable
-from ft_assets.control.model_shape import experts_of
 from ft_assets.manifests import (
     ArtifactCorrupt,
     ArtifactNotFound,
@@ -39,7 +38,7 @@ from ft_assets.training import base_model as bm
 from ft_assets.training import chat_templates, mlx_recipe, recipe
 from ft_assets.training.chat_templates import ChatTemplateError
 from ft_assets.training.checkpoints import run_id
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import TrainingConfig, experts_of
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
 from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint

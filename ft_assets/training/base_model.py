@@ -11,6 +11,9 @@ A base model that ships no chat template (a pretrained, non-instruct base; a GGU
 templates whose tokens its vocabulary has (``ft_assets.training.chat_templates``); with the setting,
 the template is written into the converted model's tokenizer, which everything downstream copies.
 
+A checkpoint with MXFP4 experts (gpt-oss as released) is dequantized to bf16 once, here: LoRA needs
+float experts to adapt, and every later reader (merge, GGUF, vLLM) takes plain weights.
+
 Safety: weights are read from safetensors only. A source that holds only pickle-based weights
 (``.bin``/``.pt``/``.pth``/``.ckpt``) is refused unless ``allow_pickle_weights`` is set, because
 unpickling runs arbitrary code. ``trust_remote_code`` is off unless explicitly enabled: a model that
@@ -199,7 +202,39 @@ def materialize_source(
     check_no_remote_code(Path(location), trust_remote_code)
     check_weights_safe(Path(location), allow_pickle_weights)
     shutil.copytree(location, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git*", ".cache"))
+    if quant_method(out_dir) == "mxfp4":
+        dequantize_mxfp4(out_dir, log)
     make_portable(out_dir)
+
+
+def quant_method(model_dir: Path) -> str | None:
+    """The ``quant_method`` of config.json's ``quantization_config`` (``mxfp4`` for gpt-oss), or None."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
+def dequantize_mxfp4(model_dir: Path, log=print) -> None:
+    """Rewrite an MXFP4 checkpoint (gpt-oss's experts as 4-bit blocks and scales) as plain safetensors in the dtype of
+    its other weights (bf16 for gpt-oss), in place.
+
+    LoRA reaches the experts as bf16 3-D parameters (PEFT target_parameters), and the merge, GGUF and vLLM read plain
+    weights; MXFP4 experts would leave no float parameter to adapt. transformers dequantizes them exactly (its
+    ``Mxfp4Config(dequantize=True)``); the stored base is then about 4x the MXFP4 experts' bytes (gpt-oss-20b: 13 GB
+    -> 42 GB), which the plan counts as its bf16 weights.
+    """
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    log(f"{model_dir.name}: dequantizing MXFP4 expert weights to bf16 once (training adapts bf16 experts)")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=Mxfp4Config(dequantize=True), dtype="auto", use_safetensors=True
+    )  # "auto": the dtype of its other weights (bf16 for the released gpt-oss)
+    for old in model_dir.glob("*.safetensors*"):
+        old.unlink()  # the MXFP4 shards and their index
+    model.config.quantization_config = None
+    model.save_pretrained(model_dir, safe_serialization=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def describe(model_dir: Path) -> dict:

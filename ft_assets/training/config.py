@@ -39,8 +39,9 @@ as its product only: a run checkpointed on 2 GPUs resumes on 1 with twice the ac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -67,6 +68,17 @@ OPERATIONAL_FIELDS = frozenset(
 
 # How the global batch is split over processes, nodes and micro-batches: the same rows in the same steps and the
 # same math (only the dropout draws differ), so the run id hashes their product instead (``result_fields``).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json's expert count, by family
+
+
+def experts_of(config: Mapping[str, Any]) -> int:
+    """Experts per layer of the model whose config.json is ``config`` (its ``text_config`` for a multimodal one); 0 for a
+    dense model."""
+    if isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    return next((int(config[key]) for key in MOE_KEYS if config.get(key)), 0)
+
+
 MOE_DEFAULTS = {"lora_experts": True, "train_router": False, "router_aux_loss_coef": None}  # not in a run id at these
 SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
 # The objectives' settings were flat training settings before each objective owned its own: where each is now.
@@ -128,8 +140,8 @@ class CommonTraining(BaseModel):
     lora_alpha: int = Field(default=32, description="LoRA scaling numerator; the update is scaled by alpha / r.")
     lora_dropout: float = Field(
         default=0.05,
-        description="Dropout on the LoRA input, in [0, 1). A mixture of experts with lora_experts takes none: 0 by "
-        "default there.",
+        description="Dropout on the LoRA input, in [0, 1). A mixture of experts with lora_experts trains with 0 "
+        "(PEFT's LoRA on the fused experts takes no dropout).",
     )
     target_modules: list[str] = Field(
         default_factory=list,
@@ -403,7 +415,7 @@ class CommonTraining(BaseModel):
 
     def for_base(self, experts: int) -> "CommonTraining":
         """These settings for a base with ``experts`` experts per layer (0: dense): an unset method is lora for a
-        mixture, and qlora is refused there in one line (its experts are 3-D parameters bitsandbytes leaves unquantized,
+        mixture, lora_dropout 0 when LoRA reaches its experts, and qlora is refused there in one line (its experts are 3-D parameters bitsandbytes leaves unquantized,
         and QLoRA's preparation upcasts them to fp32: more memory than lora, not less)."""
         if not experts:
             return self
@@ -415,13 +427,7 @@ class CommonTraining(BaseModel):
             )
         update = {} if self.method else {"method": "lora"}
         if self.lora_experts and self.lora_dropout > 0:  # PEFT's LoRA on a 3-D parameter (ParamWrapper) has no dropout
-            if "lora_dropout" in self.model_fields_set:
-                raise ValueError(
-                    f"lora_dropout {self.lora_dropout:g} on a mixture of {experts} experts: PEFT's LoRA on the fused "
-                    "experts (target_parameters) takes no dropout; set lora_dropout 0, or lora_experts false to adapt "
-                    "the attention only"
-                )
-            update["lora_dropout"] = 0.0  # the default, 0.05, becomes 0 for a mixture
+            update["lora_dropout"] = 0.0
         return self.model_copy(update=update) if update else self
 
 

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from ft_assets import layout
-from ft_assets.control.model_shape import experts_of
 from ft_assets.objectives import SFT, Objective
 from ft_assets.storage import ObjectStore
 from ft_assets.training.checkpoints import Checkpoint, complete_checkpoints
-from ft_assets.training.config import TrainingConfig
+from ft_assets.training.config import TrainingConfig, experts_of
 from ft_assets.training.preemption import Preempted, SigtermFlag
 from ft_assets.training.progress import Window, duration, eval_line
 from ft_assets.training.result import TrainingResult

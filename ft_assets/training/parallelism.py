@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,

@@ -1,0 +1,58 @@
+"""Mixtures of experts end to end: gpt-oss as it is released (MXFP4 experts, harmony chat format, attention sinks,
+alternating sliding-window layers) through all four planes in one ``ft-assets run``, and its MXFP4 checkpoint stored
+dequantized. The function-level matrix (planner counts, LoRA on the experts, packing, merge) is in
+``test_families.py`` for Qwen3-MoE, Mixtral and gpt-oss; their GGUF in llama.cpp is in ``test_gguf_families.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from ft_assets.refs import read_ref
+from ft_assets.storage import LocalStore
+from ft_assets.training.base_model import ModelSource, describe, materialize_source
+from ft_assets_tests.families import build_family, exact_weights, write_mxfp4
+from ft_assets_tests.support import run_cli, run_config, write_dataset
+
+
+def test_an_mxfp4_checkpoint_is_stored_as_the_weights_it_stands_for(tmp_path):
+    mxfp4 = write_mxfp4(build_family("gpt-oss", tmp_path / "gpt-oss"), tmp_path / "gpt-oss-mxfp4")
+    lines = []
+    materialize_source(ModelSource("dir", str(mxfp4), "gpt-oss-tiny"), tmp_path / "stored", False, log=lines.append)
+    stored = tmp_path / "stored"
+    assert "quantization_config" not in json.loads((stored / "config.json").read_text())
+    assert any("dequantizing MXFP4" in line for line in lines)
+    exact = exact_weights(mxfp4)
+    with safe_open(stored / "model.safetensors", "pt") as weights:
+        assert set(weights.keys()) == set(exact)  # no blocks or scales left, every expert a float tensor
+        for name, value in exact.items():
+            assert torch.equal(weights.get_tensor(name), value.to(weights.get_tensor(name).dtype)), name
+    assert describe(stored)["parameters"] == describe(tmp_path / "gpt-oss")["parameters"]  # what the plan counts
+
+
+@pytest.mark.integration
+def test_gpt_oss_as_released_trains_its_experts_and_ships_a_gguf_that_llamacpp_runs(home, capsys):
+    base = write_mxfp4(build_family("gpt-oss", home / "gpt-oss"), home / "gpt-oss-mxfp4")
+    settings = run_config(base, steps=60, lr=0.01)
+    (home / "run_config.yaml").write_text(yaml.safe_dump(settings))
+    code, summary, err = run_cli(capsys, "run", "--in-process", "--dataset", str(write_dataset(home / "data")),
+                                 "--name", "acks", "--version", "v1", "--config", str(home / "run_config.yaml"), "--json")  # fmt: skip
+    assert code == 0, err
+    assert summary["finetuned_metric"] >= 0.5 > summary["base_metric"]  # the held-out eval's gate
+    assert summary["gguf_metric"] is not None  # the GGUF, loaded and scored in llama.cpp
+    store = LocalStore(home / "home" / "store")
+    plan = read_ref(store, "acks@v1", "training_plan")["stats"]
+    assert plan["params"]["experts"] == 4 and plan["params"]["active"] < plan["params"]["total"]
+    adapter = read_ref(store, "acks@v1", "lora_adapter")["stats"]
+    assert adapter["resolved"]["method"] == "lora"  # a mixture's default
+    published = Path(summary["published_uri"])
+    config = json.loads((published / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    with safe_open(published / "adapter" / "adapter_model.safetensors", "pt") as weights:
+        experts = [key for key in weights.keys() if ".experts." in key]
+        assert experts and all(weights.get_tensor(key).abs().sum() > 0 for key in experts)
