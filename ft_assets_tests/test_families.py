@@ -37,6 +37,8 @@ from ft_assets.training.loss import learned_tokens, packed_inputs, token_loss_su
 from ft_assets.training.model import (
     causal_lm_class,
     expert_parameters,
+    experts_line,
+    load_model,
     lora_target_modules,
     projection_names,
     resolve_attention,
@@ -454,3 +456,38 @@ def test_the_data_plane_points_a_base_without_template_at_the_setting(family_dir
         ValueError, match=r"no chat template .*set base_model's chat_template to a named template \(chatml"
     ):
         ChatEncoder(AutoTokenizer.from_pretrained(bare_base(family_dir, "llama3", tmp_path)))
+
+
+# --- a mixture's router ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_a_mixtures_router_is_frozen_unless_trained_and_its_balancing_loss_has_the_settings_weight(family_dir, name):
+    """Default: every expert adapted, the router frozen, no load-balancing loss. ``train_router`` trains the router in
+    full beside the adapter and adds the loss at the model's own weight; ``router_aux_loss_coef`` sets another."""
+    base = family_dir(name)
+    frozen = load_model(config().for_base(4), "lora", base, torch.device("cpu"))
+    assert not any("gate." in n or "router." in n for n, p in frozen.named_parameters() if p.requires_grad)
+    assert any(".experts." in n for n, p in frozen.named_parameters() if p.requires_grad)
+    assert experts_line(frozen.config).endswith("router loss weight 0")
+    trained = load_model(config(train_router=True).for_base(4), "lora", base, torch.device("cpu"))
+    routers = [n for n, p in trained.named_parameters() if p.requires_grad and ("gate." in n or "router." in n)]
+    assert len(routers) >= 2 and all("modules_to_save" in n for n in routers)  # each layer's, saved in the adapter
+    assert trained.config.router_aux_loss_coef == 0.001  # the model's own (transformers' default in the tiny config)
+    weighted = load_model(config(router_aux_loss_coef=0.5).for_base(4), "lora", base, torch.device("cpu"))
+    assert "router loss weight 0.5" in experts_line(weighted.config)
+    ids = torch.randint(0, weighted.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "position_ids": torch.arange(40)[None], "labels": ids}
+    with torch.no_grad():
+        aux = weighted(input_ids=ids, use_cache=False, output_router_logits=True).aux_loss  # the model's own
+        added = token_loss_sum(weighted, batch, router_aux=True) - token_loss_sum(weighted, batch)
+    assert float(aux) > 0 and float(added) == pytest.approx(0.5 * float(aux) * learned_tokens(batch), rel=1e-4)
+
+
+def test_a_mixture_trains_lora_by_default_and_refuses_qlora_in_one_line():
+    assert config(method=None).for_base(4).method == "lora" and config(method=None).for_base(0).method is None
+    assert config(lora_dropout=0.1).for_base(4).lora_dropout == 0.0  # PEFT's expert LoRA takes no dropout
+    assert config(lora_dropout=0.1, lora_experts=False).for_base(4).lora_dropout == 0.1
+    with pytest.raises(ValueError, match=r"method 'qlora' on a mixture of 8 experts: bitsandbytes quantizes linear layers "
+                                         r"only.*use method 'lora'"):  # fmt: skip
+        config(method="qlora").for_base(8)

@@ -58,6 +58,9 @@ mean DPO implicit reward margin, so base and tuned are measured by one yardstick
 from __future__ import annotations
 
 import importlib.util
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -170,8 +173,10 @@ def packed_inputs(model, inputs: dict[str, torch.Tensor]) -> dict:
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False) -> torch.Tensor:
     """Cross-entropy summed over the learned tokens of a batch (count them with ``learned_tokens``), and with
-    ``router_aux`` a mixture's load-balancing loss at the model's ``router_aux_loss_coef`` per learned token (the model
-    returns it when ``training.model.load_model`` set ``output_router_logits``).
+    ``router_aux`` a mixture's load-balancing loss at its ``router_aux_loss_coef`` (``training.model.load_model`` sets it
+    from the settings; 0 by default) per learned token. The routers' logits are taken with hooks and the family's own
+    loss function run on them here: the model's forward would weigh them by ``attention_mask``, which for gpt-oss's
+    packed rows is a mask per layer type (``packed_inputs``).
 
     No attention mask and no KV cache: the packed rows' position_ids give the block-diagonal mask.
     The forward goes through ``model`` itself (DDP's gradient hooks need that) and asks only for the
@@ -180,7 +185,9 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
     would skip their lm_head work but needs a host sync per micro-batch (a boolean index's size).
     """
     inputs = packed_inputs(model, {name: value for name, value in batch.items() if name != "labels"})
-    output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    coef = getattr(_unwrap(model).config, "router_aux_loss_coef", 0.0) if router_aux else 0.0
+    with captured_router_logits(model, bool(coef)) as logits_of_routers:
+        output = model(**inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     hidden = output.hidden_states[-1][:, :-1]  # the final norm's output: position i predicts label i + 1
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = batch["labels"][:, 1:].reshape(-1)
@@ -190,10 +197,41 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
         loss = fused(lm_head.weight, hidden, targets)
     else:
         loss = chunked_cross_entropy_sum(hidden, lm_head, targets)
-    aux = getattr(output, "aux_loss", None) if router_aux else None
-    if aux is not None:
+    if logits_of_routers:
+        aux = balancing_loss(model, tuple(logits_of_routers))
         loss = loss + _unwrap(model).config.router_aux_loss_coef * aux.to(loss.dtype) * learned_tokens(batch)
     return loss
+
+
+@contextmanager
+def captured_router_logits(model, on: bool) -> Iterator[list[torch.Tensor]]:
+    """Each router's logits (its output's first element) of the forward run inside, when ``on``: a mixture's routers
+    (the modules named ``*Router`` in transformers 5), for the load-balancing loss."""
+    logits: list[torch.Tensor] = []
+    hooks = []
+    if on:
+        for module in model.modules():
+            if type(module).__name__.endswith("Router"):
+                hooks.append(
+                    module.register_forward_hook(
+                        lambda m, i, out: logits.append(out[0] if isinstance(out, tuple) else out)
+                    )
+                )
+    try:
+        yield logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def balancing_loss(model, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The family's own load-balancing loss (its modeling module's ``load_balancing_loss_func``) over every token."""
+    base = _unwrap(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    config = base.config
+    loss_func = sys.modules[type(base).__module__].load_balancing_loss_func
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return loss_func(logits, experts, config.num_experts_per_tok, None)
 
 
 def eval_loss_sum(

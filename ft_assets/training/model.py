@@ -142,6 +142,18 @@ def router_modules(model) -> list[str]:
     )
 
 
+def experts_line(model_config) -> str:
+    """What the log says of a mixture's experts: how they run (transformers 5's ``grouped_mm``: one grouped GEMM over
+    every expert's tokens; ``eager`` would loop over the experts in Python) and the router loss's weight."""
+    experts = getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None)
+    if not experts:
+        return ""
+    return (
+        f", {experts} experts (top {model_config.num_experts_per_tok}) run {model_config._experts_implementation}, "
+        f"router loss weight {model_config.router_aux_loss_coef:g}"
+    )
+
+
 def router_aux_loss_coef(config: TrainingConfig, model_config) -> float:
     """The load-balancing loss's weight: the setting, else the model's own when the router trains, else 0."""
     if config.router_aux_loss_coef is not None:
@@ -206,8 +218,7 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
     experts = expert_parameters(model)
     if experts:
         coef = router_aux_loss_coef(config, model.config)
-        model.config.output_router_logits = coef > 0  # the model then returns aux_loss (loss.token_loss_sum adds it)
-        model.config.router_aux_loss_coef = coef
+        model.config.router_aux_loss_coef = coef  # loss.token_loss_sum adds the load-balancing loss at this weight
     if method in ("lora", "qlora"):
         lora = LoraConfig(
             r=config.lora_r,

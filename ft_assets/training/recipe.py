@@ -76,7 +76,7 @@ from ft_assets.training.checkpoints import (
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.data_order import DataPlan
 from ft_assets.training.loop import Log, OnMetrics, RecipeLoop
-from ft_assets.training.model import load_model, load_trainable, make_scheduler, trainable_parameters
+from ft_assets.training.model import experts_line, load_model, load_trainable, make_scheduler, trainable_parameters
 from ft_assets.training.parallelism import (
     attempt_id,
     consolidated_state,
@@ -205,6 +205,7 @@ class FineTuneRecipe(RecipeLoop):
         self.params = trainable_parameters(self.unwrapped)
         self.say(
             f"{sum(p.numel() for p in self.params.values()):,} trainable parameters, attention {self.attention}"
+            f"{experts_line(model.config)}"
             f"{', torch.compile' if config.compile else ''}{', sharded with FSDP2' if self.parallel.name == 'fsdp' and self.world > 1 else ''}"
         )
         self.optimizer = torch.optim.AdamW(
