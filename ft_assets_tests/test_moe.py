@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from ft_assets.delivery.exports.protocol import ExportRefused
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.base_model import ModelSource, describe, materialize_source
@@ -56,3 +57,41 @@ def test_gpt_oss_as_released_trains_its_experts_and_ships_a_gguf_that_llamacpp_r
     with safe_open(published / "adapter" / "adapter_model.safetensors", "pt") as weights:
         experts = [key for key in weights.keys() if ".experts." in key]
         assert experts and all(weights.get_tensor(key).abs().sum() > 0 for key in experts)
+
+
+@pytest.mark.parametrize("name, tolerance", [("qwen3-moe", 1e-5), ("mixtral", 1e-5), ("gpt-oss", 1e-2)])
+def test_mlx_lm_answers_with_each_mixtures_export_as_transformers_does(name, tolerance, tmp_path):
+    """In float32 (what mlx's CPU build runs experts in) mlx-lm's logits are transformers' (gpt-oss: 5.0e-3, mlx-lm's
+    YaRN); then the 8-bit export the asset makes, checked by mlx-lm itself (a mis-laid expert would land near 1)."""
+    pytest.importorskip("mlx.core", reason="the [mlx] extra (mlx, mlx-lm) is not installed")
+    import contextlib
+    import io
+    import logging
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import convert, load
+
+    from ft_assets import portable
+    from ft_assets.delivery import llamacpp
+    from ft_assets.delivery.exports import mlx
+    from ft_assets.delivery.gguf_export import logit_agreement
+
+    merged = build_family(name, tmp_path / name)
+    portable.make_portable(merged)  # as the merge writes it
+    reference = llamacpp.reference(merged)
+    source = mlx.experts_as_mlx_reads_them(merged, tmp_path / "source")
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(source), str(tmp_path / "fp32"), dtype="float32")
+    model, _ = load(str(tmp_path / "fp32"))
+    pairs = [(expected, np.asarray(model(mx.array([ids]))[0].astype(mx.float32)))
+             for ids, expected in zip(reference.prompt_ids, reference.logits)]  # fmt: skip
+    assert logit_agreement(pairs)["rel_error"] <= tolerance
+    made = mlx.make(
+        merged, tmp_path / "out", tmp_path / "work", name, mlx.MlxSettings(variants=["8bit"]), logging.getLogger()
+    )
+    assert made.files[f"{name}-mlx-8bit"]["mlx"]["rel_error"] <= 0.2  # routing flips under 8 bits (test_gguf_families)
+    with pytest.raises(ExportRefused, match="mlx's CPU build runs a mixture's experts in float32 only"):
+        mlx.make(
+            merged, tmp_path / "out", tmp_path / "work", name, mlx.MlxSettings(variants=["bf16"]), logging.getLogger()
+        )

@@ -21,7 +21,9 @@ line; the run goes on without an MLX model unless ``required``): an architecture
 cannot load or answer with, one whose tokenizer gives other ids than the merged model's.
 
 On this project's Linux machines this runs on mlx's CPU build (``pip install 'ft-assets[mlx]'``); on a Mac on its
-GPU, the same calls.
+GPU, the same calls. Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) export as the dense families do; gpt-oss's
+experts are first laid out as mlx-lm reads float ones (``experts_as_mlx_reads_them``). mlx's CPU build runs experts in
+float32 only, so there a mixture's bf16/fp16 folders are refused and its 8bit/4bit ones are checked.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def convert(merged_dir: Path, folder: Path, variant: str, group_size: int) -> No
     """``mlx_lm.convert`` of the merged model to ``folder``, then the config keys mlx-lm needs (``mlx_config``)."""
     from mlx_lm import convert as mlx_convert
 
+    merged_dir = experts_as_mlx_reads_them(merged_dir, folder.with_name(folder.name + "-source"))
+
     arguments = dict(VARIANTS[variant])
     if arguments.get("quantize"):
         arguments["q_group_size"] = group_size
@@ -133,6 +137,41 @@ def convert(merged_dir: Path, folder: Path, variant: str, group_size: int) -> No
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps(config | mlx_config(config), indent=2))
+
+
+def experts_as_mlx_reads_them(merged_dir: Path, work: Path) -> Path:
+    """The merged model as mlx_lm.convert takes it: itself, or for gpt-oss a copy with its experts split and laid out.
+
+    transformers writes gpt-oss's float experts fused, gate and up interleaved (``gate_up_proj``, (experts, hidden,
+    2 x intermediate), gate in the even columns) and ``down_proj`` (experts, intermediate, hidden); mlx-lm 0.32 splits
+    only the released MXFP4 blocks and takes anything else as already split: ``gate_proj.weight`` and ``up_proj.weight``
+    (experts, intermediate, hidden), ``down_proj.weight`` (experts, hidden, intermediate), and their biases.
+    """
+    config = json.loads((merged_dir / "config.json").read_text())
+    if config.get("model_type") != "gpt_oss":
+        return merged_dir
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(merged_dir, work, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    for path in sorted(merged_dir.glob("*.safetensors")):
+        weights = {}
+        for name, value in load_file(path).items():
+            stem = name.rsplit(".", 1)[0] + "."
+            if name.endswith("experts.gate_up_proj"):
+                weights[stem + "gate_proj.weight"] = value[..., ::2].transpose(1, 2).contiguous()
+                weights[stem + "up_proj.weight"] = value[..., 1::2].transpose(1, 2).contiguous()
+            elif name.endswith("experts.gate_up_proj_bias"):
+                weights[stem + "gate_proj.bias"] = value[..., ::2].contiguous()
+                weights[stem + "up_proj.bias"] = value[..., 1::2].contiguous()
+            elif name.endswith("experts.down_proj"):
+                weights[stem + "down_proj.weight"] = value.transpose(1, 2).contiguous()
+            elif name.endswith("experts.down_proj_bias"):
+                weights[stem + "down_proj.bias"] = value
+            else:
+                weights[name] = value
+        save_file(weights, work / path.name, metadata={"format": "pt"})
+    return work
 
 
 def _checked(folder: Path, variant: str, reference: llamacpp.Reference, log) -> dict:
@@ -150,8 +189,16 @@ def _checked(folder: Path, variant: str, reference: llamacpp.Reference, log) -> 
             f"{folder.name}: mlx-lm tokenizes {len(mismatches)} test strings differently from the merged model's "
             f"tokenizer, e.g. {mismatches[0][:80]!r}"
         )
-    pairs = [(expected, np.asarray(model(mx.array([ids]))[0].astype(mx.float32))) for ids, expected in
-             zip(reference.prompt_ids, reference.logits)]  # fmt: skip
+    try:
+        pairs = [(expected, np.asarray(model(mx.array([ids]))[0].astype(mx.float32))) for ids, expected in
+                 zip(reference.prompt_ids, reference.logits)]  # fmt: skip
+    except RuntimeError as exc:  # mlx's CPU build: "[GatherMM::eval] Currently only supports float32."
+        if "GatherMM" not in str(exc):
+            raise
+        raise ExportRefused(
+            f"{folder.name}: mlx's CPU build runs a mixture's experts in float32 only (gather_mm), so mlx-lm cannot "
+            f"answer with {variant} here; a Mac's GPU can. Export 8bit or 4bit on this machine"
+        ) from exc
     agreement = logit_agreement(pairs)
     parted = [
         llamacpp.parting_step(_greedy(model, tokenizer, ids, len(expected) or 1, reference.eos_token_id), expected)
