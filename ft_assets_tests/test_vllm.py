@@ -3,8 +3,8 @@
 Server starts are what this module costs (~45 s each on an idle 2-core machine, several times that beside
 other jobs), so there are four: the pipeline's ``vllm_smoke`` on a published run of the tiny Llama 3 (``llama3``
 RoPE scaling: both RoPE forms in its published config; the merged model, then the base + its adapter as a LoRA
-module), one server with two published versions' adapters side by side, straight from the registry, and a Qwen3
-model (q/k norms). Every answer is compared with transformers' greedy answer token for token. Models have
+module), one server with two published versions' adapters side by side, straight from the registry, and a merged
+Qwen3-MoE (q/k norms, 4 experts). Every answer is compared with transformers' greedy answer token for token. Models have
 head_dim 32: vLLM's CPU attention refuses 16 (tiny.py's default hidden 64). The two versions run ``--in-process``
 (the run through the instance: test_cli.py).
 """
@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
 
 from ft_assets import portable
 from ft_assets.delivery import lora_registry, vllm
+from ft_assets.delivery.merge import merge_adapter
 from ft_assets.manifests import publish_dir
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore, open_store
@@ -158,14 +161,25 @@ def test_the_registry_resolves_from_s3_as_from_a_local_store(registry, s3_env, t
     assert lora_registry.main(["--store", s3_env, "--dest", str(tmp_path / "cli"), *registry.published.values()]) == 0
 
 
-def test_another_family_answers_in_vllm_as_in_transformers(tmp_path):
-    """Portable files of a Qwen3 model (q/k norms, explicit head_dim); Llama 3's are the pipeline's (``registry``)."""
-    model = build_family("qwen3", tmp_path / "qwen3")
-    portable.make_portable(model)
-    config = json.loads((model / "config.json").read_text())
-    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
-    stats = vllm.smoke(model, PROMPTS, 12)
+def test_a_mixture_of_experts_answers_in_vllm_as_in_transformers(tmp_path):
+    """Portable files of a merged Qwen3-MoE (q/k norms, explicit head_dim, 4 experts; Llama 3's are the pipeline's,
+    ``registry``), its LoRA on the experts beside: vLLM's CPU build serves the merged model and says why not the LoRA,
+    which a GPU build is started for with the mixed MoE LoRA format."""
+    base = build_family("qwen3-moe", tmp_path / "base")
+    portable.make_portable(base)
+    config = json.loads((base / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["num_experts"] == 4
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], task_type="CAUSAL_LM")  # fmt: skip
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(tmp_path / "adapter")
+    merge_adapter(base, tmp_path / "adapter", tmp_path / "merged")
+    stats = vllm.smoke(tmp_path / "merged", PROMPTS, 12, base, tmp_path / "adapter")
     assert stats["greedy_equal"] == {"merged": len(PROMPTS)}, stats["rows"]
+    assert "Triton kernels its CPU build lacks" in stats["lora_skipped"]
+    command = vllm.server_command(Path("python"), base, 8000, {"acks": tmp_path / "adapter"}, 8)
+    assert "--enable-mixed-moe-lora-format" in command
+    assert json.loads(command[-1]) == {"name": "acks", "path": str(tmp_path / "adapter"), "is_3d_lora_weight": True}
 
 
 REGISTRY_ERRORS = [

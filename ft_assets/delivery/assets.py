@@ -725,6 +725,8 @@ def vllm_smoke(
         )
     if not stats["served"]:
         return m.output(ref, vllm=reason)
+    if stats.get("lora_skipped"):
+        context.log.warning(f"vllm_smoke: LoRA not served: {stats['lora_skipped']}")
     equal = ", ".join(f"{label} {count}/{stats['prompts']}" for label, count in stats["greedy_equal"].items())
     context.log.info(f"vLLM greedy answers equal to transformers': {equal}; loaded in {stats['load_seconds']} s")
     return m.output(

