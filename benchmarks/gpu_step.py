@@ -3,6 +3,7 @@
 Prepared for a session that has a CUDA GPU; one command measures everything in under 5 minutes:
 
     python -m benchmarks.gpu_step --shape smollm2,llama2-7b   # both suites (~1.5 + ~3 min on an H200)
+    python -m benchmarks.gpu_step --shape gpt-oss-20b         # the mixture of experts (4 of its 24 layers)
     python -m benchmarks.gpu_step                             # SmolLM2-135M-Instruct only
     python -m benchmarks.gpu_step --cpu-smoke                 # a few tiny steps on CPU: checks the script, no figures
 
@@ -24,6 +25,14 @@ memory do not depend on the values): LoRA and QLoRA, r=16 on all 7 projections, 
 checkpointing, 1 x 2048 packed tokens (4 documents), with the planner's ``estimate_vram`` for the
 same path next to the measured peak (torch reserved + CUDA context), then LoRA on 1 x 4096 tokens
 (8 documents) through each attention backend.
+
+**gpt-oss-20b** (gpt-oss-20b's shape, ``MOE_LAYERS`` of its 24 layers, random bf16 weights: every
+expert tensor, router, sink and the 201k vocabulary as released, fewer layers so that it builds and
+saves in a minute): LoRA r=16 on the attention and every expert (PEFT ``target_parameters``),
+gradient checkpointing, 1 x 2048 packed tokens (4 documents), the experts as transformers runs them
+(``grouped_mm``: one grouped GEMM per projection; its name is recorded), beside the planner's
+``estimate_vram`` of the same shape and its FLOPs from the *active* parameters (4 of 32 experts).
+``--cpu-smoke`` runs the same code on a 2-layer, hidden-128 version of that shape.
 
 Figures: real (non-padding) tokens/s, MFU (model FLOPs from the planner's ``flops_per_token`` over
 the GPU's dense bf16 peak, ``--peak-tflops`` or the datasheet value of H100/H200/A100/L4/A10G) and peak
@@ -53,6 +62,16 @@ LLAMA2_7B = dict(
     hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
     vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
 )  # fmt: skip
+GPT_OSS_20B = dict(
+    hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, sliding_window=128, tie_word_embeddings=False,
+    max_position_embeddings=131072,
+    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+)  # fmt: skip
+MOE_LAYERS = 4
+GPT_OSS_SMOKE = dict(GPT_OSS_20B, hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=512)  # fmt: skip
 SEVEN_B_STEPS, SEVEN_B_WARMUP = 6, 2  # a 7B step is ~0.4-1 s: enough to average, short enough for the 5 minutes
 DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}  # dense, no sparsity
 
@@ -369,6 +388,67 @@ def llama2_7b_suite(args, device, peak_tflops, context) -> dict:
     return {"build_seconds": round(build_seconds, 1), "results": results, "attention": attention}
 
 
+def build_gpt_oss(directory: Path, device, shape: dict, layers: int) -> float:
+    """Random gpt-oss-shaped weights with ``layers`` layers (alternating sliding and full attention), saved once."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    started = time.perf_counter()
+    if not any(directory.glob("*.safetensors")):
+        types = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+        config = GptOssConfig(**shape, num_hidden_layers=layers, layer_types=types)
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = GptOssForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model.save_pretrained(directory, safe_serialization=True, max_shard_size="20GB")
+        del model
+        free_memory(device)
+    return time.perf_counter() - started
+
+
+def moe_suite(args, device, peak_tflops, context) -> dict:
+    """LoRA on the attention and every expert of gpt-oss-20b's shape (``MOE_LAYERS`` layers), 1 x 2048 packed tokens."""
+    import torch
+
+    from ft_assets.cli.plan import plan_request
+    from ft_assets.control.planner import ModelShape, estimate_vram, flops_per_token
+    from ft_assets.training.config import TrainingConfig
+
+    smoke = device.type != "cuda"
+    shape_config, seq_len = (GPT_OSS_SMOKE, 64) if smoke else (GPT_OSS_20B, 2048)
+    directory = cache_dir() / "models" / ("gpt-oss-smoke" if smoke else f"gpt-oss-20b-{MOE_LAYERS}-layers-random")
+    build_seconds = build_gpt_oss(directory, device, shape_config, MOE_LAYERS)
+    config = json.loads((directory / "config.json").read_text())
+    shape = ModelShape.from_config(config, "gpt-oss-20b-shape")
+    steps, warmup = (2, 1) if smoke else (args.steps or SEVEN_B_STEPS, SEVEN_B_WARMUP)
+    free_memory(device)
+    model, optimizer = load("lora", directory, device, "auto", seq_len, checkpointing=True)
+    documents = 4
+    ids = torch.randint(0, shape.vocab, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    position_ids = torch.cat([torch.arange(seq_len // documents)] * documents).unsqueeze(0).to(device)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids}
+    used = model.config._attn_implementation
+    experts = model.config._experts_implementation
+    free_memory(device)
+    elapsed, real, slots, loss = timed_steps(model, optimizer, lambda step: (batch, seq_len), device, steps, warmup)
+    name = {"method": "lora", "seq_len": seq_len, "documents": documents, "attention": used, "experts": experts}
+    result = figures(name, elapsed, real, slots, steps, flops_per_token(shape, "lora", seq_len, True), peak_tflops,
+                     device, context, loss)  # fmt: skip
+    settings = TrainingConfig(per_device_batch_size=1, gradient_checkpointing=True, attn_implementation=used)
+    planned = estimate_vram(plan_request(shape, "lora", seq_len, seq_len, settings.for_base(shape.experts)))
+    result.update(planner_total_gib=planned.total_gib, planner=planned.as_dict(), params=shape.describe_params(),
+                  layers=MOE_LAYERS, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))  # fmt: skip
+    del model, optimizer
+    print(table(
+        ["shape", "experts run", "s/step", "tokens/s", "MFU (active)", "peak GiB (+context)", "planner GiB"],
+        [[result["params"], experts, f"{result['seconds_per_step']:.3f}", fmt(result["real_tokens_per_s"]),
+          "-" if result["mfu"] is None else f"{result['mfu']:.1%}",
+          "-" if result["peak_with_context_gib"] is None else f"{result['peak_with_context_gib']:.1f}",
+          f"{result['planner_total_gib']:.1f}"]],
+    ))  # fmt: skip
+    return {"build_seconds": round(build_seconds, 1), "result": result}
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="LoRA/QLoRA step throughput and memory on a GPU, beside the planner.")
@@ -376,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--cpu-smoke", action="store_true", help="run 2 tiny steps of the smollm2 suite on CPU (no figures)"
     )
     parser.add_argument(
-        "--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b (default smollm2)"
+        "--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b, gpt-oss-20b (default smollm2)"
     )
     parser.add_argument(
         "--model",
@@ -396,16 +476,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cpu_smoke:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        suites = ["smollm2"]
+        suites = ["smollm2", "gpt-oss-20b"]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU machine, or use --cpu-smoke to check the script")
         device = torch.device("cuda")
         torch.ones(1, device=device)  # create the CUDA context before measuring it
         suites = args.shape.split(",")
-    unknown = set(suites) - {"smollm2", "llama2-7b"}
+    unknown = set(suites) - {"smollm2", "llama2-7b", "gpt-oss-20b"}
     if unknown:
-        raise SystemExit(f"unknown --shape {sorted(unknown)}: use smollm2 and/or llama2-7b")
+        raise SystemExit(f"unknown --shape {sorted(unknown)}: use smollm2, llama2-7b and/or gpt-oss-20b")
     started = time.perf_counter()
     peak_tflops = device_peak_tflops(device, args.peak_tflops)
     context = cuda_context_gib(device) if device.type == "cuda" else None
@@ -418,6 +498,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary.update(smollm2_suite(args, device, peak_tflops, context))
     if "llama2-7b" in suites:
         summary["llama2_7b"] = llama2_7b_suite(args, device, peak_tflops, context)
+    if "gpt-oss-20b" in suites:
+        summary["gpt_oss_20b"] = moe_suite(args, device, peak_tflops, context)
     summary["benchmark_seconds"] = round(time.perf_counter() - started, 1)
     write_result("gpu_step_cpu_smoke" if args.cpu_smoke else "gpu_step", summary, argv)
     return summary

@@ -85,6 +85,10 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
         (m, l) for m in ("lora", "qlora") for l in ("packed", "padded")
     }
     assert all(r["real_tokens_per_s"] > 0 for r in rows)
+    moe = result(bench_dirs, "gpu_step_cpu_smoke")["gpt_oss_20b"]["result"]  # the MoE suite's code, on a tiny shape
+    assert (
+        moe["experts"] == "grouped_mm" and moe["real_tokens_per_s"] > 0 and "active (2 of 4 experts)" in moe["params"]
+    )
 
     snippet = run_all.readme_snippet(bench_dirs)
     assert "## Benchmarks" in snippet and "Pending" in snippet and "### Targets" in snippet

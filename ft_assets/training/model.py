@@ -223,7 +223,7 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
+            lora_dropout=0.0 if experts and config.lora_experts else config.lora_dropout,  # as for_base says
             target_modules=lora_target_modules(model, config.target_modules),
             target_parameters=experts if config.lora_experts else None,
             modules_to_save=router_modules(model) if experts and config.train_router else None,
