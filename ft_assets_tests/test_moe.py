@@ -95,3 +95,35 @@ def test_mlx_lm_answers_with_each_mixtures_export_as_transformers_does(name, tol
         mlx.make(
             merged, tmp_path / "out", tmp_path / "work", name, mlx.MlxSettings(variants=["bf16"]), logging.getLogger()
         )
+
+
+GPT_OSS_20B = dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                   intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                   tie_word_embeddings=False)  # fmt: skip
+
+
+def test_ft_assets_plan_of_gpt_oss_20b_counts_all_experts_in_memory_and_the_active_ones_in_time(tmp_path, capsys):
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(transformers.GptOssConfig(**GPT_OSS_20B).to_dict()))
+    args = [
+        "plan",
+        "--model-config",
+        str(tmp_path),
+        "--seq-len",
+        "2048",
+        "--gradient-checkpointing",
+        "--tokens",
+        "10000000",
+    ]
+    code, plan, err = run_cli(capsys, *args, "--method", "lora", "--json")
+    assert code == 0, err
+    assert (plan["params"], plan["active_params"], plan["experts"], plan["experts_per_token"]) == (
+        20_914_757_184, 3_608_307_264, 32, 4)  # fmt: skip
+    assert 20.9e9 * 2 / 2**30 < plan["weights_gib"] < 21e9 * 2 / 2**30  # every expert in bf16: ~39 GiB
+    assert plan["tier"] == "h100-80gb"  # 39 GiB of weights need more than a 48 GB card with its headroom
+    assert plan["flops_per_token"] < 8 * 3.61e9 < 6 * 20.9e9  # matmuls of the active parameters (x6 with recompute)
+    assert plan["describe_params"] == "20.91B params, 3.61B active (4 of 32 experts)"
+    assert any("lower bound" in warning for warning in plan["warnings"])
+    code, _, err = run_cli(capsys, *args, "--method", "qlora")
+    assert code != 0 and "method 'qlora' on a mixture of 32 experts: bitsandbytes quantizes linear layers only" in err

@@ -228,6 +228,12 @@ def plan_training(
             f"download and checkpoint upload crosses regions, billed as egress at ${cost_model.egress_usd_per_gb}/GB "
             f"and slower; store the data in {chosen.region} or add an offering in {data_region}"
         )
+    if request.shape.experts:
+        warnings.append(
+            f"a mixture of experts is timed from its active parameters ({request.shape.describe_params()}) at a dense "
+            "model's MFU: routing and grouped expert GEMMs usually run below it, so take the hours and dollars as a "
+            "lower bound (benchmarks/gpu_step.py --shape gpt-oss-20b measures it)"
+        )
     # the plan's tokens/s is of training-equivalent tokens: trained tokens go factor times slower
     planned = throughput(
         chosen.tokens_per_second / factor, flops, cost_model.offering(chosen.name), chosen.usd_per_hour, chosen.gpus
