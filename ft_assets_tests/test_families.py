@@ -488,6 +488,11 @@ def test_a_mixture_trains_lora_by_default_and_refuses_qlora_in_one_line():
     assert config(method=None).for_base(4).method == "lora" and config(method=None).for_base(0).method is None
     assert config(lora_dropout=0.1).for_base(4).lora_dropout == 0.0  # PEFT's expert LoRA takes no dropout
     assert config(lora_dropout=0.1, lora_experts=False).for_base(4).lora_dropout == 0.1
+    assert config(backend="auto").for_base(4).backend == "torch"  # a Mac's auto is mlx, which adapts linear layers only
+    with pytest.raises(
+        ValueError, match=r"backend 'mlx' on a mixture of 4 experts: the MLX recipe adapts linear layers"
+    ):
+        config(backend="mlx").for_base(4)
     with pytest.raises(ValueError, match=r"method 'qlora' on a mixture of 8 experts: bitsandbytes quantizes linear layers "
                                          r"only.*use method 'lora'"):  # fmt: skip
         config(method="qlora").for_base(8)

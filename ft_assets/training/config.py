@@ -425,7 +425,14 @@ class CommonTraining(BaseModel):
                 "experts, most of the weights, are fused 3-D parameters it leaves as they are (QLoRA's preparation "
                 "would even upcast them to fp32); use method 'lora'"
             )
+        if self.backend == "mlx":
+            raise ValueError(
+                f"backend 'mlx' on a mixture of {experts} experts: the MLX recipe adapts linear layers only, not fused "
+                "experts; use backend 'torch' (on a Mac too: it trains on MPS), or 'auto'"
+            )
         update = {} if self.method else {"method": "lora"}
+        if self.backend == "auto":
+            update["backend"] = "torch"  # a Mac's auto would be mlx, which does not train a mixture's experts
         if self.lora_experts and self.lora_dropout > 0:  # PEFT's LoRA on a 3-D parameter (ParamWrapper) has no dropout
             update["lora_dropout"] = 0.0
         return self.model_copy(update=update) if update else self
