@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ft_assets.control.model_shape import ModelShape, lora_params
 from ft_assets.data.chat_encoding import ChatEncoder
 from ft_assets.delivery.merge import merge_adapter
+from ft_assets.objectives import SFT
 from ft_assets.shards import IGNORE_INDEX, load_packed_rows
 from ft_assets.storage import LocalStore
 from ft_assets.training import chat_templates
@@ -46,7 +47,7 @@ from ft_assets.training.model import (
 )
 from ft_assets.training.recipe import train
 from ft_assets_tests.families import FAMILIES, MOE, build_family
-from ft_assets_tests.support import RUN, SEQ_LEN, chat_examples, write_shards
+from ft_assets_tests.support import RUN, SEQ_LEN, chat_examples, final_weights, preempt_then_resume, write_shards
 from ft_assets_tests.support import training_config as config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -496,3 +497,15 @@ def test_a_mixture_trains_lora_by_default_and_refuses_qlora_in_one_line():
     with pytest.raises(ValueError, match=r"method 'qlora' on a mixture of 8 experts: bitsandbytes quantizes linear layers "
                                          r"only.*use method 'lora'"):  # fmt: skip
         config(method="qlora").for_base(8)
+
+
+@pytest.mark.integration
+def test_a_mixture_preempted_or_killed_resumes_to_the_uninterrupted_adapter(family_dir, family_shards, tmp_path):
+    """Experts, a trained router and its balancing loss in the checkpoints: resumed from a SIGTERM's checkpoint and
+    from the one before it (``support.preempt_then_resume``), the adapter equals the uninterrupted run's."""
+    cfg = config(max_steps=8, train_router=True, router_aux_loss_coef=0.01)
+    uninterrupted = train(cfg, family_dir("mixtral"), family_shards("mixtral"), LocalStore(tmp_path / "reference"), RUN,
+                          tmp_path / "reference-work", log=lambda line: None)  # fmt: skip
+    reference = final_weights(uninterrupted)
+    assert any(".experts." in name for name in reference) and any(name.endswith("mlp.gate.weight") for name in reference)
+    preempt_then_resume(cfg, family_dir("mixtral"), family_shards("mixtral"), RUN, tmp_path / "resumed", SFT, reference)
