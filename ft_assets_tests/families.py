@@ -11,7 +11,8 @@ download. ``build_family(name, out_dir)`` writes it as a HF directory (safetenso
 The mixtures of experts (``MOE``) are built the same way, with 4 experts of which each token takes 2:
 Qwen3-MoE (normalized top-k, q/k norms), Mixtral (Mistral's template) and gpt-oss (attention
 sinks, q/k/v/o and expert biases, alternating sliding-window layers, YaRN RoPE, the harmony
-format's final channel). transformers 5 holds their experts as fused 3-D parameters and saves
+format: system and developer messages, final and analysis channels, a reply ending <|return|>).
+transformers 5 holds their experts as fused 3-D parameters and saves
 Qwen3-MoE and Mixtral in their released per-expert layout, gpt-oss in its fused one.
 
 Head dims are multiples of 32 (llama.cpp's K-quants work on rows of 256 values, Q8_0 on 32) and the
@@ -52,12 +53,19 @@ MISTRAL_TEMPLATE = (  # [INST] user [/INST] reply</s>; a system message goes bef
     "{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
     "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
-HARMONY_TEMPLATE = (  # gpt-oss's harmony format, its final channel (no reasoning, no tools)
-    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
-    "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+HARMONY_TEMPLATE = (  # gpt-oss's harmony format as its released template renders chats without tools
+    "<|start|>system<|message|>Current date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"  # the released one says more (identity, channels)
+    "{% set turns = messages %}{% if messages[0]['role'] in ('system', 'developer') %}{% set turns = messages[1:] %}"
+    "{{ '<|start|>developer<|message|># Instructions\n\n' + messages[0]['content'] + '\n\n<|end|>' }}{% endif %}"
+    "{% for message in turns %}{% if message['role'] == 'assistant' %}"
+    "{% if loop.last and not add_generation_prompt %}"
+    "{% if message.get('thinking') %}{{ '<|start|>assistant<|channel|>analysis<|message|>' + message['thinking'] + '<|end|>' }}{% endif %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|return|>' }}"
+    "{% else %}{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}{% endif %}"
     "{% else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant<|channel|>final<|message|>' }}{% endif %}"
-)
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)  # history replies end <|end|>, the last one <|return|> (what generation stops at); a reply's thinking only there
 PHI3_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -95,8 +103,8 @@ PHI3_TOKENS = Tokens(
     PHI3_TEMPLATE,
 )
 HARMONY_TOKENS = Tokens(
-    ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
-    "<|startoftext|>", "<|end|>", "<|endoftext|>", HARMONY_TEMPLATE,
+    ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"],
+    "<|startoftext|>", "<|return|>", "<|endoftext|>", HARMONY_TEMPLATE,
 )  # fmt: skip
 
 

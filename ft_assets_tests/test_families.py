@@ -373,12 +373,35 @@ def replies_with_end_of_turn(end_of_turn: str) -> list[str]:
     return [m["content"] + end_of_turn for m in CONVERSATION if m["role"] == "assistant"]
 
 
+HARMONY_FINAL = "<|channel|>final<|message|>"  # what follows gpt-oss's generation prompt, <|start|>assistant
+HARMONY_REPLIES = [
+    HARMONY_FINAL + CONVERSATION[2]["content"] + "<|end|>",
+    HARMONY_FINAL + CONVERSATION[4]["content"] + "<|return|>",
+]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_learned_tokens_are_the_assistant_replies_and_their_end_of_turn(family_dir, name):
     """With the family's own template: no system, user, header or role token is learned (Gemma folds the system
     turn into the first user turn, Mistral has no assistant header), every reply and its end-of-turn token are."""
     tokenizer = AutoTokenizer.from_pretrained(family_dir(name))
-    assert learned_spans(tokenizer, CONVERSATION) == replies_with_end_of_turn(END_OF_TURN[name])
+    expected = HARMONY_REPLIES if name == "gpt-oss" else replies_with_end_of_turn(END_OF_TURN[name])
+    assert learned_spans(tokenizer, CONVERSATION) == expected
+
+
+def test_harmony_learns_the_channels_its_reasoning_and_where_generation_stops(family_dir):
+    """gpt-oss: the channel header after <|start|>assistant is the model's to write, so it is learned; a reply in the
+    history ends <|end|>, the last one <|return|> (what generation stops at), with its reasoning (analysis channel) when
+    the row gives one; the system turn becomes the developer's instructions and the date is fixed, so a version
+    tokenizes alike any day."""
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("gpt-oss"))
+    thinking = [*CONVERSATION[:4], {**CONVERSATION[4], "thinking": "A second timer, 12 minutes."}]
+    assert learned_spans(tokenizer, thinking) == [
+        HARMONY_REPLIES[0],
+        "<|channel|>analysis<|message|>A second timer, 12 minutes.<|end|><|start|>assistant" + HARMONY_REPLIES[1],
+    ]
+    text, _ = ChatEncoder(tokenizer).render(CONVERSATION)
+    assert "Current date: 2025-08-05" in text and "<|start|>developer<|message|># Instructions" in text
 
 
 def bare_base(family_dir, name: str, tmp_path: Path) -> Path:
@@ -507,5 +530,7 @@ def test_a_mixture_preempted_or_killed_resumes_to_the_uninterrupted_adapter(fami
     uninterrupted = train(cfg, family_dir("mixtral"), family_shards("mixtral"), LocalStore(tmp_path / "reference"), RUN,
                           tmp_path / "reference-work", log=lambda line: None)  # fmt: skip
     reference = final_weights(uninterrupted)
-    assert any(".experts." in name for name in reference) and any(name.endswith("mlp.gate.weight") for name in reference)
+    assert any(".experts." in name for name in reference) and any(
+        name.endswith("mlp.gate.weight") for name in reference
+    )
     preempt_then_resume(cfg, family_dir("mixtral"), family_shards("mixtral"), RUN, tmp_path / "resumed", SFT, reference)

@@ -81,7 +81,7 @@ def test_family_gguf_loads_in_llamacpp_and_answers_like_transformers(exported, f
     f16 = checks["f16"]
     assert f16["top1_agreement"] >= 0.95, f16
     assert f16["greedy_match"] + f16["greedy_near_ties"] == f16["greedy_prompts"], f16  # any parting is at a near-tie
-    assert f16["greedy_match"] >= f16["greedy_prompts"] - 1, f16
+    assert f16["greedy_match"] >= f16["greedy_prompts"] - (2 if family in MOE else 1), f16  # gpt-oss: YaRN, above
     k_types = files[K_QUANT]["tensor_types"]
     assert k_types.get("Q4_K", 0) + k_types.get("Q6_K", 0) == 2, k_types  # ffn_down of both layers
     assert files[K_QUANT]["bytes"] < files["q8_0"]["bytes"] < files["f16"]["bytes"]

@@ -19,11 +19,14 @@ tokenizer as its files (``TokenizerFiles``, no weights) and build their encoder 
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +108,31 @@ class _Layout:
         return "".join(parts)
 
 
+# What a template's ``strftime_now`` returns while the data plane renders (gpt-oss's harmony system message carries the
+# current date): a fixed day, so that a dataset version tokenizes to the same shards whenever it is tokenized.
+TEMPLATE_DATE = datetime.datetime(2025, 8, 5)
+
+
+@contextmanager
+def fixed_template_date() -> Iterator[None]:
+    """transformers' ``strftime_now`` (a jinja global it defines over its module's ``datetime``) at ``TEMPLATE_DATE``;
+    a value passed to ``apply_chat_template`` cannot stand in for it (transformers passes callables as strings)."""
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+
+    class Fixed(real):
+        @classmethod
+        def now(cls, tz=None):
+            return TEMPLATE_DATE
+
+    chat_template_utils.datetime = Fixed
+    try:
+        yield
+    finally:
+        chat_template_utils.datetime = real
+
+
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and masks the loss to assistant turns.
 
@@ -132,12 +160,17 @@ class ChatEncoder:
         self._special_starts = {t[0] for t in self.special}  # a text holding none of these holds no special token
         self._verbatim = template_inserts_content_verbatim(tokenizer.chat_template)
         self._layouts: dict[tuple[tuple[str, ...], bool], _Layout | None] = {}
-        self.end_of_turn = self._probe_end_of_turn()
+        self.end_of_turn, self.end_of_last, self.end_of_middle = self._probe_end_of_turn()
 
-    def _probe_end_of_turn(self) -> str:
-        """What the template writes after every reply: the text that follows both a last reply and one followed
-        by another turn, cut before any special token it would split, stripped. (Phi-3 ends a conversation
-        with ``<|end|>\n`` + eos, a middle reply with ``<|end|>\n<|user|>``: the marker is ``<|end|>``.)"""
+    def _probe_end_of_turn(self) -> tuple[str, str, str]:
+        """What the template writes after a reply: (the marker after every reply, or "" when the last reply of a
+        conversation ends otherwise than one followed by another turn; then the special token that ends the last
+        reply, and the one that ends a reply in the middle).
+
+        The marker is the text that follows both a last reply and one followed by another turn, cut before any special
+        token it would split, stripped. (Phi-3 ends a conversation with ``<|end|>\n`` + eos, a middle reply with
+        ``<|end|>\n<|user|>``: the marker is ``<|end|>``.) gpt-oss's harmony ends the last reply with ``<|return|>``,
+        what generation stops at, and a reply in the history with ``<|end|>``: no common marker, one of each."""
         reply, user = "PROBE-REPLY-7f3a", {"role": "user", "content": "probe"}
         last = self._apply([user, {"role": "assistant", "content": reply}], False)
         followed = self._apply(
@@ -151,10 +184,17 @@ class ChatEncoder:
                 if start + len(token) > len(common):
                     common = common[:start]
                 start = tail.find(token, start + 1)
-        return common.rstrip()
+        if common.strip():
+            return common.rstrip(), "", ""
+        leading = [max((t for t in self.special if tail.startswith(t)), key=len, default="") for tail in tails]
+        return "", leading[0], leading[1]
+
+    def _end_marker(self, last: bool) -> str:
+        return self.end_of_turn or (self.end_of_last if last else self.end_of_middle)
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        with fixed_template_date():
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _layout(self, roles: tuple[str, ...], generation_prompt: bool) -> _Layout | None:
         """The layout of this conversation shape; None when the template must render it itself."""
@@ -202,13 +242,17 @@ class ChatEncoder:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            # Where reply i starts: the rendering of the turns before it plus the generation prompt.
+            # Where reply i starts: the rendering of the turns before it plus the generation prompt. What the template
+            # writes between that and the reply's text (harmony's "<|channel|>final<|message|>", a reasoning channel
+            # before it) is the model's to write too, so it is learned with the reply.
             prefix = self._render(messages[:i], roles[:i], contents[:i], True)
-            if not text.startswith(prefix) or not text.startswith(message["content"], len(prefix)):
+            start = text.find(message["content"], len(prefix)) if text.startswith(prefix) else -1
+            if start < 0:
                 raise RowError("template_mismatch", f"the chat template does not render reply {i} after its prompt")
-            end = len(prefix) + len(message["content"])
-            if text.startswith(self.end_of_turn, end):
-                end += len(self.end_of_turn)
+            end = start + len(message["content"])
+            marker = self._end_marker(last=i == len(messages) - 1)
+            if marker and text.startswith(marker, end):
+                end += len(marker)
             spans.append((len(prefix), end))
         return text, spans
 

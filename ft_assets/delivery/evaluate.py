@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ft_assets import rewards as rw
-from ft_assets.generation import stop_tokens
+from ft_assets.generation import answer_ids, stop_tokens
 
 METRICS = ("exact_match", "token_f1", "rouge_l")
 PREFERENCE_METRIC = "reward_accuracy"  # the gate's metric for preference runs
@@ -117,7 +117,9 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, l
                 eos_token_id=stop_tokens(model, tokenizer),
             )
         new_tokens = output[:, batch["input_ids"].shape[1] :]
-        answers.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        answers.extend(
+            tokenizer.decode(answer_ids(tokenizer, row), skip_special_tokens=True) for row in new_tokens.tolist()
+        )
         log(f"generated {len(answers)}/{len(prompts)} answers")
     return answers
 

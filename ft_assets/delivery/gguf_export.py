@@ -26,6 +26,7 @@ the README's "GGUF by family", ``python -m benchmarks.gguf_families``), so llama
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -252,10 +253,14 @@ def _render(chat_template: str, messages: list[dict]) -> str:
     def raise_exception(message: str):
         raise GgufExportError(f"the chat template refused a probe conversation: {message}")
 
+    def strftime_now(format: str) -> str:  # gpt-oss's harmony template writes the date
+        return datetime.datetime.now().strftime(format)
+
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return environment.from_string(chat_template).render(
-        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token="", eos_token=""
-    )
+        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token="", eos_token="",
+        strftime_now=strftime_now,
+    )  # fmt: skip
 
 
 def write_modelfile(

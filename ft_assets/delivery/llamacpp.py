@@ -46,6 +46,7 @@ import numpy as np
 
 from ft_assets.delivery import servers
 from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement, tensor_types
+from ft_assets.generation import answer_text
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
@@ -314,7 +315,7 @@ def chat_answers(
     try:
         for number, messages in enumerate(conversations, 1):
             reply = llm.create_chat_completion(messages=messages, max_tokens=max_new_tokens, temperature=0.0)
-            answers.append(reply["choices"][0]["message"]["content"] or "")
+            answers.append(answer_text(reply["choices"][0]["message"]["content"] or ""))
             if number % 16 == 0 or number == len(conversations):
                 log(f"llama.cpp answered {number}/{len(conversations)}")
     finally:

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from ft_assets import rewards as rw
-from ft_assets.generation import stop_tokens
+from ft_assets.generation import answer_ids, stop_tokens
 from ft_assets.objectives.grpo import GrpoSettings
 from ft_assets.shards import IGNORE_INDEX, Prompt, PromptRows, load_prompt_rows
 from ft_assets.training.config import ResolvedTraining, TrainingConfig
@@ -220,8 +220,9 @@ def pack_sequences(
 def score_completions(
     tokenizer, reward_fns: list[rw.Reward], prompts: list[Prompt], completions: list[list[int]], n: int
 ) -> tuple[list[str], torch.Tensor]:
-    """The completions decoded and each one's total reward (NaN where no function applied), prompt-major."""
-    replies = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    """The completions decoded (a harmony reply's answer: ``generation.answer_ids``) and each one's total reward (NaN
+    where no function applied), prompt-major."""
+    replies = [tokenizer.decode(answer_ids(tokenizer, list(c)), skip_special_tokens=True) for c in completions]
     owners = [prompts[k // n] for k in range(len(completions))]
     scored = rw.score(reward_fns, [p.messages for p in owners], replies, [p.columns for p in owners])
     return replies, torch.tensor(rw.totals(scored), dtype=torch.float32)

@@ -45,6 +45,7 @@ from ft_assets.delivery import llamacpp, servers
 from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line
 from ft_assets.delivery.gguf_export import logit_agreement
 from ft_assets.delivery.harness import HarnessModel, served_model
+from ft_assets.generation import answer_text
 from ft_assets.training import backends
 from ft_assets.training.mlx_model import mlx_config
 
@@ -278,7 +279,7 @@ class MlxLm:
         answers = []
         for number, messages in enumerate(conversations, 1):
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            answers.append(generate(model, tokenizer, prompt, max_tokens=max_new_tokens).strip())
+            answers.append(answer_text(generate(model, tokenizer, prompt, max_tokens=max_new_tokens)).strip())
             if number % 16 == 0 or number == len(conversations):
                 log(f"mlx-lm answered {number}/{len(conversations)}")
         return answers
