@@ -534,3 +534,24 @@ def test_a_mixture_preempted_or_killed_resumes_to_the_uninterrupted_adapter(fami
         name.endswith("mlp.gate.weight") for name in reference
     )
     preempt_then_resume(cfg, family_dir("mixtral"), family_shards("mixtral"), RUN, tmp_path / "resumed", SFT, reference)
+
+
+def test_a_rows_reasoning_is_read_cleaned_stored_and_learned_in_gpt_oss_analysis_channel(family_dir, tmp_path):
+    """A reply's reasoning, under any of the names datasets give it, goes through the data plane beside its text and is
+    learned where gpt-oss writes it; a message without one is read back as it was written."""
+    from ft_assets.data.cleaning import CleaningRules, clean_messages
+    from ft_assets.data.layouts import normalize_record
+    from ft_assets.data.rows import ROW_SCHEMA, ParquetSink, iter_records
+
+    row = {"messages": [{"role": "user", "content": "Set a timer for 12 minutes."},
+                        {"role": "assistant", "content": "Done.", "reasoning_content": "A timer,\u00a012 minutes. "}]}  # fmt: skip
+    messages = clean_messages(normalize_record(row), CleaningRules())
+    assert messages[1] == {"role": "assistant", "content": "Done.", "thinking": "A timer, 12 minutes."}
+    with ParquetSink(tmp_path / "rows.parquet", ROW_SCHEMA) as sink:
+        sink.write({"source": "a:1", "cluster": "", "messages": messages})
+    [stored] = iter_records(tmp_path / "rows.parquet")
+    assert stored["messages"] == messages and "thinking" not in stored["messages"][0]
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("gpt-oss"))
+    assert learned_spans(tokenizer, stored["messages"]) == [
+        "<|channel|>analysis<|message|>A timer, 12 minutes.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    ]

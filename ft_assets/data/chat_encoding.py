@@ -3,7 +3,9 @@
 ``ChatEncoder`` renders each conversation with the base model's own chat template, tokenizes the
 text in batches with the fast (Rust) tokenizer and marks as trainable exactly the characters of
 every assistant reply plus the end-of-turn marker the template writes after it (so the model learns
-to stop). A reply starts where the rendering of the turns before it plus the generation prompt ends
+to stop), with what the template writes between the model's turn and the reply's text: a channel
+header (gpt-oss's harmony), the reply's reasoning when the row gives one (``thinking``: gpt-oss's
+analysis channel, Qwen3's ``<think>`` block, passed to templates as ``thinking`` and ``reasoning_content``). A reply starts where the rendering of the turns before it plus the generation prompt ends
 (exact for ChatML, Llama-3 and similar templates, checked per row); the end-of-turn marker is found
 once by rendering a probe conversation. Every pack kind (``ft_assets.data.packing``, ``pair_packing``,
 ``prompt_packing``) encodes its rows through it.
@@ -193,6 +195,8 @@ class ChatEncoder:
         return self.end_of_turn or (self.end_of_last if last else self.end_of_middle)
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        # a reply's reasoning under each name templates read it by: gpt-oss's "thinking", Qwen3's "reasoning_content"
+        messages = [{**m, "reasoning_content": m["thinking"]} if m.get("thinking") else m for m in messages]
         with fixed_template_date():
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -222,15 +226,17 @@ class ChatEncoder:
     def _render(
         self, messages: list[dict], roles: tuple[str, ...], contents: list[str], generation_prompt: bool
     ) -> str:
-        layout = self._layout(roles, generation_prompt)
+        reasoning = any(m.get("thinking") for m in messages)  # the layouts are of contents alone
+        layout = None if reasoning else self._layout(roles, generation_prompt)
         return self._apply(messages, generation_prompt) if layout is None else layout.fill(contents)
 
     def _check_special_tokens(self, messages: list[dict]) -> None:
         for message in messages:
-            if any(first in message["content"] for first in self._special_starts):
-                for token in self.special:
-                    if token in message["content"]:
-                        raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
+            for text in (message["content"], message.get("thinking") or ""):
+                if any(first in text for first in self._special_starts):
+                    for token in self.special:
+                        if token in text:
+                            raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
 
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the [start, end) character spans that carry loss."""

@@ -28,7 +28,7 @@ import pyarrow as pa
 from ft_assets.data.layouts import COLUMNS
 from ft_assets.data.parallel import Executor, InProcess
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
-from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, RowError
+from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, RowError, plain
 
 ROLES = ("system", "user", "assistant")
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
@@ -96,7 +96,8 @@ def clean_turns(messages: list[dict], rules: CleaningRules) -> list[dict]:
         content = clean_text(message["content"], rules.unicode_form)
         if role == "system" and not content:
             continue  # an empty system prompt carries nothing; the row itself is fine
-        cleaned.append({"role": role, "content": content})
+        thinking = clean_text(message["thinking"], rules.unicode_form) if message.get("thinking") else ""
+        cleaned.append({"role": role, "content": content, **({"thinking": thinking} if thinking else {})})
     return cleaned
 
 
@@ -137,7 +138,7 @@ def clean_part(rules: CleaningRules, clean: Callable, part: Part, target: Target
     """One part of raw rows through ``clean``; its kept and its quarantined rows written as part files of their own."""
     kept, quarantined, reasons, changed = [], [], Counter(), 0
     table = read_part(part)
-    for source, original in zip(table.column("source").to_pylist(), table.column("messages").to_pylist()):
+    for source, original in zip(table.column("source").to_pylist(), map(plain, table.column("messages").to_pylist())):
         try:
             messages = clean(original, rules)
         except RowError as exc:

@@ -52,7 +52,7 @@ import pyarrow as pa
 
 from ft_assets.data.parallel import Executor, FileRef, InProcess, read_all
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
-from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA
+from ft_assets.data.rows import DUPLICATE_SCHEMA, ROW_SCHEMA, plain
 from ft_assets.data.shuffle import (
     band_pairs,
     band_records,
@@ -366,7 +366,7 @@ def map_run(rules: DedupRules, run: list[Part]) -> DedupMap:
     features = [
         row_features(messages, rules)
         for part in run
-        for messages in read_part(part, ["messages"]).column("messages").to_pylist()
+        for messages in map(plain, read_part(part, ["messages"]).column("messages").to_pylist())
     ]
     keys = np.frombuffer(b"".join(f.key for f in features), dtype=np.uint8).reshape(-1, 16)
     hashes, eligible = hasher.band_hashes(features)
@@ -393,7 +393,7 @@ def look_up(rules: DedupRules, run: list[tuple[Part, np.ndarray, np.ndarray]]) -
     signatures, sources = [], []
     for part, candidates, wanted in run:
         table = read_part(part, ["source", "messages"])
-        conversations = table.column("messages").take(candidates - part.start).to_pylist()
+        conversations = list(map(plain, table.column("messages").take(candidates - part.start).to_pylist()))
         signatures += [minhasher(rules).signature(messages) for messages in conversations]
         sources += table.column("source").take(wanted - part.start).to_pylist()
     return np.stack(signatures) if signatures else np.empty((0, rules.num_perm), np.uint32), sources

@@ -57,6 +57,9 @@ MAPPING_HINT = (
 # --- chat layouts ----------------------------------------------------------------------------------
 
 
+REASONING_KEYS = ("thinking", "reasoning_content", "reasoning")  # a reply's reasoning, as datasets name it
+
+
 def _text(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise RowError("wrong_type", f"{where} must be a string, got {type(value).__name__}")
@@ -75,7 +78,11 @@ def _message_list(value: object, field: str, role_key: str, text_key: str, role_
         role = _text(item[role_key], f"'{field}[{i}].{role_key}'")
         if role_map is not None:
             role = role_map.get(role.strip().lower(), role)
-        messages.append({"role": role, "content": _text(item[text_key], f"'{field}[{i}].{text_key}'")})
+        message = {"role": role, "content": _text(item[text_key], f"'{field}[{i}].{text_key}'")}
+        reasoning = next((key for key in REASONING_KEYS if item.get(key) is not None), None)
+        if reasoning is not None:
+            message["thinking"] = _text(item[reasoning], f"'{field}[{i}].{reasoning}'")
+        messages.append(message)
     return messages
 
 

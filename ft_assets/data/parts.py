@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ft_assets.data.parallel import Executor, FileRef, StoreObject, read_all, store_at
-from ft_assets.data.rows import ParquetSink
+from ft_assets.data.rows import ParquetSink, plain_record
 from ft_assets.manifests import ArtifactCorrupt, begin_artifact, read_manifest
 from ft_assets.storage import ObjectStore, join_key
 
@@ -225,7 +225,7 @@ class Artifact:
         """The rows of ``family`` as dicts, in order, read in this process."""
         for table in self.tables(family, columns):
             for batch in table.to_batches():
-                yield from batch.to_pylist()
+                yield from map(plain_record, batch.to_pylist())
 
 
 def runs(items: Iterable, rows: Callable, shard_rows: int) -> Iterator[list]:

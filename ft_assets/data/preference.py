@@ -27,7 +27,6 @@ from ft_assets.data.cleaning import CleaningRules, clean_messages
 from ft_assets.data.layouts import CHOSEN, REJECTED
 from ft_assets.data.rows import RowError
 
-
 # --- a pair's row ------------------------------------------------------------------------------------
 
 

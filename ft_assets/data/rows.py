@@ -36,7 +36,11 @@ class RowError(ValueError):
         self.detail = detail
 
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# A turn: its role and text, and for a reply the reasoning before it when the row gives one (null otherwise; read back
+# without the key: ``plain``). Chat templates render it where the model writes it (gpt-oss's analysis channel, Qwen3's
+# <think> block) and the reply's loss mask covers it.
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("thinking", pa.string())])
+OPTIONAL_MESSAGE_FIELDS = ("thinking",)
 ROW_SCHEMA = pa.schema(
     [
         ("source", pa.string()),  # "<file>:<line>", unique within a dataset version
@@ -127,9 +131,21 @@ def iter_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.Re
     yield from pq.ParquetFile(path).iter_batches(batch_size=FLUSH_ROWS, columns=columns)
 
 
+def plain(messages: list[dict]) -> list[dict]:
+    """Messages as read from Parquet without the optional fields they do not have (Parquet stores them as null)."""
+    return [
+        {key: value for key, value in message.items() if value is not None or key not in OPTIONAL_MESSAGE_FIELDS}
+        for message in messages
+    ]
+
+
+def plain_record(record: dict) -> dict:
+    return {**record, "messages": plain(record["messages"])} if "messages" in record else record
+
+
 def iter_records(path: Path, columns: list[str] | None = None) -> Iterator[dict]:
     for batch in iter_batches(path, columns):
-        yield from batch.to_pylist()
+        yield from map(plain_record, batch.to_pylist())
 
 
 def sample_rows(records: Iterable[dict], n: int = 5, width: int = 200) -> list[dict]:

@@ -10,6 +10,7 @@ becomes the parts ``train-k`` and ``eval-k``, written by the worker that splits 
 from __future__ import annotations
 
 import hashlib
+
 import pyarrow as pa
 import pyarrow.compute as pc
 

@@ -25,7 +25,7 @@ from ft_assets.data.chat_encoding import ChatEncoder, TokenizerFiles
 from ft_assets.data.packing import EXAMPLES, PackKind
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess, store_at
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_bytes, part_name, read_part, runs, table_bytes
-from ft_assets.data.rows import QUARANTINE_SCHEMA, RowError
+from ft_assets.data.rows import QUARANTINE_SCHEMA, RowError, plain
 from ft_assets.data.sequences import encoded_bytes, sequences_of
 from ft_assets.shards import packed_table, shard_name
 from ft_assets.storage import join_key
@@ -97,7 +97,7 @@ def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[Encoded
     for rows, index in run:
         if isinstance(rows, Part):
             table = read_part(rows, ["source", "messages"])
-            rows = list(zip(table.column("source").to_pylist(), table.column("messages").to_pylist()))
+            rows = list(zip(table.column("source").to_pylist(), map(plain, table.column("messages").to_pylist())))
         kept, rejected = settings.kind.encode(encoder, rows, settings.seq_len)
         written = settings.encoded.put(part_name(split, index), encoded_bytes(kept), len(kept))
         tokens, loss_tokens = sum(len(e.input_ids) for e in kept), sum(int(e.loss_mask.sum()) for e in kept)
