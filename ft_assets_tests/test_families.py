@@ -555,3 +555,27 @@ def test_a_rows_reasoning_is_read_cleaned_stored_and_learned_in_gpt_oss_analysis
     assert learned_spans(tokenizer, stored["messages"]) == [
         "<|channel|>analysis<|message|>A timer, 12 minutes.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
     ]
+
+
+def test_a_tool_call_and_its_result_go_through_the_data_plane_and_the_call_is_learned(family_dir):
+    """OpenAI-style tool calls (arguments as a JSON string or an object), a tool message with the result, then the
+    answer: the call is learned through harmony's <|call|>, the result is not, the answer is; calls out of order are
+    refused naming the message."""
+    from ft_assets.data.cleaning import CleaningRules, clean_messages
+    from ft_assets.data.layouts import normalize_record
+    from ft_assets.data.rows import RowError
+
+    call = {"type": "function", "function": {"name": "set_timer", "arguments": '{"minutes": 12}'}}
+    row = {"messages": [{"role": "user", "content": "Set a timer for 12 minutes."},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "timer 7 set"},
+                        {"role": "assistant", "content": "Done: timer 7."}]}  # fmt: skip
+    messages = clean_messages(normalize_record(row), CleaningRules())
+    assert json.loads(messages[1]["tool_calls"])[0]["function"] == {"name": "set_timer", "arguments": {"minutes": 12}}
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("gpt-oss"))
+    assert learned_spans(tokenizer, messages) == [
+        ' to=functions.set_timer<|channel|>commentary json<|message|>{"minutes": 12}<|call|>',
+        "<|channel|>final<|message|>Done: timer 7.<|return|>",
+    ]
+    with pytest.raises(RowError, match="message 2 is 'user' where 'tool' was expected"):
+        clean_messages([*messages[:2], {"role": "user", "content": "And?"}, messages[3]], CleaningRules())

@@ -112,7 +112,8 @@ BAD_PROMPTS = [
     ("starts-with-the-assistant", {"messages": [turn("assistant", "Hey."), turn("user", "Hi?")]}, "bad_role_order",
      "message 0 is 'assistant' where 'user' was expected"),
     ("two-users-in-a-row", {"prompt": [turn("user", "Hi?"), turn("user", "Hello?")]}, "bad_role_order", "message 1 is 'user'"),
-    ("unknown-role", {"prompt": [turn("tool", "{}"), turn("user", "Hi?")]}, "unknown_role", "message 0 has role 'tool'"),
+    ("unknown-role", {"prompt": [turn("narrator", "{}"), turn("user", "Hi?")]}, "unknown_role", "message 0 has role 'narrator'"),
+    ("tool-first", {"prompt": [turn("tool", "{}"), turn("user", "Hi?")]}, "bad_role_order", "message 0 is 'tool' where 'user' was expected"),
     ("too-long", {"prompt": "x" * 40_000}, "too_long", "40000 characters in total"),
 ]  # fmt: skip
 

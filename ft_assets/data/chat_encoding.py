@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import itertools
+import json
 import os
 import re
 import tempfile
@@ -108,6 +109,19 @@ class _Layout:
             parts.append(contents[slot])
             parts.append(piece)
         return "".join(parts)
+
+
+def for_template(message: dict) -> dict:
+    """A stored message as chat templates read it: its reasoning under both names they use (gpt-oss's ``thinking``,
+    Qwen3's ``reasoning_content``), its tool calls as a list."""
+    if not (message.get("thinking") or message.get("tool_calls")):
+        return message
+    message = dict(message)
+    if message.get("thinking"):
+        message["reasoning_content"] = message["thinking"]
+    if message.get("tool_calls"):
+        message["tool_calls"] = json.loads(message["tool_calls"])
+    return message
 
 
 # What a template's ``strftime_now`` returns while the data plane renders (gpt-oss's harmony system message carries the
@@ -196,7 +210,7 @@ class ChatEncoder:
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         # a reply's reasoning under each name templates read it by: gpt-oss's "thinking", Qwen3's "reasoning_content"
-        messages = [{**m, "reasoning_content": m["thinking"]} if m.get("thinking") else m for m in messages]
+        messages = [for_template(m) for m in messages]
         with fixed_template_date():
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -226,13 +240,13 @@ class ChatEncoder:
     def _render(
         self, messages: list[dict], roles: tuple[str, ...], contents: list[str], generation_prompt: bool
     ) -> str:
-        reasoning = any(m.get("thinking") for m in messages)  # the layouts are of contents alone
-        layout = None if reasoning else self._layout(roles, generation_prompt)
+        extras = any(m.get("thinking") or m.get("tool_calls") for m in messages)  # the layouts are of contents alone
+        layout = None if extras else self._layout(roles, generation_prompt)
         return self._apply(messages, generation_prompt) if layout is None else layout.fill(contents)
 
     def _check_special_tokens(self, messages: list[dict]) -> None:
         for message in messages:
-            for text in (message["content"], message.get("thinking") or ""):
+            for text in (message["content"], message.get("thinking") or "", message.get("tool_calls") or ""):
                 if any(first in text for first in self._special_starts):
                     for token in self.special:
                         if token in text:
@@ -257,7 +271,12 @@ class ChatEncoder:
                 raise RowError("template_mismatch", f"the chat template does not render reply {i} after its prompt")
             end = start + len(message["content"])
             marker = self._end_marker(last=i == len(messages) - 1)
-            if marker and text.startswith(marker, end):
+            if message.get("tool_calls"):  # the call is the reply: up to where the conversation so far ends
+                through = self._render(messages[: i + 1], roles[: i + 1], contents[: i + 1], False).rstrip()
+                if not text.startswith(through) or len(through) <= len(prefix):
+                    raise RowError("template_mismatch", f"the chat template does not render the tool call of reply {i}")
+                end = len(through)
+            elif marker and text.startswith(marker, end):
                 end += len(marker)
             spans.append((len(prefix), end))
         return text, spans

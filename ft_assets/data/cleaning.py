@@ -30,7 +30,7 @@ from ft_assets.data.parallel import Executor, InProcess
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_name, read_part, runs
 from ft_assets.data.rows import QUARANTINE_SCHEMA, ROW_SCHEMA, RowError, plain
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 _CONTROL = {c: None for c in range(0x20) if chr(c) not in "\t\n"} | {0x7F: None} | {c: None for c in range(0x80, 0xA0)}
 _DELETE = ZERO_WIDTH | _CONTROL  # both tables only delete, so one pass equals the two in a row
@@ -72,18 +72,31 @@ def clean_text(text: str, unicode_form: str = "NFC") -> str:
     return text.strip()
 
 
+CALLS = "assistant+tool_calls"  # an assistant reply that calls tools, in check_role_order's roles
+
+
+def roles_of(messages: list[dict]) -> list[str]:
+    return [CALLS if m["role"] == "assistant" and m.get("tool_calls") else m["role"] for m in messages]
+
+
 def check_role_order(roles: list[str]) -> None:
+    """user, assistant, user, ... after an optional system turn, ending with an assistant reply; a reply that calls
+    tools (``CALLS``) is followed by one or more tool results, then by the assistant again."""
     for i, role in enumerate(roles):
-        if role not in ROLES:
+        if role not in (*ROLES, CALLS):
             raise RowError("unknown_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
     turns = roles[1:] if roles and roles[0] == "system" else roles
     if not turns:
         raise RowError("no_assistant_reply", "the conversation has no user/assistant turns")
+    after = {None: ("user",), "user": ("assistant", CALLS), "assistant": ("user",), CALLS: ("tool",),
+             "tool": ("tool", "assistant", CALLS)}  # fmt: skip
+    previous = None
     for i, role in enumerate(turns):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if role != expected:
+        if role not in after[previous]:
             where = i + (len(roles) - len(turns))
-            raise RowError("bad_role_order", f"message {where} is {role!r} where {expected!r} was expected")
+            expected = " or ".join(repr(r.split("+")[0]) for r in dict.fromkeys(after[previous]))
+            raise RowError("bad_role_order", f"message {where} is {role.split('+')[0]!r} where {expected} was expected")
+        previous = role
     if turns[-1] != "assistant":
         raise RowError("no_assistant_reply", "the conversation does not end with an assistant reply")
 
@@ -97,13 +110,18 @@ def clean_turns(messages: list[dict], rules: CleaningRules) -> list[dict]:
         if role == "system" and not content:
             continue  # an empty system prompt carries nothing; the row itself is fine
         thinking = clean_text(message["thinking"], rules.unicode_form) if message.get("thinking") else ""
-        cleaned.append({"role": role, "content": content, **({"thinking": thinking} if thinking else {})})
+        extra = {"thinking": thinking} if thinking else {}
+        if message.get("tool_calls"):
+            extra["tool_calls"] = message["tool_calls"]
+        cleaned.append({"role": role, "content": content, **extra})
     return cleaned
 
 
 def check_lengths(cleaned: list[dict], rules: CleaningRules) -> None:
     """The length rules: every reply and user turn long enough, the whole conversation short enough."""
     for i, message in enumerate(cleaned):
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            continue  # a call may come without text
         if message["role"] == "assistant" and len(message["content"]) < max(rules.min_response_chars, 1):
             reason = "empty_answer" if not message["content"] else "too_short"
             raise RowError(reason, f"assistant message {i} has {len(message['content'])} characters")
@@ -119,7 +137,7 @@ def clean_messages(messages: list[dict], rules: CleaningRules) -> list[dict]:
     if messages and messages[-1]["role"] == COLUMNS:  # a prompt with extra columns, among conversations: no reply
         raise RowError("no_assistant_reply", "the conversation does not end with an assistant reply")
     cleaned = clean_turns(messages, rules)
-    check_role_order([m["role"] for m in cleaned])
+    check_role_order(roles_of(cleaned))
     check_lengths(cleaned, rules)
     return cleaned
 

@@ -82,8 +82,32 @@ def _message_list(value: object, field: str, role_key: str, text_key: str, role_
         reasoning = next((key for key in REASONING_KEYS if item.get(key) is not None), None)
         if reasoning is not None:
             message["thinking"] = _text(item[reasoning], f"'{field}[{i}].{reasoning}'")
+        if item.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(item["tool_calls"], f"'{field}[{i}].tool_calls'")
         messages.append(message)
     return messages
+
+
+def _tool_calls(value: object, where: str) -> str:
+    """A reply's tool calls as the JSON the rows store: OpenAI's form, each function's arguments an object (a JSON
+    string of one is parsed: templates write arguments with ``tojson`` and would quote a string twice)."""
+    if not isinstance(value, list):
+        raise RowError("wrong_type", f"{where} must be a list, got {type(value).__name__}")
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RowError(
+                "wrong_type", f"{where}[{i}] needs a function with a name: {{'function': {{'name', 'arguments'}}}}"
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise RowError("bad_tool_call", f"{where}[{i}].function.arguments is not JSON: {exc}") from None
+        calls.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return json.dumps(calls, ensure_ascii=False, sort_keys=True)
 
 
 def _optional_text(obj: dict, key: str | None) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from ft_assets.data.cleaning import CleaningRules, check_lengths, check_role_order, clean_turns
+from ft_assets.data.cleaning import CleaningRules, check_lengths, check_role_order, clean_turns, roles_of
 from ft_assets.data.layouts import COLUMNS
 
 
@@ -38,6 +38,6 @@ def clean_prompt(messages: list[dict], rules: CleaningRules) -> list[dict]:
     turn kept as it came. Raises ``RowError``."""
     turns = messages[:-1] if messages and messages[-1]["role"] == COLUMNS else messages
     cleaned = clean_turns(turns, rules)
-    check_role_order([m["role"] for m in cleaned] + ["assistant"])  # with the reply to come, a whole conversation
+    check_role_order(roles_of(cleaned) + ["assistant"])  # with the reply to come, a whole conversation
     check_lengths(cleaned, rules)
     return cleaned + messages[len(turns) :]

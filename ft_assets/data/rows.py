@@ -39,8 +39,12 @@ class RowError(ValueError):
 # A turn: its role and text, and for a reply the reasoning before it when the row gives one (null otherwise; read back
 # without the key: ``plain``). Chat templates render it where the model writes it (gpt-oss's analysis channel, Qwen3's
 # <think> block) and the reply's loss mask covers it.
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("thinking", pa.string())])
-OPTIONAL_MESSAGE_FIELDS = ("thinking",)
+# A reply that calls tools holds them as ``tool_calls``, their JSON ([{"type": "function", "function": {"name",
+# "arguments"}}], arguments an object), and each result comes back as a ``tool`` message.
+MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("thinking", pa.string()), ("tool_calls", pa.string())]
+)
+OPTIONAL_MESSAGE_FIELDS = ("thinking", "tool_calls")
 ROW_SCHEMA = pa.schema(
     [
         ("source", pa.string()),  # "<file>:<line>", unique within a dataset version
