@@ -76,9 +76,9 @@ def chaos_worker(argv: list[str], env: dict[str, str], log_path: str) -> None:
 
     token_loss_sum = steps.token_loss_sum
 
-    def slow_step(model, batch):  # the SFT training step only: evaluation calls training.loss directly
+    def slow_step(model, batch, **options):  # the SFT training step only: evaluation calls training.loss directly
         time.sleep(STEP_DELAY_S)
-        return token_loss_sum(model, batch)
+        return token_loss_sum(model, batch, **options)
 
     worker.open_store = slow_store
     steps.token_loss_sum = slow_step

@@ -451,9 +451,9 @@ def slowed_worker(argv: list[str]) -> int:
 
     token_loss_sum = steps.token_loss_sum
 
-    def slow(model, batch):
+    def slow(model, batch, **options):
         time.sleep(STEP_DELAY_S)
-        return token_loss_sum(model, batch)
+        return token_loss_sum(model, batch, **options)
 
     steps.token_loss_sum = slow
     return worker.main(argv)
