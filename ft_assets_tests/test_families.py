@@ -344,9 +344,7 @@ def test_a_few_lora_steps_train_each_family_on_packed_rows(family_dir, family_sh
     assert result.attn_implementation == ("eager" if name in NO_SDPA else "sdpa")
     adapter = json.loads((result.output_dir / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == sorted(PROJECTIONS[name])
-    assert (adapter["target_parameters"] or []) == (
-        EXPERTS if name in MOE else []
-    )  # a mixture's adapter holds its experts'
+    assert sorted(adapter["target_parameters"] or []) == sorted(EXPERTS if name in MOE else [])  # the experts'
     with safe_open(result.output_dir / "adapter_model.safetensors", "pt") as weights:
         assert any(".experts." in key for key in weights.keys()) == (name in MOE)
     assert result.eval_loss is not None and result.eval_loss < losses[0]
