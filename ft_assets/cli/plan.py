@@ -71,13 +71,14 @@ def execute(args: argparse.Namespace, partial: dict) -> dict:
         raise CliError(f"plan: {'; '.join(error['msg'] for error in exc.errors())}") from exc
     except (CostModelError, ValueError) as exc:
         raise CliError(f"plan: {exc}") from exc
+    counts = shape.counts()
     return {
         "model": shape.name,
-        "params": shape.params,
-        "active_params": shape.active_matmul_params if shape.experts else shape.params,
-        "experts": shape.experts,
-        "experts_per_token": shape.experts_per_token,
-        "describe_params": shape.describe_params(),
+        "params": counts["total"],
+        "active_params": counts["active"],
+        "experts": counts["experts"],
+        "experts_per_token": counts["experts_per_token"],
+        "describe_params": counts["describe"],
         **plan.vram.as_dict(),  # method, seq_len, micro_batch, attention, the *_gib parts and total_gib
         "breakdown": plan.vram.breakdown(),
         "tier": plan.tier,

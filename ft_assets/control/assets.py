@@ -138,9 +138,7 @@ def plan_run(
             "without reaching the host"
         ) from None
     accelerator = cost_model.offering(plan.tier).accelerator if plan.tier else ""
-    params = {"total": shape.params, "active": shape.active_matmul_params if shape.experts else shape.params,
-              "experts": shape.experts, "experts_per_token": shape.experts_per_token, "describe": shape.describe_params()}  # fmt: skip
-    return PlannedRun(training, resolved, work, plan, region, accelerator, params)
+    return PlannedRun(training, resolved, work, plan, region, accelerator, shape.counts())
 
 
 def planned_for(selected: Collection[dg.AssetKey], run_id: str) -> str:

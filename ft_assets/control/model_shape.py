@@ -162,11 +162,6 @@ class ModelShape:
         return sum(self.projection_layers(name) * a * b for name, (a, b) in self.projections().items())
 
     @property
-    def expert_params(self) -> int:
-        """Weights and biases of every expert of every layer."""
-        return self.moe_layers * self.experts * self._expert_size()
-
-    @property
     def active_params(self) -> int:
         """Parameters a token goes through: every one of a dense model, the top-k experts of a mixture."""
         return self._count_params(self.experts_per_token) if self.experts else self.params
@@ -189,6 +184,17 @@ class ModelShape:
             f"{_count(self.params)} params, {_count(self.active_matmul_params)} active "
             f"({self.experts_per_token} of {self.experts} experts)"
         )
+
+    def counts(self) -> dict:
+        """What a plan shows of the model's size: its total and active parameters (a dense model's are the same), how
+        many experts a token takes of how many, and ``describe_params``."""
+        return {
+            "total": self.params,
+            "active": self.active_matmul_params if self.experts else self.params,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "describe": self.describe_params(),
+        }
 
     def _expert_size(self) -> int:
         size = sum(a * b for a, b in self.expert_projections().values())

@@ -5,7 +5,8 @@ text in batches with the fast (Rust) tokenizer and marks as trainable exactly th
 every assistant reply plus the end-of-turn marker the template writes after it (so the model learns
 to stop), with what the template writes between the model's turn and the reply's text: a channel
 header (gpt-oss's harmony), the reply's reasoning when the row gives one (``thinking``: gpt-oss's
-analysis channel, Qwen3's ``<think>`` block, passed to templates as ``thinking`` and ``reasoning_content``). A reply starts where the rendering of the turns before it plus the generation prompt ends
+analysis channel, Qwen3's ``<think>`` block, passed to templates as ``thinking`` and
+``reasoning_content``). A reply starts where the rendering of the turns before it plus the generation prompt ends
 (exact for ChatML, Llama-3 and similar templates, checked per row); the end-of-turn marker is found
 once by rendering a probe conversation. Every pack kind (``ft_assets.data.packing``, ``pair_packing``,
 ``prompt_packing``) encodes its rows through it.
@@ -22,6 +23,7 @@ tokenizer as its files (``TokenizerFiles``, no weights) and build their encoder 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -136,17 +138,23 @@ def fixed_template_date() -> Iterator[None]:
     from transformers.utils import chat_template_utils
 
     real = chat_template_utils.datetime
+    chat_template_utils.datetime = _at_template_date(real)
+    try:
+        yield
+    finally:
+        chat_template_utils.datetime = real
+
+
+@functools.cache
+def _at_template_date(real: type) -> type:
+    """``real`` (the ``datetime`` class) whose ``now()`` is ``TEMPLATE_DATE``: made once, not on every render."""
 
     class Fixed(real):
         @classmethod
         def now(cls, tz=None):
             return TEMPLATE_DATE
 
-    chat_template_utils.datetime = Fixed
-    try:
-        yield
-    finally:
-        chat_template_utils.datetime = real
+    return Fixed
 
 
 class ChatEncoder:

@@ -415,8 +415,9 @@ class CommonTraining(BaseModel):
 
     def for_base(self, experts: int) -> "CommonTraining":
         """These settings for a base with ``experts`` experts per layer (0: dense): an unset method is lora for a
-        mixture, lora_dropout 0 when LoRA reaches its experts, and qlora is refused there in one line (its experts are 3-D parameters bitsandbytes leaves unquantized,
-        and QLoRA's preparation upcasts them to fp32: more memory than lora, not less)."""
+        mixture, lora_dropout 0 when LoRA reaches its experts, and qlora is refused there in one line (its experts
+        are 3-D parameters bitsandbytes leaves unquantized, and QLoRA's preparation upcasts them to fp32: more memory
+        than lora, not less)."""
         if not experts:
             return self
         if self.method == "qlora":

@@ -70,6 +70,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ft_assets.shards import IGNORE_INDEX, PackedRows, PairRows
 from ft_assets.training.chunking import chunk_tokens
+from ft_assets.training.config import experts_of
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -199,8 +200,14 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
         loss = chunked_cross_entropy_sum(hidden, lm_head, targets)
     if logits_of_routers:
         aux = balancing_loss(model, tuple(logits_of_routers))
-        loss = loss + _unwrap(model).config.router_aux_loss_coef * aux.to(loss.dtype) * learned_tokens(batch)
+        loss = loss + coef * aux.to(loss.dtype) * learned_tokens(batch)
     return loss
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """A mixture's router: transformers 5 names every family's ``*Router`` (Qwen3-MoE's and Mixtral's ``gate``,
+    gpt-oss's ``router``)."""
+    return type(module).__name__.endswith("Router")
 
 
 @contextmanager
@@ -211,7 +218,7 @@ def captured_router_logits(model, on: bool) -> Iterator[list[torch.Tensor]]:
     hooks = []
     if on:
         for module in model.modules():
-            if type(module).__name__.endswith("Router"):
+            if is_router(module):
                 hooks.append(
                     module.register_forward_hook(
                         lambda m, i, out: logits.append(out[0] if isinstance(out, tuple) else out)
@@ -230,8 +237,7 @@ def balancing_loss(model, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     config = base.config
     loss_func = sys.modules[type(base).__module__].load_balancing_loss_func
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
-    return loss_func(logits, experts, config.num_experts_per_tok, None)
+    return loss_func(logits, experts_of(config.to_dict()), config.num_experts_per_tok, None)
 
 
 def eval_loss_sum(

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ft_assets.training.config import ResolvedTraining, TrainingConfig
+from ft_assets.training.config import ResolvedTraining, TrainingConfig, experts_of
+from ft_assets.training.loss import is_router
 
 FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 BACKENDS = ("flash_attention_2", "flex_attention", "sdpa", "eager")  # auto's order of preference
@@ -133,19 +134,13 @@ def expert_parameters(model) -> list[str]:
 
 def router_modules(model) -> list[str]:
     """The last names of a mixture's routers (``gate`` for Qwen3-MoE and Mixtral, ``router`` for gpt-oss)."""
-    return list(
-        dict.fromkeys(
-            name.rsplit(".", 1)[-1]
-            for name, module in model.named_modules()
-            if type(module).__name__.endswith("Router")
-        )
-    )
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules() if is_router(module)))
 
 
 def experts_line(model_config) -> str:
     """What the log says of a mixture's experts: how they run (transformers 5's ``grouped_mm``: one grouped GEMM over
     every expert's tokens; ``eager`` would loop over the experts in Python) and the router loss's weight."""
-    experts = getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None)
+    experts = experts_of(model_config.to_dict())
     if not experts:
         return ""
     return (
