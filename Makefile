@@ -114,8 +114,8 @@ ui-prod: $(STAMP)
 
 # The docs site (mkdocs.yml) into var/site, strict: a broken link or anchor, a page missing from the nav or a nav entry
 # without its page, any warning fails it. reference/cli.md and reference/settings.md are made from the code as it
-# builds (scripts/docs/reference_pages.py). `$(BIN)/mkdocs serve` previews it. NO_MKDOCS_2_WARNING=1 silences the
-# end-of-life notice Material prints on every build (pyproject.toml's docs extra).
+# builds (scripts/docs/reference_pages.py). `$(BIN)/mkdocs serve` previews it (--no-strict: a draft with broken links).
+# NO_MKDOCS_2_WARNING=1 silences the end-of-life notice Material prints on every build (pyproject.toml's docs extra).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
