@@ -1,6 +1,7 @@
-"""Idle shutdown of RunPod pods, Vast.ai instances and SkyPilot clusters (rented_workers, idle_backends).
+"""Idle shutdown of RunPod pods, Vast.ai instances and SkyPilot clusters (rented_workers, idle_backends; EC2's
+module is tested against moto in ``test_shutdown.py``).
 
-The rules are table-tested as plain functions; the sensor then makes the real SDK calls (runpod 1.12 in
+The registry is checked piece by piece, the rules are table-tested as plain functions; the sensor then makes the real SDK calls (runpod 1.12 in
 this venv, vastai 1.9 in SkyPilot's) against both marketplaces' APIs on loopback (``marketplaces.py``),
 and SkyPilot's at its SDK boundary (``fake_skypilot.py``: ``sky.status``/``stop``/``down`` answered from
 its state with SkyPilot's own ``StatusResponse``).
@@ -8,15 +9,17 @@ its state with SkyPilot's own ``StatusResponse``).
 
 import json
 import logging
+import typing
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test, freeze_time
 
-from ft_assets.control import shutdown
-from ft_assets.control.idle_backends import RentedWorker
-from ft_assets.control.rented_workers import RentedWorkersResource, find_idle
+from ft_assets.control import rented_workers, shutdown
+from ft_assets.control.idle_backends import Provider, RentedWorker
+from ft_assets.control.rented_workers import PROVIDERS, RentedWorkersResource, find_idle
 from ft_assets.control.shutdown import Ec2WorkersResource, WorkerRun, idle_gpu_worker_sensor
 from ft_assets.pools.ec2_metadata import WORKER_TAG
 from ft_assets.pools.worker_identity import worker_tag
@@ -35,6 +38,23 @@ def ago(minutes: float) -> datetime:
     return NOW - timedelta(minutes=minutes)
 
 
+def test_every_provider_has_its_pieces():
+    """The checklist of the registration line: each module of PROVIDERS lists its machines, names its action and shuts
+    one down, and has its row in rented_workers' table; every one but EC2 (set up in ec2_workers) can be listed in
+    rented_workers.providers and has its action field there."""
+    assert set(PROVIDERS) == set(typing.get_args(Provider))
+    for name, module in PROVIDERS.items():
+        assert all(callable(getattr(module, piece, None)) for piece in ("list_workers", "action", "shut_down")), name
+        assert f"| ``{name}`` (" in rented_workers.__doc__, name
+    rented = RentedWorkersResource(providers=[name for name in PROVIDERS if name != "ec2"])
+    assert {name: PROVIDERS[name].action(settings) for name, settings in rented.watched().items()} == {
+        "runpod": "stop", "vast": "stop", "skypilot": "stop"
+    }  # fmt: skip
+    assert PROVIDERS["ec2"].action(Ec2WorkersResource(action="terminate")) == "terminate"
+    with pytest.raises(ValueError, match=r"unknown \['ec2'\].*EC2 is watched through ec2_workers"):
+        RentedWorkersResource(providers=["ec2"]).watched()
+
+
 def worker(started=ago(180), tag="runpod:p1") -> RentedWorker:
     return RentedWorker("runpod", tag.split(":")[1], tag, "1 x RTX 4090", False, started, 0.69)
 
@@ -51,6 +71,10 @@ CASES = [
     ("run finished recently", worker(), [WorkerRun("r1", S.SUCCESS, ago(10))], None),
     ("started recently", worker(ago(5)), [], None),
     ("start time unreadable: kept", worker(None), [], None),
+    ("a heartbeat after the start counts", replace(worker(), last_active=ago(40)), [], (40, "heartbeat")),
+    ("the latest of heartbeat and run end counts", replace(worker(), last_active=ago(90)), [WorkerRun("r1", S.SUCCESS, ago(60))], (60, "run r1 ended")),
+    ("a recent heartbeat keeps it up", replace(worker(), last_active=ago(5)), [], None),
+    ("heartbeat unreadable: kept", replace(worker(ago(600)), unreadable="bad tag"), [], None),
 ]  # fmt: skip
 
 
@@ -171,7 +195,7 @@ def test_sensor_stops_only_the_idle_marketplace_workers(markets, instance, sky_e
 
     assert markets.calls == [("runpod", "podStop", "idle"), ("vast", "state=stopped", "101")]
     assert summary == (
-        "EC2: no region set, not watched; runpod: 5 worker(s), stop 1 idle (idle; ~$0.69/h), 1 refused (see the log); "
+        "ec2: no region set, not watched; runpod: 5 worker(s), stop 1 idle (idle; ~$0.69/h), 1 refused (see the log); "
         "vast: 2 worker(s), stop 1 idle (101; ~$0.41/h)"
     )
     assert "runpod unreadable: its start time cannot be read; it stays up" in lines

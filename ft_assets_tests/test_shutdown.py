@@ -12,19 +12,9 @@ from moto import mock_aws
 
 from ft_assets.control import shutdown
 from ft_assets.control.cost_model import CostModel
-from ft_assets.control.rented_workers import RentedWorkersResource
-from ft_assets.control.shutdown import (
-    HEARTBEAT_TAG,
-    ROLE_TAG_KEY,
-    ROLE_TAG_VALUE,
-    Ec2WorkersResource,
-    IdleWorker,
-    WorkerRun,
-    find_idle_slurm_jobs,
-    find_idle_workers,
-    idle_gpu_worker_sensor,
-    stop_idle_workers,
-)
+from ft_assets.control.idle_backends.ec2 import HEARTBEAT_TAG, ROLE_TAG_KEY, ROLE_TAG_VALUE, as_worker
+from ft_assets.control.rented_workers import RentedWorkersResource, find_idle
+from ft_assets.control.shutdown import Ec2WorkersResource, WorkerRun, find_idle_slurm_jobs, idle_gpu_worker_sensor
 from ft_assets.pools.ec2_metadata import WORKER_TAG
 from ft_assets.pools.slurm_cli import JobState
 
@@ -38,14 +28,15 @@ def minutes_ago(minutes: float) -> datetime:
     return NOW - timedelta(minutes=minutes)
 
 
-def ec2_instance(tags=WORKER, launched=180, state="running") -> dict:
-    """An EC2 DescribeInstances entry, as boto3 returns it."""
+def ec2_instance(tags=WORKER, launched=180, instance_type="g5.xlarge", spot=False) -> dict:
+    """An EC2 DescribeInstances entry of a running instance, as boto3 returns it."""
     return {
         "InstanceId": "i-0abc",
-        "InstanceType": "g5.xlarge",
+        "InstanceType": instance_type,
         "LaunchTime": minutes_ago(launched),
-        "State": {"Name": state},
+        "State": {"Name": "running"},
         "Tags": [{"Key": key, "Value": value} for key, value in tags.items()],
+        **({"InstanceLifecycle": "spot"} if spot else {}),
     }
 
 
@@ -57,9 +48,10 @@ def busy(status: S, run_id="r1") -> WorkerRun:
     return WorkerRun(run_id, status, None)
 
 
-# (case, instance, runs tied to it, expected: None = untouched, else (idle minutes, what it was idle since))
+# EC2's view of its workers under the providers' rules (rented_workers.find_idle): which running role-tagged instances
+# are idle. (case, instance, runs tied to it, expected: None = untouched, else (idle minutes, what it was idle since))
 CASES = [
-    ("idle since launch", ec2_instance(), [], (180, "launch")),
+    ("idle since launch", ec2_instance(), [], (180, "start")),
     ("idle since its last run ended", ec2_instance(), [ended(60)], (60, "run r1 ended")),
     ("a failed run counts like a successful one", ec2_instance(), [ended(45, status=S.FAILURE)], (45, "run r1 ended")),
     ("the latest run end counts", ec2_instance(), [ended(120, "old"), ended(50, "new")], (50, "run new ended")),
@@ -77,25 +69,23 @@ CASES = [
         "heartbeat old",
         ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:15Z"}),
         [ended(100)],
-        (45, "heartbeat tag"),
+        (45, "heartbeat"),
     ),
     ("heartbeat without zone is UTC", ec2_instance({**WORKER, HEARTBEAT_TAG: "2026-01-01T11:50:00"}), [], None),
     ("heartbeat unreadable: kept", ec2_instance({**WORKER, HEARTBEAT_TAG: "yesterday"}, launched=6000), [], None),
-    ("untagged instance", ec2_instance(tags={}, launched=6000), [], None),
-    ("other role", ec2_instance(tags={ROLE_TAG_KEY: "database"}, launched=6000), [], None),
-    ("already stopping", ec2_instance(launched=6000, state="stopping"), [], None),
     ("exactly at the threshold", ec2_instance(launched=30), [], None),
-    ("one second past the threshold", ec2_instance(launched=30 + 1 / 60), [], (30, "launch")),
+    ("one second past the threshold", ec2_instance(launched=30 + 1 / 60), [], (30, "start")),
 ]
 
 
 @pytest.mark.parametrize("case, instance, runs, expected", CASES, ids=[case[0] for case in CASES])
-def test_find_idle_workers(case, instance, runs, expected):
-    idle = find_idle_workers([instance], {"i-0abc": runs}, NOW, THRESHOLD)
+def test_idle_ec2_workers(case, instance, runs, expected):
+    idle = find_idle([as_worker(instance)], {"i-0abc": runs}, NOW, THRESHOLD)
     if expected is None:
         assert idle == []
     else:
-        assert [(w.instance_id, w.idle_minutes, w.last_activity) for w in idle] == [("i-0abc", *expected)]
+        found = [(w.worker.worker_id, int(w.idle_for.total_seconds() // 60), w.last_activity) for w in idle]
+        assert found == [("i-0abc", *expected)]
 
 
 @pytest.mark.parametrize(
@@ -110,12 +100,14 @@ def test_find_idle_workers(case, instance, runs, expected):
     ],
 )
 def test_hourly_price_saved(instance_type, spot, offering, gpus):
-    worker = IdleWorker("i-1", instance_type, spot, NOW, "launch", THRESHOLD)
+    worker = as_worker(ec2_instance(instance_type=instance_type, spot=spot))
+    assert (worker.spot, worker.what) == (spot, instance_type)
     if offering is None:
-        assert worker.usd_per_hour is None
+        assert (worker.usd_per_hour, worker.priced_by) == (None, "")
     else:
         per_gpu = CostModel().offering(offering).usd_per_hour("spot" if spot else "on_demand")
         assert worker.usd_per_hour == pytest.approx(gpus * per_gpu)
+        assert worker.priced_by == f"{gpus} x {offering}, cost model"
 
 
 # --- EC2 (moto) and the sensor on a real Dagster instance -------------------------------------------
@@ -208,6 +200,9 @@ def test_sensor_stops_only_the_idle_worker(ec2, two_hours_later, dagster_instanc
     queued_for = launch(ec2)
     just_finished = launch(ec2)
     not_a_worker = launch(ec2, tags={"Name": "jupyter"})
+    other_role = launch(ec2, tags={ROLE_TAG_KEY: "database"})
+    stopped = launch(ec2)
+    ec2.stop_instances(InstanceIds=[stopped])
     create_run_for_test(instance, status=S.STARTED, tags={WORKER_TAG: running_job, "ft/pool": "gpu"})
     create_run_for_test(instance, status=S.QUEUED, tags={WORKER_TAG: queued_for}, remote_job_origin=QUEUED_ORIGIN)
     finished_long_ago = create_run_for_test(instance, status=S.STARTED, tags={WORKER_TAG: idle})
@@ -219,22 +214,23 @@ def test_sensor_stops_only_the_idle_worker(ec2, two_hours_later, dagster_instanc
 
     summary, lines = tick(instance)
 
-    assert {i: state(ec2, i) for i in (idle, running_job, queued_for, just_finished, not_a_worker)} == {
+    assert {i: state(ec2, i) for i in (idle, running_job, queued_for, just_finished, not_a_worker, other_role)} == {
         idle: "stopped",
         running_job: "running",
         queued_for: "running",
         just_finished: "running",
         not_a_worker: "running",
+        other_role: "running",
     }
-    assert summary == f"stopped 1 idle GPU worker(s) ({idle}; ~${A10G:.2f}/h)"
+    assert summary == f"ec2: 4 worker(s), stop 1 idle ({idle}; ~${A10G:.2f}/h)"  # neither other role nor stopped
     [line] = lines
     ended_at = two_hours_later - timedelta(minutes=45)
     assert line == (
-        f"stopped {idle} (g5.xlarge), idle 45 min since {ended_at:%Y-%m-%d %H:%M} UTC "
+        f"stopped ec2 {idle} (g5.xlarge), idle 45 min since {ended_at:%Y-%m-%d %H:%M} UTC "
         f"(run {finished_long_ago.run_id} ended); saves ~${A10G:.2f}/h (1 x a10g-24gb, cost model)"
     )
 
-    assert tick(instance) == ("3 GPU worker(s) running, none idle for more than 30 min", [])
+    assert tick(instance) == ("ec2: 3 worker(s), none idle for more than 30 min", [])
 
 
 def test_a_long_run_is_seen_behind_many_newer_ones(ec2, two_hours_later, dagster_instance, monkeypatch):
@@ -244,29 +240,29 @@ def test_a_long_run_is_seen_behind_many_newer_ones(ec2, two_hours_later, dagster
     newer = create_run_for_test(dagster_instance, status=S.STARTED, tags={WORKER_TAG: worker})
     with freeze_time(two_hours_later - timedelta(minutes=90)):
         dagster_instance.report_run_failed(newer)
-    assert tick(dagster_instance)[0] == "1 GPU worker(s) running, none idle for more than 30 min"
+    assert tick(dagster_instance)[0] == "ec2: 1 worker(s), none idle for more than 30 min"
     assert state(ec2, worker) == "running"
 
 
 def test_sensor_terminate_mode_terminates(ec2, two_hours_later, dagster_instance):
     worker = launch(ec2, instance_type="p4d.24xlarge")
     summary, lines = tick(dagster_instance, action="terminate")
-    assert summary == f"terminated 1 idle GPU worker(s) ({worker}; ~${8 * A100:.2f}/h)"
-    assert lines[0].startswith(f"terminated {worker} (p4d.24xlarge), idle ")
+    assert summary == f"ec2: 1 worker(s), terminate 1 idle ({worker}; ~${8 * A100:.2f}/h)"
+    assert lines[0].startswith(f"terminated ec2 {worker} (p4d.24xlarge), idle ")
     assert state(ec2, worker) == "terminated"
 
 
 def test_sensor_dry_run_changes_nothing(ec2, two_hours_later, dagster_instance):
     worker = launch(ec2)
     summary, lines = tick(dagster_instance, dry_run=True)
-    assert summary == f"dry run: would stop 1 idle GPU worker(s) ({worker}; ~${A10G:.2f}/h)"
-    assert lines[0].startswith(f"dry run: would stop {worker} (g5.xlarge), idle ")
+    assert summary == f"ec2: 1 worker(s), would stop 1 idle ({worker}; ~${A10G:.2f}/h)"
+    assert lines[0].startswith(f"dry run: would stop ec2 {worker} (g5.xlarge), idle ")
     assert state(ec2, worker) == "running"
 
 
 def test_sensor_respects_idle_minutes(ec2, two_hours_later, dagster_instance):
     worker = launch(ec2)
-    assert tick(dagster_instance, idle_minutes=180)[0] == "1 GPU worker(s) running, none idle for more than 180 min"
+    assert tick(dagster_instance, idle_minutes=180)[0] == "ec2: 1 worker(s), none idle for more than 180 min"
     assert state(ec2, worker) == "running"
 
 
@@ -288,39 +284,57 @@ def test_sensor_skips_the_tick_on_an_ec2_error(aws, dagster_instance, monkeypatc
     monkeypatch.setattr(Ec2WorkersResource, "client", lambda self: client)
     with stubber:
         summary, lines = tick(dagster_instance)
-    assert summary.startswith("EC2 DescribeInstances failed: An error occurred (RequestLimitExceeded)")
-    assert lines[0].startswith("could not list GPU workers, trying again next tick")
+    assert summary.startswith("ec2: listing failed (An error occurred (RequestLimitExceeded)")
+    assert lines[0].startswith("could not list ec2 workers, trying again next tick")
 
 
 def test_sensor_with_no_workers(ec2, dagster_instance):
     launch(ec2, tags={})
-    assert tick(dagster_instance)[0] == f"no running EC2 instance tagged {ROLE_TAG_KEY}={ROLE_TAG_VALUE}"
+    assert tick(dagster_instance)[0] == "ec2: 0 worker(s), none idle for more than 30 min"
+
+
+def test_ec2_is_watched_only_with_a_region(aws, dagster_instance, monkeypatch):
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    assert tick(dagster_instance) == ("ec2: no region set, not watched", [])
 
 
 def test_sensor_warns_about_an_unreadable_heartbeat(ec2, two_hours_later, dagster_instance):
     worker = launch(ec2, tags={**WORKER, HEARTBEAT_TAG: "soon"})
     summary, lines = tick(dagster_instance)
-    assert summary == "1 GPU worker(s) running, none idle for more than 30 min"
+    assert summary == "ec2: 1 worker(s), none idle for more than 30 min"
     assert lines == [
-        f"{worker}: instance tag {HEARTBEAT_TAG}='soon' is not an ISO 8601 timestamp; write e.g. "
-        "'2026-01-31T14:05:00Z' (the worker stays up until it is fixed)"
+        f"ec2 {worker}: instance tag {HEARTBEAT_TAG}='soon' is not an ISO 8601 timestamp; write e.g. "
+        "'2026-01-31T14:05:00Z'; it stays up"
     ]
     assert state(ec2, worker) == "running"
 
 
-def test_one_refusal_does_not_block_the_others(aws):
+def test_one_refusal_does_not_block_the_others_and_a_dry_run_asks_ec2(aws, dagster_instance, monkeypatch):
+    """One StopInstances call per worker: EC2 refusing one (a one-time spot instance) leaves the others to stop. A dry
+    run sends the call with DryRun=True: EC2's DryRunOperation answer means it would work."""
     client = boto3.client("ec2")
     stubber = Stubber(client)
+    spot = {**ec2_instance(), "InstanceId": "i-1", "InstanceLifecycle": "spot"}
+    listing = {"Reservations": [{"Instances": [spot, {**ec2_instance(), "InstanceId": "i-2"}]}]}
+    stubber.add_response("describe_instances", listing)
     stubber.add_client_error("stop_instances", "UnsupportedOperation", "You can't stop the Spot Instance 'i-1'.")
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-2"], "DryRun": False})
-    workers = [IdleWorker(i, "g5.xlarge", i == "i-1", NOW, "launch", timedelta(hours=1)) for i in ("i-1", "i-2")]
+    stubber.add_response("describe_instances", listing)
+    for instance_id in ("i-1", "i-2"):
+        stubber.add_client_error(
+            "stop_instances", "DryRunOperation", "Request would have succeeded.", 412,
+            expected_params={"InstanceIds": [instance_id], "DryRun": True},
+        )  # fmt: skip
+    monkeypatch.setattr(Ec2WorkersResource, "client", lambda self: client)
+    monkeypatch.setattr(shutdown, "utc_now", lambda: NOW)
     with stubber:
-        actions = stop_idle_workers(client, workers, "stop", dry_run=False)
-    assert [(a.worker.instance_id, a.ok) for a in actions] == [("i-1", False), ("i-2", True)]
-    assert actions[0].describe().startswith("could not stop i-1 (g5.xlarge, spot), idle 60 min")
-    assert "UnsupportedOperation: You can't stop the Spot Instance" in actions[0].describe()
-    with pytest.raises(ValueError, match="'stop' or 'terminate'"):
-        stop_idle_workers(client, workers, "hibernate", dry_run=False)
+        summary, lines = tick(dagster_instance)
+        assert summary == f"ec2: 2 worker(s), stop 1 idle (i-2; ~${A10G:.2f}/h), 1 refused (see the log)"
+        assert lines[0].startswith("could not stop ec2 i-1 (g5.xlarge, spot), idle 180 min")
+        assert lines[0].endswith(": UnsupportedOperation: You can't stop the Spot Instance 'i-1'.")
+        summary, _ = tick(dagster_instance, dry_run=True)
+        assert summary.startswith("ec2: 2 worker(s), would stop 2 idle (i-1, i-2; ")
+    stubber.assert_no_pending_responses()
 
 
 # A Slurm gpu pool's jobs: (case, job state, whether it started, the run it names, expected: None = left alone)

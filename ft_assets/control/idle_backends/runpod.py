@@ -44,10 +44,17 @@ def list_workers(resource, now: datetime) -> list[RentedWorker]:
     return workers
 
 
+def action(resource) -> str:
+    return resource.runpod_action
+
+
 def shut_down(resource, worker: RentedWorker) -> str | None:
-    """Stop or terminate the pod (``resource.runpod_action``); the API's refusal as one line, else None."""
+    """Stop or terminate the pod (``resource.runpod_action``); the API's refusal as one line, else None. RunPod has no
+    dry-run call: a dry run does nothing here."""
     from runpod.error import RunPodError
 
+    if resource.dry_run:
+        return None
     runpod = _sdk()
     try:
         if resource.runpod_action == "terminate":

@@ -43,8 +43,15 @@ def list_workers(resource, now: datetime) -> list[RentedWorker]:
     return workers
 
 
+def action(resource) -> str:
+    return resource.skypilot_action
+
+
 def shut_down(resource, worker: RentedWorker) -> str | None:
-    """``sky.stop`` or ``sky.down`` the cluster (``resource.skypilot_action``); SkyPilot's refusal, else None."""
+    """``sky.stop`` or ``sky.down`` the cluster (``resource.skypilot_action``); SkyPilot's refusal, else None.
+    SkyPilot has no dry-run call: a dry run does nothing here."""
+    if resource.dry_run:
+        return None
     verb = "sky.down" if resource.skypilot_action == "down" else "sky.stop"
     try:
         sdk_venv.call(verb, {"cluster": worker.worker_id}, python=resource.python or None)

@@ -48,8 +48,15 @@ def _started(row: dict, now: datetime) -> datetime | None:
     return max(times) if times else None
 
 
+def action(resource) -> str:
+    return resource.vast_action
+
+
 def shut_down(resource, worker: RentedWorker) -> str | None:
-    """Stop or destroy the instance (``resource.vast_action``); the API's refusal as one line, else None."""
+    """Stop or destroy the instance (``resource.vast_action``); the API's refusal as one line, else None. Vast.ai has
+    no dry-run call: a dry run does nothing here."""
+    if resource.dry_run:
+        return None
     verb = "vast.destroy" if resource.vast_action == "destroy" else "vast.stop"
     try:
         reply = sdk_venv.call(
