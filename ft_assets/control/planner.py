@@ -3,7 +3,8 @@
 Before a training run rents anything, the planner estimates peak VRAM from the base model's shape
 (``ModelShape``, read from its config.json by ``model_shape.py``) and its speed on a GPU offering;
 ``ft_assets.control.gpu_plan`` then picks the cheapest offering and GPU count that fit, the rental
-mode, and prices the run.
+mode, and prices the run. How each constant below was checked (published tables, a GPU run):
+docs/validation/planner-calibration.md.
 
 Peak VRAM (``estimate_vram``), bytes, for N parameters, L layers, hidden h, query width q = heads x
 head_dim, key/value width kv = kv_heads x head_dim, MLP width i, vocabulary V and T = seq_len x batch
@@ -31,23 +32,14 @@ tokens per micro-batch. It models the training plane's recipe (``ft_assets.train
       logits  16 V x T_logits: bf16 logits, their fp32 upcast in the loss, fp32 log-softmax kept for
               backward, its fp32 gradient and the bf16 one back into lm_head. T_logits = T with a
               full-logit loss (Hugging Face's), one chunk (``training.chunking.chunk_tokens``: 64 MiB of fp32
-              logits) with the recipe's chunked loss. Calibrated on Unsloth's table of the longest
-              Llama-3.1-8B QLoRA context that HF + FA2 fits per GPU size: 2.47 GB per 1k tokens from
-              12 to 80 GB; this formula gives 2.39 GiB, 1.91 of it logits (V = 128,256).
+              logits) with the recipe's chunked loss.
     slack     4% of all the tensors above: what the caching allocator reserves beyond what is allocated
-              (block rounding, fragmentation), fitted on the H200 run below.
-    overhead  0.6 GiB: the CUDA context (CUDA 13 driver, lazy module loading), measured on an H200.
+              (block rounding, fragmentation).
+    overhead  0.6 GiB: the CUDA context (CUDA 13 driver, lazy module loading).
 
-Checked in ``test_planner.py``, on the path each run used (HF's full-logit loss, FlashAttention-2):
-Qwen's README (LoRA r=64, 1.8B/7B/14B, 512 and 2048 tokens, A100) and Unsloth's HF + FA2 QLoRA
-context table, within 15%; the ranges of the LLaMA-Factory and Unsloth hardware tables; and the run
-measured once on an H200 (2026-11-30, sdpa with the packed block mask, full logits): Llama-2-7B
-shape, r=16, 1 x 2048 tokens, checkpointing, QLoRA 8.3 GiB measured vs 8.8 planned (+6%), LoRA 19.3
-vs 17.6 (-9%; that LoRA run followed the QLoRA one in the same process, whose graph likely still held
-its NF4 weights: pending a re-measure with ``benchmarks/gpu_step.py --shape llama2-7b``). The
-planner's 10% VRAM headroom absorbs the rest. What it gives for the recipe's own path (chunked loss,
-flash or flex attention; batch 1, gradient checkpointing, LoRA r=16 on all seven projections, dropout
-0.05; ``python -m scripts.planner_tables`` prints it):
+The plan keeps 10% VRAM headroom on top. What that gives for the recipe's own path (chunked loss, flash
+or flex attention; batch 1, gradient checkpointing, LoRA r=16 on all seven projections, dropout 0.05;
+``python -m scripts.planner_tables`` prints it):
 
     GiB at seq 512 / 2048   qlora          lora           full
     Qwen2.5-0.5B            1.8 / 2.0      2.0 / 2.2      8.6 / 8.7
@@ -81,8 +73,7 @@ On W GPUs (``gpus``, ``parallelism``; the recipe's ``ft_assets.training.parallel
     Llama-2-13B lora  1 GPU  28.5   fsdp 2:  17.3   4:  10.7   8:   7.5
 
 Tokens/s on W GPUs: W x one GPU's x ``SCALING_EFFICIENCY`` (0.9 within a node, 0.8 across nodes:
-assumptions for gradient all-reduce / FSDP all-gathers overlapping compute on NVLink / InfiniBand,
-not measured here).
+assumptions for gradient all-reduce / FSDP all-gathers overlapping compute on NVLink / InfiniBand).
 
 Objectives that do more than a forward and a backward per trained token (``objective_cost``): with
 F = flops_per_token and f = its forward alone (2 x matmul params + 2 x L x seq x q),
@@ -95,8 +86,7 @@ F = flops_per_token and f = its forward alone (2 x matmul params + 2 x L x seq x
            x num_generations sequences it extends, so it reaches MFU_decode = min(MFU(method), 0.5 x b /
            200): an arithmetic intensity of b FLOPs per weight byte (bf16) against a roofline ridge of
            ~200 FLOPs/byte (bf16 TFLOPS over memory bandwidth of the offerings' GPUs: A100 156, A10G 208,
-           H100 295, L4 403), half of it reached by ``model.generate``. An assumption, not a measurement:
-           no GPU run of it yet.
+           H100 295, L4 403), half of it reached by ``model.generate``. An assumption.
 
 The plan divides that by F: the run's trained tokens times this factor are what it prices (the
 plan's ``total_tokens``, training-equivalent); the hardware FLOPs per trained token (F + r f + f for

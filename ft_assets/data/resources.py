@@ -15,7 +15,7 @@ changing it does not make the plane's outputs stale (``ft-assets run`` compares 
 ``ft-assets run --data-workers N --ray-address ADDR|local`` sets the first two. Ray connections go
 through dagster-ray: ``LocalRay`` for ``local``, a ``RayResource`` at the given address otherwise, or
 any dagster-ray resource given as ``ray`` in Python (``KubeRayInteractiveJob`` creates a cluster on
-Kubernetes for the run; see the README).
+Kubernetes for the run; see docs/guides/data.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Delivery-plane assets (group ``delivery``, CPU): merge → exports (GGUF) → eval (blocking gate) → publish → serving smokes.
+"""Delivery-plane assets (group ``delivery``, CPU): merge → exports (GGUF, MLX) → eval (blocking gate) → publish → serving smokes.
 
 No GPU time is spent here: merging, export and evaluation of a small-to-mid model run on CPU
 workers while the GPU pool trains the next version. Artifacts go to
 ``runs/<name>/<version>/delivery/<run>/``; only a model that passed the eval gate is copied to the
 registry (``registry/<name>/<version>/<run>/``) with its lineage manifest.
 
-Each export of ``ft_assets.delivery.exports`` (GGUF today) gets its own asset here (``export_asset``:
-``gguf_model``), made from its module: it writes the files, checks each in the format's own runtime and
+Each export of ``ft_assets.delivery.exports`` (GGUF, MLX) gets its own asset here (``export_asset``:
+``gguf_model``, ``mlx_model``), made from its module: it writes the files, checks each in the format's own runtime and
 picks the one that ships, or ships none with the reason in one line; ``eval_report`` scores every
 shipped file in its runtime beside the merged model, ``published_model`` copies each into the registry.
 ``serving_smoke`` serves the published GGUF with llama.cpp's server; ``vllm_smoke`` serves the published

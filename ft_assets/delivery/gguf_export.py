@@ -21,7 +21,7 @@ entry; ``TOLERANCES`` bounds it per type. It is a second reader; llama.cpp itsel
 ``python -m ft_assets.delivery.gguf_export MODEL_DIR OUT_DIR`` exports and verifies every type (transformers'
 reader); ``test_gguf_export.py`` holds the tiny Llama of ``ft_assets_tests.tiny`` to ``TOLERANCES`` that way.
 transformers' reader does not read every family as llama.cpp does (Llama 3's RoPE scaling, Gemma 2/3, Qwen3:
-the README's "GGUF by family", ``python -m benchmarks.gguf_families``), so llama.cpp's check is the gate.
+"GGUF by family" in docs/guides/exports.md, ``python -m benchmarks.gguf_families``), so llama.cpp's check is the gate.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ its own:
   ``local-completions``). Such a model answers only some request types (``HarnessModel.output_types``): the
   others are refused per task with the runtime's reason, before any request is sent.
 
-The trade-offs, with numbers from this machine (2 shared cores):
+The trade-offs (timings on a 2-core CPU: docs/validation/planner-calibration.md):
 
 - lm-eval's own task index (every task it ships: 14,685 names) takes ~30 s to build; a suite of local task
   files only indexes their folders (well under a second), so the default index is built only when a task is

@@ -16,13 +16,13 @@ tensor (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; ``tensor_type_fallback`` in it
 ``src/llama-quant.cpp``), so a model of hidden size 64 gets a "Q4_K_M" file without a single K block.
 ``quantize`` returns the tensor types it actually wrote, so the metadata says so.
 
-Measured with ``python -m benchmarks.gguf_runtime`` on SmolLM2-135M-Instruct (the README's "Tested
-runtimes" table; llama-cpp-python 0.3.36, llama.cpp built from source on this 2-core CPU): every file
+Measured with ``python -m benchmarks.gguf_runtime`` on SmolLM2-135M-Instruct (the "Tested runtimes" table
+of docs/guides/exports.md; llama-cpp-python 0.3.36, llama.cpp built from source for the CPU): every file
 (F16, Q8_0, Q4_K_M, Q5_K_M, Q6_K) loads and gives the HF tokenizer's ids on all 15 strings; F16's logits
 are within 1.9e-3 (relative) of transformers' and its greedy output equal on 5 of 5 prompts, Q8_0's
 within 4.8e-2 (3 of 5 equal, the others parting at near-ties); the K-quants of this model, mostly
-fallbacks (rows of 576), 0.07-0.27. Per family (``python -m benchmarks.gguf_families``): the README's
-"GGUF by family".
+fallbacks (rows of 576), 0.07-0.27. Per family (``python -m benchmarks.gguf_families``): "GGUF by family" in
+docs/guides/exports.md.
 """
 
 from __future__ import annotations

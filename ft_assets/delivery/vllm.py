@@ -11,11 +11,8 @@ prompt on each, and compares every answer with transformers' greedy answer of th
 token. ``serve`` takes any number of LoRA modules (``ft_assets.delivery.lora_registry`` resolves them from
 the registry), so one server answers for several published versions of one base.
 
-Costs on this 2-core CPU (float32, ``enforce_eager``, ``max_model_len`` 1024, a 1 GiB KV cache), from
-``python -m benchmarks.vllm_runtime`` with the load average at 15 (other jobs on the same cores): SmolLM2-135M
-healthy after 115 s alone and 381 s with a LoRA module, 1,252 / 8.9 prompt / generation tokens/s (187 / 3.5
-with the LoRA), greedy answers equal to transformers' on 5 of 5 prompts both ways; tiny test models took
-130-265 s to become healthy in the suite at that load (the design notes measured ~45 s on a quieter machine).
+On CPU a server takes minutes to become healthy, longer with a LoRA module (``python -m benchmarks.vllm_runtime``
+measures it; the figures are in docs/validation/planner-calibration.md).
 """
 
 from __future__ import annotations

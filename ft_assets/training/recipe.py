@@ -40,9 +40,8 @@ checkpoints; FSDP2, every rank writes its shard and rank 0 commits once all are 
 logs; all ranks restore their own RNG. A run resumes on another number of processes with the same global
 batch (``TrainingConfig.result_fields``): the same rows in the same steps; only dropout draws differ.
 
-On CPU the recipe runs, slowly: SmolLM2-135M, 512-token packed rows, 2 shared cores, seconds per
-optimizer step after the first: lora 7.6 (batch 1) / 25.5 (batch 4), qlora 21.4 / 41.5, i.e. 50-80
-tokens/s. QLoRA dequantizes every weight on every forward, a fixed cost that batching amortizes.
+On CPU the recipe runs, slowly (tens of tokens/s for a 135M model: docs/validation/planner-calibration.md).
+QLoRA dequantizes every weight on every forward, a fixed cost that batching amortizes.
 """
 
 from __future__ import annotations
