@@ -33,7 +33,9 @@ export FT_LLAMA_WHEELS ?= $(HOME)/.cache/ft-assets/wheels/llama-cpp-portable
 
 install: $(STAMP) $(SERVE_STAMP) $(TRANSFORMERS4_STAMP) $(SKY_STAMP)
 
-# torch is pinned to the CPU wheel for dev/CI; users with GPUs install their own build first.
+# torch is pinned to a version ($(TORCH)), not a build. From PyPI alone, on Linux, pip takes the CUDA 13.0 build;
+# where pip's configuration also offers a 2.13.0+cpu wheel (find-links, PyTorch's CPU index) it takes that one, as
+# 2.13.0+cpu sorts above 2.13.0. For another build, install it into .venv first: pip keeps it (same version).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
