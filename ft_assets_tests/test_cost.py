@@ -43,10 +43,10 @@ def test_price_list_ships_in_the_wheel():
     assert PRICE_LIST.name in package_data["ft_assets.control"]
 
 
-def test_readme_offerings_table_is_the_price_list():
+def test_the_cost_pages_offerings_table_is_the_price_list():
     header = "| offering | VRAM GiB | on-demand $/h | spot $/h | Slurm $/GPU-h |\n|---|---|---|---|---|\n"
-    parts = (ROOT / "README.md").read_text().split(header)
-    assert len(parts) == 2, "README has no offerings table"
+    parts = (ROOT / "docs" / "deploy" / "cost.md").read_text().split(header)
+    assert len(parts) == 2, "docs/deploy/cost.md has no offerings table"
     table = parts[1].split("\n\n")[0].splitlines()
     expected = [
         f"| {o.name} | {o.vram_gib:g} | {o.on_demand_usd_per_h:.2f} | {o.spot_usd_per_h:.2f} | "

@@ -2,7 +2,7 @@
 
 The checklist (``missing_pieces``) is what a new objective must bring: a data kind raw_dataset finds, a row
 cleaner, a pack kind, a training step, a scorer, its settings (or none) nested in the training settings and
-the launchpad, and its section of the README. It runs first on objectives built to lack each piece.
+the launchpad, and its section of the training guide (docs/guides/training.md). It runs first on objectives built to lack each piece.
 """
 
 from dataclasses import astuple, replace
@@ -18,13 +18,13 @@ from ft_assets.objectives.objective import Objective, ObjectiveSettings, Pieces
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.settings import TrainingSettings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "training.md"  # the objectives' guide
 REWARDS = ["ft_assets.rewards:tool_call_json"]  # GRPO needs reward functions; the others ignore them
 STEP_METHODS = ("load_rows", "describe_rows", "work", "for_run")  # training.steps.TrainingStep
 SCORER_METHODS = ("load", "score", "score_export", "report")  # delivery.scoring.Scorer
 
 
-def missing_pieces(objective: Objective, readme: str) -> list[str]:
+def missing_pieces(objective: Objective, guide: str) -> list[str]:
     """What ``objective`` lacks of an objective's pieces, one line each (nothing when it is complete)."""
     missing = []
     if objective.data_kind not in WHAT:
@@ -47,14 +47,14 @@ def missing_pieces(objective: Objective, readme: str) -> list[str]:
             missing.append(f"{piece} lacks {', '.join(lacks)}")
     if "scorer" in found and not all(hasattr(found["scorer"], a) for a in ("unit", "summary")):
         missing.append("scorer lacks unit or summary")  # summary: its keys of --json (the gate's metric: per report)
-    missing += missing_settings(objective, readme)
-    if f"`ft_assets/objectives/{objective.name}.py`" not in readme:
-        missing.append(f"the README does not name ft_assets/objectives/{objective.name}.py")
+    missing += missing_settings(objective, guide)
+    if f"`ft_assets/objectives/{objective.name}.py`" not in guide:
+        missing.append(f"the training guide does not name ft_assets/objectives/{objective.name}.py")
     return missing
 
 
-def missing_settings(objective: Objective, readme: str) -> list[str]:
-    """Its settings (if any): help texts, nested in TrainingConfig and the launchpad under its name, in the README."""
+def missing_settings(objective: Objective, guide: str) -> list[str]:
+    """Its settings (if any): help texts, nested in TrainingConfig and the launchpad under its name, in the training guide."""
     settings, missing = objective.settings, []
     if settings is None:
         return []
@@ -70,8 +70,8 @@ def missing_settings(objective: Objective, readme: str) -> list[str]:
             missing.append(f"setting {objective.name}.{field} has no help text")
         elif not (field in shown and shown[field].description == info.description):
             missing.append(f"setting {objective.name}.{field} is not in the launchpad with its help text")
-        if f"`{objective.name}.{field}`" not in readme:
-            missing.append(f"setting {objective.name}.{field} is not in the README")
+        if f"`{objective.name}.{field}`" not in guide:
+            missing.append(f"setting {objective.name}.{field} is not in the training guide")
     return missing
 
 
@@ -95,21 +95,21 @@ FAULTS = [  # DPO lacking one piece, what the checklist says of it
 
 @pytest.mark.parametrize("objective, said", [case[1:] for case in FAULTS], ids=[case[0] for case in FAULTS])
 def test_the_checklist_finds_each_missing_piece(objective, said):
-    found = missing_pieces(objective, README.read_text())
+    found = missing_pieces(objective, GUIDE.read_text())
     assert len(found) == len(said) and all(line.startswith(start) for line, start in zip(found, said)), found
 
 
 def test_the_checklist_finds_undocumented_settings():
-    readme = README.read_text()
-    assert missing_pieces(DPO, readme.replace("`dpo.loss`", "loss")) == ["setting dpo.loss is not in the README"]
-    assert missing_pieces(GRPO, readme.replace("`ft_assets/objectives/grpo.py`", "")) == [
-        "the README does not name ft_assets/objectives/grpo.py"
+    guide = GUIDE.read_text()
+    assert missing_pieces(DPO, guide.replace("`dpo.loss`", "loss")) == ["setting dpo.loss is not in the training guide"]
+    assert missing_pieces(GRPO, guide.replace("`ft_assets/objectives/grpo.py`", "")) == [
+        "the training guide does not name ft_assets/objectives/grpo.py"
     ]
 
 
 @pytest.mark.parametrize("objective", objectives.REGISTERED, ids=lambda objective: objective.name)
 def test_every_objective_has_every_piece(objective):
-    assert missing_pieces(objective, README.read_text()) == []
+    assert missing_pieces(objective, GUIDE.read_text()) == []
 
 
 CASES = [  # objective, the data kind raw_dataset finds, items, the gate's metric, default lr (lora), full fine-tuning allowed

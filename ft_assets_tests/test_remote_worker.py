@@ -403,14 +403,14 @@ def test_ft_assets_run_refuses_an_unknown_target_before_anything_runs(capsys, tm
     assert not (tmp_path / "home").exists()
 
 
-def test_every_registered_target_parses_its_example_into_the_target_protocol_and_the_readme_shows_it():
-    readme = (REPO / "README.md").read_text()
+def test_every_registered_target_parses_its_example_into_the_target_protocol_and_its_docs_page_shows_it():
     assert TARGETS, "no GPU target is registered"
     for scheme, spec in TARGETS.items():
         module = importlib.import_module(spec.partition(":")[0])
         target = parse_target(module.EXAMPLE)
         assert isinstance(target, Target) and target.scheme == scheme, (scheme, target)
-        assert module.EXAMPLE in readme, f"README shows no --gpu example of {scheme}"
+        page = REPO / "docs" / "deploy" / f"{scheme}.md"
+        assert page.exists() and module.EXAMPLE in page.read_text(), f"{page} shows no --gpu example of {scheme}"
 
 
 class Recorder(RunLauncher, ConfigurableClass):
