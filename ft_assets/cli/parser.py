@@ -83,10 +83,10 @@ def add_lineage(sub) -> None:
     lineage.add_argument("--verbose", action="store_true", help="print the stack trace of an unexpected error")
 
 
-def gpu_count(text: str) -> int | None:
-    """``--gpus``: a positive count, or 'auto' (None: the planner tries 1, 2, 4, ... 64)."""
+def gpu_count(text: str) -> int | str:
+    """``--gpus``: a positive count, or 'auto' (the planner tries 1, 2, 4, ... 64)."""
     if text == "auto":
-        return None
+        return text
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--gpus takes a count >= 1 or 'auto', not {text!r}")
     return int(text)
@@ -94,31 +94,62 @@ def gpu_count(text: str) -> int | None:
 
 def add_plan(sub) -> None:
     plan = sub.add_parser(
-        "plan", help="peak GPU memory, GPU tier and cost of a fine-tune, from the model's config alone"
+        "plan",
+        help="peak GPU memory, GPU tier and cost of a fine-tune, from a run config or a model's config.json (no data, "
+        "no weights)",
     )
     plan.add_argument(
-        "--model-config", required=True, help="a transformers config.json, or the model directory holding it"
+        "--config", metavar="RUN_CONFIG",
+        help="a run config YAML, as ft-assets run --config takes (e.g. examples/qwen2.5-7b-qlora-24gb.yaml): the base "
+        "model (ops.base_model.config.source), the row length (ops.tokenized_shards.config.seq_len) and the training "
+        "settings (ops.lora_adapter.config: method, per_device_batch_size, gradient_checkpointing, num_processes, "
+        "parallelism, dpo, grpo, ...); the options below override it",
+    )  # fmt: skip
+    plan.add_argument(
+        "--model-config",
+        help="a transformers config.json, the model directory holding it, or the hub id of a model whose config.json "
+        "ships with ft-assets (the examples' models); default: the shipped one of --config's base model",
     )
-    plan.add_argument("--method", choices=("lora", "qlora", "full"), required=True)
-    plan.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
-    plan.add_argument("--batch", type=int, default=1, help="packed rows per forward pass (default 1)")
-    plan.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    plan.add_argument(
+        "--method", choices=("lora", "qlora", "full"),
+        help="which weights train (default: the run config's method, else qlora, as on a CUDA GPU)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--objective", choices=("sft", "dpo", "grpo"),
+        help="what the data will train (default: the objective whose settings the run config sets, dpo: or grpo:, else "
+        "sft); GRPO plans prompts of --seq-len tokens and their completions",
+    )  # fmt: skip
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per packed row (default: the run config's tokenized_shards seq_len, 512 when it sets none; "
+        "required without --config)",
+    )
+    plan.add_argument(
+        "--batch", type=int,
+        help="packed rows per forward pass (default: the run config's per_device_batch_size; 1 without --config)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+        help="recompute activations in backward (default: the run config's setting; off without --config)",
+    )  # fmt: skip
     plan.add_argument(
         "--attn-implementation",
-        default="auto",
         choices=("auto", "flash_attention_2", "flex_attention", "sdpa", "eager"),
+        help="the attention backend to plan (default: the run config's, else auto)",
     )
     plan.add_argument(
-        "--gpus", type=gpu_count, default=1,
-        help="GPUs to spread the run over (default 1); 'auto': the fewest of 1, 2, 4, 8, ... 64 that fit, cheapest",
+        "--gpus", type=gpu_count,
+        help="GPUs to spread the run over (default: the run config's num_processes x num_nodes, else 1); 'auto': the "
+        "fewest of 1, 2, 4, 8, ... 64 that fit, cheapest",
     )  # fmt: skip
     plan.add_argument(
         "--parallelism", choices=("ddp", "fsdp"),
-        help="how the GPUs share the model: ddp (a copy each) or fsdp (sharded; the default above one GPU, and what "
-        "--gpus auto plans above one)",
+        help="how the GPUs share the model: ddp (a copy each) or fsdp (sharded; the default when --gpus asks for more "
+        "than one and the run config does not say, and what --gpus auto plans above one)",
     )  # fmt: skip
     plan.add_argument(
-        "--tokens", type=int, default=10_000_000, help="training tokens to price, all epochs (default 10M)"
+        "--tokens", type=int, default=10_000_000, help="trained tokens to price, all epochs (default 10M)"
     )
     plan.add_argument(
         "--cost-model", help="YAML overriding the cost model (default: $FT_COST_MODEL, else the defaults)"

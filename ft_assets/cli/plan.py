@@ -1,10 +1,20 @@
 """``ft-assets plan``: peak VRAM, the GPU tier and the estimate for a model, before any data or run exists.
 
+``--config`` plans a run config as ``ft-assets run --config`` would train it, without its data or weights: the base
+model (``base_model``'s ``source``), the row length (``tokenized_shards``' ``seq_len``) and the training settings
+(``run_training_config``: method, batch, gradient checkpointing, GPUs, parallelism, the objective's settings), each
+read by the class the run reads it with. The model's shape comes from ``--model-config``, else from the config.json
+ft-assets ships for the examples' hub ids (``ft_assets.control.shipped_configs``); an option given on the command
+line overrides the run config. Without a run config the options stand for the training settings alone (batch 1,
+every other setting at its default, LoRA r=16 on every projection, and on every expert of a mixture).
+
+The objective is what the data will decide (``ft_assets.objectives``): the plan takes the one whose settings the run
+config sets (``dpo:``, ``grpo:``), else supervised fine-tuning, or ``--objective``; its rows are ``seq_len`` tokens
+packed full (a GRPO prompt of ``seq_len`` tokens and its completions), ``--tokens`` trained tokens in all.
+
 With ``--mac TIER`` (and ``--mac-usd-per-hour``) your Mac is one more offering: the plan says whether the run fits on
 it, and the cheapest rented plan beside it, in one call. It goes through the planner's one entry point, as
-``training_plan`` does: its options become the training
-settings they stand for (``TrainingConfig``: every other setting at its default, LoRA r=16 on every
-projection, and on every expert of a mixture) and supervised rows of ``--seq-len`` tokens, ``--batch`` a forward, ``--tokens`` in all.
+``training_plan`` does.
 """
 
 from __future__ import annotations
@@ -17,12 +27,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ft_assets import objectives
 from ft_assets.cli.output import CliError, print_json
 from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.gpu_plan import NoGpuFits, TrainingPlan, plan_training
 from ft_assets.control.planner import ModelShape, PlanRequest
-from ft_assets.training.config import Method, TrainingConfig
-from ft_assets.training.steps import StepWork
+from ft_assets.control.shipped_configs import shipped_config, shipped_ids
+from ft_assets.objectives.objective import Objective
+from ft_assets.training.config import Method, TrainingConfig, validated
 
 
 def read_model_config(path: Path) -> dict:
@@ -37,34 +49,115 @@ def read_model_config(path: Path) -> dict:
     return config
 
 
-def plan_request(shape: ModelShape, method: Method, seq_len: int, tokens: int, settings: TrainingConfig) -> PlanRequest:
-    """The planner's request for a run without data yet: supervised rows of ``seq_len`` tokens packed full,
-    ``settings.per_device_batch_size`` a forward, ``tokens`` trained tokens in all (what ``ft-assets plan`` prices)."""
-    work = StepWork(seq_len, seq_len, settings.per_device_batch_size, tokens, False, 0.0, 0)
-    return PlanRequest(shape, settings.model_copy(update={"method": method}), method, work)
+def plan_request(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    tokens: int,
+    settings: TrainingConfig,
+    objective: Objective = objectives.SFT,
+) -> PlanRequest:
+    """The planner's request for a run of ``objective`` without data yet: rows of ``seq_len`` tokens packed full (GRPO:
+    prompts of ``seq_len`` tokens), ``settings.per_device_batch_size`` a forward, ``tokens`` trained tokens in all (what
+    ``ft-assets plan`` prices). The settings are resolved as a run on a GPU resolves them, so what the objective
+    refuses (GRPO without reward functions or on FSDP, DPO and GRPO with method full) is refused here too."""
+    settings = settings.model_copy(update={"method": method})
+    rows = settings.rows_per_step()  # one optimizer step an epoch: the work of a step is what the plan needs
+    resolved = settings.resolve(rows, True, objective)
+    shards = {"seq_len": seq_len, "train_rows": rows, "train_tokens": rows * seq_len}
+    work = replace(objective.step.work(settings, shards, resolved), tokens=tokens)
+    return PlanRequest(shape, settings, method, work)
 
 
-def settings_of(args: argparse.Namespace) -> TrainingConfig:
-    """The command line's options as the training settings they stand for (every other one at its default)."""
-    gpus = args.gpus or 1
-    parallelism = args.parallelism or ("fsdp" if gpus > 1 else "ddp")  # FSDP above one GPU unless asked otherwise
-    return TrainingConfig(method=args.method, per_device_batch_size=args.batch, num_processes=gpus, parallelism=parallelism,
-                          gradient_checkpointing=args.gradient_checkpointing, attn_implementation=args.attn_implementation)  # fmt: skip
+def read_run_config(path: str) -> tuple[str, int, TrainingConfig]:
+    """The base model's source, the row length and the training settings of a run config, each read as the run reads
+    it: ``base_model``'s and ``tokenized_shards``' config classes, and ``run_training_config``."""
+    from ft_assets.cli.run_config import load_run_config  # Dagster's config classes: imported for --config only
+    from ft_assets.data.config import TokenizeConfig
+    from ft_assets.training.assets import BaseModelConfig
+    from ft_assets.training.settings import run_training_config
+
+    run_config = load_run_config(path)
+    ops = run_config.get("ops") or {}
+    try:
+        source = BaseModelConfig(**((ops.get("base_model") or {}).get("config") or {})).source
+        seq_len = TokenizeConfig(**((ops.get("tokenized_shards") or {}).get("config") or {})).seq_len
+        return source, seq_len, run_training_config(run_config)
+    except (ValidationError, ValueError) as exc:
+        raise CliError(f"run config {path}: {exc}") from exc
+
+
+def model_config_of(model_config: str | None, source: str | None, run_config: str | None) -> tuple[dict, str]:
+    """The config.json to plan and the model's name: ``--model-config`` (a file, a model directory, or a hub id whose
+    config ships with ft-assets), else the shipped config of the run config's base model."""
+    if model_config:
+        shipped = shipped_config(model_config)
+        if shipped is not None and not Path(model_config).exists():
+            return shipped, model_config
+        path = Path(model_config)
+        return read_model_config(path), (path if path.is_dir() else path.parent).name
+    if source is None:
+        raise CliError(
+            "plan needs the model: --config RUN_CONFIG (its base_model) or --model-config PATH (a config.json)"
+        )
+    shipped = shipped_config(source)
+    if shipped is None:
+        raise CliError(
+            f"plan: no config.json ships for {source!r}, the base model of {run_config} (shipped: "
+            f"{', '.join(shipped_ids())}); pass its config with --model-config PATH (the model's config.json, or the "
+            "directory holding it)"
+        )
+    return shipped, source
+
+
+def settings_of(args: argparse.Namespace, configured: TrainingConfig | None) -> TrainingConfig:
+    """The training settings the plan is for: the run config's, each option given on the command line over them;
+    without a run config the options alone (batch 1, every other setting at its default)."""
+    given = {"method": args.method, "per_device_batch_size": args.batch, "gradient_checkpointing": args.gradient_checkpointing,
+             "attn_implementation": args.attn_implementation, "parallelism": args.parallelism}  # fmt: skip
+    given = {name: value for name, value in given.items() if value is not None}
+    fields = configured.model_dump(exclude_unset=True) if configured is not None else {"per_device_batch_size": 1}
+    if isinstance(args.gpus, int):
+        given.update(num_processes=args.gpus, num_nodes=1)
+        if args.gpus > 1 and "parallelism" not in {**fields, **given}:
+            given["parallelism"] = "fsdp"  # FSDP above one GPU unless asked otherwise
+    return validated({**fields, **given})
+
+
+def objective_of(args: argparse.Namespace, settings: TrainingConfig) -> Objective:
+    """``--objective``, else the one whose settings the run config sets (the data will decide: a run config made for
+    preference pairs sets ``dpo:``), else supervised fine-tuning."""
+    if args.objective:
+        return objectives.named(args.objective)
+    chosen = [o for o in objectives.REGISTERED if o.settings is not None and o.name in settings.model_fields_set]
+    if len(chosen) > 1:
+        raise CliError(
+            f"plan: the run config sets the settings of {' and '.join(o.name for o in chosen)}; its data trains one: "
+            "name it with --objective"
+        )
+    return chosen[0] if chosen else objectives.SFT
 
 
 def execute(args: argparse.Namespace, partial: dict) -> dict:
-    """The plan for ``--model-config`` with the given method, shape and token budget."""
-    path = Path(args.model_config)
+    """The plan of ``--config``'s run, or of ``--model-config`` with the given method, shape and token budget."""
+    source, seq_len, configured = read_run_config(args.config) if args.config else (None, None, None)
+    seq_len = args.seq_len or seq_len
+    if seq_len is None:
+        raise CliError("plan needs the row length: --seq-len N, or --config RUN_CONFIG (its tokenized_shards.seq_len)")
+    config, name = model_config_of(args.model_config, source, args.config)
+    fewest_gpus = args.gpus == "auto"
     try:
-        shape = ModelShape.from_config(read_model_config(path), name=(path if path.is_dir() else path.parent).name)
+        shape = ModelShape.from_config(config, name=name)
         cost_model = load_cost_model(args.cost_model or os.environ.get("FT_COST_MODEL") or None)
         if args.mac:
             cost_model = cost_model.with_mac(args.mac, args.mac_usd_per_hour)
-        settings = settings_of(args).for_base(shape.experts)  # a mixture refuses qlora in one line
-        request = plan_request(shape, args.method, args.seq_len, args.tokens, settings)
-        plan = plan_training(request, cost_model, "experiment", None, fewest_gpus=args.gpus is None)
+        settings = settings_of(args, configured).for_base(shape.experts)  # a mixture refuses qlora in one line
+        objective = objective_of(args, settings)
+        method = settings.resolved_method(True)  # an unset method: qlora, as on a CUDA GPU
+        request = plan_request(shape, method, seq_len, args.tokens, settings, objective)
+        plan = plan_training(request, cost_model, "experiment", None, fewest_gpus=fewest_gpus)
         alternative = qlora_alternative(request, cost_model, plan)
-        mac, rented = mac_verdict(request, cost_model, plan, args.gpus is None)
+        mac, rented = mac_verdict(request, cost_model, plan, fewest_gpus)
     except NoGpuFits as exc:
         raise CliError(str(exc)) from exc
     except ValidationError as exc:  # an option out of range, in TrainingConfig's words
@@ -74,6 +167,8 @@ def execute(args: argparse.Namespace, partial: dict) -> dict:
     counts = shape.counts()
     return {
         "model": shape.name,
+        "objective": objective.name,
+        "trained_tokens": args.tokens,
         "params": counts["total"],
         "active_params": counts["active"],
         "experts": counts["experts"],
@@ -137,7 +232,7 @@ def qlora_alternative(request: PlanRequest, cost_model, plan: TrainingPlan) -> d
 
 def report(args: argparse.Namespace, plan: dict) -> int:
     print(
-        f"{plan['model']} ({plan['describe_params']}), {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
+        f"{plan['model']} ({plan['describe_params']}), {plan['objective']} with {plan['method']} at {plan['seq_len']} x {plan['micro_batch']} "
         f"tokens, gradient checkpointing {'on' if plan['grad_checkpointing'] else 'off'}, attention {plan['attention']}\n"
         f"  needs {plan['breakdown']}{' per GPU' if plan['gpus'] > 1 else ''}\n"
         f"  tier {plan['describe']}, ${plan['usd_per_hour']:.2f}/h: "

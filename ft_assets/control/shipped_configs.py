@@ -1,0 +1,35 @@
+"""The config.json of the models the examples fine-tune, shipped so that ``ft-assets plan`` sizes them with no download.
+
+``model_configs/<owner>--<name>.json`` holds the config.json of the Hugging Face hub id ``<owner>/<name>``, a few
+kilobytes of public metadata: the sizes ``ModelShape.from_config`` reads are all there, so the plan of
+``examples/gemma3-12b-lora.yaml`` needs neither the 24 GB of weights nor a hub token. Each file is the hub's
+config.json as published, with one exception: ``google/gemma-3-12b-it`` leaves ``vocab_size``, ``head_dim`` and
+``tie_word_embeddings`` out of its ``text_config`` (transformers' ``Gemma3TextConfig`` fills in 262208, 256 and
+true), and its file spells them out. The parameter count each gives equals the published one (7.62B for
+Qwen2.5-7B-Instruct, 8.03B for Llama-3.1-8B-Instruct, 70.55B for Llama-3.3-70B-Instruct).
+
+Another model is planned from its own config.json (``ft-assets plan --model-config``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FOLDER = Path(__file__).with_name("model_configs")
+
+
+def file_of(model_id: str) -> Path:
+    """Where the config of hub id ``owner/name`` is shipped (whether or not it is)."""
+    return FOLDER / f"{model_id.replace('/', '--')}.json"
+
+
+def shipped_ids() -> list[str]:
+    """The hub ids whose config.json ships with ft-assets."""
+    return sorted(path.stem.replace("--", "/", 1) for path in FOLDER.glob("*.json"))
+
+
+def shipped_config(model_id: str) -> dict | None:
+    """The config.json of hub id ``model_id`` as shipped; None when it is not."""
+    path = file_of(model_id)
+    return json.loads(path.read_text()) if "/" in model_id and path.is_file() else None
