@@ -16,8 +16,7 @@ follows it; without, the command makes the same re-execution for a preempted run
 
 What it costs over ``--in-process`` (one process for everything): the code server and each run's
 worker import ``ft_assets.definitions`` (torch, transformers, Dagster) again, about 5 s of CPU each
-(``/usr/bin/time python -c "import ft_assets.definitions"``: 4.7-5.6 s user on the loaded 2-core
-machine). The output of those processes (library progress bars, warnings, the worker's own copy of
+(``/usr/bin/time python -c "import ft_assets.definitions"``; docs/validation/planner-calibration.md). The output of those processes (library progress bars, warnings, the worker's own copy of
 the log) goes to ``$DAGSTER_HOME/logs/ft-assets-run.log``, not to the terminal.
 
 Dagster exports no public name for a workspace loaded from a module (``WorkspaceProcessContext``,

@@ -1,8 +1,8 @@
 """The command line's grammar: ``ft-assets run | lineage | plan`` and their options.
 
 Kept apart from the commands and light to import (argparse only): ``--help`` and a mistyped option
-answer in 0.25-0.45 s on a loaded 2-core machine, while a command imports what it needs once chosen.
-By ``python -X importtime -c "import ft_assets.cli.<command>"`` on that machine: ``lineage`` costs
+answer in well under a second, while a command imports what it needs once chosen.
+By ``python -X importtime -c "import ft_assets.cli.<command>"``: ``lineage`` costs
 about what ``import dagster`` does (2.7 s vs 2.6 s), ``plan`` (the planner, torch) 3.3 times that,
 ``run`` (Dagster, torch and every plane) 6 times.
 """

@@ -60,7 +60,7 @@ def steps_in_one_process(run_config: dict) -> dict:
     unless the config file has an ``execution`` section.
 
     Dagster's default executor starts a process per step, and each imports torch, transformers and
-    ft_assets (~4.7 s of CPU on the 2-core machine): 7 processes for the data plane, whose steps wait
+    ft_assets (about 5 s of CPU): 7 processes for the data plane, whose steps wait
     for one another anyway (the data executor parallelizes inside a step).
     """
     return run_config if "execution" in run_config else {**run_config, "execution": {"config": {"in_process": {}}}}

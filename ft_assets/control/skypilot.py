@@ -39,11 +39,11 @@ the cloud, region, instance, catalog $/h and running time of every attempt, and 
 ``training_cost`` prices the run from those attempts (``sky_bill.adapter_bill``) and counts the egress
 of every attempt outside the data's region.
 
-Verified here at SkyPilot's SDK boundary: the task through ``sky.Task``, ``Task.validate()`` and a YAML
+Verified at SkyPilot's SDK boundary: the task through ``sky.Task``, ``Task.validate()`` and a YAML
 round trip (``ft_assets_tests/test_skypilot.py``); the launcher on a Dagster instance with its daemon,
 a preemption whose recovered attempt resumes on a fresh scratch disk, a cancel, and SkyPilot's
-optimizer refusing a launch with no cloud enabled (``test_skypilot_pool.py``). A launch on a real cloud
-only by a user with credentials.
+optimizer refusing a launch with no cloud enabled (``test_skypilot_pool.py``). Not yet launched on a real
+cloud.
 """
 
 from __future__ import annotations

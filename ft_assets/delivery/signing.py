@@ -14,10 +14,8 @@ honoured by the library's verifier): ``model.sig`` and the store's ``manifest.js
 written after the signature as the artifact's commit point.
 
 The trade-off is one more pass over every byte: sha256 of each file, in parallel threads (the store's
-manifest hashes them once more on upload). One 1 GB file on this 2-core machine, shared (load 6):
-signing 4.7 s including the library's import, verifying 2.7 s, ``storage.sha256_file`` alone 3.2 s;
-the demo's published directory is ~1 GB. On a failure the files are hashed a second time to name
-what changed.
+manifest hashes them once more on upload), seconds per GB (docs/validation/planner-calibration.md). On a
+failure the files are hashed a second time to name what changed.
 
 model-signing and cryptography are imported only when a key or a signature is at hand (function-local
 imports): without the ``signing`` extra ft-assets publishes unsigned, and importing model-signing pulls

@@ -4,9 +4,8 @@ An objective's pieces belong to the planes that run them: the row cleaner and th
 data plane, the training step to the training plane (torch), the scorer to the delivery plane. The
 objective names each as ``module:name`` (``Pieces``) and imports it the first time it is asked for, so
 ``ft_assets.objectives`` imports no plane: every plane imports it downward, and the data and control
-planes load without torch: ``import ft_assets.data.assets, ft_assets.control.assets`` peaks at 136 MB
-and took 5-6 s on the shared 2-core machine, against 321 MB and 9-10 s when this module imported the
-steps (``/usr/bin/time``, three runs each). ``test_objectives.py``'s checklist resolves every piece of every objective,
+planes load without torch: ``import ft_assets.data.assets, ft_assets.control.assets`` peaks at 136 MB,
+against 321 MB when this module imported the steps (``/usr/bin/time``). ``test_objectives.py``'s checklist resolves every piece of every objective,
 so a misspelled or moved name fails there rather than in a run.
 
 Its settings are a pydantic model (``ObjectiveSettings``) nested in the training settings under the

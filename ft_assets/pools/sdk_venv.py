@@ -11,8 +11,7 @@ request as JSON on stdin (credentials never appear in argv or the process list) 
 from a file it names: SkyPilot writes its spinners to stdout, and the local API server it may start
 inherits the process's pipes, so neither can be the answer's channel. Run as a script (the other end),
 it imports only the standard library, ``sky`` and ``vastai``, never ft_assets. A call costs a process
-start and ``import sky``: 3 s on an idle core, 8-11 s here at a load average of 12 (2 shared cores),
-once per launch, cancel, health check (every 120 s at run monitoring's default) and idle-sensor tick.
+start and ``import sky`` (seconds: docs/validation/planner-calibration.md), once per launch, cancel, health check (every 120 s at run monitoring's default) and idle-sensor tick.
 
 An SDK's refusal comes back as ``SdkError``, one line with the SDK's exception class:
 ``NoCloudAccessError: Cloud access is not set up. Run: sky check``.

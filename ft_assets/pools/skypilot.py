@@ -21,8 +21,8 @@ SkyPilot recovers a preempted spot job itself: it rents another machine (the nex
 of the attempt (``remote.claim_life``), resumes from the newest complete checkpoint in the store, and the attempt
 counts its ``starts``; the session starts a new attempt (a new managed job) only when the job ends without
 finishing: its controller lost, or the worker stopped after a SIGTERM (exit 75, reported before it exits).
-Verified here at SkyPilot's SDK boundary (``ft_assets_tests/fake_skypilot.py``: the task through SkyPilot's own
-``sky.Task``, the job's attempts as real processes); a launch on a real cloud only by a user with credentials.
+Verified at SkyPilot's SDK boundary (``ft_assets_tests/fake_skypilot.py``: the task through SkyPilot's own
+``sky.Task``, the job's attempts as real processes); not yet launched on a real cloud.
 """
 
 from __future__ import annotations

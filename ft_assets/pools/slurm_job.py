@@ -35,7 +35,7 @@ worker reads here:
 Multi-node runs (``num_nodes`` M > 1, ``sbatch --nodes=M``): the batch script runs on the first node,
 which is node 0 (``lora_adapter``, rank 0, the rendezvous); ``SlurmPeerNodes`` starts nodes 1..M-1 as
 one ``srun`` step with a task per node that runs ``launch.node_command`` with the node rank
-``SLURM_PROCID + 1``. Built and unit-tested here; not run on more than one node (one test node).
+``SLURM_PROCID + 1``. Unit-tested; not yet run on more than one node.
 """
 
 from __future__ import annotations
