@@ -23,7 +23,7 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ft_assets.control.model_shape import ModelShape, lora_params
 from ft_assets.data.chat_encoding import ChatEncoder
@@ -197,6 +197,17 @@ def test_recipe_loss_is_the_models_own_loss(family_dir, name):
         own = model(input_ids=ids, labels=labels).loss
         ours = token_loss_sum(model, batch) / learned_tokens(batch)
     assert float(ours) == pytest.approx(float(own), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_planner_reads_a_config_that_leaves_out_its_defaults(family_dir, name):
+    """save_pretrained writes only what differs from the class's defaults, and Gemma 3's hub text_config has no
+    vocab_size, head_dim or tie_word_embeddings: the shape is the one of the model transformers builds from it."""
+    full = AutoConfig.from_pretrained(family_dir(name)).to_dict()
+    sparse = {key: value for key, value in full.items() if key not in ("vocab_size", "head_dim", "tie_word_embeddings")}
+    built = AutoConfig.for_model(**sparse).to_dict()
+    assert built["vocab_size"] != full["vocab_size"]  # the class's default, not the tiny model's
+    assert ModelShape.from_config(sparse, name) == ModelShape.from_config(built, name)
 
 
 @pytest.mark.parametrize("name", NAMES)

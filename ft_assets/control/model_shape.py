@@ -233,6 +233,7 @@ class ModelShape:
         """Build from a transformers config.json (as a dict). Multimodal configs: their ``text_config``."""
         if isinstance(config.get("text_config"), Mapping):
             config = config["text_config"]
+        config = _with_class_defaults(config)
         moe = [key for key in MOE_KEYS if config.get(key)]
         model_type = str(config.get("model_type"))
         if moe and model_type not in MOE_LAYOUTS:
@@ -276,6 +277,32 @@ class ModelShape:
             params=params,
             name=name or str(config.get("_name_or_path") or config.get("model_type") or ""),
         )
+
+
+def _with_class_defaults(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``config`` with the sizes it leaves out at their transformers defaults, as the model is built from it.
+
+    config.json files written by ``save_pretrained`` leave out what equals the class default, and Gemma 3's
+    ``text_config`` has no ``vocab_size``, ``head_dim`` or ``tie_word_embeddings``. transformers is imported only
+    for such a file; a model_type it does not know is returned as it is (``from_config`` then names what is missing).
+    """
+    sizes = ("vocab_size", "head_dim", "tie_word_embeddings", "intermediate_size", "num_key_value_heads")
+    missing = [key for key in sizes if key not in config]
+    if not missing or not config.get("model_type"):
+        return config
+    from transformers import AutoConfig
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the class's own checks of ids against a default vocab say nothing about sizes
+    try:
+        settings = {key: value for key, value in config.items() if key != "model_type"}
+        built = AutoConfig.for_model(str(config["model_type"]), **settings).to_dict()
+    except (ValueError, KeyError, TypeError):
+        return config
+    finally:
+        logging.set_verbosity(verbosity)
+    return {**{key: built[key] for key in missing if built.get(key) is not None}, **config}
 
 
 def _count(params: int) -> str:
