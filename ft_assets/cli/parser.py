@@ -47,7 +47,8 @@ def add_run(sub) -> None:
     run.add_argument(
         "--gpu", metavar="TARGET",
         help="where the training plane's GPU work runs: local (default: this machine), or "
-        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into), or "
+        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into), "
+        "skypilot:<infra>[,<infra>...] (a SkyPilot managed job, e.g. skypilot:runpod,vast), or "
         "slurm://[user@]login-host/partition?python=PATH (an sbatch job per attempt); the run itself stays here",
     )  # fmt: skip
     run.add_argument(
