@@ -146,3 +146,38 @@ def test_broken_links_fail_the_build(tmp_path):
 )
 def test_help_text_is_escaped_for_a_table_cell(help_text, cell):
     assert reference_pages.text(help_text) == cell
+
+
+BUILD_NOTES = (  # how the product was built, which its text must not say (measurements go to docs/validation/)
+    r"\(#\d+\)",  # "(#16)": an issue of the tracker
+    r"\bissues? #?\d+\b",
+    r"\bshared cores\b",
+    r"\bno GPU (?:was |is )?(?:lent|available)\b",
+)
+
+
+def product_text() -> dict[str, str]:
+    """The README, the docs pages but the validation ones, the examples and every module of the package."""
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").iterdir()]
+    files += (ROOT / "ft_assets").rglob("*.py")
+    validation = ROOT / "docs" / "validation"
+    return {str(f.relative_to(ROOT)): f.read_text() for f in files if validation not in f.parents and f.is_file()}
+
+
+def test_the_product_text_carries_no_build_notes():
+    found = [
+        f"{name}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)!r}"
+        for name, text in product_text().items()
+        for pattern in BUILD_NOTES
+        for match in re.finditer(pattern, text, re.IGNORECASE)
+    ]
+    assert found == []
+    assert re.findall(BUILD_NOTES[0], "the key changed (#16), so") and re.findall(BUILD_NOTES[2], "on 2 shared cores")
+
+
+def test_the_readme_is_a_front_door():
+    """At most 250 lines, and each quickstart's commands in at most 15 lines."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    quickstarts = re.findall(r"^## Quickstart.*?\n```bash\n(.*?)```", readme, re.MULTILINE | re.DOTALL)
+    assert len(quickstarts) == 3 and all(len(block.splitlines()) <= 15 for block in quickstarts), quickstarts
