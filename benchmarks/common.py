@@ -1,7 +1,7 @@
 """What every benchmark shares: where results go, the machine they ran on, tables, child processes.
 
 Each benchmark prints a table and writes ``benchmarks/results/<name>.json``: small, committed, with
-the command, machine and date next to the figures, so every figure in the README can be traced to a
+the command, machine and date next to the figures, so every figure in the docs can be traced to a
 run and reproduced with ``make bench``.
 """
 

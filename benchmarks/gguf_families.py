@@ -9,7 +9,7 @@ file (as ``gguf_model`` makes them), each loaded in llama.cpp and checked agains
 continuations equal (and the ones that part at a near-tie of transformers' own top two logits); and the
 F16 file through transformers' own GGUF reader, the second reader ``gguf_model`` records; and the Gemma 3
 F16 file without the layer pattern ``converter.py`` writes. Writes
-``benchmarks/results/gguf_families.json``; the README's "GGUF by family" table quotes it, and
+``benchmarks/results/gguf_families.json``; docs/validation/benchmarks.md's "GGUF by family" table quotes it, and
 ``ft_assets_tests/test_gguf_families.py`` holds F16, Q8_0 and Q4_K_M to the tolerances it set.
 """
 

@@ -12,7 +12,7 @@ so llama.cpp's "Q4_K_M" and "Q5_K_M" are mostly per-tensor fallbacks, Q5_0 and Q
 2. llama.cpp's relative logit error of each file, and of F32 files holding the dequantized weights of
    mixes: Q4_K_M with Q5_K_M's Q5_1 fallback tensors, and Q5_K_M with Q4_K_M's Q5_0 ones.
 
-Writes ``benchmarks/results/gguf_requant.json``; the README's "Tested runtimes" note quotes it.
+Writes ``benchmarks/results/gguf_requant.json``; docs/validation/benchmarks.md's tested-runtimes note quotes it.
 """
 
 from __future__ import annotations

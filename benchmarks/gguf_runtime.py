@@ -9,7 +9,7 @@ against the merged model under transformers, greedy continuations equal token fo
 (prompt and generation tokens/s, all cores, best of 5 runs). The f16 and q8_0 files come from
 ``export_gguf`` (llama.cpp's converter), the K-quants from llama.cpp's quantizer on the f16 file,
 exactly as ``gguf_model`` makes them. Writes
-``benchmarks/results/gguf_runtime.json``; the README's "Tested runtimes" table quotes it.
+``benchmarks/results/gguf_runtime.json``; docs/validation/benchmarks.md's tested-runtimes table quotes it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``make bench``: every CPU benchmark in order, then the README section from their JSON results.
+"""``make bench``: every CPU benchmark in order, then the benchmarks page's tables from their JSON results.
 
     python -m benchmarks.run_all            # ~30 min on 2 cores: data plane (x1, x4), packing, training
     python -m benchmarks.run_all --quick    # a smoke run of every path on tiny inputs (~2 min)
@@ -6,7 +6,7 @@
 
 The GPU benchmark (``benchmarks/gpu_step.py``) runs only where CUDA is available; elsewhere its figures
 are reported as pending. ``results/README_table.md`` is generated from the JSON files alone, so the
-README figures always match a committed result.
+figures of docs/validation/benchmarks.md always match a committed result.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 
 from benchmarks.common import fmt, results_dir, table
 
-TARGETS = {  # from the benchmarks issues; shown with the figures, never asserted in tests
+TARGETS = {  # the targets each benchmark was built to show; shown with the figures, never asserted in tests
     "ratio_to_ceiling": 0.5,
     "speedup_over_baseline": 3.0,
     "peak_rss_growth": 1.5,
-    "speedup": 1.7,  # rows/s on 2 worker processes / on 1 process (issue #17, a 2-core machine)
+    "speedup": 1.7,  # rows/s on 2 worker processes / on 1 process (a 2-core machine)
     "ray_overhead": 0.2,  # Ray on this machine at most 20% slower than as many worker processes
     "packing": 0.99,
     "fraction_background_50": 0.95,
@@ -78,7 +78,7 @@ def sizing_text(p: dict, n: int, first: str, last: str) -> str:
     head = (
         f"**Sizing, a projection (not measured)**: hours for a version of 10M and 100M rows, from the {n}-process run: "
     )
-    if "network_bytes_per_row_by_kind" not in p:  # a result from before the workers wrote their own parts (issue #26)
+    if "network_bytes_per_row_by_kind" not in p:  # a result from before the workers wrote their own parts
         return head + (
             f"{p['worker_cpu_s_per_row'] * 1e3:.2f} ms of worker CPU a row spread over the cores, the driver's "
             f"{p['driver_cpu_s_per_row'] * 1e6:,.0f} µs a row, {p['network_bytes_per_row']:,.0f} bytes a row over a 10 Gb/s link "
@@ -375,7 +375,7 @@ def training_section(result: dict) -> tuple[list[str], list[list[str]]]:
 
 
 H200_ONCE = (
-    "**Measured once on an H200 (2026-11-30)**, with the recipe as it was before issue #15 (HF loss over full "
+    "**Measured once on an H200 (2026-11-30)**, with an earlier recipe (HF loss over full "
     "logits, sdpa, per-step host syncs): Llama-2-7B shape, LoRA r=16 on all 7 "
     "projections, gradient checkpointing, 1 × 2048 packed tokens: 5,485 tokens/s (~29% of the 790 TFLOP/s bf16 "
     "rate measured on that GPU), QLoRA 4,206; peak memory (torch reserved + ~0.6 GiB CUDA context) QLoRA ~8.3 GiB, "
@@ -440,7 +440,7 @@ def gpu_section(result: dict | None) -> list[str]:
 
 
 def readme_snippet(directory: Path) -> str:
-    """The README's benchmark section, from the JSON results in ``directory`` alone."""
+    """The benchmarks page's tables (docs/validation/benchmarks.md), from the JSON results in ``directory`` alone."""
     data_plane, packing, training = (load(directory, name) for name in ("data_plane", "packing", "training"))
     first = next(r for r in (data_plane, packing, training) if r)
     machine = first["machine"]

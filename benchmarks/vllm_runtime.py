@@ -9,7 +9,7 @@ changes the answers) as a module. For each: seconds from start to healthy, greed
 of ``llamacpp.GREEDY_PROMPTS`` (16 tokens) equal to transformers' token for token (for the LoRA: transformers'
 answers of the base with that adapter merged), and speed over ``/v1/completions``: prompt tokens/s (a
 512-token prompt, 1 token out) and generation tokens/s (128 tokens with ``ignore_eos``), best of 3.
-Writes ``benchmarks/results/vllm_runtime.json``; the README's "Tested runtimes" table quotes it.
+Writes ``benchmarks/results/vllm_runtime.json``; docs/validation/benchmarks.md's tested-runtimes table quotes it.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ def make_definitions(
     data_executor: DataExecutorResource | None = None, rented_workers: RentedWorkersResource | None = None
 ) -> dg.Definitions:
     """The project's definitions; ``data_executor`` replaces the data plane's executor, e.g. one with a
-    dagster-ray resource that creates a cluster for the run (README: "Data plane on a Ray cluster");
-    ``rented_workers`` the providers the idle sensor watches beside EC2 (README: "Idle auto-shutdown")."""
+    dagster-ray resource that creates a cluster for the run (docs/guides/data.md);
+    ``rented_workers`` the providers the idle sensor watches beside EC2 (docs/deploy/idle-shutdown.md)."""
     store = ObjectStoreResource()
     return dg.Definitions(
         assets=dg.load_assets_from_modules([control_assets, data_assets, training_assets, delivery_assets]),

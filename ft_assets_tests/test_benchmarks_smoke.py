@@ -1,7 +1,7 @@
 """Every benchmark runs end to end on tiny inputs (``--quick``) and writes a result with sane figures.
 
 The figures themselves are not asserted against the targets (``make bench`` reports those); this only
-proves that each benchmark's code path works and that its JSON has what the README section reads.
+proves that each benchmark's code path works and that its JSON has what docs/validation/benchmarks.md reads.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rank checkpoints at the same step, then a rerun on 2 processes and on 1 from tha
 at random points, and the half-uploaded checkpoints it leaves: test_chaos.py; a rank that never uploads its
 shard: ``test_rank_0_commits_...`` below.) Four torchrun launches: the preempted run, its rerun, full
 fine-tuning, and QLoRA on 2 nodes (each mostly the processes importing torch and transformers).
-Figures measured here (2 shared cores): see the README's training plane.
+Its figures: docs/validation/verified.md, "FSDP and multi-node".
 """
 
 from __future__ import annotations

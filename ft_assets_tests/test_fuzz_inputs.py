@@ -69,7 +69,9 @@ RULES = CleaningRules(max_chars=2000)
 DEDUP = DedupRules(num_perm=32)
 
 
-TALLY: Counter[str] = Counter()  # what the examples of this module covered, for the README's figures
+TALLY: Counter[str] = (
+    Counter()
+)  # what the examples of this module covered, for the figures of docs/validation/verified.md
 
 
 @pytest.fixture(scope="module", autouse=True)

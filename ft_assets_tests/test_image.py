@@ -2,7 +2,7 @@
 shipped sample and two LoRA steps of the tiny model inside it, against a SeaweedFS store outside it; the digest
 the launcher hands the worker lands in lora_adapter's stats and metadata; llama.cpp's converter and quantizer work
 in it; a code change rebuilds only the last layers. How the base and the wheelhouse are made and cached:
-``worker_build.py``. The build's figures go to test-artifacts/image-build-{cold,cached}.json (README "Production").
+``worker_build.py``. The build's figures go to test-artifacts/image-build-{cold,cached}.json (docs/validation/verified.md, "The worker image").
 """
 
 import json

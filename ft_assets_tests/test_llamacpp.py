@@ -234,7 +234,7 @@ def test_smollm2_tokenizer_shapes_tokenize_like_hf(smollm2_tokenizer_dir, tmp_pa
 
 
 def test_runtime_benchmark_runs_on_the_tiny_model(tmp_path, monkeypatch):
-    """``python -m benchmarks.gguf_runtime --quick``: the command behind the README's Tested runtimes table."""
+    """``python -m benchmarks.gguf_runtime --quick``: the command behind the Tested runtimes table (docs/validation/benchmarks.md)."""
     from benchmarks import gguf_runtime
 
     monkeypatch.setenv("FT_BENCH_CACHE", str(tmp_path / "cache"))

@@ -396,7 +396,7 @@ def test_a_ray_address_that_does_not_answer_fails_clearly_within_30_s():
 
 
 def test_a_dagster_ray_resource_given_in_python_runs_the_shards(tmp_path):
-    """``make_definitions(DataExecutorResource(ray=LocalRay(...)))`` (the README's KubeRay recipe, with a
+    """``make_definitions(DataExecutorResource(ray=LocalRay(...)))`` (docs/guides/data.md's KubeRay recipe, with a
     local Ray): Dagster connects the dagster-ray resource, the shards run on it."""
     import ray
     from dagster_ray import LocalRay

@@ -22,7 +22,7 @@ does, from ``$DAGSTER_HOME``), and headless Chromium (Debian's package, driven b
 top-level link is not where ``make ui`` runs it).
 
 Screenshots land in ``test-artifacts/ui/``. ``FT_UPDATE_DOCS=1`` also writes the lineage graph to
-``docs/lineage.png`` for the README.
+``docs/lineage.png`` for the README and the docs' home page.
 """
 
 import base64
@@ -208,7 +208,7 @@ READ_GRAPH_JS = """() => {
 }"""
 
 
-# The part of the page that holds the group boxes, with a margin: the README's picture of the graph.
+# The part of the page that holds the group boxes, with a margin: the docs' picture of the graph.
 GROUPS_CLIP_JS = """() => {
   const r = [...document.querySelectorAll('svg foreignObject.group')].map((fo) => fo.getBoundingClientRect());
   const x = Math.max(Math.min(...r.map((b) => b.left)) - 16, 0), y = Math.max(Math.min(...r.map((b) => b.top)) - 16, 0);
@@ -278,7 +278,7 @@ def test_lineage_graph_draws_every_plane_group_and_the_data_lineage(dagster_ui, 
         page.add_style_tag(content="#zoom-slider-container { display: none; }")  # it overlaps the graph's edge
         DOCS_LINEAGE.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(DOCS_LINEAGE), clip=page.evaluate(GROUPS_CLIP_JS))
-        assert DOCS_LINEAGE.stat().st_size < 300_000, "docs/lineage.png should stay small for the README"
+        assert DOCS_LINEAGE.stat().st_size < 300_000, "docs/lineage.png should stay small for the README and the docs"
 
     group_boxes = {g["name"]: g["box"] for g in drawn["groups"]}
     assert set(group_boxes) == set(groups.values()), "one box per plane group of the definitions"

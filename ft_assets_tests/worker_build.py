@@ -8,7 +8,7 @@ llama-cpp-python from the portable build ``make install`` keeps in ``$FT_LLAMA_W
 ``~/.cache/ft-assets/image``; ``FT_TEST_CACHE`` moves it) and never made twice: the base once (101 s on 2
 loaded cores, 176 MB), the wheelhouse once per set of requirements (52 s, 583 MB); buildah's own layer cache
 (its storage, /var/lib/containers) keeps the image's layers, so a cached build redoes only what changed (377 s
-cold, 50 s after a change under ft_assets/: README "The worker image"). Each build after a code change leaves
+cold, 50 s after a change under ft_assets/: docs/validation/verified.md, "The worker image"). Each build after a code change leaves
 the previous image's top layers (~5 MB) behind, untagged: ``buildah rmi --prune`` drops them.
 
 ``podman run`` is refused in this sandbox (crun cannot set RLIMIT_NPROC); ``buildah run --isolation chroot``

@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlsplit
 from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of
 from ft_assets.pools.code import WHEEL, code_setting
 
-EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # the README's and the registry checklist's
+EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # docs/deploy/ssh.md's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
 CONNECT_TIMEOUT_S = 15  # ssh's own: a host that does not answer is reported before SSH_TIMEOUT_S
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
