@@ -115,3 +115,13 @@ def test_the_sbatch_script_parses_and_runs_an_example_that_exists():
     (config,) = re.findall(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", SBATCH.read_text(), re.MULTILINE)
     assert (EXAMPLES.parent / config).is_file() and Path(config).name in CARDS
     assert re.search(r'^srun .* run --dataset "\$DATASET" --config "\$CONFIG"', SBATCH.read_text(), re.MULTILINE)
+
+
+def test_the_docs_table_of_examples_quotes_each_examples_comment():
+    """docs/get-started/first-rented-gpu.md lists every example with the peak and the dollars of its ``Plan:`` line."""
+    page = (EXAMPLES.parent / "docs" / "get-started" / "first-rented-gpu.md").read_text()
+    for name in CARDS:
+        said = PLAN_LINE.search((EXAMPLES / name).read_text())
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row, f"the docs' table of examples has no row for {name}"
+        assert f"| {said['gib']} GiB" in row and f"| ${said['usd']} ({said['tier']}) |" in row, row
