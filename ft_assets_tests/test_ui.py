@@ -21,8 +21,9 @@ does, from ``$DAGSTER_HOME``), and headless Chromium (Debian's package, driven b
 ``dagster dev`` must not warn that a ``dagster.yaml`` in its folder "will not be used" (the repository's
 top-level link is not where ``make ui`` runs it).
 
-Screenshots land in ``test-artifacts/ui/``. ``FT_UPDATE_DOCS=1`` also writes the lineage graph to
-``docs/lineage.png`` for the README and the docs' home page.
+Screenshots land in ``test-artifacts/ui/``. ``FT_UPDATE_DOCS=1`` (``make docs-screenshots``) also writes the lineage
+graph to ``docs/lineage.png`` (the README, the docs' home page) and the tokenized_shards asset page to
+``docs/asset-page.png`` (the demo's page).
 """
 
 import base64
@@ -62,6 +63,7 @@ SAMPLE = REPO / "samples" / "toolcalls" / "part-000.jsonl"
 SAMPLE_LINES = 300
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 DOCS_LINEAGE = REPO / "docs" / "lineage.png"
+DOCS_ASSET_PAGE = REPO / "docs" / "asset-page.png"  # an asset page leading with its numbers (docs/get-started/demo.md)
 PLANES = {
     "model",
     "control",
@@ -329,6 +331,9 @@ def test_asset_page_shows_packing_efficiency_and_row_accounting(dagster_ui, page
     assert "holds" in accounting and "BROKEN" not in accounting
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "tokenized_shards.png"), full_page=True)
+    if os.environ.get("FT_UPDATE_DOCS") == "1":
+        page.screenshot(path=str(DOCS_ASSET_PAGE))
+        assert DOCS_ASSET_PAGE.stat().st_size < 300_000, "docs/asset-page.png should stay small for the docs"
 
 
 def test_make_ui_does_not_warn_about_a_dagster_yaml_it_will_not_use(dagster_ui):
