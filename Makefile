@@ -121,7 +121,7 @@ ui-prod: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# docs/lineage.png, the docs' one screenshot: the UI test's lineage graph.
+# The docs' screenshots, from the UI test: docs/lineage.png (the asset graph) and docs/asset-page.png (an asset page).
 docs-screenshots: $(STAMP) system-deps
 	FT_UPDATE_DOCS=1 $(BIN)/python -m pytest -q ft_assets_tests/test_ui.py
 
