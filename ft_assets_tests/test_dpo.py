@@ -25,6 +25,7 @@ from ft_assets.training.loss import PairLogps, dpo_losses, pair_logps
 from ft_assets.training.recipe import train
 from ft_assets_tests.support import (
     DPO_RUN as RUN,
+    GENERAL_OFF,
     PAIR_SEQ_LEN as SEQ_LEN,
     dpo_config,
     run_cli,
@@ -245,6 +246,7 @@ def pipeline_config(tiny_model_dir, steps: int, lr: float, tracking_uri: str, ex
                                         "dpo": {"beta": 0.2}}},
             "gguf_model": {"config": {"qtypes": ["f16"]}},
             "eval_report": {"config": {"min_improvement": 0.1}},
+            **GENERAL_OFF,
         }
     }  # fmt: skip
 

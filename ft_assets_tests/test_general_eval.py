@@ -1,9 +1,12 @@
-"""General-ability checks (issue 35): lm-eval tasks on the base, the fine-tuned model and the shipped GGUF, and the gate.
+"""General-ability checks: lm-eval tasks on the base, the fine-tuned model and the shipped GGUF, and the gate.
 
 A local lm-eval task of 30 items (``support.write_general_tasks``: km to m, a local JSONL through ``include_path``)
 that the random tiny model fails (exact match 0), that a model taught it passes (1.0), and that the taught model
 forgets when fine-tuned hard on other data (0.07) but keeps when fine-tuned lightly (0.97). The harness runs on
 real models through lm-eval's own ``hf`` model; the GGUF through a real llama.cpp server (``local-completions``).
+The task shipped with the package (``ft-general-mini``, general_eval's default) is checked here as a file, a
+dataset and a scorer, and run through lm-eval on a tiny model taught its answers; the session's published run
+(``published.py``, ``test_pipeline.py``) runs it as the default on the base, the merged model and the GGUF.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import shutil
 import pytest
 
 from ft_assets.delivery import harness, regression
+from ft_assets.delivery.config import GeneralEvalConfig
 from ft_assets.delivery.exports.gguf import NO_PROMPT_LOGPROBS, LlamaCpp
+from ft_assets.delivery.general_tasks import ft_general_mini
 from ft_assets.delivery.regression import BLOCK, WARN, Score
 from ft_assets_tests.support import ANSWER, KM_ITEMS, KM_TASK, km_conversations, teach, write_general_tasks
 
@@ -242,3 +247,98 @@ def test_other_families_score_through_hf_and_their_shipped_gguf(family, suite, t
     served = {s.task: s for s in served}
     assert served[KM_TASK].items == 30 and served[KM_TASK].value is not None and len(served_answers[KM_TASK]) == 30
     assert served[CHOICE].refused == f"multiple_choice requests: {NO_PROMPT_LOGPROBS}"
+
+
+# --- the task shipped with the package: ft-general-mini, general_eval's default ---------------------------------
+
+MINI = harness.DEFAULT_TASK
+
+
+def test_the_shipped_task_is_general_evals_default_and_reads_as_a_name_or_a_file():
+    assert MINI == "ft-general-mini" and GeneralEvalConfig().tasks == [MINI]
+    assert MINI in GeneralEvalConfig.model_fields["tasks"].description  # the launchpad names it
+    (spec,) = harness.task_specs(GeneralEvalConfig().tasks)
+    assert spec == harness.TaskSpec(MINI, harness.SHIPPED[MINI]) and spec.path.is_file()
+    assert harness.task_specs([str(spec.path)]) == [spec]  # its file by path: lm-eval's !function tags read too
+    assert harness.load_suite([spec]).output_types == {MINI: {"generate_until"}}  # what a shipped file's server answers
+
+
+def test_the_shipped_items_have_answers_their_questions_do_not_give_away():
+    rows = list(ft_general_mini.load()["test"])
+    assert len(rows) == 24 and len({row["question"] for row in rows}) == 24
+    for row in rows:
+        assert row["answers"] and all(isinstance(a, str) and a.strip() for a in row["answers"]), row
+        assert not any(ft_general_mini.words(a) in ft_general_mini.words(row["question"]) for a in row["answers"]), row
+
+
+# (reply, accepted answers, score): the reply's words hold an answer's words, whole
+REPLIES = [
+    ("The capital of France is Paris", ["Paris"], 1.0),
+    ("PARIS", ["Paris"], 1.0),
+    ("Parisian cafes", ["Paris"], 0.0),
+    ("The chemical symbol for water is H2O", ["H2O"], 1.0),
+    ("The largest animal on Earth is the Blue Whale", ["blue whale"], 1.0),
+    ("A whale that is blue", ["blue whale"], 0.0),
+    ("The answer is 14", ["4", "four"], 0.0),
+    ("Four", ["4", "four"], 1.0),
+    ("", ["Paris"], 0.0),
+]
+
+
+@pytest.mark.parametrize("reply, answers, expected", REPLIES, ids=[f"{r!r}: {a}" for r, a, _ in REPLIES])
+def test_a_reply_scores_when_it_names_an_accepted_answer(reply, answers, expected):
+    assert ft_general_mini.score({"answers": answers}, [reply]) == {"names_answer": expected}
+
+
+@pytest.fixture(scope="module")
+def mini_models(tmp_path_factory, one_cpu_thread):
+    """The random tiny model (knows none of ft-general-mini) and one taught its 24 answers."""
+    from ft_assets_tests.tiny import build_tiny_model
+
+    rows = list(ft_general_mini.load()["test"])
+    chats = [
+        [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answers"][0]}] for r in rows
+    ]
+    root = tmp_path_factory.mktemp("mini-models")
+    base = build_tiny_model(root / "base", extra_text=[f"{r['question']} {r['answers'][0]}" for r in rows])
+    return {"base": base, "taught": teach(shutil.copytree(base, root / "taught"), chats, 100)}
+
+
+def test_the_shipped_task_runs_in_lm_eval_and_the_gate_holds_a_loss_on_it(mini_models):
+    """Through lm-eval's hf model, in batches: the taught model names the answers, the random one does not; judged
+    with the taught one as the base, the random one regressed on it, and the verdict's line says so."""
+    suite = harness.load_suite(harness.task_specs([MINI]))
+    settings = harness.RunSettings(limit=None, seed=1234, apply_chat_template=True)
+    scores = {
+        name: harness.evaluate(harness.hf_model(path, name, batch_size=8), suite, settings, print)[0][0]
+        for name, path in mini_models.items()
+    }
+    taught, base = scores["taught"], scores["base"]
+    assert (taught.metric, taught.items, taught.output_type) == ("names_answer,none", 24, "generate_until")
+    assert taught.value >= 0.9 and base.value <= 0.2 and taught.stderr is not None, (taught, base)
+    verdict = regression.judge(
+        {"base": {MINI: Score(taught.value, taught.stderr)}, "finetuned": {MINI: Score(base.value, base.stderr)}},
+        {MINI: (taught.metric, taught.higher_is_better)}, 0.05, {}, 1.0, BLOCK, 48, 1.0, {"finetuned": "fine-tuned"},
+    )  # fmt: skip
+    assert verdict.blocks and verdict.lines[0].startswith(f"{MINI} names_answer: base {taught.value:.3f} → fine-tuned")
+    assert verdict.chains({"finetuned": "fine-tuned"}) == {
+        MINI: f"names_answer: base {taught.value:.3f} → fine-tuned {base.value:.3f}"
+    }
+
+
+# (tasks, lm-eval installed, why the check is off: None when it runs)
+OFF = [
+    ([MINI], True, None),
+    ([], True, "no general-ability tasks (general_eval.tasks: [])"),
+    ([MINI], False, f"{MINI} not run: lm-eval is not installed (install the lmeval extra"),
+    (["gsm8k"], False, None),  # a task the user named: the run fails, saying to install lm-eval
+    ([MINI, "gsm8k"], False, None),
+]
+
+
+@pytest.mark.parametrize("tasks, installed, reason", OFF, ids=[f"{t} installed={i}" for t, i, _ in OFF])
+def test_the_default_check_is_off_only_without_tasks_or_without_lm_eval(tasks, installed, reason):
+    from ft_assets.delivery.assets import general_off
+
+    off = general_off(tasks, installed)
+    assert off == reason if reason is None or reason.endswith("[])") else off.startswith(reason), off

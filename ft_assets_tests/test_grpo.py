@@ -32,6 +32,7 @@ from ft_assets.training.grpo import (
     rollout_seed,
 )
 from ft_assets_tests.support import (
+    GENERAL_OFF,
     GRPO_RUN as RUN,
     TOOL_REWARDS,
     final_weights,
@@ -484,6 +485,7 @@ def pipeline_config(base_dir: Path, steps: int, lr: float, tracking_uri: str | N
             "lora_adapter": {"config": training},
             "gguf_model": {"config": {"qtypes": ["f16"]}},
             "eval_report": {"config": {"max_examples": 16, "max_new_tokens": 24, "min_improvement": 1.0}},
+            **GENERAL_OFF,
         }
     }
 

@@ -16,8 +16,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from ft_assets.cli.summaries import general_line
+from ft_assets.delivery.assets import general_summary
 from ft_assets.delivery.exports import EXPORTS
+from ft_assets.delivery.harness import DEFAULT_TASK
 from ft_assets.delivery.lineage import LINEAGE_CHAIN
+from ft_assets.delivery.regression import GeneralVerdict
 from ft_assets.manifests import read_manifest
 from ft_assets.refs import STATS, ExportStats, RefOutdated, read_ref, stats_of
 from ft_assets_tests.published import Published, run_argv
@@ -152,3 +156,17 @@ def test_every_asset_writes_the_stats_other_modules_read(published):
         match=r"lora_adapter of acks@v1 \(.+\) has no run_id, steps in its stats: .+ materialize lora_adapter again",
     ):
         stats_of(adapter, STATS["lora_adapter"])
+
+
+def test_the_default_general_check_scores_the_shipped_task_on_every_model(published):
+    """general_eval's default: ft-general-mini, shipped with the package, on the base, the merged model and the shipped
+    GGUF (in llama.cpp's server); the run's summary line and eval_report's page name each model's figure."""
+    summary = published.summary
+    task = summary["general"][DEFAULT_TASK]
+    assert task["metric"] == "names_answer,none" and {"base", "finetuned", "gguf"} <= set(task), task
+    assert summary["general_items"] == 3 * 24 and not summary["general_regressed"]  # 24 items on each of 3 models
+    line = general_line(summary)
+    assert line.startswith(f"  general (lm-eval): {DEFAULT_TASK} names_answer: base {task['base']:.3f} → fine-tuned ")
+    assert f"→ shipped GGUF {task['gguf']:.3f}; kept (72 items, " in line
+    general = GeneralVerdict.of(read_ref(published.store, "acks@v1", "eval_report")["stats"]["general"])
+    assert general_summary(general)["general_figures"] == line.split(": ", 1)[1].split("; kept")[0]

@@ -32,7 +32,7 @@ from ft_assets.refs import read_ref
 from ft_assets.shards import load_packed_rows
 from ft_assets.storage import LocalStore
 from ft_assets.training.chat_templates import TEMPLATES
-from ft_assets_tests.support import ANSWER, run_cli, write_dataset
+from ft_assets_tests.support import ANSWER, GENERAL_OFF, run_cli, write_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +80,7 @@ def test_a_pretrained_gemma_3_gguf_with_a_named_template_is_fine_tuned_and_publi
                 "config": {"max_examples": 3, "max_new_tokens": 8}
             },  # the answer is 6 tokens + <end_of_turn>
             "serving_smoke": {"config": {"prompts": ["Say hello."], "max_tokens": 8}},
+            **GENERAL_OFF,
         }
     }
     (home / "run_config.yaml").write_text(yaml.safe_dump(config))

@@ -17,7 +17,9 @@ from ft_assets.cli.output import CliError
 from ft_assets.control.assets import PlanConfig, measured_throughput, plan_run
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.gpu_plan import NoGpuFits
+from ft_assets.delivery.assets import model_names
 from ft_assets.delivery.exports import EXPORTS
+from ft_assets.delivery.regression import GeneralVerdict
 from ft_assets.pools import worker_has_cuda
 from ft_assets.refs import AdapterStats, CostStats, EvalStats, PlanStats, ShardStats, read_ref, stats_of
 from ft_assets.storage import ObjectStore, join_key
@@ -166,20 +168,17 @@ def general_summary(general: dict | None) -> dict:
     }  # fmt: skip
     return {
         "general": tasks, "general_regressed": general["regressed"], "general_on_regression": general["on_regression"],
-        "general_lines": general["lines"], "general_items": general["items"], "general_seconds": general["seconds"],
-        "general_reason": None,
+        "general_chains": GeneralVerdict.of(general).chains(model_names()), "general_lines": general["lines"],
+        "general_items": general["items"], "general_seconds": general["seconds"], "general_reason": None,
     }  # fmt: skip
 
 
 def general_line(summary: dict) -> str:
-    """'general (lm-eval): km_to_m 1.000 → 0.967 → 0.967; kept (90 items, 31 s)', or the regressions."""
+    """'general (lm-eval): ft-general-mini names_answer: base 0.833 → fine-tuned 0.792 → shipped GGUF 0.792; kept
+    (72 items, 21 s)', or the regressions."""
     if not summary["general"]:
         return f"  general (lm-eval): {summary['general_reason'] or 'not measured'}"
-    cells = []
-    for name, task in summary["general"].items():
-        values = [task[key] for key in task if key not in ("metric", "base", "regressed")]
-        chain = " → ".join("refused" if v is None else f"{v:.3f}" for v in values)
-        cells.append(f"{name} {task['base']:.3f} → {chain}")
+    cells = [f"{name} {chain}" for name, chain in summary["general_chains"].items()]
     verdict = (
         f"REGRESSED ({summary['general_on_regression']}): {'; '.join(summary['general_lines'])}"
         if summary["general_regressed"]

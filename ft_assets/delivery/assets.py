@@ -195,9 +195,10 @@ def general_eval(
 ) -> dg.Output[dict]:
     """General-ability tasks (lm-eval: task names or local task files) on the base, the merged model and each shipped
     file in its runtime (GGUF: llama.cpp's server), each model's drop against the base judged for eval_report's gate
-    (``ft_assets.delivery.regression``). No task chosen: off, and the gate has nothing to hold against the model."""
+    (``ft_assets.delivery.regression``). Off (``general_off``), the gate has nothing to hold against the model."""
     with Materialization(context, store, "general") as m:
-        if config.tasks:
+        reason = general_off(config.tasks, harness.installed())
+        if reason is None:
             made = {export.name: read_ref(m.store, m.partition, export.asset) for export in EXPORTS}
             try:
                 verdict, run = general_check(config, m.fetch, base_model, merged_model, made, context.log.info)
@@ -210,9 +211,9 @@ def general_eval(
                 run.answers,
             )
         else:
-            verdict, upstream = regression.off("no general-ability tasks (general_eval.tasks: [])"), {}
+            verdict, upstream = regression.off(reason), {}
             scores, answers = {}, {}
-            context.log.info(f"general_eval: {verdict.reason}; the check is off")
+            (context.log.info if not config.tasks else context.log.warning)(f"general_eval: {reason}; the check is off")
         stats = {**verdict.as_dict(), "limit": config.limit, "seed": config.seed, "tasks_config": config.tasks}
         (m.out / "general.json").write_text(
             json.dumps({"verdict": stats, "scores": scores, "answers": answers}, indent=2)
@@ -221,6 +222,17 @@ def general_eval(
     for line in verdict.lines:
         context.log.warning(f"general-ability regression ({verdict.on_regression}): {line}")
     return m.output(ref, **general_metadata(verdict, config.limit))
+
+
+def general_off(tasks: list[str], lm_eval_installed: bool) -> str | None:
+    """Why general_eval runs nothing, in one line, or None: no task chosen, or only the tasks shipped with the package
+    (the default) where lm-eval is not installed (an install without the lmeval extra publishes as before, saying so).
+    A task the user named fails the run instead when lm-eval is missing (``harness.HarnessError``)."""
+    if not tasks:
+        return "no general-ability tasks (general_eval.tasks: [])"
+    if not lm_eval_installed and set(tasks) <= set(harness.SHIPPED):
+        return f"{', '.join(tasks)} not run: lm-eval is not installed ({harness.INSTALL_HINT}; [] turns this off)"
+    return None
 
 
 def general_check(config: GeneralEvalConfig, fetch, base_model: dict, merged_model: dict, made: dict, log):
@@ -233,9 +245,13 @@ def general_check(config: GeneralEvalConfig, fetch, base_model: dict, merged_mod
     )  # fmt: skip
     merged = fetch(merged_model, "merged")
     subjects = [
-        harness.Subject("base", "base", lambda: nullcontext(harness.hf_model(fetch(base_model, "base"), "base"))),
         harness.Subject(
-            regression.FINETUNED, "fine-tuned", lambda: nullcontext(harness.hf_model(merged, "fine-tuned"))
+            "base", "base", lambda: nullcontext(harness.hf_model(fetch(base_model, "base"), "base", config.batch_size))
+        ),
+        harness.Subject(
+            regression.FINETUNED,
+            "fine-tuned",
+            lambda: nullcontext(harness.hf_model(merged, "fine-tuned", config.batch_size)),
         ),
     ]
     for export in EXPORTS if config.shipped else ():
@@ -360,6 +376,8 @@ def eval_report(
     context.log.info(
         f"{scorer.metric}: base {verdict.base_metric:.3f} → fine-tuned {verdict.finetuned_metric:.3f}{shipped_figures}; {report.summary}"
     )
+    if not general.reason:
+        context.log.info(f"general (lm-eval): {general_summary(general)['general_figures']}")
     for line in general.lines:
         context.log.warning(f"general-ability regression ({general.on_regression}): {line}")
     _track(context, lora_adapter, report.tracked | general_tracked(general))
@@ -450,7 +468,8 @@ def general_summary(general: regression.GeneralVerdict | None) -> dict:
     if general.reason:
         return {"general": general.reason}
     line = ("regressed: " + "; ".join(general.lines)) if general.regressed else f"kept ({len(general.tasks)} tasks)"
-    return {"general": line, "general_on_regression": general.on_regression}
+    figures = "; ".join(f"{task} {chain}" for task, chain in general.chains(model_names()).items())
+    return {"general": line, "general_figures": figures, "general_on_regression": general.on_regression}
 
 
 def general_tracked(general: regression.GeneralVerdict) -> dict:

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field, create_model
 
 import dagster as dg
 
+from ft_assets.delivery.harness import DEFAULT_TASK
+
 # Settings that moved, as an older run config names them -> where they are now (the run-config check says so).
 MOVED = {("eval_report", "max_gguf_drop"): "ops.gguf_model.config.max_drop"}
 
@@ -80,15 +82,22 @@ class GeneralEvalConfig(dg.Config):
     """General-ability tasks (lm-eval) on the base, the merged model and each shipped file; none chosen: the check is off."""
 
     tasks: list[str] = Field(
-        default=[],
-        description="lm-eval tasks: names lm-eval knows (gsm8k, ifeval, arc_easy, hellaswag, mmlu, ...: a worker with network "
-        "or a warm Hugging Face cache) and/or local task files (path/to/task.yaml: an lm-eval YAML task, e.g. over a local "
-        "JSONL with dataset_path: json). Empty: no general-ability check.",
+        default=[DEFAULT_TASK],
+        description=f"lm-eval tasks. Default: {DEFAULT_TASK}, shipped with ft-assets (24 short general-knowledge "
+        "questions, scored on the words of each reply; runs offline, in seconds a model for a 135M one on CPU). Add or "
+        "replace with names lm-eval knows (gsm8k, ifeval, arc_easy, hellaswag, mmlu, ...: a worker with network or a warm "
+        "Hugging Face cache) and/or local task files (path/to/task.yaml: an lm-eval YAML task, e.g. over a local JSONL "
+        "with dataset_path: json). Empty ([]): no general-ability check.",
     )
     limit: int = Field(
         default=100, description="Documents per task (lm-eval's limit: the first N); 0: every document of the task."
     )
     seed: int = Field(default=1234, description="lm-eval's seeds (few-shot sampling, generation).")
+    batch_size: int = Field(
+        default=8,
+        description="Documents per forward pass of the base and the merged model (lm-eval's batch_size); a shipped "
+        "file's server answers one at a time.",
+    )
     num_fewshot: int | None = Field(default=None, description="Few-shot examples per prompt; empty: each task's own.")
     apply_chat_template: bool = Field(
         default=True,

@@ -4,8 +4,10 @@
 task name (``gsm8k``, ``ifeval``, ``arc_easy``, ``mmlu``, ... for a worker with network or a warm Hugging Face
 cache) or a local task file (an lm-eval YAML task over a local JSONL: ``dataset_path: json`` with
 ``dataset_kwargs.data_files``), found through ``TaskManager(include_path=<its folder>)``: that is how the test
-suite runs offline. ``evaluate`` runs each task on one model, alone, so each task's cost (items, seconds) is
-its own:
+suite runs offline. A task shipped with the package is named like an lm-eval one and read from its folder
+(``SHIPPED``: ``ft-general-mini``, 24 short general-knowledge questions, the default of ``general_eval.tasks``;
+``general_tasks/README.md``). ``evaluate`` runs each task on one model, alone, so each task's cost (items,
+seconds) is its own:
 
 - the base and the merged model through lm-eval's ``hf`` model on their local directories (``hf_model``);
 - an export's shipped file through its runtime's server (GGUF: llama.cpp's OpenAI-compatible server, lm-eval's
@@ -24,7 +26,8 @@ The trade-offs (timings on a 2-core CPU: docs/validation/planner-calibration.md)
   either way; a corpus metric (BLEU, chrF) gets a bootstrap standard error that is ~10x cheaper and about
   ±3% less precise.
 - the model is loaded once per model (a 135M model: ~1 s from safetensors; a 7B: ~10 s on a GPU) and every
-  task's requests go through it; a tiny model's greedy generation here is ~1 s per item of 12 tokens.
+  task's requests go through it, ``batch_size`` documents at a time (on CPU, 8 at a time generates
+  ft-general-mini's replies about 3x faster than one at a time).
 
 lm-eval is the optional ``lmeval`` extra (``pip install 'ft-assets[lmeval]'``): imported inside the calls.
 """
@@ -32,6 +35,7 @@ lm-eval is the optional ``lmeval`` extra (``pip install 'ft-assets[lmeval]'``): 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import logging
 import math
 import time
@@ -45,6 +49,9 @@ import yaml
 INSTALL_HINT = "install the lmeval extra: pip install 'ft-assets[lmeval]' (lm-eval 0.4.13)"
 BOOTSTRAP_ITERS = 1000  # stderr of corpus metrics; a mean's stderr is exact whatever this is
 OUTPUT_TYPES = ("generate_until", "loglikelihood", "loglikelihood_rolling", "multiple_choice")
+SHIPPED_FOLDER = Path(__file__).with_name("general_tasks")  # package data: task files, their items and code
+DEFAULT_TASK = "ft-general-mini"  # general_eval.tasks' default (general_tasks/README.md)
+SHIPPED = {DEFAULT_TASK: SHIPPED_FOLDER / f"{DEFAULT_TASK}.yaml"}  # task name -> its file
 SAMPLES_KEPT = 200  # per task and model, the answers kept in the store (the page shows a few)
 
 
@@ -61,14 +68,17 @@ class TaskSpec:
 
 
 def task_specs(entries: list[str], where: str = "general_eval.tasks") -> list[TaskSpec]:
-    """The ``tasks`` setting read: a ``.yaml``/``.yml`` entry is a local task file (its ``task:`` names it), any
-    other entry an lm-eval task name. Refuses duplicates and unreadable files in one line."""
+    """The ``tasks`` setting read: a task shipped with the package (``SHIPPED``) by its name, a ``.yaml``/``.yml``
+    entry as a local task file (its ``task:`` names it), any other entry as an lm-eval task name. Refuses
+    duplicates and unreadable files in one line."""
     specs = []
     for entry in entries:
-        if entry.endswith((".yaml", ".yml")):
+        if entry in SHIPPED:
+            specs.append(TaskSpec(entry, SHIPPED[entry]))
+        elif entry.endswith((".yaml", ".yml")):
             path = Path(entry).expanduser().resolve()
             try:
-                config = yaml.safe_load(path.read_text())
+                config = yaml.load(path.read_text(), TaskFileLoader)
             except (OSError, yaml.YAMLError) as exc:
                 raise HarnessError(f"{where}: cannot read the task file {entry}: {' '.join(str(exc).split())}") from exc
             name = config.get("task") if isinstance(config, dict) else None
@@ -85,6 +95,14 @@ def task_specs(entries: list[str], where: str = "general_eval.tasks") -> list[Ta
     if twice:
         raise HarnessError(f"{where}: task {', '.join(twice)} is listed twice")
     return specs
+
+
+class TaskFileLoader(yaml.SafeLoader):
+    """A task file as YAML, its lm-eval tags (``!function module.name``) read as plain strings: only its name is read
+    here; lm-eval loads the file itself."""
+
+
+TaskFileLoader.add_multi_constructor("!", lambda loader, tag, node: loader.construct_scalar(node))
 
 
 @dataclass
@@ -243,6 +261,11 @@ def evaluate(
     return scores, answers
 
 
+def installed() -> bool:
+    """Whether lm-eval (the ``lmeval`` extra) can be imported, without importing it."""
+    return importlib.util.find_spec("lm_eval") is not None
+
+
 def _lm_eval():
     try:
         import lm_eval
@@ -251,7 +274,18 @@ def _lm_eval():
         raise HarnessError(f"lm-eval is not installed ({exc}): {INSTALL_HINT}") from exc
     for name in ("lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)  # its INFO lines repeat every request's arguments
+    task_log = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _NoCustomDatasetHint) for f in task_log.filters):
+        task_log.addFilter(_NoCustomDatasetHint())
     return lm_eval
+
+
+class _NoCustomDatasetHint(logging.Filter):
+    """Drops lm-eval's warning on every task that loads its own items (a shipped task: ``custom_dataset``), which
+    points at its command line's ``--metadata``, an option this check does not have."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
 
 
 def _refusal(model: HarnessModel, types: frozenset[str]) -> str | None:

@@ -98,6 +98,19 @@ class GeneralVerdict:
         fields = {k: stats[k] for k in ("on_regression", "stderr_z", "items", "seconds", "reason", "lines")}
         return cls(tasks=tasks, **fields)
 
+    def chains(self, titles: dict[str, str]) -> dict[str, str]:
+        """Each task's figures in one line, the base first: 'names_answer: base 0.833 → fine-tuned 0.792 → shipped GGUF
+        0.792' (``titles``: how to name each scored model; 'refused' where one could not run the task)."""
+        lines = {}
+        for name, task in self.tasks.items():
+            base = "n/a" if task.base is None else f"{task.base:.3f}"
+            models = [
+                f"{titles.get(key, key)} {'refused' if j.value is None else f'{j.value:.3f}'}"
+                for key, j in task.models.items()
+            ]
+            lines[name] = f"{task.metric.partition(',')[0]}: {' → '.join([f'base {base}', *models])}"
+        return lines
+
     def flat(self) -> dict:
         """One level of keys for the MLflow registry's tags: ``general.regressed``, ``general.<task>.finetuned``, …"""
         flat = {"general.regressed": self.regressed, "general.on_regression": self.on_regression}
