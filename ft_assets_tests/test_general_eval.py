@@ -342,3 +342,18 @@ def test_the_default_check_is_off_only_without_tasks_or_without_lm_eval(tasks, i
 
     off = general_off(tasks, installed)
     assert off == reason if reason is None or reason.endswith("[])") else off.startswith(reason), off
+
+
+def test_the_run_summary_names_each_models_figure_and_which_fell():
+    from ft_assets.cli.summaries import general_line, general_summary
+
+    kept = general_summary(_verdict(BLOCK, 0.97, shipped=0.97).as_dict())
+    assert general_line(kept) == (
+        f"  general (lm-eval): {KM_TASK} exact_match: base 1.000 → fine-tuned 0.970 → shipped GGUF 0.970; kept (60 items, 12 s)"
+    )
+    fell = general_summary(_verdict(WARN, 0.07, shipped=0.2).as_dict())
+    assert general_line(fell).endswith(
+        f"0.200; REGRESSED (warn): {KM_TASK} on fine-tuned, shipped GGUF (60 items, 12 s)"
+    )
+    off = general_summary(regression.off("no general-ability tasks (general_eval.tasks: [])").as_dict())
+    assert general_line(off) == "  general (lm-eval): no general-ability tasks (general_eval.tasks: [])"

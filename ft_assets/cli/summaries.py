@@ -175,15 +175,18 @@ def general_summary(general: dict | None) -> dict:
 
 def general_line(summary: dict) -> str:
     """'general (lm-eval): ft-general-mini names_answer: base 0.833 → fine-tuned 0.792 → shipped GGUF 0.792; kept
-    (72 items, 21 s)', or the regressions."""
+    (72 items, 21 s)', or 'REGRESSED (warn): ft-general-mini on fine-tuned, shipped GGUF' (the drops: the log's lines,
+    ``general_lines``)."""
     if not summary["general"]:
         return f"  general (lm-eval): {summary['general_reason'] or 'not measured'}"
     cells = [f"{name} {chain}" for name, chain in summary["general_chains"].items()]
-    verdict = (
-        f"REGRESSED ({summary['general_on_regression']}): {'; '.join(summary['general_lines'])}"
-        if summary["general_regressed"]
-        else "kept"
-    )
+    names = model_names()
+    fell = [
+        f"{name} on {', '.join(names.get(model, model) for model in task['regressed'])}"
+        for name, task in summary["general"].items()
+        if task["regressed"]
+    ]
+    verdict = f"REGRESSED ({summary['general_on_regression']}): {'; '.join(fell)}" if fell else "kept"
     return f"  general (lm-eval): {'; '.join(cells)}; {verdict} ({summary['general_items']} items, {summary['general_seconds']:.0f} s)"
 
 
