@@ -15,7 +15,7 @@ export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps demo test test-fast fmt ui ui-prod docs docs-screenshots bench clean image image-offline
+.PHONY: install skypilot system-deps demo test test-fast fmt ui ui-prod docs docs-screenshots bench clean image image-offline
 
 # The torch pin (deploy/image/Containerfile's TORCH default is the same: test_worker_image.py checks).
 TORCH := torch==2.13.0
@@ -62,6 +62,8 @@ $(SERVE_STAMP):
 # vastai 1.9 pins cryptography==49.0.0 and pillow==12.2.0. The control plane calls them through
 # ft_assets/pools/sdk_venv.py with this venv's python (FT_SKYPILOT_PYTHON elsewhere). SkyPilot's extras are the
 # clouds the README documents; its runpod extra resolves to runpod 1.10.1 here (.venv has 1.12 for the idle sensor).
+skypilot: $(SKY_STAMP)  # what --gpu skypilot: needs beside .venv (make install builds it too)
+
 $(SKY_STAMP):
 	test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
 	$(SKY_VENV)/bin/pip install -q --upgrade pip
