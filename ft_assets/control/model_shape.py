@@ -241,12 +241,11 @@ class ModelShape:
                 f"mixture-of-experts config ({', '.join(moe)}) of model_type {model_type!r}: the estimate counts the "
                 f"experts of {', '.join(MOE_LAYOUTS)} only"
             )
-        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        missing = [key for key in required if key not in config]
+        missing = [key for key in REQUIRED_SIZES if key not in config]
         if missing:
             raise ValueError(
                 f"config.json of {name or 'the base model'} lacks {', '.join(missing)}: the estimate needs a "
-                f"Llama-style decoder config with {', '.join(required)}"
+                f"Llama-style decoder config with {', '.join(REQUIRED_SIZES)}"
             )
         heads = int(config["num_attention_heads"])
         layout = MOE_LAYOUTS.get(model_type) or LAYOUTS.get(model_type, DecoderLayout())
@@ -279,15 +278,19 @@ class ModelShape:
         )
 
 
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_SIZES = ("head_dim", "tie_word_embeddings", "num_key_value_heads")  # the class derives or defaults them
+
+
 def _with_class_defaults(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """``config`` with the sizes it leaves out at their transformers defaults, as the model is built from it.
 
-    config.json files written by ``save_pretrained`` leave out what equals the class default, and Gemma 3's
-    ``text_config`` has no ``vocab_size``, ``head_dim`` or ``tie_word_embeddings``. transformers is imported only
-    for such a file; a model_type it does not know is returned as it is (``from_config`` then names what is missing).
+    config.json files written by ``save_pretrained`` leave out what equals the class default: Gemma 3's hub
+    ``text_config`` has no ``vocab_size``, ``head_dim`` or ``tie_word_embeddings`` (Gemma 3 4B's no head counts
+    either). transformers is imported only for such a file; a model_type it does not know is returned as it is
+    (``from_config`` then names what is missing).
     """
-    sizes = ("vocab_size", "head_dim", "tie_word_embeddings", "intermediate_size", "num_key_value_heads")
-    missing = [key for key in sizes if key not in config]
+    missing = [key for key in (*REQUIRED_SIZES, *OPTIONAL_SIZES) if key not in config]
     if not missing or not config.get("model_type"):
         return config
     from transformers import AutoConfig

@@ -1,12 +1,11 @@
 """The config.json of the models the examples fine-tune, shipped so that ``ft-assets plan`` sizes them with no download.
 
 ``model_configs/<owner>--<name>.json`` holds the config.json of the Hugging Face hub id ``<owner>/<name>``, a few
-kilobytes of public metadata: the sizes ``ModelShape.from_config`` reads are all there, so the plan of
-``examples/gemma3-12b-lora.yaml`` needs neither the 24 GB of weights nor a hub token. Each file is the hub's
-config.json as published, with one exception: ``google/gemma-3-12b-it`` leaves ``vocab_size``, ``head_dim`` and
-``tie_word_embeddings`` out of its ``text_config`` (transformers' ``Gemma3TextConfig`` fills in 262208, 256 and
-true), and its file spells them out. The parameter count each gives equals the published one (7.62B for
-Qwen2.5-7B-Instruct, 8.03B for Llama-3.1-8B-Instruct, 70.55B for Llama-3.3-70B-Instruct).
+kilobytes of public metadata: the plan of ``examples/gemma3-12b-lora.yaml`` needs neither the 24 GB of weights nor a
+hub token. Each file is the hub's config.json as published; what one leaves out (``google/gemma-3-12b-it``'s
+``text_config`` has no ``vocab_size``, ``head_dim`` or ``tie_word_embeddings``) ``ModelShape.from_config`` takes
+from the transformers class, as the model is built. The parameter count each gives equals the published one (7.62B
+for Qwen2.5-7B-Instruct, 8.03B for Llama-3.1-8B-Instruct, 70.55B for Llama-3.3-70B-Instruct).
 
 Another model is planned from its own config.json (``ft-assets plan --model-config``).
 """
