@@ -13,11 +13,12 @@
 | `runs/<name>/<version>/variants/<variant>/refs/`, `control/` | a variant's own references and control artifacts (plan, cost); it reads its version's data refs | the IO manager, the control plane |
 | `registry/<name>/<version>/<run>/` | published models with `lineage.json` | `published_model` |
 | `models/<model>/<sha256[:16]>/` | base models converted once, shared by every version | `base_model` |
+| `images/<name>/<sha256>.<format>` | a dataset's images, checked and stored once by content, shared by its versions | `raw_dataset` (``ft_assets.data.images``) |
 | `leases/<name>/<version>/<generation>/` | partition leases (one writer per version) | `ft_assets.locks` |
 | `code/<sha256>/<wheel>` | the ft-assets wheel a GPU target's worker installs (``code=wheel``) | ``ft_assets.pools.code`` |
 
-Every prefix except `datasets/` holds artifacts (``ft_assets.manifests``: files + a manifest written
-last). Dataset names and versions are validated (``ft_assets.partitions``) before they reach a key.
+Every prefix except `datasets/` and `images/` holds artifacts (``ft_assets.manifests``: files + a manifest written
+last); an image's key is the sha256 of its bytes, which its readers check. Dataset names and versions are validated (``ft_assets.partitions``) before they reach a key.
 ``<run>`` is the training run id: a hash of the partition, the result-changing training settings,
 the base model and the shards (``ft_assets.training.checkpoints.run_id``); a variant's partition key holds its
 name, so two variants of a version never share a run id, even with equal settings (a repeated run).
@@ -35,6 +36,7 @@ DATASETS = "datasets"
 RUNS = "runs"
 REGISTRY = "registry"
 MODELS = "models"
+IMAGES = "images"
 LEASES = "leases"
 CODE = "code"
 SUCCESS_MARKER = "_SUCCESS"  # written last by an uploader: the version is complete
@@ -79,6 +81,12 @@ class PartitionLayout:
     @property
     def runs(self) -> str:
         return join_key(RUNS, self.version.name, self.version.version)
+
+    @property
+    def images(self) -> str:
+        """The dataset's images, one object each by content (``ft_assets.data.images``): every version of the
+        dataset shares them; a version's shards list the ones it uses."""
+        return join_key(IMAGES, self.version.name)
 
     @property
     def own(self) -> str:

@@ -11,6 +11,14 @@ of packed rows. Every row holds several whole chat examples back to back, padded
   gives training its block-diagonal causal mask (no example attends to its neighbour);
 - ``seq_lens`` (int32): the example lengths, for inspection (the reader does not load them).
 
+Examples that hold images (a vision-language model's, ``IMAGE_SCHEMA``) have one more column:
+
+- ``images`` (string): the row's images, as references to the stored images (``<sha256>.<format>``,
+  ``ft_assets.data.images``), in the order their tokens come. The tokens hold each image as its
+  processor expands it (Qwen's ``<|image_pad|>`` x the patches it is cut into, Gemma 3's 256 soft
+  tokens, …); the pixels are computed from the stored image by the trainer, never stored per epoch.
+  An example is packed whole, so its images never straddle two rows.
+
 Preference pairs (``ft_assets.data.pair_packing``) have their own shards, ``pairs-<split>-NNNNN.parquet``
 (``pair_split``), so that a reader of packed chat rows can never pick them up. Each row holds whole
 pairs back to back, a pair's chosen sequence (prompt + chosen reply) then its rejected one (prompt +
@@ -70,6 +78,9 @@ TRAINING_COLUMNS = (
     "loss_mask",
     "position_ids",
 )  # what the reader loads: seq_lens is implied by position_ids
+# Rows of examples that hold images: each row's images, as references to the stored images (ft_assets.data.images), in
+# the order their tokens appear; an example's images always lie in the row that holds its tokens.
+IMAGE_SCHEMA = pa.schema([*SCHEMA, ("images", pa.list_(pa.string()))])
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards
@@ -112,7 +123,7 @@ def packed_table(rows: list[dict], schema: pa.Schema = SCHEMA) -> pa.Table:
     columns = []
     for column in schema:
         values = [row[column.name] for row in rows]
-        if not pa.types.is_list(column.type):  # a prompt's texts
+        if not pa.types.is_list(column.type) or pa.types.is_string(column.type.value_type):  # texts, image references
             columns.append(pa.array(values, type=column.type))
             continue
         offsets = np.zeros(len(values) + 1, dtype=np.int32)

@@ -174,6 +174,8 @@ def test_read_dataset_counts_every_row(tmp_path):
         "rows_quarantined": 1,
         "quarantine_reasons": {"invalid_json": 1},
         "blank_lines": 1,
+        "image_rows": 0,
+        "images": 0,
         "rows_per_file": {"a.jsonl": 3, "b.parquet": 2},
         "data_kind": "chat",
     }

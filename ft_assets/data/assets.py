@@ -21,6 +21,7 @@ from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
+from ft_assets.data.images import IMAGE_SUFFIXES, ImageResolver
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.parts import Artifact
@@ -46,7 +47,11 @@ def _reasons(reasons: dict[str, int]) -> dg.MetadataValue:
 def _fetch_inputs(m: Materialization, prefix: str, shown_as: str = "") -> list[tuple[str, Path]]:
     """Download the data files under ``prefix``: (name shown in row sources, local path) pairs."""
     keys = m.store.list(prefix)
-    ignored = [k for k in keys if not is_data_file(k) and not k.rsplit("/", 1)[-1].startswith("_")]
+    ignored = [
+        k
+        for k in keys
+        if not is_data_file(k) and not k.rsplit("/", 1)[-1].startswith("_") and not k.lower().endswith(IMAGE_SUFFIXES)
+    ]  # images are read where rows name them
     keys = [k for k in keys if is_data_file(k)]
     if not keys:
         raise dg.Failure(f"no data files ({', '.join(SUPPORTED_SUFFIXES)}) under {m.store.uri(prefix)}")
@@ -91,7 +96,8 @@ def raw_dataset(
         source = m.store.get_json(keys_of.source) if m.store.exists(keys_of.source) else None
         out = Artifact.begin(m.store, keys_of.data("raw"))
         try:
-            stats = _read_version(m, out, source, config.mapping(), data_executor.executor)
+            images = ImageResolver(m.store.url, keys_of.inputs, keys_of.images, config.image_rules())
+            stats = _read_version(m, out, source, config.mapping(), data_executor.executor, images)
             objective = objectives.for_data_kind(stats.pop("data_kind"))
         except (DatasetFileError, MixtureError) as exc:
             raise dg.Failure(f"dataset version {m.partition}: {exc}") from exc
@@ -121,6 +127,7 @@ def raw_dataset(
         rows_per_file=table(
             [{"file": name, "rows": rows} for name, rows in stats["rows_per_file"].items()], columns=["file", "rows"]
         ),
+        **({"image_rows": stats["image_rows"], "images": stats["images"]} if stats.get("image_rows") else {}),
         sample=sample,
         **dataset,
         **origin,
@@ -128,8 +135,9 @@ def raw_dataset(
 
 
 def _read_version(
-    m: Materialization, out: Artifact, source: dict | None, mapping: ColumnMapping | None, executor
-) -> dict:
+    m: Materialization, out: Artifact, source: dict | None, mapping: ColumnMapping | None, executor,
+    images: ImageResolver,
+) -> dict:  # fmt: skip
     """Read the version's files (or draw a mixture from its components) into ``out``; the reader's stats."""
     if source is not None and source["kind"] == "mixture":
         components = [_mixture_component(m, record, mapping) for record in source["components"]]
@@ -137,7 +145,7 @@ def _read_version(
         return mix_dataset(components, m.work / "components", out, source["seed"], source["rows"], executor)
     files = _fetch_inputs(m, layout.of(m.partition).inputs)
     m.context.log.info(f"reading {len(files)} file(s) of {m.partition}")
-    return {**read_dataset(files, out, mapping, executor), "source": source}
+    return {**read_dataset(files, out, mapping, executor, images=images), "source": source}
 
 
 def no_usable_rows(partition: str, stats: dict, raw: Artifact) -> str:

@@ -260,8 +260,19 @@ class ChatEncoder:
                         if token in text:
                             raise RowError("special_token_in_content", f"{message['role']} text contains {token!r}")
 
+    def _check_images(self, messages: list[dict]) -> None:
+        """A text model has no eye for a row's images: the row is refused, not trained on its text alone."""
+        held = sum(len(m.get("images") or ()) for m in messages)
+        if held:
+            raise RowError(
+                "image_without_vision",
+                f"the row holds {held} image(s) but the base model has no vision tower; use a vision-language base "
+                "model (Qwen2.5-VL, Qwen3-VL, Gemma 3, SmolVLM) to train on images",
+            )
+
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the [start, end) character spans that carry loss."""
+        self._check_images(messages)
         self._check_special_tokens(messages)
         roles = tuple(m["role"] for m in messages)
         contents = [m["content"] for m in messages]

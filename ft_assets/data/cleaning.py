@@ -113,6 +113,8 @@ def clean_turns(messages: list[dict], rules: CleaningRules) -> list[dict]:
         extra = {"thinking": thinking} if thinking else {}
         if message.get("tool_calls"):
             extra["tool_calls"] = message["tool_calls"]
+        if message.get("images"):  # stored references, each standing at an <image> marker the cleanup keeps
+            extra["images"] = message["images"]
         cleaned.append({"role": role, "content": content, **extra})
     return cleaned
 

@@ -5,6 +5,7 @@ from pydantic import Field
 
 from ft_assets.data.cleaning import CleaningRules
 from ft_assets.data.dedup import DedupRules
+from ft_assets.data.images import MAX_BYTES, MAX_PIXELS, MIN_SIDE, ImageRules
 from ft_assets.data.layouts import ColumnMapping
 
 
@@ -20,6 +21,21 @@ class RawConfig(dg.Config):
             "A mixture component's own 'columns' take precedence."
         ),
     )
+
+    max_image_pixels: int = Field(
+        default=MAX_PIXELS,
+        description=(
+            "Largest image accepted, in pixels (width x height), read from the file's header before any pixel is "
+            "decoded: a larger one (a decompression bomb: a few kB of PNG for 20,000 x 20,000 pixels) quarantines its row."
+        ),
+    )
+    max_image_bytes: int = Field(default=MAX_BYTES, description="Largest image file accepted, in bytes.")
+    min_image_side: int = Field(default=MIN_SIDE, description="Smallest width or height of an image, in pixels.")
+
+    def image_rules(self) -> ImageRules:
+        if min(self.max_image_pixels, self.max_image_bytes, self.min_image_side) < 1:
+            raise dg.Failure("raw_dataset config: max_image_pixels, max_image_bytes and min_image_side must be >= 1")
+        return ImageRules(self.max_image_pixels, self.max_image_bytes, self.min_image_side)
 
     def mapping(self) -> ColumnMapping | None:
         try:

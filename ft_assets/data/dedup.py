@@ -134,9 +134,19 @@ def _key(roles: Iterable[str], shares: Iterable[bytes]) -> bytes:
     return hashlib.blake2b(joined, digest_size=16).digest()
 
 
+def _with_images(share: bytes, message: dict) -> bytes:
+    """A turn's share of the exact key with its images' references (their sha256): the same question about another
+    picture is another row."""
+    images = message.get("images")
+    return share + b"\x1d" + " ".join(images).encode() if images else share
+
+
 def exact_key(messages: list[dict]) -> bytes:
-    """Equal for conversations whose turns differ only in case, Unicode form, spacing or punctuation."""
-    return _key((m["role"] for m in messages), (message_key(normalize(m["content"]))[0] for m in messages))
+    """Equal for conversations whose turns differ only in case, Unicode form, spacing or punctuation (and hold the
+    same images)."""
+    return _key(
+        (m["role"] for m in messages), (_with_images(message_key(normalize(m["content"]))[0], m) for m in messages)
+    )
 
 
 # --- shingle hashes ------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ class RowFeatures:
 
     key: bytes  # exact_key(messages)
     turns: list[list[int]] | None  # word hashes of the user/assistant turns; None: too short to judge
-    salt: int  # numbers_salt of the user/assistant turns' numbers: rows whose numbers differ never collide
+    salt: int  # numbers_salt of the user/assistant turns' numbers and images: rows whose numbers or images differ never collide
 
 
 def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
@@ -254,9 +264,9 @@ def row_features(messages: list[dict], rules: DedupRules) -> RowFeatures:
             shares.append(_system_key(message["content"]))
             continue
         share, found, words = message_key(normalize(message["content"]))
-        shares.append(share)
+        shares.append(_with_images(share, message))
         turns.append(words)
-        numbers += found
+        numbers += found + [image.encode() for image in message.get("images") or ()]  # other images: never near
     hashed = [word_hashes(words) for words in turns] if sum(map(len, turns)) >= rules.min_words else None
     return RowFeatures(_key((m["role"] for m in messages), shares), hashed, numbers_salt(numbers))
 

@@ -6,6 +6,13 @@
   "history": [["earlier request", "earlier reply"], ...] (both optional, as LLaMA-Factory writes them)}``
 - any other column names through a ``ColumnMapping`` (``raw_dataset`` config ``columns``), e.g.
   ``{prompt: question, response: answer}``.
+- images, in conversations only: a turn's content may be a list of parts, ``[{"type": "image",
+  "image": "photos/1.png"}, {"type": "text", "text": "..."}]`` (an image part may name its image by
+  ``image``, ``path``, ``url``, ``bytes`` or OpenAI's ``image_url``, or name none and take the next of the
+  row's ``images`` column: TRL's form), or a string with ``<image>`` markers that take the row's
+  ``images`` column in order (LLaVA / LLaMA-Factory ShareGPT). A turn then holds its text with one
+  ``<image>`` marker where each image stands, and its images (``ft_assets.data.images`` reads and
+  stores them); only user turns hold images.
 - preference pairs: a row with both ``chosen`` and ``rejected`` (``pair_messages``) becomes the
   prompt's turns, then the chosen reply (role ``chosen``), then the rejected one (role ``rejected``):
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ft_assets.data.images import IMAGE_MARKER, count_markers
 from ft_assets.data.rows import DatasetFileError, RowError
 
 SHAREGPT_ROLES = {
@@ -66,6 +74,109 @@ def _text(value: object, where: str) -> str:
     return value
 
 
+# --- images ---------------------------------------------------------------------------------------
+
+_PENDING = object()  # an image part that names no image: the next one of the row's ``images`` column
+IMAGE_COLUMNS = ("images", "image")  # a row's images, taken in order by its image parts or <image> markers
+IMAGE_KEYS = ("image", "path", "url", "bytes")  # where an image part names its image (HF processors, TRL, datasets)
+
+
+def _image_of(part: dict, where: str) -> object:
+    """What an image part names: a path, bytes, a data URI, a datasets ``Image`` dict; ``_PENDING`` when none."""
+    if part.get("type") == "image_url":  # OpenAI's form
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise RowError("wrong_type", f"{where}.image_url needs a 'url'")
+        return url
+    named = next((part[key] for key in IMAGE_KEYS if part.get(key) is not None), _PENDING)
+    return named
+
+
+def _content(value: object, where: str) -> tuple[str, list]:
+    """A turn's content: a string, or a list of text and image parts -> (text with an ``IMAGE_MARKER`` where each
+    image stands, the images in order)."""
+    if isinstance(value, str):
+        return value, []
+    if not isinstance(value, list):
+        raise RowError("wrong_type", f"{where} must be a string or a list of parts, got {type(value).__name__}")
+    text, images = [], []
+    for i, part in enumerate(value):
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if not isinstance(part, dict) or part.get("type") not in ("text", "image", "image_url"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RowError("wrong_type", f"{where}[{i}] is a {kind!r} part; parts are 'text' or 'image'")
+        if part["type"] == "text":
+            piece = _text(part.get("text"), f"{where}[{i}].text")
+            if count_markers(piece):
+                raise RowError(
+                    "image_marker", f"{where}[{i}].text holds {IMAGE_MARKER!r}; give the image as a part of its own"
+                )
+            text.append(piece)
+        else:
+            text.append(IMAGE_MARKER)
+            images.append(_image_of(part, f"{where}[{i}]"))
+    return "".join(text), images
+
+
+def _column_images(obj: dict) -> list:
+    """The row's ``images`` (or ``image``) column as a list; empty when it has none."""
+    for column in IMAGE_COLUMNS:
+        value = obj.get(column)
+        if value is None or (isinstance(value, list) and not value):
+            continue
+        return value if isinstance(value, list) else [value]
+    return []
+
+
+def with_images(messages: list[dict], obj: dict) -> list[dict]:
+    """``messages`` with the row's images in their turns: image parts that name none, and the ``<image>`` markers of
+    string contents, take the row's ``images`` column in order; a column with no part or marker to take it goes to
+    the start of the first user turn. Images only in user turns; a count that does not match is refused."""
+    column = _column_images(obj)
+    slots = sum(
+        sum(image is _PENDING for image in m.get("images", ())) if m.get("images") else count_markers(m["content"])
+        for m in messages
+    )
+    if column and slots == 0:
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is None:
+            raise RowError("image_in_reply", "the row has images but no user turn to hold them")
+        head = messages[first]
+        messages = [*messages[:first], {**head, "content": IMAGE_MARKER * len(column) + head["content"],
+                    "images": list(column) + list(head.get("images", []))}, *messages[first + 1:]]  # fmt: skip
+        slots = len(column)
+    elif column and slots != len(column):
+        raise RowError(
+            "image_count", f"the row's '{IMAGE_COLUMNS[0]}' column has {len(column)} image(s) for {slots} image slot(s)"
+        )
+    taken = iter(column)
+    out = []
+    for i, message in enumerate(messages):
+        images = message.get("images")
+        if images:
+            images = [next(taken, _PENDING) if image is _PENDING else image for image in images]
+        elif column and count_markers(message["content"]):
+            images = [next(taken) for _ in range(count_markers(message["content"]))]
+        if images:
+            if any(image is _PENDING for image in images):
+                raise RowError(
+                    "image_missing", f"turn {i} has an image part that names no image, and no 'images' column"
+                )
+            if message["role"] != "user":
+                raise RowError(
+                    "image_in_reply", f"turn {i} ({message['role']}) holds an image; images go in user turns"
+                )
+            message = {**message, "images": images}
+        out.append(message)
+    return out
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(m.get("images") for m in messages)
+
+
 def _message_list(value: object, field: str, role_key: str, text_key: str, role_map: dict | None) -> list[dict]:
     if not isinstance(value, list):
         raise RowError("wrong_type", f"'{field}' must be a list, got {type(value).__name__}")
@@ -78,7 +189,10 @@ def _message_list(value: object, field: str, role_key: str, text_key: str, role_
         role = _text(item[role_key], f"'{field}[{i}].{role_key}'")
         if role_map is not None:
             role = role_map.get(role.strip().lower(), role)
-        message = {"role": role, "content": _text(item[text_key], f"'{field}[{i}].{text_key}'")}
+        content, images = _content(item[text_key], f"'{field}[{i}].{text_key}'")
+        message = {"role": role, "content": content}
+        if images:
+            message["images"] = images
         reasoning = next((key for key in REASONING_KEYS if item.get(key) is not None), None)
         if reasoning is not None:
             message["thinking"] = _text(item[reasoning], f"'{field}[{i}].{reasoning}'")
@@ -249,7 +363,9 @@ class ColumnMapping:
 
     Either ``messages`` (a column holding a list of turns, whose keys are ``role`` and ``content``;
     ShareGPT role names such as human/gpt are understood) or ``prompt`` + ``response`` (with
-    optional ``input`` and ``system``; the same rules as alpaca's instruction/input/output).
+    optional ``input`` and ``system``; the same rules as alpaca's instruction/input/output). ``images``
+    names a column of images (one, or a list) that go where the turns' ``<image>`` markers are, else at
+    the start of the first user turn.
     """
 
     messages: str | None = None
@@ -259,8 +375,9 @@ class ColumnMapping:
     input: str | None = None
     response: str | None = None
     system: str | None = None
+    images: str | None = None
 
-    FIELDS = ("messages", "role", "content", "prompt", "input", "response", "system")
+    FIELDS = ("messages", "role", "content", "prompt", "input", "response", "system", "images")
 
     @classmethod
     def of(cls, columns: dict[str, str]) -> ColumnMapping | None:
@@ -289,6 +406,7 @@ class ColumnMapping:
 
     def describe(self) -> str:
         fields = ("messages", "role", "content") if self.messages else ("prompt", "input", "response", "system")
+        fields += ("images",)
         return ", ".join(f"{field}: {getattr(self, field)}" for field in fields if getattr(self, field))
 
     def record(self, obj: dict) -> list[dict]:
@@ -298,15 +416,18 @@ class ColumnMapping:
             raise RowError(
                 "unknown_format", f"expected {', '.join(missing)} (raw_dataset config columns); found keys: {keys}"
             )
+        images = {IMAGE_COLUMNS[0]: obj[self.images]} if self.images and obj.get(self.images) is not None else {}
         if self.messages:
-            return _message_list(obj[self.messages], self.messages, self.role, self.content, SHAREGPT_ROLES)
-        return _instruction_turns(
-            _text(obj[self.prompt], f"'{self.prompt}'"),
-            _optional_text(obj, self.input),
-            _text(obj[self.response], f"'{self.response}'"),
-            _optional_text(obj, self.system),
-            [],
-        )
+            messages = _message_list(obj[self.messages], self.messages, self.role, self.content, SHAREGPT_ROLES)
+        else:
+            messages = _instruction_turns(
+                _text(obj[self.prompt], f"'{self.prompt}'"),
+                _optional_text(obj, self.input),
+                _text(obj[self.response], f"'{self.response}'"),
+                _optional_text(obj, self.system),
+                [],
+            )
+        return with_images(messages, images)
 
 
 # --- any row ---------------------------------------------------------------------------------------
@@ -319,14 +440,15 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
     if mapping is not None:
         return mapping.record(obj)
     if "chosen" in obj and "rejected" in obj:
-        return pair_messages(obj)
+        return _text_only(pair_messages(obj), obj, "preference pairs")
     if "messages" in obj:
-        messages = _message_list(obj["messages"], "messages", "role", "content", None)
+        messages = with_images(_message_list(obj["messages"], "messages", "role", "content", None), obj)
         if messages and messages[-1]["role"] == "user":  # a prompt: its other columns are for the reward functions
-            return _with_columns(messages, obj, ("messages",))
+            return _with_columns(_text_only(messages, obj, "prompts"), obj, ("messages",))
         return messages
     if "conversations" in obj:
-        return _with_system(obj, _message_list(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES))
+        turns = _message_list(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
+        return with_images(_with_system(obj, turns), obj)
     if "instruction" in obj and "output" in obj:
         return _instruction_turns(
             _text(obj["instruction"], "'instruction'"),
@@ -336,12 +458,19 @@ def normalize_record(obj: object, mapping: ColumnMapping | None = None) -> list[
             _history(obj.get("history")),
         )
     if "prompt" in obj and "completion" not in obj:  # prompt + completion is a supervised row (TRL), not a prompt
-        return prompt_messages(obj)
+        return _text_only(prompt_messages(obj), obj, "prompts")
     keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
     raise RowError(
         "unknown_format",
         f"expected 'messages', 'conversations', 'instruction'+'output' or 'chosen'+'rejected'; found keys: {keys}",
     )
+
+
+def _text_only(messages: list[dict], obj: dict, kind: str) -> list[dict]:
+    """``messages`` of a row kind that trains on text alone; a ``RowError`` when the row holds an image."""
+    if has_images(messages) or _column_images(obj):
+        raise RowError("images_unsupported", f"images train in conversations (SFT) only, not in {kind}")
+    return messages
 
 
 def check_columns(name: str, columns: list[str], mapping: ColumnMapping | None, what: str) -> None:

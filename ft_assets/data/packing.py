@@ -27,7 +27,7 @@ from ft_assets.data.bins import pack_bins
 from ft_assets.data.chat_encoding import TOKENIZE_BATCH, ChatEncoder
 from ft_assets.data.rows import RowError
 from ft_assets.data.sequences import Example
-from ft_assets.shards import SCHEMA
+from ft_assets.shards import IMAGE_SCHEMA, SCHEMA
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,9 @@ def encode_rows(
     return kept, rejected
 
 
-def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
-    """Packed rows (dicts of numpy arrays) from one window of examples."""
+def pack_rows(examples: list[Example], seq_len: int, pad_id: int, images: bool = False) -> Iterator[dict]:
+    """Packed rows (dicts of numpy arrays) from one window of examples; with ``images``, each row's image references
+    too (an example keeps them in its ``text``, one a line: ``ft_assets.data.vision_encoding``)."""
     for members in pack_bins([len(e.input_ids) for e in examples], seq_len):
         input_ids = np.full(seq_len, pad_id, dtype=np.int32)
         loss_mask = np.zeros(seq_len, dtype=np.int8)
@@ -78,7 +79,15 @@ def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[di
             offset += n
             seq_lens.append(n)
         position_ids[offset:] = np.arange(seq_len - offset, dtype=np.int32)
-        yield {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids, "seq_lens": seq_lens}
+        row = {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids, "seq_lens": seq_lens}
+        if images:
+            row["images"] = [ref for i in members for ref in examples[i].text.split("\n") if ref]
+        yield row
+
+
+def pack_image_rows(examples: list[Example], seq_len: int, pad_id: int) -> Iterator[dict]:
+    return pack_rows(examples, seq_len, pad_id, images=True)
 
 
 EXAMPLES = PackKind(encode_rows, pack_rows, 1, SCHEMA, str)
+IMAGE_EXAMPLES = PackKind(encode_rows, pack_image_rows, 1, IMAGE_SCHEMA, str)  # a vision-language model's examples

@@ -22,6 +22,7 @@ not read, in file order, and a version that mixes kinds of rows (conversations, 
 from __future__ import annotations
 
 import io
+import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -30,12 +31,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ft_assets.data.formats import Rejected, Row, iter_dataset_file, iter_parquet, json_lines, parquet_file, suffix_of
+from ft_assets.data.formats import (
+    RAW_PREVIEW_CHARS,
+    Rejected,
+    Row,
+    iter_dataset_file,
+    iter_parquet,
+    json_lines,
+    parquet_file,
+    suffix_of,
+)
+from ft_assets.data.images import ImageResolver, describe
 from ft_assets.data.kinds import dataset_kind, first_of_each_kind
-from ft_assets.data.layouts import MAPPING_HINT, ColumnMapping
+from ft_assets.data.layouts import MAPPING_HINT, ColumnMapping, has_images
 from ft_assets.data.parallel import Executor, FileRef, InProcess, read_range
 from ft_assets.data.parts import PART_ROWS, Artifact, Target, Written, part_name, runs
-from ft_assets.data.rows import FLUSH_ROWS, QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError
+from ft_assets.data.rows import FLUSH_ROWS, QUARANTINE_SCHEMA, ROW_SCHEMA, DatasetFileError, RowError
 
 LINE_SCAN_BYTES = 1 << 24  # JSONL files are scanned for line ranges 16 MiB at a time
 
@@ -118,12 +129,32 @@ class ReadPart:
     error: str | None  # the DatasetFileError that stops the whole file, raised by the driver in file order
     # the source of the first row of each kind (chat, preference, prompt): ``kinds.first_of_each_kind``
     kinds: dict[str, str]
+    image_rows: int = 0  # rows that hold images
+    images: int = 0  # the images they hold (a stored image counted once a row that holds it)
 
 
-def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Table, pa.Table, dict]:
-    """Parse one part of an input file: (rows, rejected rows, counts)."""
+def _with_stored_images(item: Row, shard: FileShard, images: ImageResolver | None) -> Row | Rejected:
+    """The row with its images read, checked and stored (``ft_assets.data.images``), or rejected naming the image."""
+    if not has_images(item.messages):
+        return item
+    try:
+        if images is None:
+            raise RowError("images_unsupported", "images are read from a dataset version's own files, not in a mixture")
+        return Row(item.source, images.resolve_messages(item.messages, shard.name))
+    except RowError as exc:
+        shown = [{**m, "images": [describe(image) for image in m["images"]]} if m.get("images") else m
+                 for m in item.messages]  # fmt: skip
+        return Rejected(item.source, exc.reason, exc.detail, json.dumps(shown, ensure_ascii=False)[:RAW_PREVIEW_CHARS])
+
+
+def read_shard(
+    mapping: ColumnMapping | None, shard: FileShard, images: ImageResolver | None = None
+) -> tuple[pa.Table, pa.Table, dict]:
+    """Parse one part of an input file: (rows, rejected rows, counts). ``images``: where the rows' images are read
+    and stored; None refuses rows with images."""
     rows, quarantine, tables = [], [], {"rows": [], "quarantine": []}
-    counts = {"blank_lines": 0, "reasons": Counter(), "unknown": 0, "first_unknown": None, "error": None}
+    counts = {"blank_lines": 0, "reasons": Counter(), "unknown": 0, "first_unknown": None, "error": None,
+              "image_rows": 0, "images": 0}  # fmt: skip
 
     def convert(final: bool = False) -> None:
         for name, buffer, schema in (("rows", rows, ROW_SCHEMA), ("quarantine", quarantine, QUARANTINE_SCHEMA)):
@@ -133,9 +164,14 @@ def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Tabl
 
     try:
         for item in _shard_items(shard, mapping):
+            if isinstance(item, Row):
+                item = _with_stored_images(item, shard, images)
             if item is None:
                 counts["blank_lines"] += 1
             elif isinstance(item, Row):
+                held = sum(len(m.get("images") or ()) for m in item.messages)
+                counts["image_rows"] += bool(held)
+                counts["images"] += held
                 rows.append({"source": item.source, "cluster": "", "messages": item.messages})
             else:
                 counts["reasons"][item.reason] += 1
@@ -162,17 +198,20 @@ def read_shard(mapping: ColumnMapping | None, shard: FileShard) -> tuple[pa.Tabl
     return rows_table, quarantine_table, counts
 
 
-def read_parts(settings: tuple[ColumnMapping | None, Target], run: list[FileShard]) -> list[ReadPart]:
+def read_parts(
+    settings: tuple[ColumnMapping | None, Target, ImageResolver | None], run: list[FileShard]
+) -> list[ReadPart]:
     """Parse a run of parts of input files and write each one's rows and quarantine (a data-plane task: runs in a
     worker, see ``ft_assets.data.parallel``)."""
-    mapping, target = settings
+    mapping, target, images = settings
     done = []
     for shard in run:
-        rows, quarantine, counts = read_shard(mapping, shard)
+        rows, quarantine, counts = read_shard(mapping, shard, images)
         done.append(ReadPart(
             shard.name, target.put_table(part_name("rows", shard.index), rows, ROW_SCHEMA),
             target.put_table(part_name("quarantine", shard.index), quarantine, QUARANTINE_SCHEMA), counts["blank_lines"],
             dict(counts["reasons"]), counts["unknown"], counts["first_unknown"], counts["error"], first_of_each_kind(rows),
+            counts["image_rows"], counts["images"],
         ))  # fmt: skip
     return done
 
@@ -187,7 +226,7 @@ class _Counts:
     """The figures of a read, added up part by part in part order; a file's own are checked when the next one starts."""
 
     def __init__(self):
-        self.rows = self.quarantined = self.blank_lines = 0
+        self.rows = self.quarantined = self.blank_lines = self.image_rows = self.images = 0
         self.reasons: Counter[str] = Counter()
         self.per_file: dict[str, int] = {}
         self.kinds: dict[str, dict[str, str]] = {}  # file -> kind -> the source of its first row of that kind
@@ -207,6 +246,8 @@ class _Counts:
         self.rows += part.rows.rows
         self.quarantined += part.quarantine.rows
         self.blank_lines += part.blank_lines
+        self.image_rows += part.image_rows
+        self.images += part.images
         self.reasons.update(part.reasons)
         for kind, source in part.kinds.items():
             self.kinds.setdefault(part.name, {}).setdefault(kind, source)
@@ -232,7 +273,7 @@ class _Counts:
 
 def read_dataset(
     files: list[tuple[str, Path]], out: Artifact, mapping: ColumnMapping | None = None, executor: Executor | None = None,
-    part_rows: int = PART_ROWS,
+    part_rows: int = PART_ROWS, images: ImageResolver | None = None,
 ) -> dict:  # fmt: skip
     """Normalize every input file into the parts ``rows-NNNNN`` + ``quarantine-NNNNN`` of ``out``; returns counts.
 
@@ -241,7 +282,8 @@ def read_dataset(
     (its rows are not bad, the layout is unknown: ``columns`` config maps it), and so does a version
     that mixes kinds of rows (``data_kind`` says which it holds: ``ft_assets.data.kinds``). The files are cut
     into parts of ``part_rows`` rows (``file_shards``), read in runs of ``executor.shard_rows`` rows on
-    ``executor`` (default: this process); each worker writes its parts, rows keep their file order.
+    ``executor`` (default: this process); each worker writes its parts, rows keep their file order. ``images``: where
+    the rows' images are read (the version's files) and stored; None refuses rows that hold images.
     """
     executor = executor or InProcess()
     shards = input_parts(files, executor, part_rows)
@@ -249,7 +291,7 @@ def read_dataset(
     tasks = list(
         runs(shards, lambda shard: shard.rows or executor.shard_rows, executor.shard_rows)
     )  # a whole file: a task of its own
-    for run in executor.map(read_parts, tasks, (mapping, out.target(executor))):
+    for run in executor.map(read_parts, tasks, (mapping, out.target(executor), images)):
         for part in run:
             out.add(part.rows, part.quarantine)
             counts.add(part)
@@ -260,6 +302,8 @@ def read_dataset(
         "rows_quarantined": counts.quarantined,
         "quarantine_reasons": dict(counts.reasons),
         "blank_lines": counts.blank_lines,
+        "image_rows": counts.image_rows,
+        "images": counts.images,
         "rows_per_file": counts.per_file,
         "data_kind": dataset_kind(counts.kinds),
     }

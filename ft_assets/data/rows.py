@@ -41,10 +41,13 @@ class RowError(ValueError):
 # <think> block) and the reply's loss mask covers it.
 # A reply that calls tools holds them as ``tool_calls``, their JSON ([{"type": "function", "function": {"name",
 # "arguments"}}], arguments an object), and each result comes back as a ``tool`` message.
+# A user turn may hold images: their references in the store (``ft_assets.data.images``: ``<sha256>.<format>``), in
+# order, each standing where its ``<image>`` marker is in the text.
 MESSAGE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("thinking", pa.string()), ("tool_calls", pa.string())]
-)
-OPTIONAL_MESSAGE_FIELDS = ("thinking", "tool_calls")
+    [("role", pa.string()), ("content", pa.string()), ("thinking", pa.string()), ("tool_calls", pa.string()),
+     ("images", pa.list_(pa.string()))]
+)  # fmt: skip
+OPTIONAL_MESSAGE_FIELDS = ("thinking", "tool_calls", "images")
 ROW_SCHEMA = pa.schema(
     [
         ("source", pa.string()),  # "<file>:<line>", unique within a dataset version

@@ -6,6 +6,8 @@ become a version is refused with the accepted forms) into the files of the versi
 record of their origin (``Staged.source``; none for plain local files). A mixture of such inputs is
 ``ft_assets.data.mixture``; ``ft_assets.data.sources.stage`` takes either.
 
+A local data file brings the image files its rows name by relative paths (``named_images``), a folder
+all of its image files: ``raw_dataset`` reads them where the rows name them (``ft_assets.data.images``).
 The files are kept as they are, not converted: their rows are read, quarantined and named
 (``file:line``, ``file#row``) like those of any upload, and a Hub dataset's Parquet stays Parquet.
 A Hub repo is resolved once, at registration, to the commit its revision names, through
@@ -21,8 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file, suffix_of
-from ft_assets.data.rows import DatasetFileError
+from ft_assets.data.formats import SUPPORTED_SUFFIXES, Row, is_data_file, iter_dataset_file, suffix_of
+from ft_assets.data.images import IMAGE_SUFFIXES, relative_key
+from ft_assets.data.rows import DatasetFileError, RowError
 from ft_assets.storage import StoreError, open_store
 
 ACCEPTED = (
@@ -65,7 +68,7 @@ def stage_source(spec: str, work: Path, split: str | None = None) -> Staged:
     if path.is_file():
         if not is_data_file(path.name):
             raise DatasetFileError(f"{path}: not an input ft-assets reads; use {ACCEPTED}")
-        return Staged(dataset_name(path.name), [(path.name, path)], None)
+        return Staged(dataset_name(path.name), [(path.name, path), *named_images(path)], None)
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return _stage_saved(path, split)
@@ -73,9 +76,47 @@ def stage_source(spec: str, work: Path, split: str | None = None) -> Staged:
     raise DatasetFileError(f"dataset path {spec} does not exist")
 
 
+def _named_paths(item) -> list[str]:
+    """The image paths a row names (not its bytes or data URIs)."""
+    if not isinstance(item, Row):
+        return []
+    paths = []
+    for image in (image for message in item.messages for image in message.get("images") or ()):
+        if isinstance(image, dict):
+            image = None if image.get("bytes") else image.get("path")
+        if isinstance(image, str) and not image.startswith("data:"):
+            paths.append(image)
+    return paths
+
+
+def named_images(data_file: Path) -> list[tuple[str, Path]]:
+    """The image files that the rows of ``data_file`` name by a relative path, found beside it: (path under the
+    version's folder, local file). What is not found, or lies outside the file's folder, is left for ``raw_dataset``
+    to quarantine with the row that names it."""
+    folder, found = data_file.parent.resolve(), {}
+    try:
+        for item in iter_dataset_file(data_file, data_file.name):
+            for image in _named_paths(item):
+                try:
+                    key = relative_key(data_file.name, image)
+                except RowError:
+                    continue
+                local = (folder / key).resolve()
+                if local.is_relative_to(folder) and local.is_file():
+                    found[key] = local
+    except DatasetFileError:
+        pass  # a file whose layout needs raw_dataset's column mapping, or one it refuses itself: it says why
+    return sorted(found.items())
+
+
 def _stage_directory(path: Path) -> Staged:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and is_data_file(p.relative_to(path).as_posix()))
-    if not files:
+    """A folder's data files, and its image files (rows name them by paths relative to their data file)."""
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and (is_data_file(p.relative_to(path).as_posix()) or p.name.lower().endswith(IMAGE_SUFFIXES))
+    )
+    if not any(is_data_file(p.relative_to(path).as_posix()) for p in files):
         found = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
         listed = ", ".join(found[:5]) + (", …" if len(found) > 5 else "") if found else "nothing"
         raise DatasetFileError(f"{path}: no data files in this directory (found: {listed}); use {ACCEPTED}")
