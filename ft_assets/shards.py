@@ -53,7 +53,8 @@ reader side imports when it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,7 @@ TRAINING_COLUMNS = (
 # Rows of examples that hold images: each row's images, as references to the stored images (ft_assets.data.images), in
 # the order their tokens appear; an example's images always lie in the row that holds its tokens.
 IMAGE_SCHEMA = pa.schema([*SCHEMA, ("images", pa.list_(pa.string()))])
+IMAGES_DIR = "images"  # where, beside a split's shards on the trainer's disk, their images are (fetch_images)
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards
@@ -141,6 +143,8 @@ class PackedRows:
     input_ids: torch.Tensor  # (rows, seq_len) int32; batches are widened to int64
     labels: torch.Tensor  # input_ids where loss_mask is 1 (never an example's first token), else IGNORE_INDEX
     position_ids: torch.Tensor  # restart at 0 at every packed example (and the padding tail)
+    # a vision-language model's rows: each row's images (the files, in token order), or None for text rows
+    images: list[list[str]] | None = field(default=None, kw_only=True)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -153,11 +157,14 @@ class PackedRows:
         import torch
 
         index = torch.tensor(indices)
-        return {
+        batch = {
             "input_ids": self.input_ids[index].to(device, torch.long),
             "labels": self.labels[index].to(device, torch.long),
             "position_ids": self.position_ids[index].to(device, torch.long),
         }
+        if self.images is not None:  # the files; the trainer turns them into its model's pixel inputs
+            batch["images"] = [self.images[i] for i in np.asarray(indices).tolist()]
+        return batch
 
 
 def _fixed_width(path: Path, table: pa.Table, column: str) -> np.ndarray:
@@ -203,16 +210,61 @@ def _labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torc
 
 
 def load_packed_rows(shards_dir: Path, split: str, max_seq_len: int) -> PackedRows | None:
-    """All rows of ``<split>-*.parquet`` in memory: 3 int32 tensors, 12 bytes/token (0.6 GB per 50M tokens)."""
+    """All rows of ``<split>-*.parquet`` in memory: 3 int32 tensors, 12 bytes/token (0.6 GB per 50M tokens); rows that
+    hold images (``IMAGE_SCHEMA``) also with their image files (``fetch_images`` put them in ``IMAGES_DIR``)."""
     import torch
 
     arrays = _load_columns(shards_dir, split, TRAINING_COLUMNS, max_seq_len)
     if arrays is None:
         return None
     input_ids, loss_mask, position_ids = (torch.from_numpy(array) for array in arrays)
+    images = None
+    if image_shards(shards_dir, split):
+        folder = Path(shards_dir) / IMAGES_DIR
+        images = [
+            [str(folder / ref) for ref in row]
+            for path in shard_files(shards_dir, split)
+            for row in pq.read_table(path, columns=["images"]).column("images").to_pylist()
+        ]
     return PackedRows(
-        input_ids=input_ids, labels=_labels(input_ids, loss_mask, position_ids), position_ids=position_ids
+        input_ids=input_ids, labels=_labels(input_ids, loss_mask, position_ids), position_ids=position_ids,
+        images=images,
+    )  # fmt: skip
+
+
+def image_shards(shards_dir: Path, split: str) -> bool:
+    """Whether the shards of ``split`` hold images (a vision-language model's, ``IMAGE_SCHEMA``)."""
+    files = shard_files(shards_dir, split)
+    return bool(files) and "images" in pq.read_schema(files[0]).names
+
+
+def fetch_images(store, prefix: str, shards_dir: Path) -> int:
+    """Download the images the shards in ``shards_dir`` hold, from ``prefix`` (the dataset's images in ``store``, an
+    ``ft_assets.storage.ObjectStore``) into ``shards_dir/IMAGES_DIR``, each checked against the sha256 its name
+    gives; one already there is kept. Only the images of these shards are fetched. Returns how many it holds (none
+    without ``prefix``: a text model's shards)."""
+    if not prefix:
+        return 0
+    refs = sorted(
+        {
+            ref
+            for path in Path(shards_dir).glob("*.parquet")
+            if "images" in pq.read_schema(path).names
+            for row in pq.read_table(path, columns=["images"]).column("images").to_pylist()
+            for ref in row
+        }
     )
+    folder = Path(shards_dir) / IMAGES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        local = folder / ref
+        if local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == ref.split(".")[0]:
+            continue
+        data = store.get_bytes(f"{prefix}/{ref}")
+        if hashlib.sha256(data).hexdigest() != ref.split(".")[0]:
+            raise ValueError(f"{store.uri(prefix)}/{ref}: the stored image does not hash to its name (changed?)")
+        local.write_bytes(data)
+    return len(refs)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ MISTAKES = [
     ("key in an objective's settings", {"ops": {"lora_adapter": {"config": {"grpo": {"reward": ["m:f"]}}}}},
      "asset lora_adapter: unknown key 'reward' at ops.lora_adapter.config.grpo; did you mean 'rewards'?"),
     ("key in raw_dataset", {"ops": {"raw_dataset": {"config": {"column": {"prompt": "question"}}}}},
-     "asset raw_dataset: unknown key 'column' at ops.raw_dataset.config; did you mean 'columns'? (accepted: columns)"),
+     "asset raw_dataset: unknown key 'column' at ops.raw_dataset.config; did you mean 'columns'? (accepted: columns, max_image_bytes, max_image_pixels, min_image_side)"),
     ("key above config", {"ops": {"eval_report": {"confg": {"max_examples": 3}}}},
      "asset eval_report: unknown key 'confg' at ops.eval_report; did you mean 'config'? (accepted: config)"),
     ("value type", {"ops": {"tokenized_shards": {"config": {"seq_len": "long"}}}},

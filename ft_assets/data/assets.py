@@ -21,7 +21,8 @@ from ft_assets.data.cleaning import clean_dataset
 from ft_assets.data.config import CleanConfig, DedupConfig, RawConfig, SplitConfig, TokenizeConfig
 from ft_assets.data.dedup import deduplicate_dataset
 from ft_assets.data.formats import SUPPORTED_SUFFIXES, is_data_file
-from ft_assets.data.images import IMAGE_SUFFIXES, ImageResolver
+from ft_assets.data.images import IMAGE_SUFFIXES, ImagePool, ImageResolver
+from ft_assets.data.packing import for_vision
 from ft_assets.data.layouts import ColumnMapping
 from ft_assets.data.mixture import Component, MixtureError, mix_dataset
 from ft_assets.data.parts import Artifact
@@ -35,6 +36,7 @@ from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata,
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.storage import join_key
+from ft_assets.vision import is_vision_model
 
 DATA = dict(partitions_def=dataset_version, group_name="data", io_manager_key="refs", tags={"ft/pool": "cpu"})
 
@@ -276,11 +278,19 @@ def _tokenizer_files(m: Materialization, base_model: dict) -> TokenizerFiles:
     )
 
 
-def shard_stats(per_split: dict, seq_len: int, objective: str, accounting: RowAccounting) -> dict:
-    """tokenized_shards' stats: what was packed, per split and in all, and the final row accounting."""
+def shard_stats(
+    per_split: dict, seq_len: int, objective: str, accounting: RowAccounting, images: ImagePool | None = None
+) -> dict:
+    """tokenized_shards' stats: what was packed, per split and in all, and the final row accounting; for a
+    vision-language model's shards, where their images are kept and how many they hold."""
     train, evaluation = per_split["train"], per_split["eval"]
     slots = train.slots + evaluation.slots
+    pictures = {}
+    if images is not None:
+        pictures = {"images_prefix": images.prefix, "images": train.images, "image_tokens": train.image_tokens,
+                    "eval_images": evaluation.images, "eval_image_tokens": evaluation.image_tokens}  # fmt: skip
     return {
+        **pictures,
         "objective": objective,
         "seq_len": seq_len,
         "pad_token_id": train.pad_id,
@@ -311,11 +321,19 @@ def tokenized_shards(
 ) -> dg.Output[dict]:
     """Chat-templated, assistant-masked, packed token rows in Parquet shards (+ manifest); preference pairs packed whole."""
     objective = objectives.of_stats(train_eval_split["stats"])
+    kind, images = objective.pack_kind, None
+    keys = layout.of(context.partition_key)
+    if is_vision_model(base_model.get("model_config") or {}):  # its rows may hold images, read from the dataset's pool
+        try:
+            kind = for_vision(kind)
+        except ValueError as exc:
+            raise dg.Failure(f"{context.partition_key}: {exc}") from exc
+        images = ImagePool(store.open().url, keys.images)
     with Materialization(context, store, "tokenize", data_executor) as m:
-        out = Artifact.begin(m.store, layout.of(m.partition).data("shards"))
+        out = Artifact.begin(m.store, keys.data("shards"))
         per_split = tokenize_splits(
             Artifact.committed(m.store, train_eval_split["prefix"]), ("train", "eval"), _tokenizer_files(m, base_model), config.seq_len, out, config.window,
-            data_executor.executor, kind=objective.pack_kind,
+            data_executor.executor, kind=kind, images=images,
         )  # fmt: skip
         for split, packed in per_split.items():
             context.log.info(
@@ -326,8 +344,8 @@ def tokenized_shards(
         rejected = dict(Counter(err.reason for _, err in per_split["train"].rejected + per_split["eval"].rejected))
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
-        stats = shard_stats(per_split, config.seq_len, objective.name, accounting)
-        dataset = dataset_metadata(stats["train_packed_rows"] + stats["eval_packed_rows"], objective.pack_kind.schema)
+        stats = shard_stats(per_split, config.seq_len, objective.name, accounting, images)
+        dataset = dataset_metadata(stats["train_packed_rows"] + stats["eval_packed_rows"], kind.schema)
         ref = m.publish(out, stats, {"train_eval_split": train_eval_split, "base_model": base_model})
     if not accounting.invariant_holds:
         context.log.error(f"row accounting does not balance: {accounting}")
@@ -340,6 +358,7 @@ def tokenized_shards(
         eval_packed_rows=stats["eval_packed_rows"],
         seq_len=config.seq_len,
         objective=objective.name,
+        **({"images": stats["images"], "image_tokens": stats["image_tokens"]} if images is not None else {}),
         rows_in=accounting.rows_in,
         rows_kept=accounting.rows_kept,
         rows_quarantined=accounting.rows_quarantined,

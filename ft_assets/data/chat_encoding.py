@@ -37,8 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ft_assets.data.images import IMAGE_MARKER, ImagePool
 from ft_assets.data.rows import RowError
 from ft_assets.data.sequences import Example
+from ft_assets.vision import image_token_id, is_vision_model, load_processor
 
 TOKENIZE_BATCH = 512  # rows per call into the Rust tokenizer
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")  # never shipped with a tokenizer
@@ -113,12 +115,27 @@ class _Layout:
         return "".join(parts)
 
 
+def image_parts(message: dict) -> list[dict]:
+    """A turn that holds images as the content parts chat templates render: its text cut at each ``<image>`` marker,
+    an ``{"type": "image"}`` part in each cut, in order."""
+    parts = []
+    for i, piece in enumerate(message["content"].split(IMAGE_MARKER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
 def for_template(message: dict) -> dict:
     """A stored message as chat templates read it: its reasoning under both names they use (gpt-oss's ``thinking``,
-    Qwen3's ``reasoning_content``), its tool calls as a list."""
-    if not (message.get("thinking") or message.get("tool_calls")):
+    Qwen3's ``reasoning_content``), its tool calls as a list, its images as content parts."""
+    if not (message.get("thinking") or message.get("tool_calls") or message.get("images")):
         return message
     message = dict(message)
+    if message.get("images"):
+        message["content"] = image_parts(message)
+        del message["images"]
     if message.get("thinking"):
         message["reasoning_content"] = message["thinking"]
     if message.get("tool_calls"):
@@ -168,7 +185,9 @@ class ChatEncoder:
     through ``apply_chat_template`` every time.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, processor=None, images: ImagePool | None = None, image_token_id: int | None = None):
+        # a vision-language model's processor, where its rows' images are read, and the id of its image tokens
+        self.processor, self.images, self.image_token_id = processor, images, image_token_id
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("tokenized_shards needs a fast (Rust) tokenizer with offset mappings")
         if not tokenizer.chat_template:
@@ -248,13 +267,15 @@ class ChatEncoder:
     def _render(
         self, messages: list[dict], roles: tuple[str, ...], contents: list[str], generation_prompt: bool
     ) -> str:
-        extras = any(m.get("thinking") or m.get("tool_calls") for m in messages)  # the layouts are of contents alone
+        # the layouts are of contents alone
+        extras = any(m.get("thinking") or m.get("tool_calls") or m.get("images") for m in messages)
         layout = None if extras else self._layout(roles, generation_prompt)
         return self._apply(messages, generation_prompt) if layout is None else layout.fill(contents)
 
     def _check_special_tokens(self, messages: list[dict]) -> None:
         for message in messages:
-            for text in (message["content"], message.get("thinking") or "", message.get("tool_calls") or ""):
+            content = message["content"].replace(IMAGE_MARKER, "") if message.get("images") else message["content"]
+            for text in (content, message.get("thinking") or "", message.get("tool_calls") or ""):
                 if any(first in text for first in self._special_starts):
                     for token in self.special:
                         if token in text:
@@ -263,7 +284,7 @@ class ChatEncoder:
     def _check_images(self, messages: list[dict]) -> None:
         """A text model has no eye for a row's images: the row is refused, not trained on its text alone."""
         held = sum(len(m.get("images") or ()) for m in messages)
-        if held:
+        if held and self.processor is None:
             raise RowError(
                 "image_without_vision",
                 f"the row holds {held} image(s) but the base model has no vision tower; use a vision-language base "
@@ -330,6 +351,9 @@ class ChatEncoder:
         return backend.encode_batch(texts, add_special_tokens=False)
 
     def encode_batch(self, batch: list[list[dict]]) -> list[Example | RowError]:
+        """Each conversation as token ids and loss mask; a row with images through ``encode_with_images``."""
+        if self.processor is not None and any(m.get("images") for messages in batch for m in messages):
+            return [self._encode_one(messages) for messages in batch]
         rendered: list[tuple[str, list] | RowError] = []
         for messages in batch:
             try:
@@ -352,6 +376,46 @@ class ChatEncoder:
             out.append(Example(ids, mask))
         return out
 
+    def _encode_one(self, messages: list[dict]) -> Example | RowError:
+        try:
+            if any(m.get("images") for m in messages):
+                return self.encode_with_images(messages)
+        except RowError as exc:
+            return exc
+        return self.encode_batch([[{k: v for k, v in m.items() if k != "images"} for m in messages]])[0]
+
+    def encode_with_images(self, messages: list[dict]) -> Example:
+        """A conversation that holds images, as the model's processor expands them: each image's placeholder becomes
+        the tokens the processor cuts it into at its own resize rules (Qwen's patches, Gemma 3's soft tokens,
+        Idefics3's tiles), which is exactly what the model reads at inference; the loss mask is the replies', carried
+        from the rendered text to the expanded one by the processor's own replacement offsets. The example's ``text``
+        holds its image references, one a line, for the packer."""
+        text, spans = self.render(messages)
+        refs = [ref for m in messages for ref in m.get("images") or ()]
+        placeholder = self.processor.image_token
+        if text.count(placeholder) != len(refs):
+            raise RowError(
+                "template_mismatch",
+                f"the chat template wrote {text.count(placeholder)} image placeholder(s) {placeholder!r} for {len(refs)} image(s)",
+            )
+        pictures = [self.images.open(ref) for ref in refs]
+        try:
+            encoded = self.processor(text=[text], images=[pictures], add_special_tokens=False,
+                                     return_text_replacement_offsets=True, return_offsets_mapping=True)  # fmt: skip
+        except (ValueError, TypeError, OSError) as exc:  # the processor's own refusal (an extreme aspect ratio, ...)
+            raise RowError("image_processor", f"the processor refused the row's images: {' '.join(str(exc).split())}")
+        ids = np.array(encoded["input_ids"][0], dtype=np.int32)
+        offsets = np.array(encoded["offset_mapping"][0], dtype=np.int64).reshape(-1, 2)
+        replaced = [(r["span"], r["new_span"]) for r in encoded["text_replacement_offsets"][0]]
+
+        def expanded(at: int) -> int:  # a position of the rendered text in the expanded one (never inside an image)
+            return at + sum((new[1] - new[0]) - (old[1] - old[0]) for old, new in replaced if old[1] <= at)
+
+        mask = np.zeros(len(ids), dtype=np.int8)
+        for start, end in spans:
+            mask[(offsets[:, 1] > expanded(start)) & (offsets[:, 0] < expanded(end))] = 1
+        return Example(ids, mask, "\n".join(refs))
+
 
 @dataclass(frozen=True)
 class TokenizerFiles:
@@ -366,7 +430,9 @@ class TokenizerFiles:
         files = sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES))
         return cls(tuple((path.name, path.read_bytes()) for path in files))
 
-    def encoder(self) -> ChatEncoder:
+    def encoder(self, images: ImagePool | None = None) -> ChatEncoder:
+        """The encoder of these files, built once per process: a vision-language model's (its config.json has a
+        vision tower) with its processor, reading its rows' images from ``images``."""
         from transformers import AutoTokenizer  # here, not at the top: seconds to import, and only workers need it
 
         key = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in self.files)).hexdigest()
@@ -375,7 +441,13 @@ class TokenizerFiles:
             with tempfile.TemporaryDirectory(prefix="ft-tokenizer-") as folder:
                 for name, data in self.files:
                     (Path(folder) / name).write_bytes(data)
-                _ENCODERS[key] = ChatEncoder(AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
+                config = json.loads(dict(self.files).get("config.json", b"{}"))
+                if is_vision_model(config):
+                    processor = load_processor(folder)
+                    _ENCODERS[key] = ChatEncoder(processor.tokenizer, processor, image_token_id=image_token_id(config))
+                else:
+                    _ENCODERS[key] = ChatEncoder(AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
+        _ENCODERS[key].images = images
         return _ENCODERS[key]
 
 

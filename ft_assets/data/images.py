@@ -205,3 +205,42 @@ class ImageResolver:
             {**m, "images": [self.resolve(image, data_file) for image in m["images"]]} if m.get("images") else m
             for m in messages
         ]
+
+
+def open_image(data: bytes, where: str):
+    """An image's bytes as the RGB picture processors take (a stored image: checked once already)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise RowError("image_unreadable", f"{where} cannot be decoded ({' '.join(str(exc).split())})") from None
+
+
+def verified(data: bytes, ref: str, where: str) -> bytes:
+    """``data`` if its sha256 is the one its reference names; else a ``RowError``: a stored image was changed."""
+    if image_ref(data, ref.rsplit(".", 1)[-1]) != ref:
+        raise RowError("image_changed", f"{where} does not hash to its name: the stored image was changed")
+    return data
+
+
+@dataclass(frozen=True)
+class ImagePool:
+    """Where a dataset's stored images are read back (``images/<name>/`` in the store at ``url``), each checked
+    against the sha256 its reference names."""
+
+    url: str
+    prefix: str
+
+    def get(self, ref: str) -> bytes:
+        where = f"stored image {ref}"
+        if not is_ref(ref):
+            raise RowError("image_missing", f"{ref!r} is not a stored image's reference")
+        try:
+            return verified(store_at(self.url).get_bytes(join_key(self.prefix, ref)), ref, where)
+        except ObjectNotFound:
+            raise RowError("image_missing", f"{where} is not in {self.prefix}/ any more") from None
+
+    def open(self, ref: str):
+        return open_image(self.get(ref), f"stored image {ref}")

@@ -91,3 +91,14 @@ def pack_image_rows(examples: list[Example], seq_len: int, pad_id: int) -> Itera
 
 EXAMPLES = PackKind(encode_rows, pack_rows, 1, SCHEMA, str)
 IMAGE_EXAMPLES = PackKind(encode_rows, pack_image_rows, 1, IMAGE_SCHEMA, str)  # a vision-language model's examples
+
+
+def for_vision(kind: PackKind) -> PackKind:
+    """The pack kind of ``kind``'s items for a vision-language base (its rows may hold images); ``ValueError`` for a
+    kind that trains text models only (preference pairs, prompts)."""
+    if kind is EXAMPLES:
+        return IMAGE_EXAMPLES
+    raise ValueError(
+        "a vision-language base model trains on conversations (SFT); preference pairs (DPO) and prompts (GRPO) "
+        "train text models: use a text base model for them"
+    )

@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ft_assets.data.chat_encoding import ChatEncoder, TokenizerFiles
+from ft_assets.data.images import ImagePool
 from ft_assets.data.packing import EXAMPLES, PackKind
 from ft_assets.data.parallel import DEFAULT_SHARD_ROWS, Executor, InProcess, store_at
 from ft_assets.data.parts import Artifact, Part, Target, Written, part_bytes, part_name, read_part, runs, table_bytes
@@ -41,6 +42,8 @@ class PackStats:
     loss_tokens: int = 0
     rows: int = 0
     slots: int = 0
+    images: int = 0  # image references the examples hold (a vision-language model's)
+    image_tokens: int = 0  # the tokens that stand for them
     pad_id: int | None = None  # the token the rows are padded with (the tokenizer's pad, else its end of sequence)
     files: list[str] = field(default_factory=list)
     rejected: list[tuple[str, RowError]] = field(default_factory=list)  # (row id, error)
@@ -59,6 +62,7 @@ class EncodeSettings:
     kind: PackKind  # how the rows become sequences (``PackKind.encode``)
     encoded: Target  # where the parts' encoded sequences go (``ENCODED`` under the output's prefix)
     out: Target  # the output artifact, where the rows the tokenizer refused go (``quarantine-<split>-NNNNN``)
+    images: ImagePool | None = None  # where the rows' images are read (a vision-language model's data)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class EncodedPart:
     rejected: list[tuple[str, str, str]]  # (row id, reason, detail)
     pad_id: int
     quarantine: Written | None  # the rejected rows, as the artifact's part ``quarantine-<split>-NNNNN``; None: none
+    images: int = 0  # image references of the kept sequences
+    image_tokens: int = 0
 
 
 def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[EncodedPart]:
@@ -88,7 +94,9 @@ def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[Encoded
     sequences, written for the packing tasks, and the rows it rejected, written as the output's quarantine part
     (a data-plane task)."""
     tokenizer = settings.tokenizer
-    encoder = tokenizer if isinstance(tokenizer, ChatEncoder) else tokenizer.encoder()
+    encoder = tokenizer if isinstance(tokenizer, ChatEncoder) else tokenizer.encoder(settings.images)
+    if settings.images is not None:
+        encoder.images = settings.images
     pad_id = (
         encoder.tokenizer.pad_token_id if encoder.tokenizer.pad_token_id is not None else encoder.tokenizer.eos_token_id
     )
@@ -102,7 +110,13 @@ def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[Encoded
         written = settings.encoded.put(part_name(split, index), encoded_bytes(kept), len(kept))
         tokens, loss_tokens = sum(len(e.input_ids) for e in kept), sum(int(e.loss_mask.sum()) for e in kept)
         quarantine = quarantine_part(settings.out, split, index, rejected)
-        done.append(EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id, quarantine))
+        images = image_tokens = 0
+        if encoder.image_token_id is not None:
+            images = sum(len(e.text.split("\n")) for e in kept if e.text)
+            image_tokens = sum(int((e.input_ids == encoder.image_token_id).sum()) for e in kept)
+        done.append(
+            EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id, quarantine, images, image_tokens)
+        )
     return done
 
 
@@ -172,6 +186,8 @@ class _Windows:
         counted.examples += part.written.rows // self.sequences
         counted.tokens += part.tokens
         counted.loss_tokens += part.loss_tokens
+        counted.images += part.images
+        counted.image_tokens += part.image_tokens
         counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
         if part.quarantine is not None:
             self.quarantined.append(part.quarantine)
@@ -203,6 +219,7 @@ def pack_splits(
     window: int = PACK_WINDOW,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
+    images: ImagePool | None = None,
 ) -> dict[str, PackStats]:
     """Encode ``tasks`` ((split, [(part or rows, number)]), in row order) and write packed shards ``<split>-NNNNN.parquet``,
     one a window, to ``out``.
@@ -221,7 +238,9 @@ def pack_splits(
     encoded = Artifact(out.url, join_key(out.prefix, ENCODED))
     windows = _Windows(encoded, executor, window * kind.sequences, stats, kind.sequences)
     parts = executor.map(
-        encode_run, tasks, EncodeSettings(encoder, seq_len, kind, encoded.target(executor), out.target(executor))
+        encode_run,
+        tasks,
+        EncodeSettings(encoder, seq_len, kind, encoded.target(executor), out.target(executor), images),
     )
     for split, written in executor.map(
         pack_window, windows.cut(parts), PackSettings(kind, seq_len, out.target(executor))
@@ -263,6 +282,7 @@ def tokenize_splits(
     window: int = PACK_WINDOW,
     executor: Executor | None = None,
     kind: PackKind = EXAMPLES,
+    images: ImagePool | None = None,
 ) -> dict[str, PackStats]:
     """``pack_splits`` of the parts of each split of ``split``, a run of parts of at most ``executor.shard_rows`` rows
     a task."""
@@ -272,4 +292,4 @@ def tokenize_splits(
         for name in splits
         for run in runs(split.parts(name, executor), lambda part: part.rows, executor.shard_rows)
     ]
-    return pack_splits(tasks, splits, encoder, seq_len, out, window, executor=executor, kind=kind)
+    return pack_splits(tasks, splits, encoder, seq_len, out, window, executor=executor, kind=kind, images=images)

@@ -168,7 +168,7 @@ def train_remote(
     record_key = f"{pipes_prefix}/worker.json"
     cancel_leftover(target, store, record_key, log)
     env = worker_environment(environ)
-    reads = [job.base_model_key, job.shards_key]
+    reads = [job.base_model_key, job.shards_key, *([job.images_key] if job.images_key else [])]
     code = None
     if getattr(target, "code", WHEEL) == WHEEL:
         code = worker_code(store)

@@ -34,6 +34,7 @@ from ft_assets.pools.session import train_remote
 from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.refs import PlanStats, RefOutdated, make_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.shards import fetch_images
 from ft_assets.training import base_model as bm
 from ft_assets.training import chat_templates, mlx_recipe, recipe
 from ft_assets.training.chat_templates import ChatTemplateError
@@ -249,13 +250,17 @@ def _train(
         return _train_on_target(context, target, training, objective, m, inputs, prefix, plan)
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
+    images = fetch_images(m.store, images_key(tokenized_shards), shards_dir)
+    if images:
+        context.log.info(f"fetched the {images} images of the shards")
     tags = tracker_tags(training, m, inputs)
     try:
         backend = training.resolved_backend(torch.cuda.is_available(), objective)  # a run mlx cannot do: one line
         if training.world_size > 1:
             job = WorkerJob(
-                training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags
-            )
+                training, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags,
+                images_key(tokenized_shards),
+            )  # fmt: skip
             return _train_distributed(context, job, base_dir, shards_dir, m.work)
         train = mlx_recipe.train if backend == "mlx" else recipe.train
         return train(
@@ -272,6 +277,11 @@ def _train(
         ) from exc
     except (ValueError, FileNotFoundError) as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+
+
+def images_key(tokenized_shards: dict) -> str:
+    """Where the shards' images are kept (a vision-language model's shards), "" for a text model's."""
+    return tokenized_shards["stats"].get("images_prefix", "")
 
 
 def gpu_target(context) -> Target | None:
@@ -297,7 +307,10 @@ def _train_on_target(
         )
     tags = tracker_tags(training, m, inputs)
     pinned = training.model_copy(update={"method": training.resolved_method(True)})  # the planned method, on CUDA
-    job = WorkerJob(pinned, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags)
+    job = WorkerJob(
+        pinned, m.store.url, prefix, base_model["prefix"], tokenized_shards["prefix"], objective.name, tags,
+        images_key(tokenized_shards),
+    )  # fmt: skip
     try:
         result, summary = train_remote(context, target, job, m.store, os.environ, gpu_request(plan))
     except TargetError as exc:

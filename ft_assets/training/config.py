@@ -80,6 +80,7 @@ def experts_of(config: Mapping[str, Any]) -> int:
 
 
 MOE_DEFAULTS = {"lora_experts": True, "train_router": False, "router_aux_loss_coef": None}  # not in a run id at these
+VISION_DEFAULTS = {"train_vision": "none"}  # a vision-language model's; not in a run id at its default
 SPLIT_FIELDS = ("per_device_batch_size", "gradient_accumulation_steps", "num_processes", "num_nodes")
 # The objectives' settings were flat training settings before each objective owned its own: where each is now.
 MOVED = {
@@ -164,6 +165,13 @@ class CommonTraining(BaseModel):
         ge=0,
         description="Weight of the router's load-balancing loss added to the loss of a mixture of experts. Empty: the "
         "model's own router_aux_loss_coef when train_router is on, else 0.",
+    )
+    train_vision: Literal["none", "projector", "all"] = Field(
+        default="none",
+        description="On a vision-language model (Qwen2.5-VL, Qwen3-VL, Gemma 3, SmolVLM): 'none' trains the language "
+        "model alone, its vision tower and projector frozen (and kept out of QLoRA's 4-bit); 'projector' also trains "
+        "the projector from image features to the language model in full; 'all' also puts LoRA on the vision tower "
+        "(full fine-tuning: every vision weight trains).",
     )
     learning_rate: float | None = Field(
         default=None,
@@ -408,7 +416,7 @@ class CommonTraining(BaseModel):
         if fields["method"] == "full":
             for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules", "lora_experts"):
                 fields.pop(name, None)
-        for name, default in MOE_DEFAULTS.items():  # a run that keeps them has the id it had before they existed
+        for name, default in {**MOE_DEFAULTS, **VISION_DEFAULTS}.items():  # kept: the id it had before they existed
             if fields.get(name, default) == default:
                 fields.pop(name, None)
         return fields

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ft_assets.manifests import fetch_artifact
+from ft_assets.shards import fetch_images
 from ft_assets.storage import open_store
 from ft_assets.training.config import TrainingConfig
 
@@ -44,6 +45,7 @@ class WorkerJob:
     shards_key: str
     objective: str
     tags: dict
+    images_key: str = ""  # where the shards' images are (the dataset's in the store); "": a text model's shards
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "config": self.config.model_dump(mode="json")})
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
     fetch_artifact(store, job.base_model_key, base_dir)
     fetch_artifact(store, job.shards_key, shards_dir)
+    fetch_images(store, job.images_key, shards_dir)
     command = torchrun_command(
         job.config, node_rank, args.endpoint, worker_args(job, base_dir, shards_dir, args.work_dir / "run")
     )

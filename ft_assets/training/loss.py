@@ -75,6 +75,13 @@ from ft_assets.training.config import experts_of
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors on ``device``, those inside a dict too (Gemma 3's per-layer-type masks)."""
+    return {
+        name: to_device(value, device) if isinstance(value, dict) else value.to(device) for name, value in batch.items()
+    }
+
+
 def learned_tokens(batch: dict[str, torch.Tensor]) -> int:
     """How many labels the shifted loss counts (label i is predicted from token i-1)."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -241,12 +248,13 @@ def balancing_loss(model, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def eval_loss_sum(
-    model, rows: PackedRows, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1
+    model, rows: PackedRows, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1, prepare=None
 ) -> tuple[float, int]:
     """Summed token loss and learned-token count over the rows ``rank``, ``rank + world_size``, … of ``rows``.
 
     The model runs in eval mode without gradients and is left in the mode it came in. Divide the sum
     by the count (after summing both over the processes under DDP) for the mean loss per token.
+    ``prepare``: what turns a host batch into the forward's inputs (a vision-language model's pixels).
     """
     was_training = model.training
     model.eval()
@@ -254,7 +262,9 @@ def eval_loss_sum(
     loss_sum, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(indices), batch_size):
-            batch = rows.batch(indices[start : start + batch_size], device)
+            batch = rows.batch(indices[start : start + batch_size], torch.device("cpu") if prepare else device)
+            if prepare is not None:
+                batch = to_device(prepare(batch), device)
             loss_sum += token_loss_sum(model, batch).item()
             count += learned_tokens(batch)
     model.train(was_training)

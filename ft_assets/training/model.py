@@ -34,6 +34,7 @@ import torch
 
 from ft_assets.training.config import ResolvedTraining, TrainingConfig, experts_of
 from ft_assets.training.loss import is_router
+from ft_assets.vision import PROJECTORS, VISION_MODULES, VISION_TOWERS, is_vision_module, model_has_vision
 
 FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 BACKENDS = ("flash_attention_2", "flex_attention", "sdpa", "eager")  # auto's order of preference
@@ -47,21 +48,37 @@ SUPPORT_FLAGS = {
 
 
 def causal_lm_class(model_dir: Path) -> type:
-    """The transformers class ``AutoModelForCausalLM`` builds for the model in ``model_dir`` (config only, no weights)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    """The transformers class the model in ``model_dir`` trains as (config only, no weights): ``AutoModelForCausalLM``'s,
+    or ``AutoModelForImageTextToText``'s for a vision-language model."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    if model_has_vision(model_dir):
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
+def auto_class(model_dir: Path) -> type:
+    """``AutoModelForImageTextToText`` for a vision-language model, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if model_has_vision(model_dir) else AutoModelForCausalLM
+
+
+# Vision-language families whose packed rows get dense masks built by the trainer (``training.vision``): Gemma 3
+DENSE_MASKS = frozenset({"Gemma3ForConditionalGeneration"})
+
+
 def supported_attention(model_class: type | None) -> tuple[str, ...]:
-    """The attention backends transformers accepts for ``model_class`` (eager always; every one when it is not known)."""
+    """The attention backends transformers accepts for ``model_class`` (eager always; every one when it is not known);
+    sdpa and eager only for a family whose masks the trainer builds (``DENSE_MASKS``)."""
     if model_class is None:
         return BACKENDS
     return tuple(
         backend
         for backend, flags in SUPPORT_FLAGS.items()
-        if not flags or any(getattr(model_class, flag, False) for flag in flags)
+        if (not flags or any(getattr(model_class, flag, False) for flag in flags))
+        and (model_class.__name__ not in DENSE_MASKS or backend in ("sdpa", "eager"))
     )
 
 
@@ -108,17 +125,47 @@ def resolve_attention(requested: str, device: torch.device, model_class: type | 
     return requested
 
 
-def linear_layers(model) -> list[str]:
-    """Full names of the model's linear layers, its output head (lm_head) excepted."""
+def linear_layers(model, vision: bool = False) -> list[str]:
+    """Full names of the model's linear layers, its output head (lm_head) excepted; of a vision-language model, its
+    language model's only unless ``vision`` (``ft_assets.vision.is_vision_module``)."""
     head = model.get_output_embeddings()
     return [
-        name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head and (vision or not is_vision_module(name))
     ]
 
 
-def projection_names(model) -> list[str]:
-    """The distinct last names of ``linear_layers``, in module order: what LoRA adapts by default."""
-    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_layers(model)))
+def projection_names(model, vision: bool = False) -> list[str]:
+    """The distinct last names of ``linear_layers``, in module order: what LoRA adapts by default (a layer of a
+    ``Sequential``, named by its index, by its parent's name too: ``mlp.0``)."""
+    names = (name.split(".") for name in linear_layers(model, vision))
+    return list(dict.fromkeys(".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1] for parts in names))
+
+
+def vision_lora(model, config: TrainingConfig) -> tuple[str | None, list[str]]:
+    """A vision-language model's share of the LoRA config: (PEFT's ``exclude_modules``: the vision side, kept out of the
+    adapter but for the tower under ``train_vision: all``; the projectors trained in full beside it, PEFT's
+    ``modules_to_save``, from ``train_vision: projector`` on). (None, []) for a text model."""
+    if not model_has_vision_modules(model):
+        return None, []
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    projectors = [name for name in PROJECTORS if name in present] if config.train_vision != "none" else []
+    frozen = PROJECTORS + (() if config.train_vision == "all" else VISION_TOWERS)
+    return rf"(.*\.)?({'|'.join(frozen)})(\..*)?", projectors  # the projectors' own layers: in modules_to_save
+
+
+def model_has_vision_modules(model) -> bool:
+    return any(is_vision_module(name) for name, _ in model.named_modules())
+
+
+def freeze_vision(model, config: TrainingConfig) -> None:
+    """Full fine-tuning of a vision-language model: its vision tower and projector frozen, as ``train_vision`` says."""
+    trained = {"none": (), "projector": PROJECTORS, "all": VISION_MODULES}[config.train_vision]
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if is_vision_module(name) and not any(part in trained for part in parts):
+            param.requires_grad_(False)
 
 
 def expert_parameters(model) -> list[str]:
@@ -156,11 +203,12 @@ def router_aux_loss_coef(config: TrainingConfig, model_config) -> float:
     return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0) if config.train_router else 0.0
 
 
-def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
-    """The modules LoRA adapts: ``requested`` (names or dotted suffixes, as peft matches them), or every projection when empty."""
+def lora_target_modules(model, requested: Sequence[str], vision: bool = False) -> list[str]:
+    """The modules LoRA adapts: ``requested`` (names or dotted suffixes, as peft matches them), or every projection when
+    empty (of a vision-language model, its language model's, and its vision tower's too with ``vision``)."""
     if not requested:
-        return projection_names(model)
-    linear = linear_layers(model)
+        return projection_names(model, vision)
+    linear = linear_layers(model, vision)
     unknown = [
         target for target in requested if not any(name == target or name.endswith("." + target) for name in linear)
     ]
@@ -175,7 +223,7 @@ def lora_target_modules(model, requested: Sequence[str]) -> list[str]:
 def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device: torch.device):
     """The base model from safetensors (no pickle, no remote code), wrapped for the chosen method."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
     if not any(base_model_dir.glob("*.safetensors")):
         raise FileNotFoundError(
@@ -188,16 +236,20 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
         "trust_remote_code": False,
         "attn_implementation": resolve_attention(config.attn_implementation, device, causal_lm_class(base_model_dir)),
     }
+    vision = model_has_vision(base_model_dir)
     if method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
+            # a vision tower stays in the compute dtype: small beside the language model, and its features feed every
+            # image token (bitsandbytes' default skips only the output head)
+            llm_int8_skip_modules=["lm_head", *(rf"(.*\.)?{name}" for name in VISION_MODULES)] if vision else None,
         )
         kwargs["device_map"] = {"": device}
     kwargs["dtype"] = compute_dtype if method in ("lora", "qlora") else torch.float32  # full: fp32 master weights
-    model = AutoModelForCausalLM.from_pretrained(base_model_dir, **kwargs)
+    model = auto_class(base_model_dir).from_pretrained(base_model_dir, **kwargs)
 
     gc_kwargs = {"use_reentrant": False}  # the non-reentrant variant works with frozen inputs and DDP
     if method == "qlora":
@@ -206,6 +258,10 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
             use_gradient_checkpointing=config.gradient_checkpointing,
             gradient_checkpointing_kwargs=gc_kwargs,
         )
+        if vision:  # the preparation upcast every weight it did not quantize to fp32: a frozen tower computes in bf16
+            for name, param in model.named_parameters():
+                if is_vision_module(name) and param.dtype == torch.float32:
+                    param.data = param.data.to(compute_dtype)
     elif config.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=gc_kwargs)
         if method == "lora":
@@ -215,18 +271,26 @@ def load_model(config: TrainingConfig, method: str, base_model_dir: Path, device
         coef = router_aux_loss_coef(config, model.config)
         model.config.router_aux_loss_coef = coef  # loss.token_loss_sum adds the load-balancing loss at this weight
     if method in ("lora", "qlora"):
+        exclude, projectors = vision_lora(model, config)
+        saved = (router_modules(model) if experts and config.train_router else []) + projectors
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=0.0 if experts and config.lora_experts else config.lora_dropout,  # as for_base says
-            target_modules=lora_target_modules(model, config.target_modules),
+            target_modules=lora_target_modules(model, config.target_modules, config.train_vision == "all"),
             target_parameters=experts if config.lora_experts else None,
-            modules_to_save=router_modules(model) if experts and config.train_router else None,
+            modules_to_save=saved or None,
+            exclude_modules=exclude,
             bias="none",
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
-    elif experts and not config.train_router:  # full: every weight but the router's
+        for param in model.parameters():  # a trained projector's copy (modules_to_save) keeps fp32 master weights
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+    elif vision:
+        freeze_vision(model, config)
+    if method == "full" and experts and not config.train_router:  # full: every weight but the router's
         for name in router_modules(model):
             for module_name, module in model.named_modules():
                 if module_name.endswith("." + name):

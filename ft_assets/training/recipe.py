@@ -92,8 +92,11 @@ from ft_assets.training.tracking import Trackers
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host to device without waiting for the GPU: pinned memory and a non-blocking copy on CUDA."""
+def _to_device(tensor: torch.Tensor | dict, device: torch.device) -> torch.Tensor | dict:
+    """Host to device without waiting for the GPU: pinned memory and a non-blocking copy on CUDA (the tensors of a dict
+    too: Gemma 3's masks by layer type)."""
+    if isinstance(tensor, dict):
+        return {name: _to_device(value, device) for name, value in tensor.items()}
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

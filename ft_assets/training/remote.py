@@ -35,6 +35,7 @@ from ft_assets.manifests import fetch_artifact, publish_dir
 from ft_assets.objectives import named
 from ft_assets.pools.bootstrap import STARTED_ENV
 from ft_assets.pools.worker_identity import worker_tag
+from ft_assets.shards import fetch_images
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         base_dir, shards_dir = args.work_dir / "base", args.work_dir / "shards"
         fetch_artifact(store, job.base_model_key, base_dir)
         fetch_artifact(store, job.shards_key, shards_dir)
+        fetch_images(store, job.images_key, shards_dir)  # a vision-language model's: only its shards' images
         from ft_assets.training.recipe import train  # torch and transformers: after the cheap checks above
 
         try:

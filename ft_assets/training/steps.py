@@ -52,8 +52,11 @@ from ft_assets.training.loss import (
     preference_metrics,
     token_loss_sum,
 )
+from ft_assets.training.vision import pixel_inputs
+from ft_assets.vision import model_has_vision
 
 Reduce = Callable[[list[float]], torch.Tensor]  # figures -> a float32 tensor of their sums over the processes
+Prepare = Callable[[dict], dict]  # a host batch of rows -> the forward's inputs (a vision-language model's pixels)
 Mean = Callable[[list[float]], list[float]]  # figures -> their means over the processes
 
 
@@ -105,6 +108,13 @@ class TrainingStep(Protocol):
     def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> StepRun: ...
 
 
+def _unwrapped_config(model):
+    """The transformers config of ``model`` under its PEFT / DDP wrappers."""
+    while not hasattr(model, "config") or not hasattr(model.config, "model_type"):
+        model = model.module if hasattr(model, "module") else model.base_model
+    return model.config
+
+
 class StatelessStep:
     """What SFT and DPO share: no rollout, no figures beyond the loss."""
 
@@ -127,10 +137,24 @@ class StatelessStep:
 
 
 class TokenLossStep(StatelessStep):
-    """Supervised fine-tuning: cross-entropy on the assistant tokens of packed chat rows."""
+    """Supervised fine-tuning: cross-entropy on the assistant tokens of packed chat rows (of a vision-language model,
+    with the pixels of their images: ``VisionTokenLoss``)."""
+
+    def __init__(self, prepare: Prepare | None = None):
+        self.prepare = prepare  # a vision-language model's forward inputs beyond the rows (ft_assets.training.vision)
 
     def load_rows(self, shards_dir: Path, split: str, max_seq_len: int) -> PackedRows | None:
         return load_packed_rows(shards_dir, split, max_seq_len)
+
+    def for_run(self, config: TrainingConfig, base_model_dir: Path, model) -> TokenLossStep:
+        """Itself for a text model; for a vision-language one, the same step with its family's pixel inputs."""
+        if not model_has_vision(base_model_dir):
+            return self
+        inputs = pixel_inputs(base_model_dir, _unwrapped_config(model))
+        return TokenLossStep(lambda batch: inputs(model, batch))
+
+    def rollout(self, unwrapped, batch: dict, step: int, rank: int, micro: int) -> dict[str, torch.Tensor]:
+        return batch if self.prepare is None else self.prepare(batch)
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return learned_tokens(batch)
@@ -140,7 +164,9 @@ class TokenLossStep(StatelessStep):
 
     def evaluate(self, unwrapped, rows, config, device, rank, world, reduce) -> dict[str, float]:
         """``eval_loss``: the mean token loss over every eval row, each process taking every world-th row."""
-        loss_sum, count = eval_loss_sum(unwrapped, rows, config.per_device_batch_size, device, rank, world)
+        loss_sum, count = eval_loss_sum(
+            unwrapped, rows, config.per_device_batch_size, device, rank, world, prepare=self.prepare
+        )
         total = reduce([loss_sum, count])
         return {"eval_loss": float(total[0] / max(total[1], 1))}
 

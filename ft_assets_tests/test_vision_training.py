@@ -1,0 +1,159 @@
+"""Vision-language models in the data and training planes, one tiny random model per family (``vlm_families.py``).
+
+Each family's rows go the product's whole way: encoded with images by the data plane (``ChatEncoder`` with the
+processor), packed, their images fetched beside the shards, turned into the family's forward inputs
+(``ft_assets.training.vision``). What must hold, per family: the tokens are the processor's own for the same
+conversation (what the model reads at inference), only the reply is learned, a packed row's loss is the sum of its
+examples' separate losses, a separate loss is the model's own ``labels=`` loss on the processor's inputs, the
+picture changes the loss, and the recipe trains, checkpoints and resumes after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft_assets.data.chat_encoding import TokenizerFiles, for_template
+from ft_assets.data.images import ImagePool
+from ft_assets.objectives import named
+from ft_assets.shards import load_packed_rows
+from ft_assets.storage import LocalStore
+from ft_assets.training.loss import learned_tokens, token_loss_sum
+from ft_assets.training.model import load_model
+from ft_assets.training.recipe import train
+from ft_assets.training.vision import pixel_inputs
+from ft_assets.vision import FAMILIES, is_vision_module, load_processor
+from ft_assets_tests.support import (
+    assert_same_weights,
+    final_weights,
+    sigkill_training_after_checkpoint,
+    training_config,
+)
+from ft_assets_tests.vlm_families import build_vlm, color_rows, image_shards, picture, store_image
+
+POOL = "images/colors"
+RUN = "runs/colors/v1/train/run"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return LocalStore(tmp_path_factory.mktemp("store"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlms")
+    return {name: build_vlm(name, root / name) for name in FAMILIES}
+
+
+def two_examples(store) -> list[tuple[str, list[dict]]]:
+    """One picture at the start of a turn; two pictures of other sizes inside another's text."""
+    a, b, c = (
+        store_image(store, POOL, picture("", size, seed)) for seed, size in enumerate([(64, 64), (112, 84), (64, 32)])
+    )
+    return [
+        ("a", [{"role": "user", "content": "<image>What is in it?", "images": [a]},
+               {"role": "assistant", "content": "a dog and a cat"}]),
+        ("b", [{"role": "user", "content": "Look <image> and <image> now", "images": [b, c]},
+               {"role": "assistant", "content": "two things here"}]),
+    ]  # fmt: skip
+
+
+def loss_of(model, model_dir, shards) -> tuple[float, int]:
+    rows = load_packed_rows(shards, "train", 512)
+    batch = pixel_inputs(model_dir, model.config)(model, rows.batch(np.arange(len(rows)), torch.device("cpu")))
+    with torch.no_grad():
+        return token_loss_sum(model, batch).item(), learned_tokens(batch)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_row_of_images_trains_as_its_examples_apart(family, models, store, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    torch.set_num_threads(1)
+    model_dir = models[family]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    examples = two_examples(store)
+    encoder = TokenizerFiles.from_dir(model_dir).encoder(ImagePool(store.url, POOL))
+    processor = load_processor(model_dir)
+
+    # the tokens are the processor's own for the conversation; only the reply (and its end of turn) is learned
+    (_, turns) = examples[1]
+    example = encoder.encode_batch([turns])[0]
+    text = processor.tokenizer.apply_chat_template([for_template(m) for m in turns], tokenize=False)
+    own = processor(text=[text], images=[[ImagePool(store.url, POOL).open(r) for r in turns[0]["images"]]],
+                    add_special_tokens=False, return_tensors="pt")  # fmt: skip
+    assert example.input_ids.tolist() == own["input_ids"][0].tolist()
+    learned = processor.tokenizer.decode(example.input_ids[example.loss_mask.astype(bool)])
+    assert learned.strip().startswith("two things here") and "Look" not in learned
+
+    separate = [loss_of(model, model_dir, image_shards(model_dir, store, POOL, tmp_path / name, {"train": [row]}))
+                for name, row in zip("ab", examples)]  # fmt: skip
+    packed = loss_of(model, model_dir, image_shards(model_dir, store, POOL, tmp_path / "ab", {"train": examples}))
+    assert packed[1] == separate[0][1] + separate[1][1]
+    assert packed[0] == pytest.approx(separate[0][0] + separate[1][0], rel=1e-5)
+
+    # a separate example's loss is the model's own on the processor's inputs
+    labels = own["input_ids"].clone()
+    labels[0, ~torch.from_numpy(example.loss_mask.astype(bool))] = -100
+    with torch.no_grad():
+        reference = model(**own, labels=labels).loss.item() * int((labels[:, 1:] != -100).sum())
+    assert separate[1][0] == pytest.approx(reference, rel=1e-4)
+
+    # and the picture is seen: another picture, another loss
+    other = [(row_id, [{**turns[0], "images": [store_image(store, POOL, picture("red", (112, 84)))] + turns[0]["images"][1:]},
+                       turns[1]]) for row_id, turns in examples[1:]]  # fmt: skip
+    changed = loss_of(model, model_dir, image_shards(model_dir, store, POOL, tmp_path / "other", {"train": other}))
+    assert abs(changed[0] - separate[1][0]) > 1e-3
+
+
+TRAIN_VISION = [
+    ("none", set()),
+    ("projector", {"projector"}),
+    ("all", {"projector", "tower"}),
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("setting,trained", TRAIN_VISION, ids=[c[0] for c in TRAIN_VISION])
+def test_the_vision_side_trains_only_as_train_vision_says(family, setting, trained, models):
+    model = load_model(training_config(train_vision=setting), "lora", models[family], torch.device("cpu"))
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    towers, projectors = (
+        ("visual.blocks", "vision_tower", "vision_model"),
+        ("merger", "multi_modal_projector", "connector"),
+    )
+    assert any(".layers." in name and "lora_" in name for name in names)  # the language model's adapter, always
+    assert any(any(p in name for p in projectors) for name in names) == ("projector" in trained)
+    assert any(any(t in name for t in towers) for name in names) == ("tower" in trained)
+
+
+@pytest.mark.integration
+def test_a_vision_run_learns_checkpoints_and_resumes_after_sigkill(models, store, tmp_path):
+    """Qwen2.5-VL with its projector trained: the loss falls, and a run killed after its checkpoint at step 4 ends
+    with the same weights as one that was never interrupted."""
+    model_dir = models["qwen2_5_vl"]
+    splits = {"train": color_rows(store, POOL, 24), "eval": color_rows(store, POOL, 4, start=24)}
+    shards = image_shards(model_dir, store, POOL, tmp_path / "shards", splits)
+    config = training_config(max_seq_len=256, train_vision="projector", learning_rate=3e-3, max_steps=8)
+    whole = train(config, model_dir, shards, store, RUN + "-whole", tmp_path / "whole", log=lambda line: None,
+                  objective=named("sft"))  # fmt: skip
+    first, last = whole.loss_history[0][1], whole.loss_history[-1][1]
+    assert last < first * 0.7, whole.loss_history
+
+    sigkill_training_after_checkpoint(config, model_dir, shards, store, RUN, 4, tmp_path / "killed")
+    resumed = train(config, model_dir, shards, store, RUN, tmp_path / "resumed", log=lambda line: None,
+                    objective=named("sft"))  # fmt: skip
+    assert resumed.resumed_from_step == 4
+    assert_same_weights(final_weights(resumed), final_weights(whole))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "smolvlm"])
+def test_qlora_quantizes_the_language_model_alone(family, models):
+    import bitsandbytes as bnb
+
+    model = load_model(training_config(method="qlora"), "qlora", models[family], torch.device("cpu"))
+    quantized = [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
+    assert quantized and all(".layers." in name and "vision" not in name for name in quantized)
+    assert not any(is_vision_module(name) for name in quantized)
