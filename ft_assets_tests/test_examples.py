@@ -30,6 +30,7 @@ SBATCH = EXAMPLES / "slurm-pipeline.sbatch"
 # example: (GiB of its card the training may take, GPUs): the card each example's comment names
 CARDS = {
     "qwen2.5-7b-qlora-24gb.yaml": (24, 1),
+    "qwen2.5-vl-7b-qlora-24gb.yaml": (24, 1),
     "llama3.1-8b-lora-48gb.yaml": (48, 1),
     "qwen3-14b-qlora.yaml": (24, 1),
     "gemma3-12b-lora.yaml": (40, 1),

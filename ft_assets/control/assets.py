@@ -39,7 +39,7 @@ from ft_assets.control.cost_model import CostModelError, load_cost_model
 from ft_assets.control.cost_report import CostRecord, aggregate_cost_report
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.gpu_plan import NoGpuFits, TrainingPlan, plan_training
-from ft_assets.control.planner import ModelShape, PlanRequest, Throughput, throughput
+from ft_assets.control.planner import ImageLoad, ModelShape, PlanRequest, Throughput, throughput
 from ft_assets.control.sky_bill import adapter_bill
 from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
@@ -122,7 +122,7 @@ def plan_run(
     objective = objectives.of_stats(shards)
     resolved = training.resolve(shards["train_packed_rows"], cuda, objective)
     work = objective.step.work(training, shards, resolved)
-    request = PlanRequest(shape, training, resolved.method, work)
+    request = PlanRequest(shape, training, resolved.method, work, images=ImageLoad.of_shards(shards))
     where = parse_target(target)
     try:
         pinned = getattr(where, "pinned_gpu", None)

@@ -185,9 +185,10 @@ def plan_training(
         n: estimate_vram(request, n, ("fsdp" if n > 1 else "ddp") if fewest_gpus else settings.parallelism)
         for n in counts
     }
+    images = request.planned_images()
     flops, factor = objective_cost(
         shape, method, work.attention_len, settings.gradient_checkpointing, work.reference_forward, work.generated_share,
-        work.decode_batch, cost_model.mfu(method),
+        work.decode_batch, cost_model.mfu(method), images, settings.train_vision,
     )  # fmt: skip
     total_tokens = round(work.tokens * factor)
     mode, warnings = rental_mode_for(purpose)
@@ -228,6 +229,8 @@ def plan_training(
             f"download and checkpoint upload crosses regions, billed as egress at ${cost_model.egress_usd_per_gb}/GB "
             f"and slower; store the data in {chosen.region} or add an offering in {data_region}"
         )
+    if images is not None and request.images is None:
+        warnings.append(f"images: {images.source}; a dataset's training plan counts its own")
     if request.shape.experts:
         warnings.append(
             f"a mixture of experts is timed from its active parameters ({request.shape.describe_params()}) at a dense "
@@ -287,8 +290,9 @@ def _fewest_that_fit(
     fits = vram.total_gib <= usable and gpus <= offering.max_gpus
     rate = offering.usd_per_hour(mode)
     speed = tokens_per_second(
-        run.shape, run.method, run.work.seq_len, run.settings.gradient_checkpointing, offering, cost_model, gpus
-    )
+        run.shape, run.method, run.work.seq_len, run.settings.gradient_checkpointing, offering, cost_model, gpus,
+        run.planned_images(), run.settings.train_vision,
+    )  # fmt: skip
     restarts = cost_model.spot_restart_overhead if mode == "spot" and not offering.unified_memory else 0  # a Mac: owned
     train_hours = total_tokens / speed / 3600 * (1 + restarts)
     hours = cost_model.startup_minutes / 60 + train_hours

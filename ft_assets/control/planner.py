@@ -75,6 +75,35 @@ On W GPUs (``gpus``, ``parallelism``; the recipe's ``ft_assets.training.parallel
 Tokens/s on W GPUs: W x one GPU's x ``SCALING_EFFICIENCY`` (0.9 within a node, 0.8 across nodes:
 assumptions for gradient all-reduce / FSDP all-gathers overlapping compute on NVLink / InfiniBand).
 
+A vision-language model (``ModelShape.vision``: Qwen2.5-VL, Qwen3-VL, Gemma 3, Idefics3, SmolVLM) adds its vision
+side, V parameters of tower and projector (``model_shape.VisionShape``, counted from ``vision_config``). Its image
+tokens are ordinary tokens of the packed rows: they count in seq_len, so every term above stands as it is. Per
+micro-batch the tower sees the rows' images, P patches = image tokens x patches a token (Qwen's 2x2 merge 4; Gemma 3's
+4,096 patches pooled to 256 tokens, 16; Idefics3's pixel shuffle, scale_factor^2). With ``train_vision: none`` (the
+default: tower and projector frozen, kept out of QLoRA's 4-bit):
+
+    vision          2 V (bf16; 4 V under full fine-tuning) + the micro-batch's pixel values (fp32, as the image
+                    processor returns them: 4 x channels x temporal patch x patch^2 a patch); whole on every GPU
+    vision_forward  max(0, tower peak - (activations + attention + logits)). The frozen tower keeps no graph, and it
+                    runs and frees its tensors before the first decoder layer, so its transient peak only counts
+                    where it is the larger: one layer's live tensors a patch, the larger of 12 h_v bf16 (+ 3 h_v fp32
+                    for Qwen's rotary embedding) and bf16 (2 h_v + 3 i_v, 2 i_v without a gated MLP), plus the image
+                    features (bf16, the language model's width a token), plus under eager attention the tower's
+                    scores (10 bytes x heads x span^2: Qwen's sequences one at a time, the others' images batched)
+    FLOPs a token   + images a row x (2 x the tower's matmul params x P_image + 4 x layers x P_image x span x h_v
+                    + 2 x projector params x image tokens) / seq_len, forward only; span = the patches a patch attends
+                    over: Qwen2.5-VL's 112-px windows (64 patches) but on its fullatt_block_indexes, a Gemma 3 image,
+                    an Idefics3 tile
+
+``train_vision: projector`` trains the projector in full (16 bytes a parameter, as the adapter's; its input, norm and
+hidden activations kept per image token; a backward for its weight gradients); ``all`` adds LoRA on the tower's linear
+layers (full fine-tuning: the tower's weights), whose activations are kept like a decoder's and whose backward and
+recompute the FLOPs count. Gemma 3's packed rows get dense masks from the trainer, so ``auto`` plans sdpa there.
+The images a row are the shards' (``images`` and ``image_tokens`` over ``train_packed_rows``: the mean row) or, before
+any data, the processor's own limit, stated in the plan: one image a row, the largest the processor makes, within the
+row (Qwen2.5-VL-7B-Instruct's max_pixels 12,845,056: 16,384 tokens, so a whole 4,096-token row). Qwen2.5-VL-7B QLoRA
+at 4,096 x 2 tokens that way: 14.6 GiB, 1.4 of it the vision side (``examples/qwen2.5-vl-7b-qlora-24gb.yaml``).
+
 Objectives that do more than a forward and a backward per trained token (``objective_cost``): with
 F = flops_per_token and f = its forward alone (2 x matmul params + 2 x L x seq x q),
 
@@ -105,7 +134,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ft_assets.control.cost_model import GIB, CostModel, GpuOffering
-from ft_assets.control.model_shape import ModelShape, lora_params, lora_targets_of
+from ft_assets.control.model_shape import ImageLoad, ModelShape, VisionShape, lora_params, lora_targets_of
 from ft_assets.training.chunking import chunk_tokens
 from ft_assets.training.config import AttentionImplementation, Method, Parallelism, TrainingConfig
 
@@ -131,6 +160,16 @@ LossPath = Literal["chunked", "full"]
 GPUS_PER_NODE = 8  # the largest GPU host (8 x H100/A100 per node): more GPUs are more nodes
 FSDP_GATHERED_LAYERS = 2  # decoder layers unsharded at once under FSDP: the one computing and the one prefetched
 SCALING_EFFICIENCY = {"node": 0.9, "nodes": 0.8}  # throughput per GPU on several GPUs (an assumption, not measured)
+# A vision-language model's tower and projector as the recipe loads them: bf16 beside the language model (kept out of
+# QLoRA's 4-bit by llm_int8_skip_modules), fp32 under full fine-tuning (every weight is)
+VISION_BYTES = {"qlora": BF16_BYTES, "lora": BF16_BYTES, "full": FP32_BYTES}
+PIXEL_BYTES = FP32_BYTES  # pixel_values as the image processor returns them, on the GPU for the whole step
+# One tower layer's live tensors per patch in a no-grad forward, in units of its hidden width h (bf16): the input, its
+# norm, q/k/v, the attention output and the residual sum (12 h); Qwen's rotary embedding adds q and k in fp32 and a
+# product (3 h fp32). Checked against torch's CPU memory timeline of full-width towers (test_planner.py;
+# docs/validation/planner-calibration.md): Qwen2.5-VL +8%, Qwen3-VL -10%, SmolVLM +10%.
+TOWER_ATTENTION_WIDTHS = 12
+TOWER_ROTARY_FP32_WIDTHS = 3
 
 
 @dataclass(frozen=True)
@@ -157,8 +196,15 @@ class VramEstimate:
     logits_gib: float  # every token's (full loss) or one chunk's (chunked loss)
     slack_gib: float  # the caching allocator's reserved-but-unused memory
     overhead_gib: float  # CUDA context
+    vision_gib: float = 0.0  # a vision-language model's tower and projector weights and the micro-batch's pixels
+    vision_forward_gib: float = 0.0  # what the frozen tower's forward peak adds beyond the decoder's (0: it is smaller)
+    tower_peak_gib: float = 0.0  # the tower's forward peak itself (one layer's tensors, the image features): not a part
+    images: ImageLoad | None = None  # the images a row the estimate counts, and where that figure comes from
 
-    PARTS = ("weights", "adapter", "gradients", "optimizer", "activations", "attention", "logits", "slack", "overhead")
+    PARTS = (
+        "weights", "vision", "adapter", "gradients", "optimizer", "activations", "vision_forward", "attention", "logits",
+        "slack", "overhead",
+    )  # fmt: skip
 
     @property
     def total_gib(self) -> float:
@@ -189,6 +235,15 @@ class PlanRequest:
     method: Method  # settings.method resolved (ResolvedTraining.method): which weights train
     work: StepWork
     loss: LossPath = "chunked"  # the recipe's (ft_assets.training.loss); "full": Hugging Face's loss over every logit
+    # a vision-language model's images a row: the shards' counts (ImageLoad.of_shards), or None before any data: the
+    # largest image its processor makes, one a row (VisionShape.assumed_images)
+    images: ImageLoad | None = None
+
+    def planned_images(self) -> ImageLoad | None:
+        """The images a row the plan counts: the request's, else the assumption; None for a text model."""
+        if self.shape.vision is None:
+            return None
+        return self.images or self.shape.vision.assumed_images(self.work.seq_len)
 
     def variant(self, method: Method, grad_checkpointing: bool, micro_batch: int) -> PlanRequest:
         """The same run with another method, gradient checkpointing or micro-batch (what a no-fit suggests)."""
@@ -208,6 +263,8 @@ def estimate_vram(
     """
     shape, method, settings, loss = request.shape, request.method, request.settings, request.loss
     seq_len, micro_batch, attention = request.work.seq_len, request.work.micro_batch, settings.attn_implementation
+    if attention == "auto" and shape.vision is not None and shape.vision.dense_masks:
+        attention = "sdpa"  # the trainer's dense masks (Gemma 3): auto resolves to sdpa on a GPU
     gpus = settings.world_size if gpus is None else gpus
     parallelism = parallelism or settings.parallelism
     _check_inputs(method, seq_len, micro_batch, gpus, attention, loss, parallelism)
@@ -230,7 +287,15 @@ def estimate_vram(
         scores = layers_alive * SCORE_BYTES * shape.heads * seq_len**2 * micro_batch
     logit_tokens = tokens if loss == "full" else min(tokens, chunk_tokens(shape.vocab))
     logits = LOGITS_BYTES_PER_TOKEN_PER_VOCAB * shape.vocab * logit_tokens
-    tensors = weights + adapter + gradients + optimizer + activations + scores + logits
+    images, vision, tower_peak = request.planned_images(), 0.0, 0.0
+    if shape.vision is not None:
+        image_tokens = micro_batch * images.tokens_per_row
+        vision = VISION_BYTES[method] * shape.vision.params
+        vision += PIXEL_BYTES * shape.vision.patch_pixels * shape.vision.patches(image_tokens)
+        activations += _vision_saved(shape.vision, method, settings, image_tokens)
+        tower_peak = tower_forward_peak(shape.vision, images, micro_batch, attention)
+    vision_forward = max(0.0, tower_peak - (activations + scores + logits))  # the tower runs before the decoder's peak
+    tensors = weights + vision + adapter + gradients + optimizer + activations + vision_forward + scores + logits
     return VramEstimate(
         method=method,
         seq_len=seq_len,
@@ -250,6 +315,10 @@ def estimate_vram(
         logits_gib=logits / GIB,
         slack_gib=ALLOCATOR_SLACK * tensors / GIB,
         overhead_gib=CUDA_CONTEXT_GIB,
+        vision_gib=vision / GIB,
+        vision_forward_gib=vision_forward / GIB,
+        tower_peak_gib=tower_peak / GIB,
+        images=images,
     )
 
 
@@ -271,17 +340,12 @@ def _model_state(
     """(trainable parameters, weight, adapter, gradient and AdamW bytes of the whole model, the adapter's saved bytes
     per token and layer) of ``method``: full trains every fp32 weight; LoRA and QLoRA train the adapter beside bf16
     or NF4 weights and save each targeted projection's input (and dropout mask) and its rank-r product."""
+    vision = _vision_trainable(shape.vision, method, settings)
     if method == "full":
-        return (
-            shape.params,
-            FP32_BYTES * shape.params,
-            0,
-            FP32_BYTES * shape.params,
-            ADAMW_STATE_BYTES * shape.params,
-            0,
-        )
+        trained = shape.params + vision
+        return trained, FP32_BYTES * shape.params, 0, FP32_BYTES * trained, ADAMW_STATE_BYTES * trained, 0
     lora_r, lora_targets = settings.lora_r, settings.target_modules
-    trainable = lora_params(shape, lora_r, lora_targets, experts=settings.lora_experts)
+    trainable = lora_params(shape, lora_r, lora_targets, experts=settings.lora_experts) + vision
     if method == "lora":
         weights = BF16_BYTES * shape.params
     else:
@@ -320,13 +384,121 @@ def _per_gpu(
     return weights / gpus + gathered, adapter / gpus, gradients / gpus + unsharded_grads, optimizer / gpus
 
 
-def flops_per_token(shape: ModelShape, method: Method, seq_len: int, grad_checkpointing: bool) -> float:
-    """Hardware FLOPs one trained token costs (module docstring); LoRA's own matmuls (<1%) left out."""
+def _tower_linears(vision: VisionShape, settings: TrainingConfig) -> list[tuple[str, int, int]]:
+    """The tower's linear layers LoRA adapts under ``train_vision: all``: those of ``target_modules`` (a name matches the
+    tower's as the language model's), or every one when empty."""
+    named = {target.rsplit(".", 1)[-1] for target in settings.target_modules}
+    return [linear for linear in vision.linears if not named or linear[0] in named]
+
+
+def _vision_trainable(vision: VisionShape | None, method: Method, settings: TrainingConfig) -> int:
+    """Trained parameters of a vision-language model's vision side: none by default (``train_vision: none``); the
+    projector in full (``projector``); and with ``all`` LoRA on the tower's linear layers (full fine-tuning: every
+    tower weight). PEFT trains the projector as a copy (``modules_to_save``), counted with the adapter in fp32."""
+    if vision is None or settings.train_vision == "none":
+        return 0
+    tower = 0
+    if settings.train_vision == "all":
+        lora = vision.layers * settings.lora_r * sum(a + b for _, a, b in _tower_linears(vision, settings))
+        tower = vision.tower_params if method == "full" else lora
+    return vision.projector_params + tower
+
+
+def _vision_saved(vision: VisionShape, method: Method, settings: TrainingConfig, image_tokens: float) -> float:
+    """Bytes the vision side keeps for backward when it trains: the projector's input, norm and hidden activations per
+    image token, and under ``all`` the tower's like a decoder's (each layer's input with gradient checkpointing, plus
+    one layer recomputed; LoRA's inputs on top but under full fine-tuning). 0 when it is frozen: its forward builds no
+    graph."""
+    if settings.train_vision == "none":
+        return 0.0
+    saved = BF16_BYTES * (2 * vision.projector_in + 2 * vision.projector_hidden) * image_tokens
+    if settings.train_vision == "all":
+        patches, h = vision.patches(image_tokens), vision.hidden
+        lora_input = BF16_BYTES + (DROPOUT_MASK_BYTES if settings.lora_dropout > 0 else 0)
+        lora = sum(lora_input * a + BF16_BYTES * settings.lora_r for _, a, _ in _tower_linears(vision, settings))
+        per_layer = BF16_BYTES * (8 * h + 4 * vision.intermediate) + (0 if method == "full" else lora)
+        if settings.gradient_checkpointing:
+            saved += vision.layers * BF16_BYTES * h * patches + per_layer * patches
+        else:
+            saved += vision.layers * per_layer * patches
+    return saved
+
+
+def tower_forward_peak(vision: VisionShape, images: ImageLoad, micro_batch: int, attention: str) -> float:
+    """The frozen tower's forward peak over a micro-batch's images, bytes: one layer's live tensors per patch (the
+    larger of its attention and MLP stages), the image features it hands the language model, and under eager
+    attention the score matrices (Qwen's packed sequence one image or window at a time, the others' images batched)."""
+    h, i = vision.hidden, vision.intermediate
+    image_tokens = micro_batch * images.tokens_per_row
+    attention_stage = BF16_BYTES * TOWER_ATTENTION_WIDTHS * h + (
+        FP32_BYTES * TOWER_ROTARY_FP32_WIDTHS * h if vision.rotary_fp32 else 0
+    )
+    mlp_stage = BF16_BYTES * (2 * h + (3 if vision.gated_mlp else 2) * i)
+    peak = (
+        max(attention_stage, mlp_stage) * vision.patches(image_tokens) + BF16_BYTES * vision.out_hidden * image_tokens
+    )
+    if attention == "eager" and image_tokens:
+        image = vision.patches(images.tokens_per_image)
+        span = min(vision.sequence_patches or image, image)
+        sequences = 1 if not vision.sequence_patches else micro_batch * images.per_row * image / span
+        peak += SCORE_BYTES * vision.heads * span**2 * sequences
+    return peak
+
+
+def _tower_attention_flops(vision: VisionShape, patches: float) -> float:
+    """One image's attention FLOPs in the tower, forward: QK^T and AV over each sequence (a tile, an image, Qwen2.5-VL's
+    64-patch windows on its windowed layers), no causal mask."""
+    full = min(vision.sequence_patches or patches, patches)
+    windowed = min(vision.window_patches, full) if vision.window_patches else full
+    spans = vision.full_attention_layers * full + (vision.layers - vision.full_attention_layers) * windowed
+    return 4 * patches * vision.hidden * spans
+
+
+def vision_flops_per_token(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    grad_checkpointing: bool,
+    images: ImageLoad | None,
+    train_vision: str = "none",
+) -> float:
+    """Hardware FLOPs of a vision-language model's vision side per token of a row (module docstring): the tower's
+    forward (2 x its matmul parameters per patch + attention) and the projector's (2 x its parameters per image token)
+    over the row's images, and their backward where they train; 0 for a text model or a row without images."""
+    vision = shape.vision
+    if vision is None or images is None or not images.per_row:
+        return 0.0
+    patches = vision.patches(images.tokens_per_image)
+    per_patch = vision.tower_params - vision.lookup_params - vision.token_params
+    tower = 2 * per_patch * patches + 2 * vision.token_params * images.tokens_per_image
+    attention = _tower_attention_flops(vision, patches)
+    projector = 2 * vision.projector_params * images.tokens_per_image
+    if train_vision == "all":  # LoRA's input gradients through every layer (full: weight gradients too), recomputed
+        recompute = 1 if grad_checkpointing else 0
+        tower = tower * (1 + (2 if method == "full" else 1) + recompute) + attention * (1 + 2 + recompute)
+        projector *= 1 + 2  # weight and input gradients
+    else:
+        tower += attention
+        projector *= 2 if train_vision == "projector" else 1  # its weight gradients (its input needs none)
+    return images.per_row * (tower + projector) / seq_len
+
+
+def flops_per_token(
+    shape: ModelShape,
+    method: Method,
+    seq_len: int,
+    grad_checkpointing: bool,
+    images: ImageLoad | None = None,
+    train_vision: str = "none",
+) -> float:
+    """Hardware FLOPs one trained token costs (module docstring); LoRA's own matmuls (<1%) left out. A vision-language
+    model's ``images`` a row add the vision side's (``vision_flops_per_token``)."""
     forward_matmul = 2 * shape.active_matmul_params  # a mixture: the experts a token goes through
     forward_attention = 2 * shape.layers * seq_len * shape.q_dim  # QK^T and AV, halved by the causal mask
     recompute = 1 if grad_checkpointing else 0
     backward_matmul = 2 if method == "full" else 1
-    return forward_matmul * (1 + backward_matmul + recompute) + forward_attention * (1 + 2 + recompute)
+    vision = vision_flops_per_token(shape, method, seq_len, grad_checkpointing, images, train_vision)
+    return forward_matmul * (1 + backward_matmul + recompute) + forward_attention * (1 + 2 + recompute) + vision
 
 
 DECODE_RIDGE_FLOPS_PER_BYTE = (
@@ -344,12 +516,16 @@ def objective_cost(
     generated_share: float,
     decode_batch: int,
     training_mfu: float,
+    images: ImageLoad | None = None,
+    train_vision: str = "none",
 ) -> tuple[float, float]:
     """(hardware FLOPs per trained token, training-equivalent tokens per trained token) of an objective's step: the
     reference's forward (DPO; GRPO with beta > 0) and, for GRPO, generating ``generated_share`` of the tokens, decoded
-    ``decode_batch`` sequences at a time (module docstring). SFT: (flops_per_token, 1.0)."""
-    train = flops_per_token(shape, method, seq_len, grad_checkpointing)
+    ``decode_batch`` sequences at a time (module docstring). SFT: (flops_per_token, 1.0). A vision-language model's
+    forward runs its tower over the row's ``images`` too."""
+    train = flops_per_token(shape, method, seq_len, grad_checkpointing, images, train_vision)
     forward = 2 * shape.active_matmul_params + 2 * shape.layers * seq_len * shape.q_dim
+    forward += vision_flops_per_token(shape, method, seq_len, False, images)
     reference = forward if reference_forward else 0.0
     if not generated_share:
         return train + reference, (train + reference) / train
@@ -368,12 +544,15 @@ def tokens_per_second(
     offering: GpuOffering,
     cost_model: CostModel,
     gpus: int = 1,
+    images: ImageLoad | None = None,
+    train_vision: str = "none",
 ) -> float:
-    """Assumed training throughput of ``gpus`` x ``offering``: bf16 peak x MFU over FLOPs per token, per GPU,
-    times the GPUs at ``SCALING_EFFICIENCY``."""
+    """Assumed training throughput of ``gpus`` x ``offering``: bf16 peak x MFU over FLOPs per token (a vision-language
+    model's with its ``images`` a row), per GPU, times the GPUs at ``SCALING_EFFICIENCY``."""
     sustained = offering.bf16_tflops * 1e12 * cost_model.mfu(method) * offering.mfu_scale
     scaling = 1.0 if gpus == 1 else SCALING_EFFICIENCY["node" if gpus <= GPUS_PER_NODE else "nodes"]
-    return gpus * scaling * sustained / flops_per_token(shape, method, seq_len, grad_checkpointing)
+    flops = flops_per_token(shape, method, seq_len, grad_checkpointing, images, train_vision)
+    return gpus * scaling * sustained / flops
 
 
 @dataclass(frozen=True)
