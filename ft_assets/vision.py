@@ -51,6 +51,14 @@ def model_has_vision(model_dir: str | Path) -> bool:
     return path.is_file() and is_vision_model(read_config(model_dir))
 
 
+def auto_class(model_dir: str | Path) -> type:
+    """The transformers auto class a model loads with: ``AutoModelForImageTextToText`` for a vision-language model,
+    else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if model_has_vision(model_dir) else AutoModelForCausalLM
+
+
 def image_token_id(config: dict) -> int:
     """The token id that stands for one image feature in the model's sequences (Qwen's ``<|image_pad|>``, Gemma 3's
     ``<image_soft_token>``, Idefics3's ``<image>``), as config.json names it."""

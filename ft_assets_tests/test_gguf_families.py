@@ -37,8 +37,11 @@ LLAMACPP_TOLERANCES = {"f16": 5e-3, "q8_0": 8e-2, "q4_k_m": 0.5}
 # A mixture of experts routes each token to its top 2 of 4 experts: quantization error that flips a near-tied router
 # choice sends the token through another expert, so the quantized files part more (measured: Q8_0 0.10-0.12, Q4_K_M
 # 0.32-0.53), and gpt-oss's F16 carries llama.cpp's YaRN, which rounds the correction range that gpt-oss's
-# "truncate": false keeps fractional (7.8e-3; 3.5e-3 with plain RoPE). A mis-laid expert tensor still lands near 1.
-MOE_TOLERANCES = {"f16": 1e-2, "q8_0": 0.2, "q4_k_m": 0.8}
+# "truncate": false keeps fractional (7.4e-3 to 7.8e-3; 3.5e-3 with plain RoPE). Even F16 can flip a router choice that
+# is tied to within rounding: the same wheel, model and seed gave gpt-oss 1.97e-2 (max |diff| 2.37 at one position,
+# tokens and greedy replies still equal) on another x86-64 host, 7.4e-3 on this one. A mis-laid expert tensor still
+# lands near 1.
+MOE_TOLERANCES = {"f16": 3e-2, "q8_0": 0.2, "q4_k_m": 0.8}
 NAME = "tiny"
 # A name llama.cpp gives Phi-3's SentencePiece token attributes for (converter.general_name), on Phi-3 with a byte-level BPE.
 PHI3_NAME = "phi3-toolcalls-v1"

@@ -12,17 +12,18 @@ import shutil
 from pathlib import Path
 
 from ft_assets.training.base_model import TOKENIZER_FILES
+from ft_assets.vision import auto_class
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load_full_precision(model_dir: Path, dtype: str = "float32"):
+    """The model in ``model_dir`` at ``dtype`` (a vision-language model as one: ``vision.auto_class``)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"merge dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    return AutoModelForCausalLM.from_pretrained(
+    return auto_class(model_dir).from_pretrained(
         model_dir, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False
     )
 

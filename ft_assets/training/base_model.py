@@ -33,13 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ft_assets.portable import make_portable
+from ft_assets.vision import PROCESSOR_FILES
 from ft_assets.training import chat_templates
 from ft_assets.training.chat_templates import TemplateChoice
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# What travels with the weights wherever a model is written (the trainer's output, the merge): the tokenizer, its chat
+# template and, for a vision-language model, its processor
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", *PROCESSOR_FILES,
+)  # fmt: skip
 
 
 class BaseModelError(ValueError):

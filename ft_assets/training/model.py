@@ -34,7 +34,7 @@ import torch
 
 from ft_assets.training.config import ResolvedTraining, TrainingConfig, experts_of
 from ft_assets.training.loss import is_router
-from ft_assets.vision import PROJECTORS, VISION_MODULES, VISION_TOWERS, is_vision_module, model_has_vision
+from ft_assets.vision import PROJECTORS, VISION_MODULES, VISION_TOWERS, auto_class, is_vision_module, model_has_vision
 
 FLEX_ATTENTION_TORCH = (2, 5)  # torch.nn.attention.flex_attention with a document mask from transformers
 BACKENDS = ("flash_attention_2", "flex_attention", "sdpa", "eager")  # auto's order of preference
@@ -56,13 +56,6 @@ def causal_lm_class(model_dir: Path) -> type:
     if model_has_vision(model_dir):
         return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-
-
-def auto_class(model_dir: Path) -> type:
-    """``AutoModelForImageTextToText`` for a vision-language model, else ``AutoModelForCausalLM``."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if model_has_vision(model_dir) else AutoModelForCausalLM
 
 
 # Vision-language families whose packed rows get dense masks built by the trainer (``training.vision``): Gemma 3

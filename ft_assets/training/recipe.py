@@ -59,6 +59,7 @@ from ft_assets.objectives import Objective
 from ft_assets.pools.ec2_metadata import SpotNoticeWatcher
 from ft_assets.storage import ObjectStore
 from ft_assets.training import loop
+from ft_assets.training.base_model import TOKENIZER_FILES
 from ft_assets.training.checkpoints import (
     BackgroundUploader,
     Checkpoint,
@@ -88,8 +89,6 @@ from ft_assets.training.preemption import SigtermFlag
 from ft_assets.training.progress import eval_line, progress_line
 from ft_assets.training.result import TrainingResult
 from ft_assets.training.tracking import Trackers
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _to_device(tensor: torch.Tensor | dict, device: torch.device) -> torch.Tensor | dict:
