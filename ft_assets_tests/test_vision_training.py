@@ -10,9 +10,16 @@ picture changes the loss, and the recipe trains, checkpoints and resumes after S
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from ft_assets.data.chat_encoding import TokenizerFiles, for_template
 from ft_assets.data.images import ImagePool
@@ -32,6 +39,7 @@ from ft_assets_tests.support import (
 )
 from ft_assets_tests.vlm_families import build_vlm, color_rows, image_shards, picture, store_image
 
+SHAPES = Path(__file__).resolve().parents[1] / "samples" / "shapes"
 POOL = "images/colors"
 RUN = "runs/colors/v1/train/run"
 
@@ -157,3 +165,61 @@ def test_qlora_quantizes_the_language_model_alone(family, models):
     quantized = [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
     assert quantized and all(".layers." in name and "vision" not in name for name in quantized)
     assert not any(is_vision_module(name) for name in quantized)
+
+
+@pytest.mark.integration
+def test_the_shipped_vision_sample_trains_a_vlm_through_ft_assets_run(home, capsys, models):
+    """The whole command on the shipped sample's chat file and a tiny Qwen2.5-VL, through the data and training planes:
+    its broken images quarantined with their reasons, each picture stored once by content, the worker fetching the
+    images its shards name, and an adapter that PEFT loads onto the base and that changes its answer to a picture."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from ft_assets_tests.support import run_cli
+
+    data = SHAPES / "chat.jsonl"
+    config = home / "run_config.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "ops": {
+                    "base_model": {"config": {"source": str(models["qwen2_5_vl"])}},
+                    "tokenized_shards": {"config": {"seq_len": 256}},
+                    "lora_adapter": {"config": {"max_steps": 3, "per_device_batch_size": 1, "save_steps": 2}},
+                }
+            }
+        )
+    )
+    argv = ["run", "--dataset", str(data), "--name", "shapes", "--version", "v1", "--config", str(config)]
+    code, summary, err = run_cli(capsys, *argv, "--until", "training", "--json")
+    assert code == 0, err[-3000:]
+    assert summary["quarantine_reasons"] == {"image_missing": 1, "image_unreadable": 1}, summary
+    stored = sorted(p.name for p in (home / "home" / "store" / "images" / "shapes").iterdir())
+    uris = re.findall(r'"(data:image/[a-z]+;base64,[^"]+)"', data.read_text())
+    named = {hashlib.sha256(p.read_bytes()).hexdigest() for p in (SHAPES / "images").iterdir()}
+    named |= {hashlib.sha256(base64.b64decode(uri.split(",", 1)[1])).hexdigest() for uri in uris}
+    assert {name.split(".")[0] for name in stored} <= named and len(stored) == len(set(stored))
+    fetched = re.search(r"lora_adapter: fetched the (\d+) images of the shards", err)
+    assert fetched and 0 < int(fetched[1]) <= len(stored), err[-3000:]
+
+    adapter = Path(summary["adapter_uri"].removeprefix("file://"))
+    base = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"])
+    tuned = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]), adapter)
+    processor = load_processor(models["qwen2_5_vl"])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(
+        text=[prompt], images=[Image.open(SHAPES / "images" / "0001.png").convert("RGB")], return_tensors="pt"
+    )
+    with torch.no_grad():
+        assert not torch.allclose(base(**inputs).logits, tuned(**inputs).logits)
+
+
+def test_the_exports_refuse_a_vlm_in_one_line_and_take_a_text_model(models, tiny_model_dir):
+    """GGUF and MLX of a VLM would drop its image encoder: each export refuses it (the model ships without it)."""
+    from ft_assets.delivery.exports.protocol import ExportRefused, refuse_vision
+
+    for name in ("qwen2_5_vl", "gemma3"):
+        with pytest.raises(ExportRefused, match="^GGUF of a vision-language model is not supported yet"):
+            refuse_vision(models[name], "GGUF")
+    refuse_vision(tiny_model_dir, "GGUF")  # a text model goes on

@@ -34,11 +34,22 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
+from ft_assets.vision import model_has_vision
+
 MAX_REASON = 400  # characters of a refusal kept in stats, lineage and --json; the run's log has all of it
 
 
 class ExportRefused(Exception):
     """The export cannot be made, or its runtime refuses it: one line saying what, where, and what to do."""
+
+
+def refuse_vision(merged_dir: Path, title: str) -> None:
+    """Refuse a vision-language model: its export (a GGUF with its mmproj file, an mlx-vlm folder) is not built yet."""
+    if model_has_vision(merged_dir):
+        raise ExportRefused(
+            f"{title} of a vision-language model is not supported yet (its image encoder would be lost): "
+            "the merged model and the adapter ship without it"
+        )
 
 
 def one_line(text: object, limit: int = MAX_REASON) -> str:
