@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from ft_assets import refs
 from ft_assets.manifests import fetch_artifact
+from ft_assets.shards import fetch_images
 from ft_assets.storage import store_kind
 
 STORE_KIND = store_kind()  # the asset kind of this deployment's store ("s3" or "file"), shown in the graph
@@ -174,9 +175,14 @@ class Materialization:
         return path
 
     def fetch(self, ref: dict, name: str | None = None, include=None) -> Path:
-        """Download (and sha256-verify) the artifact of an input reference into the scratch folder."""
+        """Download (and sha256-verify) the artifact of an input reference into the scratch folder; for shards that
+        hold images (a vision-language model's: their stats name ``images_prefix``), the images of the shards fetched
+        too, beside them (``shards.fetch_images``: only those ``include`` let through name)."""
         target = self.work / (name or ref["asset"])
         fetch_artifact(self.store, ref["prefix"], target, include=include)
+        images = fetch_images(self.store, ref.get("stats", {}).get("images_prefix", ""), target)
+        if images:
+            self.context.log.info(f"fetched the {images} images of the shards")
         return target
 
     def publish(

@@ -168,10 +168,13 @@ def test_qlora_quantizes_the_language_model_alone(family, models):
 
 
 @pytest.mark.integration
-def test_the_shipped_vision_sample_trains_a_vlm_through_ft_assets_run(home, capsys, models):
-    """The whole command on the shipped sample's chat file and a tiny Qwen2.5-VL, through the data and training planes:
-    its broken images quarantined with their reasons, each picture stored once by content, the worker fetching the
-    images its shards name, and an adapter that PEFT loads onto the base and that changes its answer to a picture."""
+def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_run(home, capsys, models):
+    """The whole command on the shipped sample's chat file and a tiny Qwen2.5-VL, through every plane: its broken images
+    quarantined with their reasons, each picture stored once by content, the worker fetching the images its shards
+    name; eval_report scoring base and fine-tuned on the held-back picture questions with their pictures (its eval loss
+    the trainer's own on the same rows), general_eval's text tasks on the VLM, and a published merged VLM that PEFT's
+    adapter reproduces on a picture. The gate's margin is off (``min_improvement: -1``): a tiny random model learns the
+    answers' words in 24 steps (eval loss ~9 -> ~2), not yet which one a picture shows."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -179,22 +182,25 @@ def test_the_shipped_vision_sample_trains_a_vlm_through_ft_assets_run(home, caps
 
     data = SHAPES / "chat.jsonl"
     config = home / "run_config.yaml"
+    training = {"max_steps": 24, "per_device_batch_size": 2, "save_steps": 24, "learning_rate": 5e-3, "warmup_steps": 0}
     config.write_text(
         json.dumps(
             {
                 "ops": {
                     "base_model": {"config": {"source": str(models["qwen2_5_vl"])}},
                     "tokenized_shards": {"config": {"seq_len": 256}},
-                    "lora_adapter": {"config": {"max_steps": 3, "per_device_batch_size": 1, "save_steps": 2}},
+                    "lora_adapter": {"config": training},
+                    "eval_report": {"config": {"max_examples": 20, "max_new_tokens": 8, "min_improvement": -1.0}},
                 }
             }
         )
     )
     argv = ["run", "--dataset", str(data), "--name", "shapes", "--version", "v1", "--config", str(config)]
-    code, summary, err = run_cli(capsys, *argv, "--until", "training", "--json")
+    code, summary, err = run_cli(capsys, *argv, "--json")
     assert code == 0, err[-3000:]
     assert summary["quarantine_reasons"] == {"image_missing": 1, "image_unreadable": 1}, summary
-    stored = {p.name.split(".")[0]: p for p in (home / "home" / "store" / "images" / "shapes").iterdir()}
+    store = home / "home" / "store"
+    stored = {p.name.split(".")[0]: p for p in (store / "images" / "shapes").iterdir()}
     assert all(hashlib.sha256(p.read_bytes()).hexdigest() == digest for digest, p in stored.items())  # named by content
     uris = re.findall(r'"(data:image/[a-z]+;base64,[^"]+)"', data.read_text())
     named = {hashlib.sha256(p.read_bytes()).hexdigest() for p in (SHAPES / "images").iterdir()}
@@ -203,24 +209,41 @@ def test_the_shipped_vision_sample_trains_a_vlm_through_ft_assets_run(home, caps
     fetched = re.search(r"lora_adapter: fetched the (\d+) images of the shards", err)
     assert fetched and 0 < int(fetched[1]) <= len(stored), err[-3000:]
 
-    adapter = Path(summary["adapter_uri"].removeprefix("file://"))
-    base = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"])
-    tuned = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]), adapter)
-    processor = load_processor(models["qwen2_5_vl"])
+    # eval_report: the eval rows' pictures fetched (and only theirs), answered with them, the loss the trainer's own
+    assert re.search(r"eval_report: fetched the (\d+) images of the shards", err)
+    assert summary["finetuned_eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-4)
+    assert summary["finetuned_eval_loss"] < 0.5 * summary["base_eval_loss"], summary
+    answers = [json.loads(line) for line in next(store.glob("runs/shapes/v1/delivery/*/eval/answers.jsonl")).open()]
+    assert len(answers) == 20 and all(a["prompt"].startswith("<image>") for a in answers)
+    assert summary["general_items"] == 48 and summary["general_reason"] is None  # 24 items on each model
+    assert summary["gguf_reason"].startswith("GGUF of a vision-language model is not supported")
+
+    registry = Path(summary["published_uri"])
+    merged = AutoModelForImageTextToText.from_pretrained(registry / "merged").eval()
+    base = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]).eval()
+    tuned = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]), registry / "adapter"
+    )
+    processor = load_processor(registry / "merged")  # the processor travels with the merged model
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(
         text=[prompt], images=[Image.open(SHAPES / "images" / "0001.png").convert("RGB")], return_tensors="pt"
     )
     with torch.no_grad():
-        assert not torch.allclose(base(**inputs).logits, tuned(**inputs).logits)
+        assert torch.allclose(merged(**inputs).logits, tuned.eval()(**inputs).logits, atol=1e-4)
+        assert not torch.allclose(base(**inputs).logits, merged(**inputs).logits, atol=1e-2)
 
 
-def test_the_exports_refuse_a_vlm_in_one_line_and_take_a_text_model(models, tiny_model_dir):
-    """GGUF and MLX of a VLM would drop its image encoder: each export refuses it (the model ships without it)."""
-    from ft_assets.delivery.exports.protocol import ExportRefused, refuse_vision
+def test_an_export_that_does_not_take_a_vlm_refuses_it_in_one_line_and_takes_a_text_model(models, tiny_model_dir):
+    """MLX (mlx-lm: text only) of a VLM would drop its image encoder: the runner refuses it before any work, from what
+    the export declares (``Export.takes_vision``); the model ships without it."""
+    from ft_assets.delivery.exports import EXPORTS, named
+    from ft_assets.delivery.exports.protocol import ExportRefused, refuse_model
 
+    mlx = named("mlx")
     for name in ("qwen2_5_vl", "gemma3"):
-        with pytest.raises(ExportRefused, match="^GGUF of a vision-language model is not supported yet"):
-            refuse_vision(models[name], "GGUF")
-    refuse_vision(tiny_model_dir, "GGUF")  # a text model goes on
+        with pytest.raises(ExportRefused, match="^MLX of a vision-language model is not supported"):
+            refuse_model(mlx, models[name])
+    for export in EXPORTS:
+        refuse_model(export, tiny_model_dir)  # a text model goes on

@@ -33,7 +33,7 @@ from ft_assets.delivery.config import (
     export_config,
 )
 from ft_assets.delivery.exports import EXPORTS
-from ft_assets.delivery.exports.protocol import Export, ExportRefused, Made
+from ft_assets.delivery.exports.protocol import Export, ExportRefused, Made, refuse_model
 from ft_assets.delivery.gate import Gate, dropped, gate, shipped
 from ft_assets.delivery.gguf_export import GgufExportError, modelfile_gguf
 from ft_assets.delivery.lineage import LINEAGE_CHAIN, LINEAGE_FILE, build_lineage, exports_of
@@ -127,7 +127,7 @@ def export_asset(export: Export) -> dg.AssetsDefinition:
         version = DatasetVersion.from_key(context.partition_key)
         with Materialization(context, store, export.name) as m:
             made, reason = export_outcome(
-                export, settings, lambda: export.make(m.fetch(merged_model, "merged"), m.out, m.work,
+                export, settings, lambda: export.make(refused_or(export, m.fetch(merged_model, "merged")), m.out, m.work,
                                                       f"{version.name}-{version.version}", settings, context.log),
                 context.log,
             )  # fmt: skip
@@ -174,6 +174,12 @@ def export_outcome(export: Export, settings, make, log) -> tuple[Made | None, st
             raise dg.Failure(required_refused(export, str(exc))) from exc
         log.warning(f"no {export.title}: {exc}; the model is published without it")
         return None, str(exc)
+
+
+def refused_or(export: Export, merged_dir: Path) -> Path:
+    """``merged_dir``, unless ``export`` does not take a model of its kind (``ExportRefused``, one line)."""
+    refuse_model(export, merged_dir)
+    return merged_dir
 
 
 def required_refused(export: Export, reason: str) -> str:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ft_assets import rewards as rw
+from ft_assets.data.images import IMAGE_MARKER
 from ft_assets.generation import answer_ids, stop_tokens
 
 METRICS = ("exact_match", "token_f1", "rouge_l")
@@ -83,14 +84,40 @@ class EvalExample:
     reference: str
 
 
-def eval_examples(rows: list[dict], limit: int) -> list[EvalExample]:
-    """The first ``limit`` eval rows (file order is fixed by the split), cut before the last reply."""
+def eval_examples(rows: list[dict], limit: int, images_dir: Path | None = None) -> list[EvalExample]:
+    """The first ``limit`` eval rows (file order is fixed by the split), cut before the last reply; a turn that holds
+    images (a vision-language model's rows) as content parts, each image part naming its file in ``images_dir``
+    (``with_image_files``)."""
     examples = []
     for row in rows[:limit]:
         messages = row["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        examples.append(EvalExample(row["source"], messages[:last], messages[last]["content"]))
+        prompt = [with_image_files(m, images_dir) if m.get("images") else m for m in messages[:last]]
+        examples.append(EvalExample(row["source"], prompt, messages[last]["content"]))
     return examples
+
+
+def with_image_files(message: dict, images_dir: Path | None) -> dict:
+    """A stored turn with images (``<image>`` markers in its text, its ``images`` references) as the content parts every
+    runtime takes: ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": "<local file>"}`` in order."""
+    from ft_assets.data.chat_encoding import image_parts
+
+    if images_dir is None:
+        raise ValueError("the eval rows hold images, but the eval shards have none (a text model's shards?)")
+    files = iter(message["images"])
+    parts = [{**part, "image": str(images_dir / next(files))} if part["type"] == "image" else part
+             for part in image_parts(message)]  # fmt: skip
+    return {k: v for k, v in message.items() if k != "images"} | {"content": parts}
+
+
+def has_images(prompts: list[list[dict]]) -> bool:
+    return any(isinstance(m["content"], list) for p in prompts for m in p)
+
+
+def image_files(prompt: list[dict]) -> list[str]:
+    """A prompt's image files, in order."""
+    return [part["image"] for m in prompt if isinstance(m["content"], list) for part in m["content"]
+            if part["type"] == "image"]  # fmt: skip
 
 
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
@@ -124,15 +151,58 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, l
     return answers
 
 
-def eval_loss(model, shards_dir: Path, batch_size: int = 4) -> float:
-    """Mean loss per assistant token over the packed eval shards, computed exactly as in training."""
+def generate_with_images(model, processor, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
+    """Greedy answers of a vision-language model to chat prompts whose turns hold images (``with_image_files``), through
+    its processor (the resize rules and image tokens it trained with), in left-padded batches."""
+    import torch
+    from PIL import Image
+
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    answers: list[str] = []
+    model.eval()
+    for start in range(0, len(prompts), GENERATION_BATCH):
+        batch_prompts = prompts[start : start + GENERATION_BATCH]
+        texts = [processor.apply_chat_template(_rendered(p), tokenize=False, add_generation_prompt=True)
+                 for p in batch_prompts]  # fmt: skip
+        pictures = [[Image.open(path).convert("RGB") for path in image_files(p)] for p in batch_prompts]
+        inputs = processor(
+            text=texts, images=pictures if any(pictures) else None, padding=True, return_tensors="pt"
+        ).to(model.device)
+        with torch.no_grad():
+            output = model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=stop_tokens(model, tokenizer),
+            )
+        new_tokens = output[:, inputs["input_ids"].shape[1] :]
+        answers.extend(
+            tokenizer.decode(answer_ids(tokenizer, row), skip_special_tokens=True) for row in new_tokens.tolist()
+        )
+        log(f"generated {len(answers)}/{len(prompts)} answers")
+    return answers
+
+
+def _rendered(prompt: list[dict]) -> list[dict]:
+    """A prompt as chat templates render it: image parts without their files (the processor takes the pictures)."""
+    return [{**m, "content": [{"type": "image"} if part["type"] == "image" else part for part in m["content"]]}
+            if isinstance(m["content"], list) else m for m in prompt]  # fmt: skip
+
+
+def eval_loss(model, shards_dir: Path, batch_size: int = 4, prepare=None) -> float:
+    """Mean loss per assistant token over the packed eval shards, computed exactly as in training (``prepare``: a
+    vision-language model's pixel inputs of a batch, ``ft_assets.training.vision``)."""
     from ft_assets.shards import load_packed_rows
     from ft_assets.training.loss import eval_loss_sum
 
     rows = load_packed_rows(shards_dir, "eval", max_seq_len=1 << 30)
     if rows is None:
         raise FileNotFoundError(f"no eval-*.parquet shards in {shards_dir}")
-    loss_sum, count = eval_loss_sum(model, rows, batch_size, model.device)
+    loss_sum, count = eval_loss_sum(model, rows, batch_size, model.device, prepare=prepare)
     return loss_sum / max(count, 1)
 
 
@@ -156,13 +226,32 @@ def check_metric(metric: str) -> None:
 
 
 def score_model(
-    model, tokenizer, examples: list[EvalExample], shards_dir: Path, metric: str, max_new_tokens: int, log=print
+    model,
+    tokenizer,
+    examples: list[EvalExample],
+    shards_dir: Path,
+    metric: str,
+    max_new_tokens: int,
+    log=print,
+    model_dir: Path | None = None,
 ) -> ModelScore:
+    """Eval loss and the task metric of ``model``; a vision-language one (``model_dir`` has a vision tower) sees the
+    pictures: its pixel inputs in the loss, its processor for the answers."""
     import math
 
+    from ft_assets.vision import load_processor, model_has_vision
+
     check_metric(metric)
-    loss = eval_loss(model, shards_dir)
-    answers = generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens, log)
+    prompts = [e.prompt for e in examples]
+    if model_dir is not None and model_has_vision(model_dir):
+        from ft_assets.training.vision import pixel_inputs
+
+        inputs = pixel_inputs(model_dir, model.config)
+        loss = eval_loss(model, shards_dir, prepare=lambda batch: inputs(model, batch))
+        answers = generate_with_images(model, load_processor(model_dir), prompts, max_new_tokens, log)
+    else:
+        loss = eval_loss(model, shards_dir)
+        answers = generate(model, tokenizer, prompts, max_new_tokens, log)
     return ModelScore(loss, math.exp(min(loss, 50.0)), task_metric(answers, examples, metric), answers)
 
 
@@ -192,7 +281,10 @@ def task_metric(answers: list[str], examples: list[EvalExample], metric: str) ->
 
 def last_user_turn(prompt: list[dict]) -> str:
     """The last user message of a prompt: what a table of answers shows as the question."""
-    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+    content = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+    if isinstance(content, list):  # a turn with images: each image as the marker it stood for
+        return "".join(part["text"] if part["type"] == "text" else IMAGE_MARKER for part in content)
+    return content
 
 
 # --- preference pairs --------------------------------------------------------------------------------

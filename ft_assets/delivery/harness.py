@@ -46,6 +46,8 @@ from pathlib import Path
 
 import yaml
 
+from ft_assets.vision import auto_class, model_has_vision
+
 INSTALL_HINT = "install the lmeval extra: pip install 'ft-assets[lmeval]' (lm-eval 0.4.13)"
 BOOTSTRAP_ITERS = 1000  # stderr of corpus metrics; a mean's stderr is exact whatever this is
 OUTPUT_TYPES = ("generate_until", "loglikelihood", "loglikelihood_rolling", "multiple_choice")
@@ -161,11 +163,21 @@ class HarnessModel:
 
 
 def hf_model(model_dir: Path, label: str, batch_size: int = 1) -> HarnessModel:
-    """A local Hugging Face directory through lm-eval's ``hf`` model (float32 on CPU, the checkpoint's dtype on CUDA)."""
+    """A local Hugging Face directory through lm-eval's ``hf`` model (float32 on CPU, the checkpoint's dtype on CUDA).
+
+    A vision-language model is loaded here as one (``vision.auto_class``) and handed to lm-eval as the model itself:
+    lm-eval's ``hf`` would load it as a causal LM, which transformers refuses for a VLM's configuration, and its
+    ``hf-multimodal`` answers no log-likelihood requests. The general-ability tasks are text, and a VLM's forward on
+    token ids alone is its language model's, so every request type runs, as on a text model."""
     import torch
 
     cuda = torch.cuda.is_available()
-    args = {"pretrained": str(model_dir), "device": "cuda" if cuda else "cpu", "dtype": "auto" if cuda else "float32"}
+    device, dtype = ("cuda", "auto") if cuda else ("cpu", "float32")
+    if model_has_vision(model_dir):
+        model = auto_class(model_dir).from_pretrained(model_dir, dtype=dtype if cuda else torch.float32).to(device)
+        args = {"pretrained": model.eval(), "tokenizer": str(model_dir), "backend": "causal"}
+        return HarnessModel(label, "hf", args | {"batch_size": batch_size})
+    args = {"pretrained": str(model_dir), "device": device, "dtype": dtype}
     return HarnessModel(label, "hf", args | {"batch_size": batch_size})
 
 

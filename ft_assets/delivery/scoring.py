@@ -37,7 +37,7 @@ from ft_assets.delivery.exports.protocol import Runtime
 from ft_assets.delivery.merge import load_full_precision
 from ft_assets.objectives.dpo import DpoSettings
 from ft_assets.objectives.grpo import GrpoSettings
-from ft_assets.shards import Prompt, load_prompt_rows
+from ft_assets.shards import IMAGES_DIR, Prompt, image_shards, load_prompt_rows
 
 REWARD_SUMMARY = {
     "reward_mean": "finetuned_reward_mean",
@@ -116,7 +116,10 @@ class ChatScorer:
         split_dir = fetch(train_eval_split, "split", include=lambda rel: rel.startswith("eval-"))
         self.shards_dir = fetch(tokenized_shards, "shards", include=lambda rel: rel.startswith("eval-"))
         records = (record for path in part_paths(split_dir, "eval") for record in iter_records(path))
-        self.examples = ev.eval_examples(list(records), self.max_examples)
+        images = self.shards_dir / IMAGES_DIR if image_shards(self.shards_dir, "eval") else None
+        examples = ev.eval_examples(list(records), self.max_examples, images)
+        # a row whose shards refused it (longer than seq_len) has no images beside them, and no eval loss either
+        self.examples = [e for e in examples if all(Path(f).is_file() for f in ev.image_files(e.prompt))]
         if not self.examples:
             raise ValueError("the eval split is empty; raise train_eval_split.eval_fraction")
         return len(self.examples)
@@ -124,8 +127,9 @@ class ChatScorer:
     def score(self, model_dir: Path, log: Log) -> Scored:
         model = load_full_precision(model_dir)
         score = ev.score_model(
-            model, _tokenizer(model_dir), self.examples, self.shards_dir, self.scored_by, self.max_new_tokens, log
-        )
+            model, _tokenizer(model_dir), self.examples, self.shards_dir, self.scored_by, self.max_new_tokens, log,
+            model_dir=model_dir,
+        )  # fmt: skip
         return Scored(score.metric, {"eval_loss": score.eval_loss, "perplexity": score.perplexity}, score.answers)
 
     def score_export(self, runtime: Runtime, log: Log) -> Scored:

@@ -34,7 +34,6 @@ from ft_assets.pools.session import train_remote
 from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.refs import PlanStats, RefOutdated, make_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
-from ft_assets.shards import fetch_images
 from ft_assets.training import base_model as bm
 from ft_assets.training import chat_templates, mlx_recipe, recipe
 from ft_assets.training.chat_templates import ChatTemplateError
@@ -250,9 +249,6 @@ def _train(
         return _train_on_target(context, target, training, objective, m, inputs, prefix, plan)
     context.log.info(f"fetching base model and shards for run {prefix.rsplit('/', 1)[-1]}")
     base_dir, shards_dir = m.fetch(base_model, "base"), m.fetch(tokenized_shards, "shards")
-    images = fetch_images(m.store, images_key(tokenized_shards), shards_dir)
-    if images:
-        context.log.info(f"fetched the {images} images of the shards")
     tags = tracker_tags(training, m, inputs)
     try:
         backend = training.resolved_backend(torch.cuda.is_available(), objective)  # a run mlx cannot do: one line

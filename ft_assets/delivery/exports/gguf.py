@@ -31,7 +31,7 @@ from pydantic import Field
 from ft_assets.delivery import llamacpp
 from ft_assets.delivery.converter import GgufExportError, GgufUnsupported
 from ft_assets.delivery.harness import HarnessModel, served_model
-from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line, refuse_vision
+from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line
 from ft_assets.delivery.gguf_export import SUPPORTED_QTYPES, export_ggufs, verify_gguf, write_modelfile
 
 QTYPES = (*SUPPORTED_QTYPES, *llamacpp.QUANTIZED)  # the converter's, then the quantizer's
@@ -88,7 +88,6 @@ def check(settings: GgufSettings) -> None:
 
 def make(merged_dir: Path, out: Path, work: Path, stem: str, settings: GgufSettings, log) -> Made:
     """Every file of ``settings.qtypes`` in ``out``, each checked in llama.cpp, the shipped one chosen, and its Modelfile."""
-    refuse_vision(merged_dir, "GGUF")
     try:
         files, chat_template = _written_and_checked(merged_dir, out, work, stem, settings, log)
         shipped = llamacpp.choose_shipped(files, settings.ship, settings.ship_max_rel_error)

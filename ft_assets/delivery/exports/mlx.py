@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import Field
 
 from ft_assets.delivery import llamacpp, servers
-from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line, refuse_vision
+from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line
 from ft_assets.delivery.gguf_export import logit_agreement
 from ft_assets.delivery.harness import HarnessModel, served_model
 from ft_assets.generation import answer_text
@@ -104,7 +104,6 @@ def check(settings: MlxSettings) -> None:
 
 def make(merged_dir: Path, out: Path, work: Path, stem: str, settings: MlxSettings, log) -> Made:
     """Every variant of ``settings.variants`` as an mlx-lm folder in ``out``, each checked in mlx-lm; the one that ships."""
-    refuse_vision(merged_dir, "MLX")
     reference = llamacpp.reference(merged_dir)
     files = {}
     for variant in settings.variants:

@@ -43,11 +43,12 @@ class ExportRefused(Exception):
     """The export cannot be made, or its runtime refuses it: one line saying what, where, and what to do."""
 
 
-def refuse_vision(merged_dir: Path, title: str) -> None:
-    """Refuse a vision-language model: its export (a GGUF with its mmproj file, an mlx-vlm folder) is not built yet."""
-    if model_has_vision(merged_dir):
+def refuse_model(export: Export, merged_dir: Path) -> None:
+    """Refuse, before any work, a model of a kind ``export`` does not declare it takes (``Export.takes_vision``): a
+    vision-language model's export would otherwise lose its image encoder."""
+    if not export.takes_vision and model_has_vision(merged_dir):
         raise ExportRefused(
-            f"{title} of a vision-language model is not supported yet (its image encoder would be lost): "
+            f"{export.title} of a vision-language model is not supported (its image encoder would be lost): "
             "the merged model and the adapter ship without it"
         )
 
@@ -118,3 +119,6 @@ class Export:
     check: Callable[[Any], None]  # settings -> None; ValueError (one line) for a setting that cannot work
     make: Callable[..., Made]  # (merged_dir, out, work, stem, settings, log) -> Made; ExportRefused
     runtime: Callable[[Path], Runtime]  # the shipped file (or folder) -> its runtime
+    # whether it takes a vision-language model (writes its image encoder too, and its runtime answers image prompts);
+    # one that does not is refused for such a model before ``make`` (``refuse_model``)
+    takes_vision: bool = False
