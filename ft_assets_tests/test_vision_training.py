@@ -247,3 +247,49 @@ def test_an_export_that_does_not_take_a_vlm_refuses_it_in_one_line_and_takes_a_t
             refuse_model(mlx, models[name])
     for export in EXPORTS:
         refuse_model(export, tiny_model_dir)  # a text model goes on
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "smolvlm"])
+def test_eval_answers_a_picture_question_batched_as_alone_and_sees_the_picture(family, models, tmp_path):
+    """eval_report's answers of a VLM (``evaluate.generate_with_images``): the stored turn as content parts naming its
+    files, left-padded batches of pictures of other sizes answering as each prompt alone, and the picture read."""
+    from ft_assets.delivery import evaluate as ev
+
+    files = []
+    for i, (size, seed) in enumerate([((64, 64), 1), ((96, 48), 2), ((64, 64), 3)]):
+        (tmp_path / f"{i}.png").write_bytes(picture("", size, seed))
+        files.append(f"{i}.png")
+    rows = [
+        {"source": f"r{i}", "messages": [{"role": "user", "content": text, "images": [f]},
+                                         {"role": "assistant", "content": "red"}]}
+        for i, (f, text) in enumerate(zip(files, ["<image>What color?", "Name <image> the shape, please", "<image>What color?"]))
+    ]  # fmt: skip
+    examples = ev.eval_examples(rows, 3, tmp_path)
+    assert examples[1].prompt[0]["content"] == [
+        {"type": "text", "text": "Name "}, {"type": "image", "image": str(tmp_path / "1.png")},
+        {"type": "text", "text": " the shape, please"},
+    ]  # fmt: skip
+    assert ev.last_user_turn(examples[1].prompt) == "Name <image> the shape, please"
+    model = vlm_from(models[family])
+    processor = load_processor(models[family])
+    prompts = [e.prompt for e in examples]
+    batched = ev.generate_with_images(model, processor, prompts, 6, log=lambda _: None)
+    alone = [ev.generate_with_images(model, processor, [p], 6, log=lambda _: None)[0] for p in prompts]
+    assert batched == alone
+    first, _, third = (_first_logits(model, processor, p) for p in prompts)  # same question, other picture
+    assert not torch.allclose(first, third, atol=1e-4)
+
+
+def vlm_from(model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+
+
+def _first_logits(model, processor, prompt):
+    from ft_assets.delivery.evaluate import _rendered, image_files
+
+    text = processor.apply_chat_template(_rendered(prompt), add_generation_prompt=True, tokenize=False)
+    images = [Image.open(f).convert("RGB") for f in image_files(prompt)]
+    with torch.no_grad():
+        return model(**processor(text=[text], images=[images], return_tensors="pt")).logits[0, -1]
