@@ -201,7 +201,8 @@ def test_every_mode_writes_the_same_bytes(mode, corpus, tokenizer, reference, tm
         assert len(workers) >= 2, executor.usage  # both workers took shards
 
 
-@pytest.mark.parametrize("kind", ["processes", "ray, on other machines"])
+# 2 worker processes on S3: the whole data plane through the instance, test_data_plane.py (the single process's digests)
+@pytest.mark.parametrize("kind", ["ray, on other machines"])
 def test_workers_write_their_parts_to_s3(kind, corpus, tokenizer, reference, s3_env, seaweedfs, ray_session):
     """With an S3 store the workers read their input parts from it and write their parts to it themselves, from the
     store's URL and the credentials of their environment (a Ray cluster's: its runtime_env): the same bytes."""
@@ -280,7 +281,9 @@ def killing_a_worker(kind: str, executor, killed: list):
 
 
 @pytest.mark.parametrize(
-    "kind,stage", [("processes", "clean"), ("processes", "dedup"), ("processes", "tokenize"), ("ray", "dedup")]
+    # dedup's kill on Ray; a killed process worker in the stages that differ most (rows in, tokens out)
+    "kind,stage",
+    [("processes", "clean"), ("processes", "tokenize"), ("ray", "dedup")],
 )
 def test_a_worker_killed_mid_stage_changes_nothing(kind, stage, corpus, tokenizer, reference, tmp_path, request):
     """The dead worker's shard runs again; the stage writes the same bytes as if nothing happened."""

@@ -518,7 +518,9 @@ def test_the_training_plane_is_a_slurm_job_and_data_and_delivery_stay_on_the_cpu
     slurm_prod, capsys, tiny_model_dir
 ):
     instance, cluster = slurm_prod["instance"], slurm_prod["cluster"]
-    code, summary, err = ft_run(slurm_prod, capsys, training(tiny_model_dir), "whole", until="delivery")
+    config = training(tiny_model_dir)
+    config["ops"]["gguf_model"] = {"config": {"qtypes": []}}  # where delivery runs is the point; GGUF: test_pipeline.py
+    code, summary, err = ft_run(slurm_prod, capsys, config, "whole", until="delivery")
     assert code == 0, err[-3000:] + slurm_prod["daemon_log"].read_text()[-2000:]
     assert summary["skipped"] == ["data"]
     [train_id] = summary["runs"]["training"]

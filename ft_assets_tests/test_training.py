@@ -140,16 +140,13 @@ def test_data_plan_reads_every_row_once_per_epoch_split_across_ranks():
     assert plan.epoch_order(0).tolist() != plan.epoch_order(1).tolist()
 
 
-FLEX = pytest.param("flex_attention", marks=pytest.mark.integration)  # inductor compiles it: g++ processes, 20-40 s
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager", FLEX])  # flash_attention_2: test_gpu.py
+# flex_attention (inductor compiles it on CPU: 20-50 s): every family's packed row, test_families.py; flash_attention_2:
+# test_gpu.py
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_examples_do_not_attend_to_each_other(tiny_model, shards, attn):
     """transformers builds the block-diagonal mask from position_ids, but only without a KV cache.
 
-    Each example alone goes through sdpa, the reference: flex_attention on CPU runs forward only (its
-    training is checked on CUDA, test_gpu.py), and torch 2.13's CPU kernel returns wrong values on the
-    first call after a change of sequence length, which the examples' different lengths would hit.
+    Each example alone goes through sdpa, the reference.
     """
     from transformers import AutoModelForCausalLM
 
