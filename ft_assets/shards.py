@@ -83,6 +83,8 @@ TRAINING_COLUMNS = (
 # the order their tokens appear; an example's images always lie in the row that holds its tokens.
 IMAGE_SCHEMA = pa.schema([*SCHEMA, ("images", pa.list_(pa.string()))])
 IMAGES_DIR = "images"  # where, beside a split's shards on the trainer's disk, their images are (fetch_images)
+# in the shards' artifact: the stored images the shards name, per split ({"prefix", "train", "eval"}); lineage lists them
+IMAGES_FILE = "images.json"
 PAIR_SCHEMA = pa.schema([*SCHEMA, ("segment_ids", pa.list_(pa.int32()))])
 PAIR_COLUMNS = (*TRAINING_COLUMNS, "segment_ids")
 PAIRS = "pairs"  # file name prefix of preference-pair shards

@@ -210,7 +210,8 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
     assert fetched and 0 < int(fetched[1]) <= len(stored), err[-3000:]
 
     # eval_report: the eval rows' pictures fetched (and only theirs), answered with them, the loss the trainer's own
-    assert re.search(r"eval_report: fetched the (\d+) images of the shards", err)
+    evaluated = re.search(r"eval_report: fetched the (\d+) images of the shards", err)
+    assert evaluated, err[-3000:]
     assert summary["finetuned_eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-4)
     assert summary["finetuned_eval_loss"] < 0.5 * summary["base_eval_loss"], summary
     answers = [json.loads(line) for line in next(store.glob("runs/shapes/v1/delivery/*/eval/answers.jsonl")).open()]
@@ -218,7 +219,23 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
     assert summary["general_items"] == 48 and summary["general_reason"] is None  # 24 items on each model
     assert summary["gguf_reason"].startswith("GGUF of a vision-language model is not supported")
 
+    # lineage.json lists the pictures by content; `ft-assets lineage` re-hashes them and names one changed in the store
+    from ft_assets.delivery.lineage import verify_lineage
+    from ft_assets.storage import LocalStore
+
     registry = Path(summary["published_uri"])
+    lineage = json.loads((registry / "lineage.json").read_text())
+    pictures = lineage["images"]
+    assert pictures["prefix"] == "images/shapes" and len(pictures["eval"]) == int(evaluated[1])
+    assert {*pictures["train"], *pictures["eval"]} == {p.name for p in stored.values()}  # the sample kept them all
+    objects = LocalStore(store)
+    key = str(registry.relative_to(store))
+    assert verify_lineage(objects, key)["chain"][-1]["status"] == "ok"
+    changed = stored[pictures["eval"][0].split(".")[0]]
+    changed.write_bytes(changed.read_bytes() + b"\0")
+    link = verify_lineage(objects, key)["chain"][-1]
+    assert link["asset"] == "images" and link["status"] == f"CHANGED: 1 of {len(stored)} images, e.g. {changed.name}"
+
     merged = AutoModelForImageTextToText.from_pretrained(registry / "merged").eval()
     base = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]).eval()
     tuned = PeftModel.from_pretrained(

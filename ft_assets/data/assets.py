@@ -9,6 +9,7 @@ preference pairs with DPO), which ``raw_dataset`` chooses from the rows and whic
 cleaner and how the rows are tokenized and packed.
 """
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from ft_assets.data.tokenizing import tokenize_splits
 from ft_assets.materialize import STORE_KIND, Materialization, dataset_metadata, table
 from ft_assets.partitions import dataset_version
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.shards import IMAGES_FILE
 from ft_assets.storage import join_key
 from ft_assets.vision import is_vision_model
 
@@ -345,6 +347,9 @@ def tokenized_shards(
         kept = per_split["train"].examples + per_split["eval"].examples
         accounting = RowAccounting.of(train_eval_split["stats"]).quarantined(rejected).kept(kept)
         stats = shard_stats(per_split, config.seq_len, objective.name, accounting, images)
+        if images is not None:  # which stored pictures the shards name, per split: the lineage lists them
+            named = {split: sorted(per_split[split].image_refs) for split in ("train", "eval")}
+            (m.out / IMAGES_FILE).write_text(json.dumps({"prefix": images.prefix, **named}))
         dataset = dataset_metadata(stats["train_packed_rows"] + stats["eval_packed_rows"], kind.schema)
         ref = m.publish(out, stats, {"train_eval_split": train_eval_split, "base_model": base_model})
     if not accounting.invariant_holds:

@@ -44,6 +44,7 @@ class PackStats:
     slots: int = 0
     images: int = 0  # image references the examples hold (a vision-language model's)
     image_tokens: int = 0  # the tokens that stand for them
+    image_refs: set[str] = field(default_factory=set)  # the stored images they name (``<sha256>.<format>``)
     pad_id: int | None = None  # the token the rows are padded with (the tokenizer's pad, else its end of sequence)
     files: list[str] = field(default_factory=list)
     rejected: list[tuple[str, RowError]] = field(default_factory=list)  # (row id, error)
@@ -87,6 +88,7 @@ class EncodedPart:
     quarantine: Written | None  # the rejected rows, as the artifact's part ``quarantine-<split>-NNNNN``; None: none
     images: int = 0  # image references of the kept sequences
     image_tokens: int = 0
+    image_refs: tuple[str, ...] = ()  # the stored images they name, each once
 
 
 def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[EncodedPart]:
@@ -111,11 +113,13 @@ def encode_run(settings: EncodeSettings, item: tuple[str, list]) -> list[Encoded
         tokens, loss_tokens = sum(len(e.input_ids) for e in kept), sum(int(e.loss_mask.sum()) for e in kept)
         quarantine = quarantine_part(settings.out, split, index, rejected)
         images = image_tokens = 0
+        refs: tuple[str, ...] = ()
         if encoder.image_token_id is not None:
             images = sum(len(e.text.split("\n")) for e in kept if e.text)
             image_tokens = sum(int((e.input_ids == encoder.image_token_id).sum()) for e in kept)
+            refs = tuple(sorted({ref for e in kept if e.text for ref in e.text.split("\n")}))
         done.append(
-            EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id, quarantine, images, image_tokens)
+            EncodedPart(split, written, tokens, loss_tokens, rejected, pad_id, quarantine, images, image_tokens, refs)
         )
     return done
 
@@ -188,6 +192,7 @@ class _Windows:
         counted.loss_tokens += part.loss_tokens
         counted.images += part.images
         counted.image_tokens += part.image_tokens
+        counted.image_refs.update(part.image_refs)
         counted.rejected += [(row_id, RowError(reason, detail)) for row_id, reason, detail in part.rejected]
         if part.quarantine is not None:
             self.quarantined.append(part.quarantine)

@@ -66,6 +66,7 @@ from ft_assets.refs import (
     stats_of,
 )
 from ft_assets.resources import ObjectStoreResource
+from ft_assets.shards import IMAGES_FILE
 from ft_assets.storage import join_key
 from ft_assets.training.config import validated
 from ft_assets.training.tracking import record_run
@@ -608,7 +609,9 @@ def _assemble(
         else:  # the lineage says why
             context.log.warning(f"publishing without {export.title}: {shipped_export.reason}")
     fetch_artifact(objects, refs["eval_report"]["prefix"], out / "eval")
-    lineage = build_lineage(context.partition_key, refs, prefix)
+    shards = refs["tokenized_shards"]
+    images = objects.get_json(join_key(shards["prefix"], IMAGES_FILE)) if shards["stats"].get("images_prefix") else None
+    lineage = build_lineage(context.partition_key, refs, prefix, images)
     (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
     signature = signing.sign_directory(out, key) if key else dict(signing.UNSIGNED)
     context.log.info(f"{prefix}: {signing.summary(signature)}")

@@ -67,8 +67,9 @@ def code_version() -> str:
         return f"ft-assets {version('ft-assets')}"
 
 
-def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: str) -> dict:
-    """The lineage manifest from the references of every asset of the partition."""
+def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: str, images: dict | None = None) -> dict:
+    """The lineage manifest from the references of every asset of the partition; ``images``: a vision-language model's
+    shards' pictures (their ``IMAGES_FILE``), listed by content hash under ``images``."""
     missing = [name for name in LINEAGE_CHAIN if name not in refs]
     if missing:
         raise ValueError(f"cannot build lineage for {partition}: no reference for {', '.join(missing)}")
@@ -96,6 +97,7 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
             "resumed_from_step": adapter["stats"]["resumed_from_step"],
             "image": adapter["stats"].get("worker_image"),  # the worker image's digest and build file (worker_image.py)
         },
+        **({"images": images} if images else {}),
         "eval": {k: evaluation["stats"][k] for k in EVAL_FIGURES},
         "exports": exports_shipped(refs, evaluation["stats"]["exports"]),
         "artifacts": [
@@ -158,6 +160,21 @@ def check_link(
     }
 
 
+def check_images(store: ObjectStore, images: dict, rehash: bool) -> dict:
+    """The pictures a VLM trained and was evaluated on: each still in the store and (``rehash``) hashing to the name
+    it is stored by (``<sha256>.<format>``), else the link names the ones that are not."""
+    refs = sorted({*images["train"], *images["eval"]})
+    listed = {key.rsplit("/", 1)[-1] for key in store.list(images["prefix"])}
+    bad = [ref for ref in refs if ref not in listed]
+    if rehash:
+        bad += [
+            ref for ref in refs if ref in listed and store.sha256(join_key(images["prefix"], ref)) != ref.split(".")[0]
+        ]
+    status = OK if not bad else f"CHANGED: {len(bad)} of {len(refs)} images, e.g. " + ", ".join(sorted(bad)[:3])
+    return {"asset": "images", "digest": f"{len(refs)} images", "created_at": "", "key": images["prefix"],
+            "uri": store.uri(images["prefix"]), "status": status}  # fmt: skip
+
+
 def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key: str | None = None) -> dict:
     """The chain behind the published model at ``key``, every link checked (``check_link``), and its signature
     (``signing.lineage_check``: with ``public_key``, else ``FT_SIGNING_PUBLIC_KEY``); ``verified`` is true when all
@@ -171,6 +188,8 @@ def verify_lineage(store: ObjectStore, key: str, rehash: bool = True, public_key
         check_link(store, a["asset"], a["key"], a["digest"], a["created_at"], rehash) for a in lineage["artifacts"]
     ]
     chain.append(check_link(store, "checkpoint", checkpoint["key"], checkpoint["digest"], None, rehash))
+    if lineage.get("images"):
+        chain.append(check_images(store, lineage["images"], rehash))
     return {
         "published_uri": store.uri(lineage["published_key"]),
         "dataset_version": lineage["partition"],
