@@ -122,55 +122,39 @@ def image_files(prompt: list[dict]) -> list[str]:
 
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
     """Greedy answers for chat prompts, in left-padded batches."""
-    import torch
 
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    answers: list[str] = []
-    model.eval()
-    for start in range(0, len(prompts), GENERATION_BATCH):
-        texts = [
-            tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-            for p in prompts[start : start + GENERATION_BATCH]
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        with torch.no_grad():
-            output = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=stop_tokens(model, tokenizer),
-            )
-        new_tokens = output[:, batch["input_ids"].shape[1] :]
-        answers.extend(
-            tokenizer.decode(answer_ids(tokenizer, row), skip_special_tokens=True) for row in new_tokens.tolist()
-        )
-        log(f"generated {len(answers)}/{len(prompts)} answers")
-    return answers
+    def inputs_of(batch: list[list[dict]]) -> dict:
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in batch]
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    return _greedy(model, tokenizer, prompts, inputs_of, max_new_tokens, log)
 
 
 def generate_with_images(model, processor, prompts: list[list[dict]], max_new_tokens: int, log=print) -> list[str]:
     """Greedy answers of a vision-language model to chat prompts whose turns hold images (``with_image_files``), through
     its processor (the resize rules and image tokens it trained with), in left-padded batches."""
-    import torch
     from PIL import Image
 
-    tokenizer = processor.tokenizer
+    def inputs_of(batch: list[list[dict]]) -> dict:
+        texts = [processor.apply_chat_template(_rendered(p), tokenize=False, add_generation_prompt=True) for p in batch]
+        pictures = [[Image.open(path).convert("RGB") for path in image_files(p)] for p in batch]
+        return processor(text=texts, images=pictures if any(pictures) else None, padding=True, return_tensors="pt")
+
+    return _greedy(model, processor.tokenizer, prompts, inputs_of, max_new_tokens, log)
+
+
+def _greedy(model, tokenizer, prompts: list[list[dict]], inputs_of, max_new_tokens: int, log) -> list[str]:
+    """The answers of ``generate`` and ``generate_with_images``: ``inputs_of`` turns a batch of prompts into the model's
+    inputs (padded on the left, which ``tokenizer`` is set to), one ``generate`` call per batch."""
+    import torch
+
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     answers: list[str] = []
     model.eval()
     for start in range(0, len(prompts), GENERATION_BATCH):
-        batch_prompts = prompts[start : start + GENERATION_BATCH]
-        texts = [processor.apply_chat_template(_rendered(p), tokenize=False, add_generation_prompt=True)
-                 for p in batch_prompts]  # fmt: skip
-        pictures = [[Image.open(path).convert("RGB") for path in image_files(p)] for p in batch_prompts]
-        inputs = processor(
-            text=texts, images=pictures if any(pictures) else None, padding=True, return_tensors="pt"
-        ).to(model.device)
+        inputs = inputs_of(prompts[start : start + GENERATION_BATCH]).to(model.device)
         with torch.no_grad():
             output = model.generate(
                 **inputs,
