@@ -138,6 +138,7 @@ class ExportStats(TypedDict):  # every export's asset (ft_assets.delivery.export
     reason: str | None  # why none ships, in one line (turned off, refused by its converter or runtime)
     required: bool  # a refusal fails the run
     max_drop: float  # what its gate allows below the merged model
+    companions: NotRequired[list[str]]  # files that travel with the shipped one (a VLM GGUF's projector)
 
 
 class EvalStats(TypedDict):

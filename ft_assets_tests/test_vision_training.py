@@ -171,9 +171,10 @@ def test_qlora_quantizes_the_language_model_alone(family, models):
 def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_run(home, capsys, models):
     """The whole command on the shipped sample's chat file and a tiny Qwen2.5-VL, through every plane: its broken images
     quarantined with their reasons, each picture stored once by content, the worker fetching the images its shards
-    name; eval_report scoring base and fine-tuned on the held-back picture questions with their pictures (its eval loss
-    the trainer's own on the same rows), general_eval's text tasks on the VLM, and a published merged VLM that PEFT's
-    adapter reproduces on a picture. The gate's margin is off (``min_improvement: -1``): a tiny random model learns the
+    name; eval_report scoring base, fine-tuned and the shipped GGUF (with its projector, in libmtmd) on the held-back
+    picture questions with their pictures (its eval loss the trainer's own on the same rows), general_eval's text tasks
+    on the VLM and its GGUF, and a published merged VLM that PEFT's adapter reproduces on a picture, its GGUF and
+    projector beside it. The gate's margin is off (``min_improvement: -1``): a tiny random model learns the
     answers' words in 24 steps (eval loss ~9 -> ~2), not yet which one a picture shows."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
@@ -191,6 +192,7 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
                     "tokenized_shards": {"config": {"seq_len": 256}},
                     "lora_adapter": {"config": training},
                     "eval_report": {"config": {"max_examples": 20, "max_new_tokens": 8, "min_improvement": -1.0}},
+                    "gguf_model": {"config": {"qtypes": ["f16"]}},
                 }
             }
         )
@@ -216,14 +218,21 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
     assert summary["finetuned_eval_loss"] < 0.5 * summary["base_eval_loss"], summary
     answers = [json.loads(line) for line in next(store.glob("runs/shapes/v1/delivery/*/eval/answers.jsonl")).open()]
     assert len(answers) == 20 and all(a["prompt"].startswith("<image>") for a in answers)
-    assert summary["general_items"] == 48 and summary["general_reason"] is None  # 24 items on each model
-    assert summary["gguf_reason"].startswith("GGUF of a vision-language model is not supported")
+    assert summary["general_items"] == 72 and summary["general_reason"] is None  # 24 items on each model, the GGUF too
+
+    # the GGUF and its projector: answering the picture questions through libmtmd as the fine-tuned model does, shipped
+    assert summary["gguf_file"] == "shapes-v1-f16.gguf" and summary["gguf_reason"] is None, summary
+    gguf_answers = [a["GGUF f16 (llama.cpp)"] for a in answers]
+    assert sum(g == a["fine-tuned"] for g, a in zip(gguf_answers, answers)) >= 0.7 * len(answers), answers
 
     # lineage.json lists the pictures by content; `ft-assets lineage` re-hashes them and names one changed in the store
     from ft_assets.delivery.lineage import verify_lineage
     from ft_assets.storage import LocalStore
 
     registry = Path(summary["published_uri"])
+    assert {"shapes-v1-f16.gguf", "shapes-v1-mmproj-f16.gguf", "Modelfile"} <= {
+        p.name for p in (registry / "gguf").iterdir()
+    }
     lineage = json.loads((registry / "lineage.json").read_text())
     pictures = lineage["images"]
     assert pictures["prefix"] == "images/shapes" and len(pictures["eval"]) == int(evaluated[1])

@@ -137,6 +137,7 @@ def export_asset(export: Export) -> dg.AssetsDefinition:
             stats = {
                 "export": export.name, "files": made.files if made else {}, "shipped": made.shipped if made else None,
                 "reason": reason, "required": settings.required, "max_drop": settings.max_drop, **(made.stats if made else {}),
+                **({"companions": made.companions} if made and made.companions else {}),
             }  # fmt: skip
             ref = m.publish(
                 _delivery_prefix(m.partition, lora_adapter, export.name), stats, {"merged_model": merged_model}
@@ -186,6 +187,18 @@ def refused_or(export: Export, merged_dir: Path) -> Path:
 def required_refused(export: Export, reason: str) -> str:
     """The line a run fails with when an export it requires is refused."""
     return f"{export.title} is required ({export.asset} config required: true) and was refused: {reason}"
+
+
+def shipped_files(stats: ExportStats) -> list[str]:
+    """What of an export travels with its shipped file (to eval_report, general_eval): that file (or folder) and its
+    companions (a VLM GGUF's projector)."""
+    return [stats["shipped"], *stats.get("companions", [])]
+
+
+def shipped_only(stats: ExportStats):
+    """A fetch filter keeping ``shipped_files(stats)`` (a folder's files too) of the export's artifact."""
+    names = shipped_files(stats)
+    return lambda rel: any(rel == name or rel.startswith(f"{name}/") for name in names)
 
 
 export_assets = [export_asset(export) for export in EXPORTS]  # gguf_model, ...
@@ -266,7 +279,7 @@ def general_check(config: GeneralEvalConfig, fetch, base_model: dict, merged_mod
         name = stats["shipped"]
         if name is None:
             continue
-        folder = fetch(made[export.name], export.name, include=lambda rel, n=name: rel == n or rel.startswith(f"{n}/"))
+        folder = fetch(made[export.name], export.name, include=shipped_only(stats))
         title = f"shipped {export.title} {stats['files'][name][export.variant]}"
         runtime = export.runtime(folder / name)
         subjects.append(harness.Subject(export.name, title, lambda r=runtime, t=title: _served(r, merged, t, settings)))
@@ -406,7 +419,7 @@ def score_exports(scorer, made: dict[str, dict], fetch, finetuned: float, size: 
             log.info(f"no {export.title} shipped ({stats['reason']}): scoring without it")
             verdicts[export.name] = dropped(stats["reason"], stats["max_drop"])
             continue
-        folder = fetch(made[export.name], export.name, include=lambda rel, n=name: rel == n or rel.startswith(f"{n}/"))
+        folder = fetch(made[export.name], export.name, include=shipped_only(stats))
         variant = stats["files"][name][export.variant]
         log.info(f"scoring the shipped {name} in {export.runtime_name} on the same {size} {scorer.unit}")
         try:

@@ -13,8 +13,10 @@ construction and nothing is fetched at run time.
 
 The converter runs in a child process (``convert``): it puts its own ``gguf-py`` first on
 ``sys.path``, which must not replace the gguf package of this process, and importing torch there
-costs ~8 s, so one child writes every type asked for. Around it this module adds four things, each
-because the converter alone fails on models our users bring:
+costs ~8 s, so one child writes every type asked for, and a vision-language model's projector too
+(``MMPROJ_OUTTYPE``: the converter's ``--mmproj`` run, F16, read by llama.cpp's libmtmd beside the language model's
+file: ``ft_assets.delivery.mtmd``). Around it this module adds five things, each because the converter alone fails on
+models our users bring:
 
 1. **An unknown BPE pre-tokenizer.** The converter names the pre-tokenizer (``tokenizer.ggml.pre``) by
    the sha256 of the ids the tokenizer gives for one test text (``get_vocab_base_pre``, ``chkhsh``);
@@ -41,8 +43,14 @@ because the converter alone fails on models our users bring:
    and llama.cpp tokenizes either differently from transformers. ``write_sentencepiece_from_json`` writes
    it as llama.cpp's SentencePiece vocabulary with the merge ranks as scores
    (``ft_assets.delivery.sentencepiece_vocab``: why, and the shapes it refuses).
+5. **Qwen-VL's image size bounds.** Its processor resizes an image to between ``min_pixels`` and ``max_pixels`` (the
+   tiny test models: 4 to 16 tokens); the converter writes neither into the projector, and libmtmd then gives an
+   image 8 to 4,096 tokens, so the image tokens differ from the processor's. ``pixel_bounds`` reads them from the
+   saved processor (transformers 4's and 5's keys) and writes them (``clip.vision.image_min_pixels`` / ``max_pixels``),
+   from which the runtime sets libmtmd's token bounds (``mtmd.image_token_bounds``).
 
-An architecture the converter has no layout for is named in one line (``GgufUnsupported``).
+An architecture the converter has no layout for is named in one line (``GgufUnsupported``), and so is a vision tower
+whose projector it does not write (LLaVA-1.5's CLIP: its projector class takes Pixtral's and Mistral 3's only).
 
 And one thing around the runtime: **llama.cpp keys Phi-3's token attributes on ``general.name``**
 (``llama_vocab::impl::load``, "set attributes by model/tokenizer/architecture name"): a name that holds
@@ -79,6 +87,9 @@ OUTTYPES = (
     "bf16",
     "q8_0",
 )  # what the converter writes itself; other types come from llama.cpp's quantizer
+MMPROJ_OUTTYPE = "mmproj-f16"  # a VLM's vision projector (its --mmproj run), F16 as llama.cpp's releases ship it
+# Projector classes of the converter whose processor bounds an image by pixels (fix 5); not their subclasses (GLM-4V's)
+PIXEL_BOUNDED_PROJECTORS = ("Qwen2VLVisionModel", "Qwen3VLVisionModel")
 REFUSED = "ft-assets refused: "  # the child's one-line answer when it refuses a model (then exit REFUSED_EXIT)
 REFUSED_EXIT = 3
 
@@ -192,9 +203,11 @@ def convert_many(jobs: list[tuple[str | Path, str, str, str | Path]], timeout_s:
     Raises ``GgufUnsupported`` (one line) for a model llama.cpp cannot take, ``GgufExportError`` with the
     converter's last lines for anything else; either stops the jobs after it.
     """
-    unknown = sorted({outtype for _, _, outtype, _ in jobs} - set(OUTTYPES))
+    unknown = sorted({outtype for _, _, outtype, _ in jobs} - {*OUTTYPES, MMPROJ_OUTTYPE})
     if unknown:
-        raise GgufExportError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {', '.join(unknown)}")
+        raise GgufExportError(
+            f"llama.cpp's converter writes {', '.join((*OUTTYPES, MMPROJ_OUTTYPE))}, not {', '.join(unknown)}"
+        )
     spec = json.dumps(
         [[str(model_dir), general_name(name, model_dir), outtype, str(path)] for model_dir, name, outtype, path in jobs]
     )
@@ -296,7 +309,7 @@ class _Refused(Exception):
 
 
 def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
-    """Import llama.cpp's converter with its own gguf-py, add the four fixes, and run each (model_dir, name, outtype, path) job."""
+    """Import llama.cpp's converter with its own gguf-py, add the five fixes, and run each (model_dir, name, outtype, path) job."""
     sys.path[0:0] = [str(converter_dir / "gguf-py"), str(converter_dir)]
     import convert_hf_to_gguf as script  # noqa: PLC0415 -- only after its gguf-py is first on sys.path
     import gguf  # noqa: PLC0415 -- the vendored one
@@ -320,24 +333,41 @@ def _run_converter(converter_dir: Path, jobs: list[list[str]]) -> None:
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
     script.get_model_class = _model_class_with_fixes(script.get_model_class, gguf)
     for model_dir, name, outtype, path in jobs:
-        sys.argv = ["convert_hf_to_gguf.py", "--outtype", outtype, "--outfile", path, "--model-name", name, model_dir]
+        projector = ["--mmproj", "--outtype", outtype.removeprefix("mmproj-")] if outtype == MMPROJ_OUTTYPE else []
+        types = projector or ["--outtype", outtype]
+        sys.argv = ["convert_hf_to_gguf.py", *types, "--outfile", path, "--model-name", name, model_dir]
         script.main()
 
 
 def _model_class_with_fixes(get_model_class, gguf):
-    """``get_model_class`` of the converter, returning the family's class with fixes 2, 3 and 4 of the module docstring."""
+    """``get_model_class`` of the converter, returning the family's class with fixes 2 to 5 of the module docstring."""
     layer_pattern_archs = {gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3}
 
     def model_class(architecture: str, mmproj: bool = False):
+        what = "vision projector (mmproj)" if mmproj else "GGUF"
         try:
             family = get_model_class(architecture, mmproj=mmproj)
         except NotImplementedError:
             raise _Refused(
-                f"llama.cpp {llama_cpp_version()}'s converter has no GGUF layout for architecture {architecture}"
+                f"llama.cpp {llama_cpp_version()}'s converter has no {what} layout for architecture {architecture}"
             ) from None
 
         class WithFixes(family):
             model_arch = family.model_arch
+
+            def __init__(self, *args, **kwargs):
+                try:
+                    super().__init__(*args, **kwargs)
+                except (
+                    ValueError
+                ) as exc:  # a projector class refusing a vision tower (LLaVA's: "Unsupported model type")
+                    if not mmproj:
+                        raise
+                    tower = (getattr(self, "global_config", {}).get("vision_config") or {}).get("model_type", "unknown")
+                    raise _Refused(
+                        f"llama.cpp {llama_cpp_version()}'s converter has no vision projector (mmproj) layout for "
+                        f"{architecture} with a {tower} vision tower ({exc})"
+                    ) from None
 
             # Fix 4: every way a family's set_vocab writes a vocabulary, for a SentencePiece-style tokenizer.json alone.
             def _set_vocab_sentencepiece(self, add_to_gguf=True):
@@ -366,11 +396,29 @@ def _model_class_with_fixes(get_model_class, gguf):
                 layer_types = self.hparams.get("layer_types")
                 if self.model_arch in layer_pattern_archs and layer_types:
                     self.gguf_writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+                if mmproj and family.__name__ in PIXEL_BOUNDED_PROJECTORS:  # fix 5
+                    low, high = pixel_bounds(self.preprocessor_config, self.dir_model)
+                    self.gguf_writer.add_vision_min_pixels(low)
+                    self.gguf_writer.add_vision_max_pixels(high)
 
         WithFixes.__name__ = WithFixes.__qualname__ = family.__name__
         return WithFixes
 
     return model_class
+
+
+def pixel_bounds(image_processor: dict, model_dir: Path) -> tuple[int, int]:
+    """Fix 5: the (min, max) pixels a Qwen-VL image processor resizes an image to, from its saved settings: transformers
+    5 writes them as ``size: {shortest_edge, longest_edge}`` (in pixels), 4.x as ``min_pixels``/``max_pixels``."""
+    size = image_processor.get("size") or {}
+    for low, high in (("min_pixels", "max_pixels"), ("shortest_edge", "longest_edge")):
+        for where in (image_processor, size):
+            if isinstance(where.get(low), int) and isinstance(where.get(high), int):
+                return where[low], where[high]
+    raise _Refused(
+        f"{model_dir}: the Qwen-VL image processor (preprocessor_config.json / processor_config.json) names no pixel "
+        "bounds (min_pixels/max_pixels or size.shortest_edge/longest_edge); save the model's processor with it"
+    )
 
 
 def write_sentencepiece_from_json(model, gguf) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ft_assets.delivery import converter
-from ft_assets.delivery.converter import GgufExportError
+from ft_assets.delivery.converter import MMPROJ_OUTTYPE, GgufExportError
 from ft_assets.storage import sha256_file
 
 SUPPORTED_QTYPES = ("f32", "f16", "q8_0")  # what llama.cpp's converter writes here; Q4_0 and K-quants: its quantizer
@@ -60,13 +60,15 @@ VERIFY_PROMPTS = (
 def export_ggufs(model_dir: str | Path, outputs: dict[str, str | Path], name: str | None = None) -> dict[str, dict]:
     """Write ``model_dir`` (a HF directory) as one GGUF file per ``outputs`` entry (qtype -> path); what was written.
 
+    A vision-language model's projector is the entry ``MMPROJ_OUTTYPE`` ("mmproj-f16"), written first.
+
     One converter process writes them all (it costs ~10 s to start). Each file appears atomically
     (written under a temporary name, then renamed). ``name`` becomes ``general.name`` (default: the
     directory's name). Returns, per qtype, ``file_entry``: ``path``, ``qtype``, ``bytes``,
     ``tensor_count``, ``tensor_types`` (count per GGML type) and ``sha256``.
     """
     model_dir = Path(model_dir)
-    unknown = sorted(set(outputs) - set(SUPPORTED_QTYPES))
+    unknown = sorted(set(outputs) - {*SUPPORTED_QTYPES, MMPROJ_OUTTYPE})
     if unknown:
         raise GgufExportError(
             f"qtype {', '.join(unknown)} is not written by the converter; choose one of {', '.join(SUPPORTED_QTYPES)} "
@@ -76,7 +78,8 @@ def export_ggufs(model_dir: str | Path, outputs: dict[str, str | Path], name: st
         raise GgufExportError(
             f"{model_dir / 'config.json'} not found; export_gguf needs a Hugging Face model directory"
         )
-    finals = {qtype: Path(path) for qtype, path in outputs.items()}
+    # the projector first: a vision tower the converter refuses stops the run before the language model is written
+    finals = {qtype: Path(outputs[qtype]) for qtype in sorted(outputs, key=lambda qtype: qtype != MMPROJ_OUTTYPE)}
     temps = {qtype: path.with_name(path.name + ".tmp") for qtype, path in finals.items()}
     for path in finals.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +228,7 @@ def ollama_template(chat_template: str | None) -> str:
     if not chat_template:
         raise GgufExportError("the model has no chat template; add one to tokenizer_config.json or chat_template.jinja")
     turn = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    alone = _render(chat_template, [{"role": "user", "content": "Q"}])
+    alone = render_chat(chat_template, [{"role": "user", "content": "Q"}])
     prefix = alone[: -len(turn)] if alone.endswith(turn) else None
     default = re.fullmatch(r"<\|im_start\|>system\n(.*)<\|im_end\|>\n", prefix or "", re.DOTALL)
     conversation = [
@@ -233,7 +236,7 @@ def ollama_template(chat_template: str | None) -> str:
         {"role": "user", "content": "Q"},
     ]  # fmt: skip
     chatml = "<|im_start|>system\nS<|im_end|>\n" + turn + "A<|im_end|>\n" + turn
-    if prefix is None or (prefix and not default) or _render(chat_template, conversation) != chatml:
+    if prefix is None or (prefix and not default) or render_chat(chat_template, conversation) != chatml:
         raise GgufExportError(
             "the chat template does not render ChatML (<|im_start|>role ... <|im_end|>), the only one translated to an "
             f"Ollama TEMPLATE here; it renders {alone!r} for one user turn. Write the Modelfile's TEMPLATE by hand"
@@ -246,7 +249,7 @@ def ollama_template(chat_template: str | None) -> str:
     return _ollama_chatml(system)
 
 
-def _render(chat_template: str, messages: list[dict]) -> str:
+def render_chat(chat_template: str, messages: list[dict], bos_token: str = "", eos_token: str = "") -> str:
     """Render a chat template as transformers and llama-cpp-python do (sandboxed Jinja, generation prompt on)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -258,13 +261,17 @@ def _render(chat_template: str, messages: list[dict]) -> str:
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return environment.from_string(chat_template).render(
-        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token="", eos_token="",
+        messages=messages, add_generation_prompt=True, raise_exception=raise_exception, bos_token=bos_token, eos_token=eos_token,
         strftime_now=strftime_now,
     )  # fmt: skip
 
 
 def write_modelfile(
-    gguf_filename: str, out_path: str | Path, chat_template: str | None, system: str | None = None
+    gguf_filename: str,
+    out_path: str | Path,
+    chat_template: str | None,
+    system: str | None = None,
+    projector: str | None = None,
 ) -> None:
     """Write an Ollama Modelfile next to the GGUF: ``ollama create NAME -f Modelfile`` in that directory.
 
@@ -272,6 +279,8 @@ def write_modelfile(
     renders (``ollama_template``). A template that is not ChatML (Llama 3, Gemma, Mistral, Phi) is not
     translated: the Modelfile then has no TEMPLATE, and ``ollama create`` takes the template from the
     file's ``tokenizer.chat_template`` (Ollama matches it against the templates it knows); a comment says so.
+    A vision-language model's ``projector`` is not named: the Modelfile is text-only (a comment says where the
+    pictures go instead), since Ollama's import of a separate llama.cpp projector is not something checked here.
     """
     if "/" in gguf_filename or "\\" in gguf_filename:
         raise ValueError(f"gguf_filename must be a bare file name next to the Modelfile, got {gguf_filename!r}")
@@ -284,6 +293,11 @@ def write_modelfile(
             f"# no TEMPLATE: Ollama takes it from the file's tokenizer.chat_template ({' '.join(str(exc).split())[:200]})"
         ]
     lines = [f"FROM ./{gguf_filename}", *template]
+    if projector:
+        lines.append(
+            f"# text only: the vision projector {projector} runs with llama.cpp "
+            f"(llama-mtmd-cli -m {gguf_filename} --mmproj {projector} --image PICTURE; llama-server --mmproj)"
+        )
     if system:
         lines.append(f'SYSTEM """{system}"""')
     Path(out_path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -47,6 +47,7 @@ import numpy as np
 from ft_assets.delivery import servers
 from ft_assets.delivery.gguf_export import VERIFY_PROMPTS, file_entry, logit_agreement, tensor_types
 from ft_assets.generation import answer_text
+from ft_assets.vision import auto_class
 
 # qtype -> llama_ftype of llama.cpp's quantizer (LLAMA_FTYPE_MOSTLY_* in llama-cpp-python's llama_cpp.py).
 K_QUANTS = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
@@ -107,7 +108,7 @@ def load(
     """Load a GGUF file in llama.cpp (quietly); a file it refuses raises ``LlamaCppError`` with its reason."""
     llama_cpp = require()
     # verbose while loading, into a captured stderr: a quiet Llama discards the reason a file is refused.
-    with _captured_stderr() as stderr:
+    with captured_stderr() as stderr:
         try:
             llm = llama_cpp.Llama(
                 model_path=str(path), vocab_only=vocab_only, logits_all=logits_all, n_ctx=n_ctx, n_batch=min(n_ctx, 512),
@@ -170,10 +171,12 @@ def reference(
     model_dir: str | Path, prompts: tuple[str, ...] = GREEDY_PROMPTS, max_new_tokens: int = GREEDY_TOKENS
 ) -> Reference:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = auto_class(model_dir).from_pretrained(
+        model_dir, dtype=torch.float32
+    )  # a VLM's language model: text prompts
     model.eval()
     rendered = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -258,7 +261,7 @@ def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> s
     """The name of the file that ships, of ``files`` (name -> ``{"qtype", "bytes", "llamacpp": check_file(...)}``).
 
     ``ship`` names a qtype, or is ``"auto"``: the smallest file whose relative logit error through llama.cpp
-    is within ``max_rel_error``, else the most accurate one. Smallest-within-tolerance, not a fixed type,
+    (``shipped_error``) is within ``max_rel_error``, else the most accurate one. Smallest-within-tolerance, not a fixed type,
     because which quantization a model tolerates depends on the model: a model whose rows are not multiples
     of 256 gets K-quant files that are mostly Q5_0/Q5_1/Q8_0 fallbacks, and SmolLM2-135M, rebuilt from a
     4-bit GGUF, loses more to its K-quants (rel. error 0.07-0.27) than to Q8_0 (0.05): with the default
@@ -271,10 +274,16 @@ def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> s
                 f"ship={ship!r} is not among the exported types {sorted(e['qtype'] for e in files.values())}"
             )
         return named[0]
-    within = [name for name, entry in files.items() if entry["llamacpp"]["rel_error"] <= max_rel_error]
+    within = [name for name, entry in files.items() if shipped_error(entry) <= max_rel_error]
     if within:
         return min(within, key=lambda name: files[name]["bytes"])
-    return min(files, key=lambda name: files[name]["llamacpp"]["rel_error"])
+    return min(files, key=lambda name: shipped_error(files[name]))
+
+
+def shipped_error(entry: dict) -> float:
+    """A file's relative logit error through llama.cpp, as ``choose_shipped`` weighs it: on text prompts, and for a
+    vision-language model's file the larger of that and its error on picture prompts (``entry["mtmd"]``)."""
+    return max(entry["llamacpp"]["rel_error"], entry.get("mtmd", {}).get("rel_error", 0.0))
 
 
 def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
@@ -292,7 +301,7 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = QUANTIZED[qtype]
     try:
-        with _captured_stderr() as stderr:
+        with captured_stderr() as stderr:
             status = llama_cpp.llama_model_quantize(
                 str(f16_path).encode(), str(tmp_path).encode(), ctypes.byref(params)
             )
@@ -309,7 +318,22 @@ def quantize(f16_path: str | Path, out_path: str | Path, qtype: str) -> dict:
 def chat_answers(
     path: str | Path, conversations: list[list[dict]], max_new_tokens: int, log: Callable[[str], None] = print
 ) -> list[str]:
-    """Greedy chat completions of a GGUF file through llama.cpp: the file's own chat template, stop at end of turn."""
+    """Greedy chat completions of a GGUF file through llama.cpp: the file's own chat template, stop at end of turn.
+
+    Text only: a conversation holding pictures is refused (a VLM's GGUF answers them with its projector, through
+    libmtmd: ``ft_assets.delivery.mtmd.chat_answers``)."""
+    with_pictures = sum(
+        any(
+            isinstance(m["content"], list) and any(part.get("type") == "image" for part in m["content"])
+            for m in messages
+        )
+        for messages in conversations
+    )
+    if with_pictures:
+        raise LlamaCppError(
+            f"{Path(path).name} answers text only, and {with_pictures} of {len(conversations)} conversations hold pictures: "
+            "a vision-language model's GGUF answers them with its projector (mmproj) beside it"
+        )
     llm = load(path)
     answers = []
     try:
@@ -379,7 +403,7 @@ def serving_smoke(path: str | Path, prompts: list[str], max_tokens: int) -> list
 
 
 @contextmanager
-def _captured_stderr() -> Iterator[Callable[[], str]]:
+def captured_stderr() -> Iterator[Callable[[], str]]:
     """Redirect file descriptor 2 (where libllama logs) to a temporary file; yield a reader of it."""
     sys.stderr.flush()
     saved_fd, saved_stream = os.dup(2), sys.stderr

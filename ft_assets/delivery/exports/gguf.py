@@ -13,10 +13,16 @@
   from llama.cpp's logits; for ``general_eval``, the file behind llama.cpp's OpenAI-compatible server as
   lm-eval's ``local-completions`` model, which answers ``generate_until`` tasks only (``NO_PROMPT_LOGPROBS``).
 - **Gate**: the shipped file may score at most ``max_drop`` (0.05) below the merged model.
+- **Vision-language models** (``takes_vision``): the converter also writes the projector, ``<stem>-mmproj-f16.gguf``,
+  one for every type; each file is also checked with it in libmtmd on picture prompts (``mtmd.check_vision_file``:
+  token ids equal to the processor's, logits within ``mtmd.TOLERANCES``), the projector ships beside the chosen file
+  (``Made.companions``), and the runtime answers through libmtmd when it finds the projector there. The Modelfile
+  stays text-only; transformers' GGUF reader, which takes no VLM, is not run.
 
 Refused (``ExportRefused``, one line; the run goes on without a GGUF unless ``required``): an
 architecture or tokenizer the converter cannot take (``GgufUnsupported``), a converter or quantizer that
-fails, a file llama.cpp will not load, or one whose token ids differ from the HF tokenizer's.
+fails, a file llama.cpp will not load, or one whose token ids differ from the HF tokenizer's (a VLM's: or from its
+processor's on pictures, or whose logits there part beyond the bound).
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ft_assets.delivery import llamacpp
-from ft_assets.delivery.converter import GgufExportError, GgufUnsupported
+from ft_assets.delivery import llamacpp, mtmd
+from ft_assets.delivery.converter import MMPROJ_OUTTYPE, GgufExportError, GgufUnsupported
 from ft_assets.delivery.harness import HarnessModel, served_model
 from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line
 from ft_assets.delivery.gguf_export import SUPPORTED_QTYPES, export_ggufs, verify_gguf, write_modelfile
+from ft_assets.vision import model_has_vision
 
 QTYPES = (*SUPPORTED_QTYPES, *llamacpp.QUANTIZED)  # the converter's, then the quantizer's
 OFF = "GGUF export is off (gguf_model qtypes: [])"
@@ -87,45 +94,84 @@ def check(settings: GgufSettings) -> None:
 
 
 def make(merged_dir: Path, out: Path, work: Path, stem: str, settings: GgufSettings, log) -> Made:
-    """Every file of ``settings.qtypes`` in ``out``, each checked in llama.cpp, the shipped one chosen, and its Modelfile."""
+    """Every file of ``settings.qtypes`` in ``out``, each checked in llama.cpp, the shipped one chosen, and its Modelfile;
+    for a vision-language model also its projector (``mtmd``), beside the files and shipped with the chosen one."""
+    projector = mtmd.mmproj_file(stem) if model_has_vision(merged_dir) else None
     try:
-        files, chat_template = _written_and_checked(merged_dir, out, work, stem, settings, log)
+        files, chat_template = _written_and_checked(merged_dir, out, work, stem, settings, log, projector)
         shipped = llamacpp.choose_shipped(files, settings.ship, settings.ship_max_rel_error)
-        write_modelfile(shipped, out / "Modelfile", chat_template, system=settings.system_prompt or None)
+        write_modelfile(
+            shipped, out / "Modelfile", chat_template, system=settings.system_prompt or None, projector=projector
+        )
     except GgufUnsupported as exc:
         raise ExportRefused(f"llama.cpp cannot take this model: {one_line(exc)}") from exc
     except (GgufExportError, llamacpp.LlamaCppError) as exc:
         raise ExportRefused(one_line(exc)) from exc
     log.info(
-        f"shipping {shipped} ({settings.ship}; llama.cpp rel. logit error {files[shipped]['llamacpp']['rel_error']:.2e})"
+        f"shipping {shipped}{f' and {projector}' if projector else ''} ({settings.ship}; llama.cpp rel. logit error "
+        f"{llamacpp.shipped_error(files[shipped]):.2e})"
     )
     stats = {"ship": settings.ship, "ship_max_rel_error": settings.ship_max_rel_error, "modelfile": "Modelfile"}
-    return Made(files, shipped, stats, rows(files, shipped))
+    if projector:
+        stats["mmproj"] = projector
+    return Made(files, shipped, stats, rows(files, shipped), companions=[projector] if projector else [])
 
 
 def _written_and_checked(
-    merged_dir: Path, out: Path, work: Path, stem: str, settings: GgufSettings, log
+    merged_dir: Path, out: Path, work: Path, stem: str, settings: GgufSettings, log, projector: str | None
 ) -> tuple[dict[str, dict], str | None]:
-    """Every file of ``settings.qtypes`` (the converter's in one process, then the quantizer's from the f16 file), each
-    checked in llama.cpp; and the chat template they embed."""
+    """Every file of ``settings.qtypes`` (the converter's in one process, the projector first, then the quantizer's from
+    the f16 file), each checked in llama.cpp, on picture prompts too for a VLM; and the chat template they embed."""
     converted = [q for q in settings.qtypes if q in SUPPORTED_QTYPES]
     quantized = [q for q in settings.qtypes if q in llamacpp.QUANTIZED]
     outputs = {q: out / f"{stem}-{q}.gguf" for q in converted}
     if quantized and "f16" not in outputs:
         outputs["f16"] = work / f"{stem}-f16.gguf"  # the quantizer's input, not shipped
+    if projector:
+        outputs[MMPROJ_OUTTYPE] = out / projector
     written = export_ggufs(merged_dir, outputs, name=stem)
     for qtype in quantized:
         written[qtype] = llamacpp.quantize(outputs["f16"], out / f"{stem}-{qtype}.gguf", qtype)
     reference = llamacpp.reference(merged_dir)
+    pictures = mtmd.vision_reference(merged_dir) if projector else None
     files = {
         Path(written[q]["path"]).name: _checked(merged_dir, Path(written[q]["path"]), written[q], reference, settings.verify, log)
         for q in settings.qtypes
     }  # fmt: skip
+    if pictures is not None:
+        for name, entry in files.items():
+            entry["mtmd"] = _checked_with_pictures(out / name, out / projector, entry["qtype"], pictures, log)
     return files, reference.chat_template
 
 
+def _checked_with_pictures(path: Path, mmproj: Path, qtype: str, pictures: mtmd.VisionReference, log) -> dict:
+    """A VLM's file and its projector in libmtmd on the picture prompts (``mtmd.check_vision_file``): refused when the token
+    ids differ from the processor's, or (f32, f16, q8_0) when the logits part from the merged model's beyond
+    ``mtmd.TOLERANCES``: a projector laid out wrong, or images read otherwise."""
+    try:
+        check = mtmd.check_vision_file(path, mmproj, pictures)
+    except llamacpp.LlamaCppError as exc:
+        raise ExportRefused(f"libmtmd refuses {path.name} with {mmproj.name}: {one_line(exc)}") from exc
+    if not check["tokens_match"]:
+        raise ExportRefused(
+            f"{path.name} with {mmproj.name}: libmtmd tokenizes {len(check['token_mismatches'])} picture prompts differently "
+            f"from the processor (image tokens per prompt, libmtmd vs processor: {check['image_tokens']})"
+        )
+    tolerance = mtmd.TOLERANCES.get(qtype)
+    if tolerance is not None and check["rel_error"] > tolerance:
+        raise ExportRefused(
+            f"{path.name} with {mmproj.name}: llama.cpp's logits after picture prompts are {check['rel_error']:.2e} from the "
+            f"merged model's (relative; at most {tolerance} for {qtype}): the projector does not see what the model saw"
+        )
+    log.info(
+        f"{path.name} + {mmproj.name}: libmtmd rel. logit error {check['rel_error']:.2e} on {check['prompts']} picture prompts"
+    )
+    return {k: v for k, v in check.items() if k != "token_mismatches"}
+
+
 def _checked(merged_dir: Path, path: Path, written: dict, reference: llamacpp.Reference, verify: bool, log) -> dict:
-    """One file's entry in gguf_model's stats: what was written, llama.cpp's check, transformers' round trip."""
+    """One file's entry in gguf_model's stats: what was written, llama.cpp's check, transformers' round trip (a text
+    model's: its GGUF reader takes no vision-language model)."""
     try:
         check = llamacpp.check_file(path, reference)
     except llamacpp.LlamaCppError as exc:
@@ -144,7 +190,7 @@ def _checked(merged_dir: Path, path: Path, written: dict, reference: llamacpp.Re
         "qtype": written["qtype"], "bytes": written["bytes"], "sha256": written["sha256"], "tensor_types": written["tensor_types"],
         "llamacpp": {k: v for k, v in check.items() if k != "token_mismatches"},
     }  # fmt: skip
-    if verify and written["qtype"] in SUPPORTED_QTYPES:
+    if verify and written["qtype"] in SUPPORTED_QTYPES and not model_has_vision(merged_dir):
         entry["transformers"] = _second_reader(merged_dir, path, written["qtype"], check["rel_error"], log)
     log.info(
         f"{path.name}: {written['bytes'] / 1e6:.1f} MB {written['tensor_types']}; llama.cpp rel. logit error {check['rel_error']:.2e}, "
@@ -179,6 +225,7 @@ def rows(files: dict[str, dict], shipped: str) -> list[dict]:
          "greedy equal": f"{e['llamacpp']['greedy_match']}/{e['llamacpp']['greedy_prompts']}"
                          + (f" +{e['llamacpp']['greedy_near_ties']} near-tie" if e["llamacpp"]["greedy_near_ties"] else ""),
          "token ids equal": e["llamacpp"]["tokens_match"],
+         **({"picture logit error": e["mtmd"]["rel_error"]} if "mtmd" in e else {}),
          "HF reader error": e.get("transformers", {}).get("rel_error"),
          "tensors": ", ".join(f"{t} {n}" for t, n in sorted(e["tensor_types"].items()))}
         for name, e in files.items()
@@ -186,14 +233,18 @@ def rows(files: dict[str, dict], shipped: str) -> list[dict]:
 
 
 class LlamaCpp:
-    """A GGUF file in llama.cpp (llama-cpp-python, in process), answering the eval prompts."""
+    """A GGUF file in llama.cpp (llama-cpp-python, in process), answering the eval prompts; a VLM's with its projector
+    beside it (``mtmd.mmproj_path``) through libmtmd, pictures and all."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.mmproj = mtmd.mmproj_path(path) if mtmd.mmproj_path(path).is_file() else None
 
     def chat_answers(self, conversations: list[list[dict]], max_new_tokens: int, log) -> list[str]:
         """Greedy chat completions through the file's own chat template, stopping at its end of turn."""
         try:
+            if self.mmproj:
+                return mtmd.chat_answers(self.path, self.mmproj, conversations, max_new_tokens, log)
             return llamacpp.chat_answers(self.path, conversations, max_new_tokens, log)
         except llamacpp.LlamaCppError as exc:
             raise ExportRefused(one_line(str(exc).replace(str(self.path), self.path.name))) from exc
@@ -245,6 +296,7 @@ GGUF = Export(
     name="gguf", asset="gguf_model", title="GGUF", runtime_name="llama.cpp", variant="qtype",
     kinds=frozenset({"llama", "gguf"}),
     description="GGUF files (llama.cpp / Ollama) with tokenizer and chat template embedded, each checked in llama.cpp against "
-    "the merged model; or none, with the reason in one line (qtypes: [], or a model llama.cpp refuses): the model still ships.",
-    settings=GgufSettings, off=off, check=check, make=make, runtime=LlamaCpp,
+    "the merged model, and a vision-language model's projector (mmproj) beside them, checked in libmtmd on pictures; or none, "
+    "with the reason in one line (qtypes: [], or a model llama.cpp refuses): the model still ships.",
+    settings=GgufSettings, off=off, check=check, make=make, runtime=LlamaCpp, takes_vision=True,
 )  # fmt: skip

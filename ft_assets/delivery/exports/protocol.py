@@ -85,6 +85,8 @@ class Made:
     shipped: str  # the name eval_report scores, the registry ships and a server serves
     stats: dict = field(default_factory=dict)  # the export's own figures beside those (GGUF: ship, Modelfile)
     rows: list[dict] = field(default_factory=list)  # the asset's metadata table, one row per file
+    # names of files that travel with the shipped one wherever it goes (eval, registry): a VLM GGUF's projector
+    companions: list[str] = field(default_factory=list)
 
 
 class Runtime(Protocol):
