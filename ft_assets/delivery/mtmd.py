@@ -71,13 +71,12 @@ MARKERS = {
 }
 # Projectors whose image size libmtmd bounds by token counts of its own (clip.cpp), not by the file's pixel bounds
 TOKEN_BOUNDED = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
-QWEN_MERGE = (
-    2  # clip.cpp's spatial merge for a Qwen-VL projector that does not name one (Qwen2.5-VL's converter does not)
-)
+# clip.cpp's spatial merge for a Qwen-VL projector that names none (Qwen2.5-VL's converter writes none)
+QWEN_MERGE = 2
 
 # Picture prompts of the check: one picture before the question, and two pictures of other sizes inside the text
-# (Qwen-VL gives each its own number of tokens). "<image>" marks where each picture goes.
-# Square pictures of sizes that are no tie for Qwen-VL's rounding to its grid (see the module docstring).
+# (Qwen-VL gives each its own number of tokens). "<image>" marks where each picture goes. Square pictures, of sizes
+# that are no tie for Qwen-VL's rounding to its grid (see the module docstring).
 VISION_PROMPTS = (
     ("<image>What is in the picture?", ((64, 64),)),
     ("Compare <image> with <image>: which is brighter?", ((120, 120), (72, 72))),
