@@ -165,13 +165,10 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     remote_home, worker_host, capsys, tmp_path, monkeypatch
 ):
     store = remote_home["store"]
-    secret = (
-        "planted-secret-" + os.urandom(6).hex()
-    )  # the store's key (unused by a folder store): forwarded as a secret
-    control = "control-secret-" + os.urandom(6).hex()  # this host's own key: the worker gets its own instead
+    secret = "planted-secret-" + os.urandom(6).hex()  # this host's store key and the workers': a folder needs neither
     for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
                         ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1"), ("AWS_ACCESS_KEY_ID", "control-id"),
-                        ("AWS_SECRET_ACCESS_KEY", control), ("FT_WORKER_AWS_ACCESS_KEY_ID", "planted-id"),
+                        ("AWS_SECRET_ACCESS_KEY", secret), ("FT_WORKER_AWS_ACCESS_KEY_ID", "planted-id"),
                         ("FT_WORKER_AWS_SECRET_ACCESS_KEY", secret)):  # fmt: skip
         monkeypatch.setenv(name, str(value))
     umask = os.umask(0)
@@ -187,9 +184,8 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     assert code == 0, err
     assert killer.error is None and killer.pid, killer.error
     environ = {line.split(b"=", 1)[0].decode() for line in killer.environ if b"=" in line}
-    assert {b"AWS_ACCESS_KEY_ID=planted-id", f"AWS_SECRET_ACCESS_KEY={secret}".encode()} <= set(killer.environ)
-    assert not [line for line in killer.environ if control.encode() in line or line.startswith(b"FT_WORKER_")]
-    # the workers' key reached the worker, and only it:
+    # least privilege: a folder store's worker holds no store key at all, neither this host's nor the workers'
+    assert not [line for line in killer.environ if secret.encode() in line or line.startswith((b"AWS_", b"FT_WORKER_"))]
     worker_files = [*store.root.rglob("pipes/*/*"), *Path(worker_host.account.pw_dir).rglob("ft-assets-worker/*/*.log")]
     assert worker_files and not [f for f in worker_files if f.is_file() and secret.encode() in f.read_bytes()]
     assert secret not in err
@@ -217,6 +213,7 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
     finally:
         instance.dispose()
     assert not [m for m in said if secret in m]
+    assert "the worker gets no store keys (a folder store)" in said
     assert any(m.startswith("starting attempt 2 of this run's worker on ssh://") for m in said)
     assert any("was killed after" in m and "resumes from the newest complete checkpoint" in m for m in said)
     assert any(m.startswith("attempt 1 on ") and "fetching the base model" in m for m in said)  # the worker's own
@@ -255,8 +252,9 @@ class WhenSkyJobTrains(Watcher):
 def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_from_its_checkpoint(
     remote_home, sky_env, capsys, monkeypatch, tmp_path
 ):
-    """``--gpu skypilot:runpod`` at SkyPilot's SDK boundary: the managed job rents the plan's card, gets the store's
-    keys as SkyPilot secrets only, and its recovered start (same command, fresh disk) resumes the run."""
+    """``--gpu skypilot:runpod`` at SkyPilot's SDK boundary: the managed job rents the plan's card, gets its secrets as
+    SkyPilot secrets only (a folder store: no store key; this host's planted one stays here), and its recovered start
+    (same command, fresh disk) resumes the run."""
     store = remote_home["store"]
     secret = "planted-secret-" + os.urandom(6).hex()
     for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
@@ -285,7 +283,7 @@ def test_skypilot_recovers_a_preempted_worker_inside_one_attempt_which_resumes_f
     plan = read_ref(store, KEY, "training_plan")["stats"]
     assert launched["task"]["resources"]["accelerators"] == {plan["accelerator"]: 1} and plan["accelerator"]
     assert launched["task"]["resources"]["use_spot"] == (plan["rental_mode"] == "spot")
-    assert launched["secrets"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FT_CODE_URL"]  # the wheel's URL too
+    assert launched["secrets"] == ["FT_CODE_URL"]  # the wheel's URL; no store key for a folder store, not this host's
     assert launched["task"]["resources"]["image_id"] == {"null": f"docker:{DEFAULT_IMAGE}"}  # PyTorch's, any region
     assert secret not in json.dumps(launched["envs"]) + launched["task"]["run"]
     assert not [k for k in launched["envs"] if k.startswith(("DAGSTER", "PG", "FT_HOME"))]
@@ -401,6 +399,24 @@ def test_ft_assets_run_refuses_an_unknown_target_before_anything_runs(capsys, tm
     code, summary, err = run_cli(capsys, "run", "--dataset", str(SAMPLE), "--gpu", "runpod", "--json")
     assert code != 0 and "--gpu: GPU target 'runpod': unknown kind 'runpod'" in err and "write skypilot:runpod" in err
     assert not (tmp_path / "home").exists()
+
+
+def test_ft_assets_run_on_a_store_without_sts_refuses_to_send_this_hosts_keys_before_anything_runs(
+    capsys, tmp_path, monkeypatch
+):
+    """The rented-GPU quickstart on an S3-compatible store with this host's keys only: refused before the dataset is
+    registered (nothing reaches the store, nothing is rented), in one line naming both ways out."""
+    for name, value in (("DAGSTER_HOME", tmp_path / "home"), ("FT_STORE", "s3://my-bucket/ft"),
+                        ("AWS_ENDPOINT_URL", "http://127.0.0.1:9"), ("AWS_ACCESS_KEY_ID", "host-id"),
+                        ("AWS_SECRET_ACCESS_KEY", "host-secret")):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    for name in ("FT_WORKER_KEYS", "FT_WORKER_AWS_ACCESS_KEY_ID", "FT_WORKER_AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    code, summary, err = run_cli(capsys, "run", "--dataset", str(SAMPLE), "--gpu", "skypilot:runpod", "--json")
+    [line] = [line for line in err.splitlines() if "S3-compatible" in line]
+    assert code != 0 and line.count("--gpu skypilot:runpod: the store s3://my-bucket/ft is on http://127.0.0.1:9") == 1
+    assert "FT_WORKER_AWS_ACCESS_KEY_ID" in line and "FT_WORKER_KEYS=host-keys" in line and "host-secret" not in err
+    assert summary is not None and "partition" not in summary  # no dataset version was registered
 
 
 def test_every_registered_target_parses_its_example_into_the_target_protocol_and_its_docs_page_shows_it():
@@ -543,15 +559,15 @@ def test_a_skypilot_job_waiting_for_a_machine_is_running_to_the_session_and_its_
 
 
 def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_run_alone(monkeypatch, tmp_path):
-    """``FT_WORKER_KEYS=sts`` at AWS STS's SDK boundary (moto): GetFederationToken with an inline policy that allows the
-    run's inputs and its own prefix, nothing else; the worker gets the temporary keys, never this host's."""
+    """A store on AWS S3, no setting: at AWS STS's SDK boundary (moto), GetFederationToken with an inline policy that
+    allows the run's inputs and its own prefix, nothing else; the worker gets the temporary keys, never this host's."""
     from fnmatch import fnmatchcase
 
     import boto3
     from moto import mock_aws
 
     from ft_assets import layout
-    from ft_assets.pools.credentials import worker_secrets
+    from ft_assets.pools.credentials import worker_keys, worker_secrets
     from ft_assets.storage import S3Store
 
     for name, value in (("AWS_ACCESS_KEY_ID", "AKIAHOSTKEY"), ("AWS_SECRET_ACCESS_KEY", "host-secret"),
@@ -568,7 +584,8 @@ def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_ru
             "provide-client-params.sts.GetFederationToken", lambda params, **kw: asked.append(params)
         )
         store = S3Store("my-bucket", "ft")
-        keys = worker_secrets({"FT_WORKER_KEYS": "sts", **os.environ}, store, reads, part.train(run), "run-1-abc")
+        assert worker_keys(os.environ, store) == "sts"  # the default on AWS
+        keys = worker_secrets(dict(os.environ), store, reads, part.train(run), "run-1-abc")
     [request] = asked
     assert request["DurationSeconds"] == 12 * 3600 and request["Name"] == "run-1-abc"
     assert set(keys) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
@@ -588,11 +605,51 @@ def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_ru
                 if allowed("s3:PutObject", k) or allowed("s3:DeleteObject", k)]  # fmt: skip
     assert not allowed("s3:GetObject", other_run) and not allowed("s3:GetObject", part.ref("lora_adapter"))
 
-    for environ, said in (({"FT_WORKER_KEYS": "sts"}, "is not on S3"), ({"FT_WORKER_KEYS": "iam"}, "use sts"),
-                          ({"FT_WORKER_KEYS": "sts", "FT_WORKER_KEYS_HOURS": "48"}, "hours from 0.25 to 36")):  # fmt: skip
-        store_here = LocalStore(tmp_path) if said == "is not on S3" else store
-        with pytest.raises(TargetError, match=said):
-            worker_secrets(environ, store_here, reads, part.train(run), "run-1-abc")
-    assert worker_secrets({"FT_WORKER_AWS_ACCESS_KEY_ID": "w", "AWS_ACCESS_KEY_ID": "h"}, store, reads, "r", "n") == {
-        "AWS_ACCESS_KEY_ID": "w"
-    }
+
+KEYS = {"AWS_ACCESS_KEY_ID": "host-id", "AWS_SECRET_ACCESS_KEY": "host-secret"}  # this host's, planted
+WORKERS = {"FT_WORKER_AWS_ACCESS_KEY_ID": "worker-id", "FT_WORKER_AWS_SECRET_ACCESS_KEY": "worker-secret"}
+
+
+@pytest.mark.parametrize(
+    "store_kind, environ, expected",
+    [
+        ("folder", {**KEYS, **WORKERS}, {}),  # a folder store: nothing, whatever is set
+        ("folder", {**KEYS, "FT_WORKER_KEYS": "host-keys"}, {}),
+        (
+            "compatible",
+            {**KEYS, **WORKERS},
+            {"AWS_ACCESS_KEY_ID": "worker-id", "AWS_SECRET_ACCESS_KEY": "worker-secret"},
+        ),
+        ("compatible", {**KEYS, "FT_WORKER_KEYS": "host-keys"}, KEYS),  # said in so many words
+        ("compatible", KEYS, "an S3-compatible store where ft-assets cannot make keys scoped to one run"),
+        ("compatible", {**KEYS, "FT_WORKER_KEYS": "iam"}, "use sts (keys scoped to the run, AWS S3), host-keys"),
+        ("folder", {"FT_WORKER_KEYS": "sts"}, "is not on S3; a folder store needs no keys"),
+        ("aws", {**KEYS, "FT_WORKER_KEYS_HOURS": "48"}, "hours from 0.25 to 36"),
+    ],
+)
+def test_a_worker_gets_no_key_of_this_hosts_unless_told_and_a_store_without_sts_is_refused(
+    store_kind, environ, expected, tmp_path, monkeypatch
+):
+    """``worker_keys``' table: least privilege by default. An S3-compatible store (an endpoint that is not AWS)
+    without keys for workers is refused in one line that names both ways out; nothing is sent to a worker then."""
+    from ft_assets.pools.credentials import worker_secrets
+    from ft_assets.storage import S3Store
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    if store_kind == "folder":
+        store = LocalStore(tmp_path)
+    else:  # no request is made: worker_keys reads the client's endpoint only
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        if store_kind == "compatible":
+            monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        store = S3Store("my-bucket", "ft")
+    if isinstance(expected, dict):
+        assert worker_secrets(environ, store, ["models/m"], "runs/r", "n") == expected
+    else:
+        with pytest.raises(TargetError) as refused:
+            worker_secrets(environ, store, ["models/m"], "runs/r", "n")
+        message = str(refused.value)
+        assert expected in message and "\n" not in message and "host-secret" not in message
+        if "S3-compatible" in expected:
+            assert "FT_WORKER_AWS_ACCESS_KEY_ID" in message and "FT_WORKER_KEYS=host-keys" in message

@@ -40,7 +40,8 @@ from ft_assets.data.registration import RegistrationError, register_dataset
 from ft_assets.data.rows import DatasetFileError
 from ft_assets.definitions import defs
 from ft_assets.partitions import DatasetVersion
-from ft_assets.pools import TARGET_TAG, TargetError, parse_target
+from ft_assets.pools import TARGET_TAG, TargetError, is_local, parse_target
+from ft_assets.pools.credentials import worker_keys
 from ft_assets.refs import read_ref
 from ft_assets.storage import open_store
 
@@ -89,6 +90,17 @@ def checked_target(text: str | None) -> None:
         raise CliError(f"--gpu: {exc}") from exc
 
 
+def checked_worker_keys(args: argparse.Namespace, store) -> None:
+    """A run on a GPU target whose workers could get no keys but this host's is refused before anything runs
+    (``credentials.worker_keys``), not when its training starts."""
+    if is_local(args.gpu) or PLANES.index(args.until) < PLANES.index("training"):
+        return
+    try:
+        worker_keys(os.environ, store)
+    except TargetError as exc:
+        raise CliError(f"--gpu {args.gpu}: {exc}") from exc
+
+
 def execute(args: argparse.Namespace, summary: dict) -> dict:
     """Register the dataset version and run each plane; ``summary`` fills as planes complete (for --json on failure)."""
     checked_target(args.gpu)
@@ -96,6 +108,7 @@ def execute(args: argparse.Namespace, summary: dict) -> dict:
     jobs = {plane: defs.resolve_job_def(name) for plane, name in JOBS.items()}
     run_config, variants = checked_run_config(args, jobs)
     store = open_store()
+    checked_worker_keys(args, store)
     try:
         key, new = register_dataset(store, args.dataset, args.name, args.version)
     except (DatasetFileError, RegistrationError) as exc:

@@ -39,7 +39,7 @@ from dagster._utils.interrupts import capture_interrupts, check_captured_interru
 
 from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
 from ft_assets.pools.code import WHEEL, worker_code
-from ft_assets.pools.credentials import worker_secrets
+from ft_assets.pools.credentials import describe_keys, worker_keys, worker_secrets
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob
@@ -166,7 +166,9 @@ def train_remote(
     log = context.log.info
     pipes_prefix = f"{job.run_prefix}/pipes"
     record_key = f"{pipes_prefix}/worker.json"
+    keys = worker_keys(environ, store)  # refused here, before anything is rented, when no keys may go
     cancel_leftover(target, store, record_key, log)
+    log(f"the worker gets {describe_keys(keys, environ)}")
     env = worker_environment(environ)
     reads = [job.base_model_key, job.shards_key, *([job.images_key] if job.images_key else [])]
     code = None
