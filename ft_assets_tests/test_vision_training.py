@@ -234,6 +234,7 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
         p.name for p in (registry / "gguf").iterdir()
     }
     lineage = json.loads((registry / "lineage.json").read_text())
+    assert lineage["exports"]["gguf"]["companions"] == ["shapes-v1-mmproj-f16.gguf"]  # the projector ships with it
     pictures = lineage["images"]
     assert pictures["prefix"] == "images/shapes" and len(pictures["eval"]) == int(evaluated[1])
     assert {*pictures["train"], *pictures["eval"]} == {p.name for p in stored.values()}  # the sample kept them all

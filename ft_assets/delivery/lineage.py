@@ -115,13 +115,19 @@ def build_lineage(partition: str, refs: dict[str, ArtifactRef], published_key: s
 
 def exports_shipped(refs: dict[str, ArtifactRef], verdicts: dict[str, dict]) -> dict[str, dict]:
     """Per export: the file that ships (the one eval_report scored) and every file of it the registry holds, or none
-    and why (``reason``: turned off, refused by its converter or runtime)."""
+    and why (``reason``: turned off, refused by its converter or runtime); ``companions``, the files that ship with it
+    (a VLM GGUF's projector), where it has any."""
     return {
         export.name: {
             "asset": export.asset,
             "shipped": verdicts[export.name]["file"],
             "files": refs[export.asset]["stats"]["files"] if verdicts[export.name]["file"] else {},
             "reason": verdicts[export.name]["reason"],
+            **(
+                {"companions": refs[export.asset]["stats"]["companions"]}
+                if verdicts[export.name]["file"] and refs[export.asset]["stats"].get("companions")
+                else {}
+            ),
         }
         for export in EXPORTS
     }
