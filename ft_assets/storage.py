@@ -27,7 +27,7 @@ import shutil
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 CHUNK = 8 * 1024 * 1024  # 8 MiB: read/hash granularity and S3 multipart part size
@@ -62,6 +62,17 @@ class ObjectNotFound(StoreError):
 
 class ObjectExists(StoreError):
     """A create-if-absent write found the object already there."""
+
+
+class KeysRefused(StoreError):
+    """The store refused the keys (unknown, expired, revoked, or not allowed to do this): another attempt with the same
+    keys fails the same way."""
+
+
+REFUSED_CODES = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken", "InvalidToken",
+     "TokenRefreshRequired"}
+)  # fmt: skip
 
 
 class _Transient(StoreError):
@@ -302,13 +313,20 @@ def env_credentials() -> dict:
     }
 
 
+def s3_client(credentials: Mapping[str, str | None]):
+    """A boto3 S3 client with ``credentials`` (``env_credentials``' form) and the store's settings: one attempt per
+    request (``S3Store._call`` retries), short connect timeout."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    config = BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+    return boto3.client("s3", **credentials, config=config)
+
+
 class S3Store(ObjectStore):
     """An S3 bucket (AWS, R2, MinIO, SeaweedFS) through boto3, configured from the environment."""
 
     def __init__(self, bucket: str, prefix: str = "", client=None, max_attempts: int = S3_ATTEMPTS):
-        import boto3
-        from botocore.config import Config as BotoConfig
-
         if "@" in bucket or ":" in bucket:  # s3://KEY:SECRET@bucket: refuse without repeating it
             raise StoreError(
                 "the store URL must not carry credentials (s3://user:secret@bucket); set AWS_ACCESS_KEY_ID and "
@@ -322,19 +340,20 @@ class S3Store(ObjectStore):
         self.max_attempts = max(1, max_attempts)
         # Retries are ours (_call), not botocore's: one deterministic schedule for every operation, a
         # whole transfer retried as a unit, and an error message that says how long the store was down.
-        self.client = client or boto3.client(
-            "s3",
-            **env_credentials(),
-            config=BotoConfig(
-                retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=60
-            ),
-        )
+        self.client = client or s3_client(env_credentials())
         from boto3.s3.transfer import TransferConfig
 
         self.transfer = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK)
 
     def _key(self, key: str) -> str:
         return join_key(self.prefix, check_key(key))
+
+    def use_keys(self, keys: Mapping[str, str]) -> None:
+        """Sign from now on with ``keys`` (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``):
+        renewed keys. A transfer already under way finishes with the keys it started with."""
+        self.client = s3_client({"aws_access_key_id": keys["AWS_ACCESS_KEY_ID"],
+                                 "aws_secret_access_key": keys["AWS_SECRET_ACCESS_KEY"],
+                                 "aws_session_token": keys.get("AWS_SESSION_TOKEN")})  # fmt: skip
 
     def download_url(self, key: str, expires_s: int) -> str:
         params = {"Bucket": self.bucket, "Key": self._key(key)}
@@ -390,8 +409,8 @@ class S3Store(ObjectStore):
                 return ObjectNotFound(f"missing object {self.uri(key)}")
             if code in ("PreconditionFailed", "412"):
                 return ObjectExists(f"{self.uri(key)} already exists")
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-                return StoreError(
+            if code in REFUSED_CODES:
+                return KeysRefused(
                     f"{what} {self.uri(key)} was refused ({code}): check AWS_ACCESS_KEY_ID / "
                     "AWS_SECRET_ACCESS_KEY and the bucket policy"
                 )

@@ -42,6 +42,7 @@ import pytest
 
 ACCESS_KEY = "ft-assets-test"
 SECRET_KEY = "ft-assets-test-secret-0123456789"
+READER_KEYS = {"AWS_ACCESS_KEY_ID": "ft-assets-reader", "AWS_SECRET_ACCESS_KEY": "ft-assets-reader-secret-98765"}
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 2.0  # SIGTERM, then SIGKILL: a graceful stop takes ~20 s and buys the tests nothing
 PROBE_BUCKET = "ft-probe"
@@ -108,7 +109,17 @@ class SeaweedFS:
                     "name": "ft-assets-admin",
                     "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                }
+                },
+                {  # keys that may read and list, not write: what a store answers to keys it does not allow
+                    "name": "ft-assets-reader",
+                    "credentials": [
+                        {
+                            "accessKey": READER_KEYS["AWS_ACCESS_KEY_ID"],
+                            "secretKey": READER_KEYS["AWS_SECRET_ACCESS_KEY"],
+                        }
+                    ],
+                    "actions": ["Read", "List"],
+                },  # fmt: skip
             ]
         }
         self.config_path = self.root / "identities.json"

@@ -606,6 +606,55 @@ def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_ru
     assert not allowed("s3:GetObject", other_run) and not allowed("s3:GetObject", part.ref("lora_adapter"))
 
 
+def test_an_attempts_scoped_keys_are_renewed_through_the_store_at_half_their_life(monkeypatch):
+    """The session's keys for one attempt on AWS S3 (moto's STS and S3): the first scoped keys and the seal as secrets,
+    where the renewals appear as plain settings; at half the keys' life new keys from STS, sealed in the store, and
+    the worker's follower signs with them. ``test_key_renewal.py`` checks the switch against a real store."""
+    import boto3
+    from moto import mock_aws
+
+    from ft_assets.pools.renewal import follower, unsealed
+    from ft_assets.pools.session import attempt_keys
+    from ft_assets.storage import S3Store
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "AKIAHOSTKEY"), ("AWS_SECRET_ACCESS_KEY", "host-secret"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("FT_WORKER_KEYS_HOURS", "0.25")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    asked, said = [], []
+    with mock_aws():
+        boto3.setup_default_session()
+        boto3.DEFAULT_SESSION.events.register(
+            "provide-client-params.sts.GetFederationToken", lambda params, **kw: asked.append(params)
+        )
+        boto3.client("s3").create_bucket(Bucket="my-bucket")
+        store = S3Store("my-bucket", "ft")
+        folder = "runs/r/pipes/001/keys"
+        plain, secrets, renewal = attempt_keys("sts", dict(os.environ), store, ["models/m"], "runs/r", "r-1-ab", folder)
+        assert plain == {"FT_KEYS_FOLDER": folder, "FT_KEYS_CHECK_S": "45"}  # 15 min keys: a look every 45 s
+        assert set(secrets) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "FT_KEYS_SEAL"}
+        assert secrets["AWS_ACCESS_KEY_ID"] != "AKIAHOSTKEY" and renewal.life_s == 900
+        renewal.tick(said.append, now=renewal.issued + 449)
+        assert len(asked) == 1 and store.list(folder) == []
+        renewal.tick(said.append, now=renewal.issued + 451)  # half their life: the next keys, from STS again
+        assert len(asked) == 2 and asked[1]["DurationSeconds"] == 900 and asked[1]["Policy"] == asked[0]["Policy"]
+        worker = S3Store("my-bucket", "ft")
+        before = worker.client
+        follows = follower(worker, {**plain, **secrets}, said.append)
+        assert follows.check()
+        [sealed] = store.list(folder)
+        keys = unsealed(secrets["FT_KEYS_SEAL"], store.get_bytes(sealed))
+        signs = worker.client._request_signer._credentials  # noqa: SLF001 - which keys it signs with now
+        assert worker.client is not before and (signs.access_key, signs.token) == (
+            keys["AWS_ACCESS_KEY_ID"],
+            keys["AWS_SESSION_TOKEN"],
+        )
+    assert any(m.startswith("renewed the worker's store keys (renewal 1; valid until ") for m in said), said
+    own = attempt_keys("own", {"FT_WORKER_AWS_ACCESS_KEY_ID": "w"}, store, [], "r", "n", folder)
+    assert own == ({}, {"AWS_ACCESS_KEY_ID": "w"}, None)  # keys of their own are not renewed: they do not expire
+
+
 KEYS = {"AWS_ACCESS_KEY_ID": "host-id", "AWS_SECRET_ACCESS_KEY": "host-secret"}  # this host's, planted
 WORKERS = {"FT_WORKER_AWS_ACCESS_KEY_ID": "worker-id", "FT_WORKER_AWS_SECRET_ACCESS_KEY": "worker-secret"}
 

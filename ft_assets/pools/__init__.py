@@ -20,7 +20,8 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 Beside them, what runs on the worker's side of each provider and the control host's helpers for it: ``code`` and
 ``bootstrap`` (the worker's ft-assets, from a wheel), ``worker_identity`` and ``ec2_metadata`` (which rented machine
 this is), ``slurm_job`` (a Slurm job's signals and billing), ``sky_attempt`` (the command of the SkyPilot gpu pool's
-jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel).
+jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel);
+and the worker's store keys: ``credentials`` (which keys a worker gets) and ``renewal`` (renewed while it runs).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ you say so. ``worker_keys`` decides, from the control host's environment and the
   ``sts:GetFederationToken`` with an inline session policy (``run_policy``) that lets them read the run's base model
   and shards and read, write and delete under the run's own prefix, nothing else in the bucket. AWS grants the
   intersection of that policy and the policy of the IAM user whose keys this host holds (GetFederationToken needs an
-  IAM user's long-term keys, not a role's session). They last ``FT_WORKER_KEYS_HOURS`` (default 12, at most 36);
+  IAM user's long-term keys, not a role's session). Each lives ``FT_WORKER_KEYS_HOURS`` (default 12, at most 36) and is renewed
+  while the attempt runs (``ft_assets.pools.renewal``);
 - ``FT_WORKER_KEYS=host-keys``: this host's own ``AWS_*`` keys, said in so many words;
 - else (an S3-compatible store without STS and no keys for workers): refused in one line (``TargetError``).
 """

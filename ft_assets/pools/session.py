@@ -39,7 +39,8 @@ from dagster._utils.interrupts import capture_interrupts, check_captured_interru
 
 from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
 from ft_assets.pools.code import WHEEL, worker_code
-from ft_assets.pools.credentials import describe_keys, worker_keys, worker_secrets
+from ft_assets.pools.credentials import STS, describe_keys, hours_of, scoped_keys, worker_keys, worker_secrets
+from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, Renewal
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob
@@ -100,7 +101,7 @@ class Attempt:
     name: str
     seconds: float = 0.0
     exit_code: int | None = None
-    outcome: str = "running"  # finished | preempted | killed | lost | failed | cancelled
+    outcome: str = "running"  # finished | preempted | killed | lost | refused (its keys) | failed | cancelled
     identity: dict | None = None  # of its last start
     starts: int = 1  # the worker's starts in this attempt: more than 1 where the target restarted it (SkyPilot)
     paid_seconds: float = 0.0  # from the worker's first start (its clock) to the attempt's end (ours): the bill's
@@ -127,6 +128,8 @@ def outcome_of(state: WorkerState) -> str:
         return "finished"
     if state.exit_code == EXIT_PREEMPTED:
         return "preempted"
+    if state.exit_code == EXIT_KEYS_REFUSED:
+        return "refused"  # the store refused its keys
     if state.exit_code is not None and state.exit_code > 128:
         return "killed"
     return "failed"
@@ -136,6 +139,21 @@ def worker_environment(environ: Mapping[str, str]) -> dict:
     """The store's plain settings (endpoint, region) that the worker needs from this host's environment; its keys are
     ``credentials.worker_secrets``'."""
     return {k: environ[k] for k in REMOTE_ENV if environ.get(k)}
+
+
+def attempt_keys(
+    keys: str, environ: Mapping[str, str], store: ObjectStore, reads: list[str], run_prefix: str, name: str, folder: str
+) -> tuple[dict, dict, Renewal | None]:
+    """One attempt's store keys (``keys``: ``credentials.worker_keys``' answer): (plain settings, secrets, and the
+    ``Renewal`` to tick while it runs). Scoped keys are made fresh for each attempt and renewed in ``folder``."""
+    if keys != STS:
+        return {}, worker_secrets(environ, store, reads, run_prefix, name), None
+    hours = hours_of(environ)
+    renewal, first = Renewal.start(
+        store, folder, lambda: scoped_keys(store, reads, run_prefix, name, hours), hours * 3600
+    )
+    plain, seal = renewal.worker_env()
+    return plain, {**first, **seal}, renewal
 
 
 def cancel_leftover(target: Target, store: ObjectStore, record_key: str, log: Callable[[str], None]) -> None:
@@ -192,7 +210,9 @@ def train_remote(
                     "output": f"{job.run_prefix}/output"}  # fmt: skip
             store.put_json(f"{key_prefix}/job.json", spec)
             plain, hidden = code.environment(store) if code else ({}, {})  # a fresh URL for each attempt
-            secrets = worker_secrets(environ, store, reads, job.run_prefix, attempt.name)  # fresh keys too (sts)
+            follow, secrets, renewal = attempt_keys(keys, environ, store, reads, job.run_prefix, attempt.name,
+                                                    f"{key_prefix}/keys")  # fmt: skip
+            plain = {**plain, **follow}
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
                                   ("--store", store.url, "--job", f"{key_prefix}/job.json"), {**env, **plain},
                                   {**secrets, **hidden}, gpu, bootstrap=code is not None)  # fmt: skip
@@ -205,7 +225,7 @@ def train_remote(
             try:
                 if interrupted:
                     raise DagsterExecutionInterruptedError()
-                state = wait(target, handle, getattr(target, "poll_s", poll_s))
+                state = wait(target, handle, getattr(target, "poll_s", poll_s), renewal and (lambda: renewal.tick(log)))
             except BaseException:  # the run was terminated (or this process interrupted): nothing left running
                 attempt.outcome = "cancelled"
                 with capture_interrupts():
@@ -233,14 +253,23 @@ def train_remote(
                        "gpu_utilization": found.get("gpu_utilization"),
                        "code": code.lineage(store) if code else None}  # fmt: skip
             return {**found["result"], "output_key": spec["output"]}, summary
+        if attempt.outcome == "refused" and keys != STS:  # the same keys again would be refused again
+            raise dg.Failure(
+                description=f"the store refused the training worker's keys on {target.describe()} (attempt {number}): "
+                f"{describe_keys(keys, environ)}; its checkpoints stay in {store.uri(job.run_prefix)}, and a rerun "
+                "with keys the store accepts resumes from the newest",
+                metadata={"attempts": dg.MetadataValue.json([a.as_dict() for a in attempts])},
+            )
         if attempt.outcome in ("failed", "finished"):  # finished without a result: its messages were lost
             raise dg.Failure(
                 description=f"the training worker on {target.describe()} failed (attempt {number}, exit code "
                 f"{state.exit_code}); the end of its output:\n{state.detail}",
                 metadata={"attempts": dg.MetadataValue.json([a.as_dict() for a in attempts])},
             )
-        log(f"attempt {number} on {target.describe()} was {attempt.outcome} after {attempt.seconds:.0f} s; "
-            "the next attempt resumes from the newest complete checkpoint")  # fmt: skip
+        what = "the store refused its keys" if attempt.outcome == "refused" else f"was {attempt.outcome}"
+        log(f"attempt {number} on {target.describe()}: {what} after {attempt.seconds:.0f} s; the next attempt "
+            f"{'gets new keys and ' if attempt.outcome == 'refused' else ''}resumes from the newest complete "
+            "checkpoint")  # fmt: skip
     raise dg.Failure(
         description=f"the training worker on {target.describe()} ended {max_attempts} times without finishing "
         f"(last: {attempts[-1].outcome}); its checkpoints stay in {store.uri(job.run_prefix)}",
@@ -249,9 +278,12 @@ def train_remote(
     )
 
 
-def wait(target: Target, handle: Mapping, poll_s: float) -> WorkerState:
+def wait(target: Target, handle: Mapping, poll_s: float, tick: Callable[[], None] | None = None) -> WorkerState:
+    """Poll the worker until it ends; ``tick`` between polls (its keys' renewal)."""
     while True:
         state = target.poll(handle)
         if not state.running:
             return state
+        if tick:
+            tick()
         time.sleep(poll_s)

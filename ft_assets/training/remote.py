@@ -8,8 +8,12 @@ no key to the control plane: it reports to the run's Dagster process through Pip
 store (``StoreMessageWriter``, read back by ``ft_assets.pools.session``), and the store credentials, if any, come
 from its environment.
 
+Where the control host renews its store keys (scoped keys, ``ft_assets.pools.renewal``) it follows the renewals.
+
 It ends with exit code 0 after publishing the final weights at the job's ``output`` key, ``EXIT_PREEMPTED`` (75)
-after a SIGTERM once its checkpoint is in the store, 1 on an error (its message is the last Pipes log line).
+after a SIGTERM once its checkpoint is in the store, ``EXIT_KEYS_REFUSED`` (77) when the store refused its keys (its
+newest complete checkpoint stays; the next attempt, with new keys, resumes from it), 1 on an error (its message is the
+last Pipes log line).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import ExitStack
 from io import StringIO
 from pathlib import Path
 
@@ -34,9 +39,10 @@ from dagster_pipes import (
 from ft_assets.manifests import fetch_artifact, publish_dir
 from ft_assets.objectives import named
 from ft_assets.pools.bootstrap import STARTED_ENV
+from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower
 from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.shards import fetch_images
-from ft_assets.storage import ObjectStore, open_store
+from ft_assets.storage import KeysRefused, ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob
 from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
@@ -93,15 +99,43 @@ def main(argv: list[str] | None = None) -> int:
     started, started_wall = time.monotonic(), time.time()
     started_wall = float(os.environ.get(STARTED_ENV) or started_wall)  # the bootstrap's start: its install is paid
     store = open_store(args.store)
+    try:
+        return attempt(store, args, started, started_wall)
+    except Exception as exc:
+        if refused(exc) is None:
+            raise
+        # its messages may not reach the control host now (they go to the store): the exit code says it
+        print(f"ft-assets worker: the store refused this worker's keys ({refused(exc)}); stopping", file=sys.stderr)
+        return EXIT_KEYS_REFUSED
+
+
+def refused(exc: BaseException) -> KeysRefused | None:
+    """The store's refusal of this worker's keys behind ``exc`` (raised in a checkpoint upload, say), if any."""
+    while exc is not None:
+        if isinstance(exc, KeysRefused):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def attempt(store: ObjectStore, args: argparse.Namespace, started: float, started_wall: float) -> int:
     spec = store.get_json(args.job)
     job = WorkerJob.from_json(spec["job"])
     params = PipesMappingParamsLoader(spec["pipes"])
     identity = worker_identity()
     life = claim_life(store, params.load_messages_params()["key_prefix"], identity)
-    with open_dagster_pipes(
-        params_loader=params, context_loader=PipesDefaultContextLoader(), message_writer=StoreMessageWriter(store, life)
-    ) as pipes:
+    with (
+        open_dagster_pipes(
+            params_loader=params,
+            context_loader=PipesDefaultContextLoader(),
+            message_writer=StoreMessageWriter(store, life),
+        ) as pipes,
+        ExitStack() as renewals,
+    ):
         log = pipes.log.info
+        keys = follower(store, os.environ, log)  # from the start: fetching a 70B model can outlast half a key's life
+        if keys:
+            renewals.enter_context(keys)
         pipes.report_custom_message(
             {"kind": WORKER_MESSAGE, "identity": identity, "life": life, "started_at": started_wall}
         )
@@ -124,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             pipes.report_custom_message({"kind": PREEMPTED_MESSAGE, "step": exc.step, "checkpoint": exc.checkpoint_uri})
             return EXIT_PREEMPTED
         except Exception as exc:
+            if refused(exc):
+                pipes.log.error(f"the store refused this worker's keys: {refused(exc)}; stopping (the newest complete "
+                                "checkpoint stays in the store)")  # fmt: skip
+                raise refused(exc) from exc
             pipes.log.error(f"the worker failed: {type(exc).__name__}: {exc}")
             raise
         publish_dir(store, spec["output"], result.output_dir)
