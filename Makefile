@@ -15,7 +15,7 @@ export DAGSTER_HOME ?= $(FT_HOME)/dagster_home
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install skypilot system-deps demo test test-fast fmt ui ui-prod docs docs-screenshots bench clean image image-offline
+.PHONY: install skypilot system-deps demo demo-vision test test-fast fmt ui ui-prod docs docs-screenshots bench clean image image-offline
 
 # The torch pin (deploy/image/Containerfile's TORCH default is the same: test_worker_image.py checks).
 TORCH := torch==2.13.0
@@ -83,6 +83,13 @@ $(DAGSTER_HOME)/dagster.yaml: ft_assets/control/dagster.yaml
 
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/ft-assets run --dataset samples/toolcalls --name toolcalls --version sample-v1 --config samples/demo_run_config.yaml
+
+# The vision demo (docs/guides/vision.md): a SmolVLM around SmolLM2-135M-Instruct with an untrained vision tower, built
+# once into var/demo-vlm (scripts/make_demo_vlm.py; delete the folder to rebuild it), fine-tuned on samples/shapes.
+# vllm_smoke is off (FT_VLLM_PYTHON empty): it compares vLLM's answers with a text model's only.
+demo-vision: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
+	test -f var/demo-vlm/model.safetensors || $(BIN)/python -m scripts.make_demo_vlm var/demo-vlm
+	FT_VLLM_PYTHON= $(BIN)/ft-assets run --dataset samples/shapes --name shapes --version sample-v1 --config samples/demo_vision_run_config.yaml
 
 # PostgreSQL (production-profile tests) and Chromium (UI test) from Debian, only when missing.
 system-deps:
