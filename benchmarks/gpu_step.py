@@ -4,6 +4,7 @@ Prepared for a session that has a CUDA GPU; one command measures everything in u
 
     python -m benchmarks.gpu_step --shape smollm2,llama2-7b   # both suites (~1.5 + ~3 min on an H200)
     python -m benchmarks.gpu_step --shape gpt-oss-20b         # the mixture of experts (4 of its 24 layers)
+    python -m benchmarks.gpu_step --shape qwen2.5-vl-7b       # a vision-language model, a 1024 x 1024 picture a row
     python -m benchmarks.gpu_step                             # SmolLM2-135M-Instruct only
     python -m benchmarks.gpu_step --cpu-smoke                 # a few tiny steps on CPU: checks the script, no figures
 
@@ -33,6 +34,15 @@ gradient checkpointing, 1 x 2048 packed tokens (4 documents), the experts as tra
 (``grouped_mm``: one grouped GEMM per projection; its name is recorded), beside the planner's
 ``estimate_vram`` of the same shape and its FLOPs from the *active* parameters (4 of 32 experts).
 ``--cpu-smoke`` runs the same code on a 2-layer, hidden-128 version of that shape.
+
+**qwen2.5-vl-7b** (Qwen2.5-VL-7B-Instruct's shape from the config.json and preprocessor_config.json the
+planner ships, random bf16 weights built on the GPU and saved once, the tests' byte-level BPE with Qwen's special
+tokens in place of its 152k vocabulary, whose ids it keeps): QLoRA r=16 on the language model, the vision tower
+frozen in bf16, gradient checkpointing, one row of ``VLM_SEQ_LEN`` tokens a step holding one ``VLM_PICTURE`` px
+picture (1,369 image tokens at the released processor's resize rules) and a question and answer, through the data
+plane's encoder and the trainer's pixel inputs (``benchmarks/vlm_step.py``'s ``measure``: images/s, tokens/s and
+the host's share for the pixels), beside the planner's ``estimate_vram`` and FLOPs for the same images.
+``--cpu-smoke`` runs the same code on that shape at hidden 128 (2 text layers, 4 vision blocks) and a 112 px picture.
 
 Figures: real (non-padding) tokens/s, MFU (model FLOPs from the planner's ``flops_per_token`` over
 the GPU's dense bf16 peak, ``--peak-tflops`` or the datasheet value of H100/H200/A100/L4/A10G) and peak
@@ -72,7 +82,18 @@ GPT_OSS_20B = dict(
 MOE_LAYERS = 4
 GPT_OSS_SMOKE = dict(GPT_OSS_20B, hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=512)  # fmt: skip
+QWEN2_5_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"  # its config.json and preprocessor_config.json ship with the planner
+VLM_PICTURE = 1024  # px a side; resized to 1036 (a multiple of 28) by the released processor: 37 x 37 = 1,369 tokens
+VLM_SEQ_LEN = 2048  # one picture and its conversation a row
+VLM_ROWS = 8  # rows of the shards: each step takes another
+VLM_SMOKE_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_window_layers=2, vocab_size=512,
+                      rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})  # fmt: skip  # released 16/24/24 at head dim 32
+VLM_SMOKE_VISION = dict(depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                        fullatt_block_indexes=[1, 3])  # fmt: skip
+VLM_SMOKE_PICTURE, VLM_SMOKE_SEQ_LEN = 112, 256
 SEVEN_B_STEPS, SEVEN_B_WARMUP = 6, 2  # a 7B step is ~0.4-1 s: enough to average, short enough for the 5 minutes
+SUITES = ("smollm2", "llama2-7b", "gpt-oss-20b", "qwen2.5-vl-7b")
 DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}  # dense, no sparsity
 
 
@@ -449,14 +470,118 @@ def moe_suite(args, device, peak_tflops, context) -> dict:
     return {"build_seconds": round(build_seconds, 1), "result": result}
 
 
+def qwen_image_processor():
+    """Qwen2.5-VL-7B-Instruct's image processor, from its preprocessor_config.json as the planner ships it."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from ft_assets.control.shipped_configs import shipped_preprocessor
+
+    rules = shipped_preprocessor(QWEN2_5_VL_7B)
+    return Qwen2VLImageProcessorPil(
+        **{k: v for k, v in rules.items() if k not in ("image_processor_type", "processor_class")}
+    )
+
+
+def build_qwen2_5_vl(directory: Path, device, smoke: bool) -> float:
+    """Random Qwen2.5-VL-7B-shaped weights (``smoke``: shrunk) with a processor of the released image rules and the
+    tests' Qwen tokenizer, built on ``device`` in bf16 and saved once; returns the seconds spent."""
+    import torch
+    import transformers
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    from ft_assets.control.shipped_configs import shipped_config
+    from ft_assets.vision import save_processor, takes_video, without_video
+    from ft_assets_tests.vlm_families import QWEN_TOKENS, build_vlm_tokenizer
+
+    started = time.perf_counter()
+    if any(directory.glob("*.safetensors")):
+        return time.perf_counter() - started
+    tokenizer = build_vlm_tokenizer(QWEN_TOKENS)
+    config = shipped_config(QWEN2_5_VL_7B)
+    config.update(
+        {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))},
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    if smoke:
+        config.update(VLM_SMOKE_TEXT, vision_config={**config["vision_config"], **VLM_SMOKE_VISION})
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(
+            Qwen2_5_VLConfig(**config), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="20GB")
+    del model
+    free_memory(device)
+    with without_video():
+        processor = transformers.Qwen2_5_VLProcessor(
+            image_processor=qwen_image_processor(), tokenizer=tokenizer, chat_template=QWEN_TOKENS.template,
+            **({"video_processor": None} if takes_video("Qwen2_5_VLProcessor") else {}),
+        )  # fmt: skip
+    save_processor(processor, directory)
+    return time.perf_counter() - started
+
+
+def vlm_suite(args, device, peak_tflops, context) -> dict:
+    """QLoRA on Qwen2.5-VL-7B's shape, one 1024 x 1024 picture and its conversation a row, beside the planner."""
+    from dataclasses import replace
+
+    from benchmarks.vlm_step import measure, picture_shards
+    from ft_assets.cli.plan import plan_request
+    from ft_assets.control.model_shape import ImageLoad
+    from ft_assets.control.planner import ModelShape, estimate_vram, flops_per_token
+    from ft_assets.control.shipped_configs import shipped_preprocessor
+    from ft_assets.training.config import TrainingConfig
+    from ft_assets_tests.vlm_families import picture
+
+    smoke = device.type != "cuda"
+    side, seq_len = (VLM_SMOKE_PICTURE, VLM_SMOKE_SEQ_LEN) if smoke else (VLM_PICTURE, VLM_SEQ_LEN)
+    directory = cache_dir() / "models" / ("qwen2.5-vl-smoke" if smoke else "qwen2.5-vl-7b-random")
+    build_seconds = build_qwen2_5_vl(directory, device, smoke)
+    answer = "A field of colored noise: every pixel drawn at random, no shape, no text, nothing in focus. " * 2
+    pictures = [(picture("red", (side, side), seed=i), "Describe the picture.", answer) for i in range(VLM_ROWS)]
+    shards = picture_shards(directory, cache_dir() / "work" / "gpu-step-vlm", pictures, seq_len)
+    config = json.loads((directory / "config.json").read_text())
+    shape = ModelShape.from_config(config, "qwen2.5-vl-7b-shape", processor=shipped_preprocessor(QWEN2_5_VL_7B))
+    images = ImageLoad.of_shards({**shards, "train_packed_rows": shards["rows"]})
+    steps, warmup = (2, 1) if smoke else (args.steps or SEVEN_B_STEPS, SEVEN_B_WARMUP)
+    free_memory(device)
+    flops = flops_per_token(shape, "qlora", seq_len, True, images=images)
+    result = measure(directory, shards, device, seq_len, 1, steps, warmup, method="qlora", checkpointing=True,
+                     peak_tflops=peak_tflops, flops_per_token=flops)  # fmt: skip
+    settings = TrainingConfig(per_device_batch_size=1, gradient_checkpointing=True)
+    planned = estimate_vram(replace(plan_request(shape, "qlora", seq_len, seq_len, settings), images=images))
+    peak = result["peak_memory_gib"]
+    result.update(
+        picture_px=side, tokens_per_image=images.tokens_per_image, params=shape.describe_params(),
+        planner_total_gib=planned.total_gib, planner=planned.as_dict(),
+        peak_with_context_gib=peak + context if peak is not None and context is not None else None,
+    )  # fmt: skip
+    print(table(
+        ["shape", "picture", "image tokens", "s/step", "images/s", "tokens/s", "pixels", "MFU", "peak GiB (+context)",
+         "planner GiB"],
+        [[result["params"], f"{side} px", fmt(images.tokens_per_image), f"{result['seconds_per_step']:.3f}",
+          f"{result['images_per_s']:.2f}", fmt(result["real_tokens_per_s"]), f"{result['pixel_share']:.0%}",
+          "-" if result["mfu"] is None else f"{result['mfu']:.1%}",
+          "-" if result["peak_with_context_gib"] is None else f"{result['peak_with_context_gib']:.1f}",
+          f"{result['planner_total_gib']:.1f}"]],
+    ))  # fmt: skip
+    return {"build_seconds": round(build_seconds, 1), "result": result}
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="LoRA/QLoRA step throughput and memory on a GPU, beside the planner.")
     parser.add_argument(
-        "--cpu-smoke", action="store_true", help="run 2 tiny steps of the smollm2 suite on CPU (no figures)"
+        "--cpu-smoke",
+        action="store_true",
+        help="run 2 tiny steps of the smollm2, gpt-oss-20b and qwen2.5-vl-7b suites on CPU (no figures)",
     )
     parser.add_argument(
-        "--shape", default="smollm2", help="comma-separated suites: smollm2, llama2-7b, gpt-oss-20b (default smollm2)"
+        "--shape",
+        default="smollm2",
+        help="comma-separated suites: smollm2, llama2-7b, gpt-oss-20b, qwen2.5-vl-7b (default smollm2)",
     )
     parser.add_argument(
         "--model",
@@ -476,16 +601,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cpu_smoke:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        suites = ["smollm2", "gpt-oss-20b"]
+        suites = ["smollm2", "gpt-oss-20b", "qwen2.5-vl-7b"]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run on a GPU machine, or use --cpu-smoke to check the script")
         device = torch.device("cuda")
         torch.ones(1, device=device)  # create the CUDA context before measuring it
         suites = args.shape.split(",")
-    unknown = set(suites) - {"smollm2", "llama2-7b", "gpt-oss-20b"}
+    unknown = set(suites) - set(SUITES)
     if unknown:
-        raise SystemExit(f"unknown --shape {sorted(unknown)}: use smollm2, llama2-7b and/or gpt-oss-20b")
+        raise SystemExit(f"unknown --shape {sorted(unknown)}: use {', '.join(SUITES)}")
     started = time.perf_counter()
     peak_tflops = device_peak_tflops(device, args.peak_tflops)
     context = cuda_context_gib(device) if device.type == "cuda" else None
@@ -500,6 +625,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary["llama2_7b"] = llama2_7b_suite(args, device, peak_tflops, context)
     if "gpt-oss-20b" in suites:
         summary["gpt_oss_20b"] = moe_suite(args, device, peak_tflops, context)
+    if "qwen2.5-vl-7b" in suites:
+        summary["qwen2_5_vl_7b"] = vlm_suite(args, device, peak_tflops, context)
     summary["benchmark_seconds"] = round(time.perf_counter() - started, 1)
     write_result("gpu_step_cpu_smoke" if args.cpu_smoke else "gpu_step", summary, argv)
     return summary

@@ -1,6 +1,6 @@
 """``make bench``: every CPU benchmark in order, then the benchmarks page's tables from their JSON results.
 
-    python -m benchmarks.run_all            # ~30 min on 2 cores: data plane (x1, x4), packing, training
+    python -m benchmarks.run_all            # ~30 min on 2 cores: data plane (x1, x4), packing, training, VLM step
     python -m benchmarks.run_all --quick    # a smoke run of every path on tiny inputs (~2 min)
     python -m benchmarks.run_all --readme   # only rewrite results/README_table.md from results/*.json
 
@@ -393,7 +393,9 @@ def gpu_section(result: dict | None) -> list[str]:
             "AdamW, no host sync per step). `python -m benchmarks.gpu_step --shape smollm2,llama2-7b` (under 5 min on "
             "one GPU) measures real tokens/s, MFU and peak memory of LoRA and QLoRA steps: SmolLM2 packed vs padded at "
             "an equal token budget, the 7B shape beside the planner's estimate, the attention backends side by side; it "
-            "writes `benchmarks/results/gpu_step.json`. `--cpu-smoke` checks the script on CPU.",
+            "writes `benchmarks/results/gpu_step.json`. `--shape qwen2.5-vl-7b` (~5 min) measures a vision-language "
+            "model's QLoRA step on Qwen2.5-VL-7B's shape, one 1024 x 1024 picture (1,369 image tokens) a 2,048-token row: "
+            "images/s, tokens/s, MFU and peak memory beside the planner's estimate. `--cpu-smoke` checks the script on CPU.",
         ]
     runs = result.get("results", []) + result.get("attention", [])
     rows = [
@@ -436,7 +438,45 @@ def gpu_section(result: dict | None) -> list[str]:
             "",
             table(["method", "tokens", "attention", "tokens/s", "MFU", "peak GiB (+context)", "planner GiB"], rows),
         ]
+    vlm = (result.get("qwen2_5_vl_7b") or {}).get("result")
+    if vlm:
+        row = [
+            f"{vlm['picture_px']} px", fmt(vlm["tokens_per_image"]), f"{vlm['seconds_per_step']:.3f}",
+            f"{vlm['images_per_s']:.2f}", fmt(vlm["real_tokens_per_s"]), f"{vlm['pixel_share']:.0%}",
+            "-" if vlm["mfu"] is None else f"{vlm['mfu']:.1%}",
+            "-" if vlm["peak_with_context_gib"] is None else f"{vlm['peak_with_context_gib']:.1f}",
+            f"{vlm['planner_total_gib']:.1f}",
+        ]  # fmt: skip
+        out += ["", "Qwen2.5-VL-7B shape, random weights, QLoRA, gradient checkpointing, one picture a row:", ""]
+        out.append(table(GPU_VLM_COLUMNS, [row]))
     return out
+
+
+VLM_COLUMNS = ["model", "rows x tokens", "train_vision", "images/step", "s/step", "pixels", "images/s", "real tokens/s",
+               "image tokens"]  # fmt: skip
+GPU_VLM_COLUMNS = ["picture", "image tokens", "s/step", "images/s", "tokens/s", "pixels", "MFU", "peak GiB (+context)",
+                   "planner GiB"]  # fmt: skip
+
+
+def vlm_section(result: dict) -> list[str]:
+    """The VLM training step on CPU (``benchmarks/vlm_step.py``): a row a model."""
+    rows = [
+        [r["model"], f"{r['batch']} x {r['seq_len']}", r["train_vision"], fmt(r["images_per_step"], 1),
+         f"{r['seconds_per_step']:.3f}", f"{r['pixel_share']:.0%}", fmt(r["images_per_s"], 1), fmt(r["real_tokens_per_s"]),
+         f"{r['image_token_share']:.0%}"]
+        for r in result["results"]
+    ]  # fmt: skip
+    return [
+        "### Vision-language models: a LoRA training step on CPU",
+        "",
+        f"`python -m benchmarks.vlm_step`: the recipe's step (LoRA r=16 on the language model) on packed rows of "
+        f"{result['pictures']}, {result['threads']} threads. The tiny models are the tests' VLM matrix "
+        "(`ft_assets_tests/vlm_families.py`: text 2 layers of 128); `demo` is `make demo-vision`'s SmolVLM "
+        "(SmolLM2-135M-Instruct's 30 layers, 16 image tokens a picture) at its settings. \"pixels\" is the host's share "
+        "of the step: the pictures decoded and made into the family's pixel inputs before the forward pass.",
+        "",
+        table(VLM_COLUMNS, rows),
+    ]
 
 
 def readme_snippet(directory: Path) -> str:
@@ -461,6 +501,9 @@ def readme_snippet(directory: Path) -> str:
         lines, found = section(result)
         out += lines + [""]
         targets += found
+    vlm = load(directory, "vlm_step")
+    if vlm is not None:
+        out += vlm_section(vlm) + [""]
     out += gpu_section(load(directory, "gpu_step")) + [""]
     out += ["### Targets", "", table(["target", "goal", "measured", ""], [row[:4] for row in targets])]
     missed = [row for row in targets if row[4]]
@@ -477,10 +520,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if not args.readme:
-        from benchmarks import data_plane, packing, training
+        from benchmarks import data_plane, packing, training, vlm_step
 
         quick = ["--quick"] if args.quick else []
-        for name, module in (("data plane", data_plane), ("packing", packing), ("training", training)):
+        stages = (("data plane", data_plane), ("packing", packing), ("training", training), ("VLM step", vlm_step))
+        for name, module in stages:
             print(f"\n== {name} ==", flush=True)
             module.main(quick)
         import torch
@@ -489,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             from benchmarks import gpu_step
 
             print("\n== gpu ==", flush=True)
-            gpu_step.main(["--shape", "smollm2,llama2-7b"])
+            gpu_step.main(["--shape", "smollm2,llama2-7b,qwen2.5-vl-7b"])
     out = results_dir(args.quick)
     snippet = readme_snippet(out)
     (out / "README_table.md").write_text(snippet)

@@ -40,7 +40,7 @@ def result(results, name: str) -> dict:
 
 
 def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
-    from benchmarks import data_plane, gpu_step, packing, run_all, training
+    from benchmarks import data_plane, gpu_step, packing, run_all, training, vlm_step
 
     data_plane.main(["--quick"])
     summary = result(bench_dirs, "data_plane")["summary"]
@@ -89,6 +89,17 @@ def test_every_benchmark_runs_on_tiny_inputs(bench_dirs):
     assert (
         moe["experts"] == "grouped_mm" and moe["real_tokens_per_s"] > 0 and "active (2 of 4 experts)" in moe["params"]
     )
+    vlm = result(bench_dirs, "gpu_step_cpu_smoke")["qwen2_5_vl_7b"]["result"]  # Qwen2.5-VL-7B's suite, shrunk
+    assert vlm["method"] == "qlora" and vlm["images_per_step"] == 1 and vlm["tokens_per_image"] == 16  # 112 px / 28
+    assert vlm["images_per_s"] > 0 and vlm["planner_total_gib"] > 0
+
+    vlm_step.main(["--quick"])
+    rows = {r["model"]: r for r in result(bench_dirs, "vlm_step")["results"]}
+    assert set(rows) == {"qwen2_5_vl", "smolvlm"}
+    for name, r in rows.items():
+        assert r["images_per_s"] > 0 and r["real_tokens_per_s"] > 0 and 0 < r["pixel_share"] < 1, name
+        assert 0 < r["image_token_share"] < 1 and r["shards"]["images"] == r["shards"]["examples"], name
 
     snippet = run_all.readme_snippet(bench_dirs)
     assert "## Benchmarks" in snippet and "Pending" in snippet and "### Targets" in snippet
+    assert "### Vision-language models: a LoRA training step on CPU" in snippet and "| smolvlm " in snippet
