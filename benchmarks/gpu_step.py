@@ -219,14 +219,21 @@ def timed_steps(model, optimizer, make_batch, device, steps: int, warmup: int) -
 
 
 def load(method: str, model_dir: Path, device, attention: str, max_seq_len: int, checkpointing: bool = False):
-    import torch
-
     from ft_assets.training.config import TrainingConfig
-    from ft_assets.training.model import load_model, trainable_parameters
 
     config = TrainingConfig(
         method=method, max_seq_len=max_seq_len, attn_implementation=attention, gradient_checkpointing=checkpointing
     )
+    return load_configured(config, model_dir, device)
+
+
+def load_configured(config, model_dir: Path, device):
+    """The model ``config`` (a ``TrainingConfig``) trains, on ``device`` in train mode, and its AdamW optimizer."""
+    import torch
+
+    from ft_assets.training.model import load_model, trainable_parameters
+
+    method = config.method
     model = load_model(config, method, model_dir, device)
     if method != "qlora":  # qlora's loader places the quantized weights itself
         model.to(device)

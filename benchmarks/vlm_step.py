@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, cache_dir, fmt, smollm2_dir, table, write_result
+from benchmarks.gpu_step import load_configured
 
 SAMPLE = ROOT / "samples" / "shapes"
 TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "smolvlm")
@@ -120,7 +121,7 @@ def measure(
     from ft_assets.shards import load_packed_rows
     from ft_assets.training.config import TrainingConfig
     from ft_assets.training.loss import learned_tokens, to_device, token_loss_sum
-    from ft_assets.training.model import load_model, trainable_parameters
+    from ft_assets.training.model import trainable_parameters
     from ft_assets.training.steps import TokenLossStep
     from ft_assets.vision import image_token_id, read_config
 
@@ -129,13 +130,9 @@ def measure(
     config = TrainingConfig(
         method=method, max_seq_len=seq_len, train_vision=train_vision, gradient_checkpointing=checkpointing
     )
-    model = load_model(config, method, model_dir, device)
-    if method != "qlora":  # qlora's loader places the quantized weights itself
-        model.to(device)
-    model.train()
+    model, optimizer = load_configured(config, model_dir, device)
     step_run = TokenLossStep().for_run(config, model_dir, model)
     rows = load_packed_rows(shards["dir"], "train", seq_len)
-    optimizer = torch.optim.AdamW(trainable_parameters(model).values(), lr=1e-4, fused=True if cuda else None)
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)
     if cuda:
