@@ -7,7 +7,8 @@ data plane for the module (embedded SQLite instance, ``ft-assets run --in-proces
 attempt resumes from it, the run's log shows the worker's progress, and the adapter equals the one an
 uninterrupted run of the same seed trains; (b) terminating the run cancels the worker; (c) a worker left running
 by an earlier execution of the run is cancelled before a new one starts, and a worker's secrets reach its
-environment only; (d) a target that cannot be used is refused in one line before anything runs.
+environment only; (d) a target that cannot be used is refused in one line before anything runs; (e) ``gpus=2`` on the target: two
+ranks under torchrun on the worker (gloo), one Pipes reporter, the result published.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._serdes import ConfigurableClass
 from safetensors.torch import load_file
 
+from ft_assets import layout
 from ft_assets.cli.launch import PlaneLauncher
 from ft_assets.cli.output import PlaneFailed
 from ft_assets.control.jobs import TRAINING_PLANE
@@ -229,6 +231,38 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
                         load_file(reference.output_dir / "adapter_model.safetensors"))  # fmt: skip
 
 
+@pytest.mark.integration
+def test_gpus_2_on_the_target_trains_two_ranks_on_the_worker_that_report_through_one_pipes_session(
+    remote_home, worker_host, monkeypatch
+):
+    store = remote_home["store"]
+    for name, value in (("DAGSTER_HOME", remote_home["home"]), ("FT_HOME", remote_home["root"] / "ft"),
+                        ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    target = f"{worker_host.target()}&gpus=2"
+    config = {"ops": {"lora_adapter": {"config": settings(max_steps=4, save_steps=2, seed=5)}}}
+    instance = dg.DagsterInstance.get()
+    umask = os.umask(0)
+    try:
+        with PlaneLauncher(instance, False, {"training": {TARGET_TAG: target}}) as planes:
+            planes.run(defs.resolve_job_def(TRAINING_PLANE), "training", KEY, config)
+        [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, tags={TARGET_TAG: target}))
+        said = [e.message or "" for e in instance.all_logs(run.run_id)]
+    finally:
+        os.umask(umask)
+        instance.dispose()
+    plan, stats = read_ref(store, KEY, "training_plan")["stats"], read_ref(store, KEY, "lora_adapter")["stats"]
+    assert plan["gpus"] == 2 and plan["training_config"]["num_processes"] == 2  # planned and billed for 2 cards
+    assert [a["outcome"] for a in stats["attempts"]] == ["finished"] and stats["steps"] == 4
+    assert stats["resolved"]["rows_per_step"] == 4  # 2 rows on each of 2 ranks
+    prefix = f"runs/toolcalls/{VERSION}/train/{stats['run_id']}"
+    assert json.loads(store.get_bytes(f"{layout.checkpoint(prefix, 4)}/trainer_state.json"))["world_size"] == 2
+    assert any("training on 2 processes on this machine" in m for m in said), said[-20:]
+    assert any("final weights published at" in m for m in said) and not [m for m in said if "[default1]" in m]
+    lives = {key.split("/")[-2] for key in store.list(f"{prefix}/pipes") if key.endswith("claim.json")}
+    assert lives == {"1"}  # one Pipes reporter: the worker process, not a rank
+
+
 class WhenSkyJobTrains(Watcher):
     """Preempts the fake SkyPilot's managed job (SIGKILL of its process group: a reclaimed spot machine) once its
     worker runs and the run has a checkpoint; SkyPilot's recovery then runs the same command on the next placement."""
@@ -378,7 +412,8 @@ def test_a_worker_left_running_is_cancelled_and_its_secrets_stay_out_of_its_comm
     [
         ("gpu-cloud://x", "unknown kind 'gpu-cloud'; use one of local, skypilot:..., slurm://..., ssh://..."),
         ("slurm://login.example.edu", "write slurm://[user@]login-host[:port]/partition"),
-        ("slurm://login.example.edu/gpu?gpus=0", "gpus=0 is not a count of GPUs >= 1"),
+        ("slurm://login.example.edu/gpu?gpus=0", "gpus=0 is not a whole number >= 1"),
+        ("ssh://host?gpus=two", "gpus=two is not a whole number >= 1"),
         ("slurm://login.example.edu/gpu?partition=a100", "unknown setting(s) partition"),
         ("ssh://host?pyhton=/x", "unknown setting(s) pyhton"),
         ("ssh://user:pw@host", "no password in the URL"),

@@ -45,7 +45,7 @@ from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.pools import TARGET_TAG, TargetError, parse_target, worker_has_cuda
+from ft_assets.pools import TARGET_TAG, TargetError, parse_target, processes_on, worker_has_cuda
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config
@@ -116,6 +116,8 @@ def plan_run(
     base = stats_of(base_model, BaseModelStats)
     shape = ModelShape.from_config(base_model["model_config"], name=base["model_id"], params=base.get("parameters"))
     training = training.for_base(shape.experts)  # a mixture: lora unless set, qlora refused
+    where = parse_target(target)
+    training = processes_on(where, training)  # the target's gpus=N: N processes, N cards planned and billed
     shards = stats_of(tokenized_shards, ShardStats)
     region = config.data_region or os.environ.get("AWS_DEFAULT_REGION") or None
     cost_model = load_cost_model(config.cost_model_path or os.environ.get("FT_COST_MODEL") or None)
@@ -123,7 +125,6 @@ def plan_run(
     resolved = training.resolve(shards["train_packed_rows"], cuda, objective)
     work = objective.step.work(training, shards, resolved)
     request = PlanRequest(shape, training, resolved.method, work, images=ImageLoad.of_shards(shards))
-    where = parse_target(target)
     try:
         pinned = getattr(where, "pinned_gpu", None)
         if pinned is None and hasattr(where, "card"):  # a host that says which card it has (nvidia-smi over ssh)

@@ -17,10 +17,15 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 | ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.pools.slurm`` | as an ``sbatch`` job per attempt |
 | ``skypilot:<infra>[,<infra>...]?image=IMAGE`` | ``ft_assets.pools.skypilot`` | as a SkyPilot managed job per attempt |
 
+Every target takes ``gpus=N``: the worker's machine has N GPUs, and the worker runs one training process on each
+(torchrun on that machine: ``ft_assets.pools.ranks``); it is the training settings' ``num_processes``, which may say it
+instead (``processes_on``), so the plan and the bill count N cards either way.
+
 Beside them, what runs on the worker's side of each provider and the control host's helpers for it: ``code`` and
 ``bootstrap`` (the worker's ft-assets, from a wheel), ``worker_identity`` and ``ec2_metadata`` (which rented machine
 this is), ``slurm_job`` (a Slurm job's signals and billing), ``sky_attempt`` (the command of the SkyPilot gpu pool's
-jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel);
+jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel),
+``ranks`` (torchrun of a worker's processes, each rank's end in its exit code);
 and the worker's store keys: ``credentials`` (which keys a worker gets) and ``renewal`` (renewed while it runs).
 """
 
@@ -61,6 +66,7 @@ class WorkerLaunch:
     env: Mapping[str, str] = field(default_factory=dict)  # plain settings (the store's endpoint and region)
     secrets: Mapping[str, str] = field(default_factory=dict)  # reach the worker as the target's secrets only
     gpu: GpuRequest | None = None  # the plan's card; None when the run was planned on no GPU (a CPU run)
+    gpus: int = 1  # GPUs the worker's machine needs: one for each of its training processes (``num_processes``)
     bootstrap: bool = False  # install the control host's wheel first (``code=wheel``: ``ft_assets.pools.code``)
 
     def argv(self, python: str) -> list[str]:
@@ -160,6 +166,28 @@ def worker_has_cuda(target: str | None, here: bool) -> bool:
     """Whether a run's training worker trains on CUDA: on a GPU target, yes (the machine is there for its GPU; what the
     run resolves on it, qlora for an unset ``method``, is planned and pinned on the control host); locally, ``here``."""
     return here or not is_local(target)
+
+
+def processes_on(target: Target | None, training):
+    """``training`` (a ``TrainingConfig``) as it runs on ``target``: ``num_processes`` is the target's ``gpus=N`` where
+    the settings leave it at 1, so the plan (and with it the bill and the run's id) counts the N processes the worker
+    runs. The settings and the target naming two different numbers, or more than one node, are refused in one line."""
+    gpus = getattr(target, "gpus", None)
+    if target is None:
+        return training
+    if training.num_nodes > 1:
+        raise TargetError(
+            f"GPU target {target.describe()}: num_nodes {training.num_nodes}; a target's worker is one machine (up to "
+            "8 GPUs: set gpus=N on the target, or num_processes): use num_nodes 1"
+        )
+    if gpus is None or gpus == training.num_processes:
+        return training
+    if training.num_processes != 1:
+        raise TargetError(
+            f"GPU target {target.describe()}: gpus={gpus} on the target but num_processes {training.num_processes} in "
+            "the training settings; the worker runs one process per GPU: give one of them, or the same number in both"
+        )
+    return training.model_copy(update={"num_processes": gpus})
 
 
 def scheme_of(text: str) -> str:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ft_assets.storage import ObjectStore, S3Store, StoreError
+from ft_assets.storage import KeysRefused, ObjectStore, S3Store, StoreError
 
 SEAL_ENV = "FT_KEYS_SEAL"  # the attempt's Fernet key: a secret
 FOLDER_ENV = "FT_KEYS_FOLDER"  # where the sealed keys appear (a store key): plain
@@ -142,3 +142,12 @@ def follower(store: ObjectStore, environ: Mapping[str, str], log: Callable[[str]
     if not (environ.get(FOLDER_ENV) and environ.get(SEAL_ENV) and isinstance(store, S3Store)):
         return None
     return Follower(store, environ[FOLDER_ENV], environ[SEAL_ENV], float(environ.get(CHECK_ENV) or 60), log)
+
+
+def refused(exc: BaseException | None) -> KeysRefused | None:
+    """The store's refusal of a worker's keys behind ``exc`` (raised in a checkpoint upload, say), if any."""
+    while exc is not None:
+        if isinstance(exc, KeysRefused):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -215,7 +215,8 @@ def train_remote(
             plain = {**plain, **follow}
             launch = WorkerLaunch(attempt.name, "ft_assets.training.remote",
                                   ("--store", store.url, "--job", f"{key_prefix}/job.json"), {**env, **plain},
-                                  {**secrets, **hidden}, gpu, bootstrap=code is not None)  # fmt: skip
+                                  {**secrets, **hidden}, gpu, job.config.num_processes,
+                                  bootstrap=code is not None)  # fmt: skip
             log(f"starting attempt {number} of this run's worker on {target.describe()}")
             with capture_interrupts():  # a termination during the launch is acted on once the handle is kept
                 handle = target.launch(launch)

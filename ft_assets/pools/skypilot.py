@@ -7,7 +7,9 @@ on-demand) and runs ``python -m ft_assets.training.remote``, the same worker as 
 the store, no database and no ``DAGSTER_HOME`` on the rented machine. The store's keys go in the task's ``secrets``,
 which SkyPilot keeps out of its logs, dashboard and job queue; its endpoint and region go in ``envs``.
 
-Settings (query): ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; default PyTorch's CUDA
+Settings (query): ``gpus`` (the cards the job rents, ``accelerators: NAME:N``, up to 8 on its one machine: the worker
+trains on all of them, one process each, torchrun on the machine; default the training settings' ``num_processes``,
+``ft_assets.pools.processes_on``), ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; default PyTorch's CUDA
 runtime image, ``code.DEFAULT_IMAGE``), ``python`` (the image's Python, default ``python3``), ``code`` (``wheel``, the
 default: the worker installs the control host's ft-assets from the store first, ``ft_assets.pools.code``;
 ``installed``: the image has ft-assets, e.g. one built from ``deploy/image``), ``disk`` (GB),
@@ -40,7 +42,7 @@ EXAMPLE = "skypilot:runpod,vast"
 DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}  # the execute_run pool's
 DEFAULT_AUTOSTOP_MINUTES = 30  # the idle sensor's threshold
 MAX_GPUS_PER_NODE = 8
-SETTINGS = ("image", "python", "code", "disk", "recovery", "restarts", "poll", "sky_python")
+SETTINGS = ("image", "python", "code", "disk", "recovery", "restarts", "poll", "sky_python", "gpus")
 DEFAULT_POLL_S = 30  # each look at SkyPilot's queue is a process start and ``import sky`` (3-11 s of a core)
 # ManagedJobStatus values (sky.jobs.state) of a job that is not over: its worker runs, or is being (re)started
 RUNNING = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", "CANCELLING"})
@@ -120,6 +122,7 @@ class SkyPilotTarget:
     restarts: int = 0
     sky_python: str | None = None
     poll_s: float = DEFAULT_POLL_S  # how often the session asks whether the job still runs
+    gpus: int | None = None  # cards of the job, one training process each; None: the training settings' num_processes
 
     scheme = "skypilot"
 
@@ -144,7 +147,7 @@ class SkyPilotTarget:
             command=worker,
             image=self.image,
             accelerator=gpu.accelerator,
-            gpus_per_node=gpu.count,
+            gpus_per_node=gpu.count,  # the plan's: its num_processes (the worker's launch.gpus)
             nodes=1,
             spot=gpu.mode == "spot",
             infra=self.infra,
@@ -210,4 +213,5 @@ def parse(text: str) -> SkyPilotTarget:
         sky_python=one("sky_python"),
         code=code_setting(text, one("code")),
         poll_s=count("poll", DEFAULT_POLL_S, 1),
+        gpus=count("gpus", None, 1),
     )

@@ -9,8 +9,9 @@ nothing of the submitting shell's environment (the control host's database setti
 Settings (query): ``code`` (``wheel``, the default: the job installs the control host's ft-assets from the store
 first, ``ft_assets.pools.code``; ``installed``: ``python`` has ft-assets), ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
 it and the run billed at its ``slurm_usd_per_h``), ``python`` (the cluster's Python with ft-assets, default ``python3``), ``workdir`` (on the shared
-filesystem, default ``~/ft-assets-worker``: the job's output file, its ``env`` and ``exit.code``), ``gpus`` (per
-job, default 1), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
+filesystem, default ``~/ft-assets-worker``: the job's output file, its ``env`` and ``exit.code``), ``gpus`` (the job's
+GPUs, ``--gpus-per-node``: the worker trains on all of them, one process each, torchrun on the node; default the
+training settings' ``num_processes``, 1 unless set, ``ft_assets.pools.processes_on``), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
 repeatable: ``sbatch=--mem=64G``), and ``identity`` / ``option`` for ssh.
 
 Attempts are the session's (``ft_assets.pools.session``), not Slurm's: the job is ``--no-requeue``, and a job that
@@ -66,7 +67,7 @@ class SlurmTarget:
     login: LoginNode | None = None  # None: sbatch on this machine
     python: str = "python3"
     workdir: str = DEFAULT_WORKDIR
-    gpus: int = 1
+    gpus: int | None = None  # GPUs of the job, one training process each; None: the training settings' num_processes
     time: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -108,7 +109,7 @@ class SlurmTarget:
         env = "".join(f"{key}={shlex.quote(value)}\n" for key, value in {**launch.env, **launch.secrets}.items())
         self.run(f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(folder)}/env", stdin=env)
         request = JobRequest(
-            name=f"{JOB_PREFIX}{launch.name}", work_dir=folder, gpus_per_node=self.gpus, partition=self.partition,
+            name=f"{JOB_PREFIX}{launch.name}", work_dir=folder, gpus_per_node=launch.gpus, partition=self.partition,
             account=self.account, qos=self.qos, time_limit=self.time, signal_grace_s=DEFAULT_GRACE_S, requeue=False,
             extra=("--export=NONE", *self.sbatch),
         )  # fmt: skip
@@ -157,9 +158,6 @@ def parse(text: str) -> SlurmTarget:
     if parts.password:
         raise TargetError(f"GPU target {parts.hostname!r}: no password in the URL; ssh uses your keys and agent")
     one = query.one
-    gpus = one("gpus", "1")
-    if not gpus.isdigit() or int(gpus) < 1:
-        raise TargetError(f"GPU target {text!r}: gpus={gpus} is not a count of GPUs >= 1")
     try:
         port = parts.port
     except ValueError:
@@ -172,6 +170,6 @@ def parse(text: str) -> SlurmTarget:
         )  # fmt: skip
     return SlurmTarget(
         partition=partition, login=login, python=one("python", "python3"), workdir=one("workdir", DEFAULT_WORKDIR),
-        gpus=int(gpus), time=one("time"), account=one("account"), qos=one("qos"), sbatch=query.every("sbatch"),
+        gpus=query.count("gpus", None, 1), time=one("time"), account=one("account"), qos=one("qos"), sbatch=query.every("sbatch"),
         gpu=one("gpu"), code=code_setting(text, one("code")),
     )  # fmt: skip

@@ -7,6 +7,8 @@ the store (``ft_assets.pools.code``), with ``code=installed`` it runs the ft-ass
 ``gpu=`` names the host's card as a cost-model offering: the plan is made, and the run billed, for that card at its
 on-demand price; without it the plan asks the host's ``nvidia-smi`` for its card (``card``) and takes that card's offering,
 and on a host without one the cheapest offering that fits, as for a cloud.
+``gpus=N``: the host has N GPUs and the worker trains on all of them, one process each (torchrun on the host; the
+training settings' ``num_processes``, ``ft_assets.pools.processes_on``); the plan and the bill count N cards.
 Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
 
 - ``env`` (mode 0600): the worker's secrets, written through ssh's stdin by ``umask 077; cat > env``; the wrapper
@@ -39,7 +41,7 @@ SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer 
 CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
 LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
 NVIDIA_SMI = "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits"  # the host's cards, one a line
-SETTINGS = ("python", "code", "workdir", "identity", "option", "gpu")
+SETTINGS = ("python", "code", "workdir", "identity", "option", "gpu", "gpus")
 
 # The detached wrapper: sources and deletes the secrets, runs the worker, records its pid and exit code, and passes
 # a SIGTERM on to it (a trap, not ``trap '' TERM``: an ignored signal would be inherited by the worker).
@@ -90,6 +92,7 @@ class SshTarget:
     identity: str | None = None
     options: tuple[str, ...] = ()
     gpu: str | None = None  # the host's card as a cost-model offering (gpu=a100-80gb): planned and billed at its price
+    gpus: int | None = None  # GPUs the worker trains on, one process each; None: the training settings' num_processes
     code: str = WHEEL  # wheel: install the control host's ft-assets first; installed: ``python`` has it
 
     scheme = "ssh"
@@ -199,5 +202,6 @@ def parse(text: str) -> SshTarget:
         identity=query.one("identity"),
         options=query.every("option"),
         gpu=query.one("gpu"),
+        gpus=query.count("gpus", None, 1),
         code=code_setting(text, query.one("code")),
     )

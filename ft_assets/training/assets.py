@@ -28,7 +28,17 @@ from ft_assets.materialize import STORE_KIND, Materialization, figures, op_confi
 from ft_assets.objectives import Objective
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
-from ft_assets.pools import LOCAL, TARGET_TAG, GpuRequest, Target, TargetError, parse_target, slurm_job, worker_has_cuda
+from ft_assets.pools import (
+    LOCAL,
+    TARGET_TAG,
+    GpuRequest,
+    Target,
+    TargetError,
+    parse_target,
+    processes_on,
+    slurm_job,
+    worker_has_cuda,
+)
 from ft_assets.pools.ec2_metadata import WORKER_TAG
 from ft_assets.pools.session import train_remote
 from ft_assets.pools.worker_identity import worker_tag
@@ -40,7 +50,7 @@ from ft_assets.training.chat_templates import ChatTemplateError
 from ft_assets.training.checkpoints import run_id
 from ft_assets.training.config import TrainingConfig, experts_of
 from ft_assets.training.gpu_monitor import GpuUtilization
-from ft_assets.training.launch import WorkerJob, torchrun_command, worker_args
+from ft_assets.training.launch import WorkerJob, free_port, torchrun_command, worker_args
 from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
 from ft_assets.training.preemption import Preempted
 from ft_assets.training.settings import TrainingSettings, training_config
@@ -189,14 +199,6 @@ def final_checkpoint(store, prefix: str, step: int) -> dict:
     return {"key": key, "digest": read_manifest(store, key).digest}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 RESULT_STATS = (
     "method",
     "objective",
@@ -293,14 +295,9 @@ def _train_on_target(
     context, target: Target, training, objective, m: Materialization, inputs, prefix: str, plan: dict | None
 ) -> dict:
     """Train on ``target`` through a Pipes session (``ft_assets.pools.session``): the worker reads the base model and
-    the shards from the store itself; its final weights come back here to be published as on a local run."""
+    the shards from the store itself; its final weights come back here to be published as on a local run. With
+    ``num_processes`` N (settled with the target's ``gpus=N``: ``processes_on``) the worker runs N ranks on its machine."""
     tokenized_shards, base_model = inputs
-    if training.world_size > 1:
-        raise dg.Failure(
-            f"lora_adapter for {context.partition_key}: num_processes x num_nodes = {training.world_size} on the "
-            f"target {target.describe()}: a GPU target runs one process for now; use num_processes 1, or the local "
-            "target on a multi-GPU machine"
-        )
     tags = tracker_tags(training, m, inputs)
     pinned = training.model_copy(update={"method": training.resolved_method(True)})  # the planned method, on CUDA
     job = WorkerJob(
@@ -361,6 +358,10 @@ def lora_adapter(
     try:  # a mixture of experts trains lora unless told otherwise, and refuses qlora
         training = training_config(config, "lora_adapter").for_base(experts_of(base_model.get("model_config") or {}))
     except ValueError as exc:
+        raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
+    try:  # the target's gpus=N: N processes, as training_plan planned them
+        training = processes_on(gpu_target(context), training)
+    except TargetError as exc:
         raise dg.Failure(f"lora_adapter for {context.partition_key}: {exc}") from exc
     cuda = worker_has_cuda(context.run.tags.get(TARGET_TAG), torch.cuda.is_available())  # the worker's, not ours
     try:

@@ -70,12 +70,36 @@ def worker_args(
     return args + (["--pipes"] if pipes else [])
 
 
-def torchrun_command(config: TrainingConfig, node_rank: int, endpoint: str, args: list[str]) -> list[str]:
-    """``torchrun`` of the worker on one node: ``num_processes`` ranks, node ``node_rank`` of ``num_nodes``."""
+def refusal_file(result: Path, rank: int) -> Path:
+    """Where rank ``rank`` says that the store refused its keys (beside ``--result``): torchrun reports any rank's
+    exit code as 1, and the one that reads the result must end its attempt with ``EXIT_KEYS_REFUSED``."""
+    return result.with_name(f"{result.stem}.rank{rank}.refused")
+
+
+def refusal_files(result: Path) -> list[Path]:
+    """The ``refusal_file`` of every rank that wrote one."""
+    return sorted(result.parent.glob(f"{result.stem}.rank*.refused"))
+
+
+def free_port() -> int:
+    """A free port on loopback: the rendezvous of one node's ranks."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(
+    config: TrainingConfig, node_rank: int, endpoint: str, args: list[str], launcher: str = "torch.distributed.run",
+    options: tuple[str, ...] = (),
+) -> list[str]:  # fmt: skip
+    """``torchrun`` of the worker on one node: ``num_processes`` ranks, node ``node_rank`` of ``num_nodes``; run by
+    ``launcher`` (a module that takes torchrun's arguments), with torchrun's ``options`` added."""
     if not 0 <= node_rank < config.num_nodes:
         raise ValueError(f"node rank {node_rank} is outside 0..{config.num_nodes - 1} (num_nodes {config.num_nodes})")
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", launcher, *options,
         "--nnodes", str(config.num_nodes), "--nproc_per_node", str(config.num_processes), "--node_rank", str(node_rank),
         "--rdzv_backend", "static", "--rdzv_endpoint", endpoint, "--rdzv_conf", f"timeout={JOIN_TIMEOUT_S}",
         "--max_restarts", "0", "--shutdown_timeout", str(SHUTDOWN_TIMEOUT_S),

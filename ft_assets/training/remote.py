@@ -10,6 +10,13 @@ from its environment.
 
 Where the control host renews its store keys (scoped keys, ``ft_assets.pools.renewal``) it follows the renewals.
 
+With ``num_processes`` N > 1 (the target's ``gpus=N``) it fetches the inputs once, then runs N ranks of
+``ft_assets.training.worker`` on this machine (torchrun, through ``ft_assets.pools.ranks``) and stays the attempt's one
+Pipes reporter: rank 0's output lines become its log lines, rank 0 writes the result it publishes, a SIGTERM is passed
+on to the ranks (they checkpoint at the step boundary), each rank follows the key renewals itself, and a rank killed
+by a signal ends the attempt with 128 + that signal, as a killed worker does: the next attempt resumes from the newest
+complete checkpoint.
+
 It ends with exit code 0 after publishing the final weights at the job's ``output`` key, ``EXIT_PREEMPTED`` (75)
 after a SIGTERM once its checkpoint is in the store, ``EXIT_KEYS_REFUSED`` (77) when the store refused its keys (its
 newest complete checkpoint stays; the next attempt, with new keys, resumes from it), 1 on an error (its message is the
@@ -21,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -39,16 +48,17 @@ from dagster_pipes import (
 from ft_assets.manifests import fetch_artifact, publish_dir
 from ft_assets.objectives import named
 from ft_assets.pools.bootstrap import STARTED_ENV
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower
+from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower, refused
 from ft_assets.pools.worker_identity import worker_tag
 from ft_assets.shards import fetch_images
-from ft_assets.storage import KeysRefused, ObjectStore, open_store
+from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
-from ft_assets.training.launch import WorkerJob
+from ft_assets.training.launch import WorkerJob, free_port, refusal_files, torchrun_command, worker_args
 from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
 
 MESSAGE_INTERVAL_S = 2.0  # Pipes messages go to the store in chunks at most this often (one object each)
 WORKER_MESSAGE, RESULT_MESSAGE, PREEMPTED_MESSAGE = "worker", "result", "preempted"  # custom messages' "kind"
+RANK_0 = "[default0]:"  # torchrun's prefix (``--tee 3``) of rank 0's output lines: those become the Pipes log
 
 
 class StoreMessageChannel(PipesBlobStoreMessageWriterChannel):
@@ -109,13 +119,40 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_KEYS_REFUSED
 
 
-def refused(exc: BaseException) -> KeysRefused | None:
-    """The store's refusal of this worker's keys behind ``exc`` (raised in a checkpoint upload, say), if any."""
-    while exc is not None:
-        if isinstance(exc, KeysRefused):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+def run_ranks(job: WorkerJob, base_dir: Path, shards_dir: Path, work_dir: Path, log) -> tuple[int, Path]:
+    """torchrun of ``job``'s ``num_processes`` ranks on this machine: (its exit code, rank 0's result file). Every
+    output line goes to this process's output (the target's log of the worker), rank 0's to ``log`` as well; a SIGTERM
+    here is passed on to torchrun, which passes it to the ranks."""
+    result = work_dir / "result.json"
+    for stale in [result, *refusal_files(result)]:  # an earlier attempt's, same folder
+        stale.unlink(missing_ok=True)
+    args = worker_args(job, base_dir, shards_dir, work_dir / "run", result=result)
+    command = torchrun_command(job.config, 0, f"127.0.0.1:{free_port()}", args, "ft_assets.pools.ranks", ("--tee", "3"))
+    ranks = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ranks.send_signal(signal.SIGTERM))
+    try:
+        for line in ranks.stdout:
+            print(line, end="", flush=True)
+            if line.startswith(RANK_0):
+                log(line[len(RANK_0) :].rstrip("\n"))
+        return ranks.wait(), result
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def ranks_outcome(code: int, result: Path) -> dict:
+    """What the ranks' end means for the attempt: ``{"result": ...}`` (rank 0's TrainingResult as JSON),
+    ``{"preempted": {step, checkpoint}}``, ``{"refused": why}``, ``{"killed": exit code}`` (a rank ended by a signal:
+    128 + it, ``ranks.exit_code``) or ``{"failed": exit code}``."""
+    said = json.loads(result.read_text()) if result.is_file() else {}
+    refusals = refusal_files(result)
+    if "preempted" in said:
+        return {"preempted": said["preempted"]}
+    if refusals:
+        return {"refused": refusals[0].read_text()}
+    if code == 0 and said:
+        return {"result": said}
+    return {"killed": code} if code > 128 else {"failed": code}
 
 
 def attempt(store: ObjectStore, args: argparse.Namespace, started: float, started_wall: float) -> int:
@@ -145,6 +182,8 @@ def attempt(store: ObjectStore, args: argparse.Namespace, started: float, starte
         fetch_artifact(store, job.base_model_key, base_dir)
         fetch_artifact(store, job.shards_key, shards_dir)
         fetch_images(store, job.images_key, shards_dir)  # a vision-language model's: only its shards' images
+        if job.config.num_processes > 1:
+            return attempt_ranks(store, spec, job, pipes, base_dir, shards_dir, args.work_dir)
         from ft_assets.training.recipe import train  # torch and transformers: after the cheap checks above
 
         try:
@@ -169,6 +208,37 @@ def attempt(store: ObjectStore, args: argparse.Namespace, started: float, starte
         pipes.report_custom_message(
             {"kind": RESULT_MESSAGE, "result": result.to_json(), "gpu_utilization": utilization.mean}
         )
+    return 0
+
+
+def attempt_ranks(store: ObjectStore, spec: dict, job: WorkerJob, pipes, base_dir: Path, shards_dir: Path,
+                  work_dir: Path) -> int:  # fmt: skip
+    """The attempt on ``num_processes`` ranks (``run_ranks``), reported through ``pipes`` as a one-process one is."""
+    log = pipes.log.info
+    log(f"training on {job.config.num_processes} processes on this machine (torchrun, {job.config.parallelism})")
+    with GpuUtilization() as utilization:
+        code, result = run_ranks(job, base_dir, shards_dir, work_dir, log)
+    outcome = ranks_outcome(code, result)
+    if "preempted" in outcome:
+        stop = outcome["preempted"]
+        pipes.report_custom_message({"kind": PREEMPTED_MESSAGE, "step": stop["step"], "checkpoint": stop["checkpoint"]})
+        return EXIT_PREEMPTED
+    if "refused" in outcome:
+        pipes.log.error(f"the store refused this worker's keys: {outcome['refused']}; stopping (the newest complete "
+                        "checkpoint stays in the store)")  # fmt: skip
+        return EXIT_KEYS_REFUSED
+    if "killed" in outcome:
+        pipes.log.warning(f"a training process was killed (exit code {code}); the next attempt resumes from the "
+                          "newest complete checkpoint")  # fmt: skip
+        return code
+    if "failed" in outcome:
+        pipes.log.error(f"the worker failed: torchrun of {job.config.num_processes} processes ended with exit code "
+                        f"{code} (its output: the worker's log)")  # fmt: skip
+        return 1
+    trained = outcome["result"]
+    publish_dir(store, spec["output"], Path(trained["output_dir"]))
+    log(f"final weights published at {store.uri(spec['output'])}")
+    pipes.report_custom_message({"kind": RESULT_MESSAGE, "result": trained, "gpu_utilization": utilization.mean})
     return 0
 
 

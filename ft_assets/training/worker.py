@@ -6,6 +6,10 @@ checkpoint is in the store; rank 0 then also writes ``{"preempted": ...}`` to ``
 torchrun turns any worker's non-zero exit into its own exit code 1. Rank 0
 reports to Dagster through dagster-pipes when ``--pipes`` is given (the ``lora_adapter`` asset's
 launch); the other ranks drop the Pipes channel they inherited.
+
+On a GPU target's machine (``ft_assets.training.remote`` runs the ranks) each rank follows the renewals of the
+worker's store keys itself (``ft_assets.pools.renewal``), and a rank whose keys the store refused writes
+``launch.refusal_file`` beside ``--result`` and exits ``EXIT_KEYS_REFUSED`` (77).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import argparse
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from ft_assets.objectives import OBJECTIVES, SFT, named
+from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower, refused
 from ft_assets.storage import open_store
 from ft_assets.training.config import TrainingConfig
+from ft_assets.training.launch import refusal_file
 from ft_assets.training.preemption import EXIT_PREEMPTED, Preempted
 from ft_assets.training.recipe import train
 
@@ -49,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainingConfig.model_validate_json(raw)
     # Rank from the launcher's environment: creating accelerate's PartialState here would fix the
     # process group before train() asks for a CPU (gloo) one.
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    rank = int(os.environ.get("RANK", "0"))
+    is_main = rank == 0
     pipes = nullcontext(None)
     if args.pipes:
         if is_main:
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in [n for n in os.environ if n.startswith("DAGSTER_PIPES_")]:
                 del os.environ[name]
 
-    with pipes as channel:
+    with pipes as channel, ExitStack() as renewals:
 
         def log(line: str) -> None:
             if channel is not None:
@@ -68,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(line, flush=True)
 
+        store = open_store(args.store)
+        keys = follower(store, os.environ, log)  # each rank signs its own uploads: it follows the renewed keys too
+        if keys:
+            renewals.enter_context(keys)
         try:
             result = train(
-                config, args.base_model, args.shards, open_store(args.store), args.run_prefix, args.work_dir, log=log,
+                config, args.base_model, args.shards, store, args.run_prefix, args.work_dir, log=log,
                 tags=json.loads(args.tags), objective=named(args.objective),
             )  # fmt: skip
         except Preempted as exc:
@@ -78,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.result and is_main:  # torchrun reports any worker's non-zero exit as 1: the caller reads this
                 args.result.write_text(json.dumps({"preempted": {"step": exc.step, "checkpoint": exc.checkpoint_uri}}))
             return EXIT_PREEMPTED
+        except Exception as exc:
+            if not (args.result and refused(exc)):
+                raise
+            refusal_file(args.result, rank).write_text(str(refused(exc)))
+            print(f"rank {rank}: the store refused this worker's keys ({refused(exc)}); stopping", file=sys.stderr)
+            return EXIT_KEYS_REFUSED
     if args.result and is_main:
         args.result.write_text(json.dumps(result.to_json(), indent=2))
     return 0
