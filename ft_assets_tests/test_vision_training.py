@@ -23,7 +23,9 @@ from PIL import Image
 
 from ft_assets.data.chat_encoding import TokenizerFiles, for_template
 from ft_assets.data.images import ImagePool
+from ft_assets.delivery import vllm
 from ft_assets.objectives import named
+from ft_assets.refs import read_ref
 from ft_assets.shards import load_packed_rows
 from ft_assets.storage import LocalStore
 from ft_assets.training.loss import learned_tokens, token_loss_sum
@@ -168,14 +170,15 @@ def test_qlora_quantizes_the_language_model_alone(family, models):
 
 
 @pytest.mark.integration
-def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_run(home, capsys, models):
+def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_run(home, capsys, models, monkeypatch):
     """The whole command on the shipped sample's chat file and a tiny Qwen2.5-VL, through every plane: its broken images
     quarantined with their reasons, each picture stored once by content, the worker fetching the images its shards
     name; eval_report scoring base, fine-tuned and the shipped GGUF (with its projector, in libmtmd) on the held-back
     picture questions with their pictures (its eval loss the trainer's own on the same rows), general_eval's text tasks
     on the VLM and its GGUF, and a published merged VLM that PEFT's adapter reproduces on a picture, its GGUF and
     projector beside it. The gate's margin is off (``min_improvement: -1``): a tiny random model learns the
-    answers' words in 24 steps (eval loss ~9 -> ~2), not yet which one a picture shows."""
+    answers' words in 24 steps (eval loss ~9 -> ~2), not yet which one a picture shows. vllm_smoke, with the serving
+    venv on, says in one line why its vLLM cannot serve this family, and the run goes on."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -198,6 +201,7 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
         )
     )
     argv = ["run", "--dataset", str(data), "--name", "shapes", "--version", "v1", "--config", str(config)]
+    monkeypatch.setenv(vllm.PYTHON_ENV, str(vllm.DEFAULT_PYTHON))  # conftest turns it off elsewhere
     code, summary, err = run_cli(capsys, *argv, "--json")
     assert code == 0, err[-3000:]
     assert summary["quarantine_reasons"] == {"image_missing": 1, "image_unreadable": 1}, summary
@@ -245,6 +249,10 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
     changed.write_bytes(changed.read_bytes() + b"\0")
     link = verify_lineage(objects, key)["chain"][-1]
     assert link["asset"] == "images" and link["status"] == f"CHANGED: 1 of {len(stored)} images, e.g. {changed.name}"
+    served = read_ref(objects, "shapes@v1", "vllm_smoke")["stats"]
+    assert not served["served"] and served["reason"].startswith(
+        "vLLM cannot read Qwen2_5_VLForConditionalGeneration's processor in its serving venv"
+    ), served
 
     merged = AutoModelForImageTextToText.from_pretrained(registry / "merged").eval()
     base = AutoModelForImageTextToText.from_pretrained(models["qwen2_5_vl"]).eval()

@@ -223,3 +223,38 @@ def test_a_head_dim_vllm_cpu_cannot_run_is_refused_before_the_server_starts(tmp_
     with pytest.raises(vllm.VllmError, match="head_dim 16 is not one vLLM's CPU attention runs"):
         with vllm.serve(model):
             pass
+
+
+def test_a_vision_language_model_answers_picture_prompts_in_vllm_as_in_transformers(tmp_path):
+    """A merged Idefics3 (tiled pictures, 20 image tokens a square one) and its base + LoRA adapter: vLLM answers text
+    and picture prompts (one picture before the question, two inside it, sent as PNG data URIs) token for token as
+    transformers does through the processor. Qwen2.5-VL, whose processor needs torchvision that vLLM's CPU build lacks,
+    is refused in one line before a server starts; an adapter with the vision side in it is served merged only."""
+    from transformers import AutoModelForImageTextToText
+
+    from ft_assets_tests.vlm_families import build_vlm
+
+    base = build_vlm("idefics3", tmp_path / "base")
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                      exclude_modules=r"(.*\.)?(vision_model|connector)(\..*)?")  # fmt: skip
+    get_peft_model(AutoModelForImageTextToText.from_pretrained(base), lora).save_pretrained(tmp_path / "adapter")
+    assert not vllm.vision_adapter(tmp_path / "adapter")
+    merge_adapter(base, tmp_path / "adapter", tmp_path / "merged")
+    stats = vllm.smoke(tmp_path / "merged", PROMPTS[1:2], 10, base, tmp_path / "adapter")
+    assert stats["prompts"] == 3 and stats["greedy_equal"] == {"merged": 3, "base + LoRA": 3}, stats["rows"]
+    assert [row["prompt"] for row in stats["rows"]][1:] == [
+        "<image>What is in the picture? (64x64 picture)", "Compare <image> with <image>: which is brighter? (120x120, 72x72 picture)"
+    ]  # fmt: skip
+    answers = [row["transformers"] for row in stats["rows"]]
+    assert len(set(answers)) == 3, answers  # the pictures change the answer: vLLM saw them where they stand
+    get_peft_model(  # train_vision: projector saves the projector whole beside the LoRA
+        AutoModelForImageTextToText.from_pretrained(base),
+        LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["connector"]),
+    ).save_pretrained(tmp_path / "with-vision")
+    assert vllm.vision_adapter(tmp_path / "with-vision")
+    qwen = build_vlm("qwen2_5_vl", tmp_path / "qwen")
+    with pytest.raises(
+        vllm.VllmRefused, match=r"^vLLM cannot read Qwen2_5_VLForConditionalGeneration's processor .*torchvision"
+    ):
+        vllm.smoke(qwen, PROMPTS[1:2], 10)

@@ -737,8 +737,10 @@ def vllm_smoke(
 
     A sibling of serving_smoke, for the same reasons: it serves the files as published (verified first, as there,
     when FT_SIGNING_PUBLIC_KEY is set), and a server that fails fails this asset alone while the model stays
-    published. Where vLLM is not installed it says so in one line and materializes without serving
-    (``ft_assets.delivery.vllm``: ``FT_VLLM_PYTHON``, ``make install``).
+    published. Where vLLM is not installed, or cannot read the model (a vision-language model whose processor needs
+    what the serving venv lacks), it says so in one line and materializes without serving
+    (``ft_assets.delivery.vllm``: ``FT_VLLM_PYTHON``, ``make install``). A vision-language model is also asked
+    picture prompts, each answer against transformers'.
     """
     reason = vllm.unavailable()
     with Materialization(context, store, "vllm") as m:
@@ -757,9 +759,13 @@ def vllm_smoke(
                     published / "merged", config.prompts, config.max_tokens, m.fetch(base_model, "base") if lora else None,
                     published / "adapter" if lora else None, served_name(published_model["prefix"]),
                 )  # fmt: skip
+                stats.update(served=True, signature=signature)
+            except vllm.VllmRefused as exc:  # this vLLM cannot take the kind of model: said, not failed
+                reason = str(exc)
+                context.log.warning(f"vllm_smoke: {reason}; nothing served (the model stays published)")
+                stats = {"served": False, "reason": reason}
             except vllm.VllmError as exc:
                 raise dg.Failure(str(exc)) from exc
-            stats.update(served=True, signature=signature)
         (m.out / "vllm.json").write_text(json.dumps(stats, indent=2))
         ref = m.publish(
             _delivery_prefix(m.partition, lora_adapter, "vllm"), stats, {"published_model": published_model}

