@@ -271,16 +271,21 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
 
 
 def test_an_export_that_does_not_take_a_vlm_refuses_it_in_one_line_and_takes_a_text_model(models, tiny_model_dir):
-    """MLX (mlx-lm: text only) of a VLM would drop its image encoder: the runner refuses it before any work, from what
-    the export declares (``Export.takes_vision``); the model ships without it."""
+    """An export of a VLM that would drop its image encoder is refused by the runner before any work, from what the
+    export declares (``Export.takes_vision``); the model ships without it. GGUF (libmtmd) and MLX (mlx-vlm) take VLMs,
+    and refuse the families their runtimes cannot take themselves."""
+    from dataclasses import replace
+
     from ft_assets.delivery.exports import EXPORTS, named
     from ft_assets.delivery.exports.protocol import ExportRefused, refuse_model
 
-    mlx = named("mlx")
+    text_only = replace(named("mlx"), takes_vision=False)
     for name in ("qwen2_5_vl", "gemma3"):
         with pytest.raises(ExportRefused, match="^MLX of a vision-language model is not supported"):
-            refuse_model(mlx, models[name])
+            refuse_model(text_only, models[name])
     for export in EXPORTS:
+        assert export.takes_vision
+        refuse_model(export, models["qwen2_5_vl"])
         refuse_model(export, tiny_model_dir)  # a text model goes on
 
 
