@@ -42,12 +42,14 @@ import numpy as np
 from pydantic import Field
 
 from ft_assets.delivery import llamacpp, servers
+from ft_assets.delivery.exports import mlx_vision
 from ft_assets.delivery.exports.protocol import Export, ExportRefused, ExportSettings, Made, one_line
 from ft_assets.delivery.gguf_export import logit_agreement
 from ft_assets.delivery.harness import HarnessModel, served_model
 from ft_assets.generation import answer_text
 from ft_assets.training import backends
 from ft_assets.training.mlx_model import mlx_config
+from ft_assets.vision import model_has_vision
 
 VARIANTS = {  # variant -> mlx_lm.convert's arguments
     "bf16": {"dtype": "bfloat16"},
@@ -103,15 +105,24 @@ def check(settings: MlxSettings) -> None:
 
 
 def make(merged_dir: Path, out: Path, work: Path, stem: str, settings: MlxSettings, log) -> Made:
-    """Every variant of ``settings.variants`` as an mlx-lm folder in ``out``, each checked in mlx-lm; the one that ships."""
-    reference = llamacpp.reference(merged_dir)
-    files = {}
-    for variant in settings.variants:
-        folder = out / f"{stem}-mlx-{variant}"
-        convert(merged_dir, folder, variant, settings.group_size)
-        files[folder.name] = _checked(folder, variant, reference, log)
+    """Every variant of ``settings.variants`` as an mlx-lm folder in ``out``, each checked in mlx-lm; the one that ships.
+    A vision-language model's are mlx-vlm folders, checked on picture prompts too (``mlx_vision``)."""
+    vision = model_has_vision(merged_dir)
+    if vision:
+        arguments = {variant: convert_arguments(variant, settings.group_size) for variant in settings.variants}
+        files = mlx_vision.written_and_checked(merged_dir, out, work, stem, arguments, log)
+    else:
+        reference = llamacpp.reference(merged_dir)
+        files = {}
+        for variant in settings.variants:
+            folder = out / f"{stem}-mlx-{variant}"
+            convert(merged_dir, folder, variant, settings.group_size)
+            files[folder.name] = _checked(folder, variant, reference, log)
     shipped = choose_shipped(files, settings.ship, settings.ship_max_rel_error)
-    log.info(f"shipping {shipped} ({settings.ship}; mlx-lm rel. logit error {files[shipped]['mlx']['rel_error']:.2e})")
+    log.info(
+        f"shipping {shipped} ({settings.ship}; {'mlx-vlm' if vision else 'mlx-lm'} rel. logit error "
+        f"{files[shipped]['mlx']['rel_error']:.2e})"
+    )
     stats = {
         "ship": settings.ship,
         "ship_max_rel_error": settings.ship_max_rel_error,
@@ -120,18 +131,23 @@ def make(merged_dir: Path, out: Path, work: Path, stem: str, settings: MlxSettin
     return Made(files, shipped, stats, rows(files, shipped))
 
 
+def convert_arguments(variant: str, group_size: int) -> dict:
+    """mlx_lm.convert's (and mlx_vlm.convert's) arguments for ``variant``."""
+    arguments = dict(VARIANTS[variant])
+    if arguments.get("quantize"):
+        arguments["q_group_size"] = group_size
+    return arguments
+
+
 def convert(merged_dir: Path, folder: Path, variant: str, group_size: int) -> None:
     """``mlx_lm.convert`` of the merged model to ``folder``, then the config keys mlx-lm needs (``mlx_config``)."""
     from mlx_lm import convert as mlx_convert
 
     merged_dir = experts_as_mlx_reads_them(merged_dir, folder.with_name(folder.name + "-source"))
 
-    arguments = dict(VARIANTS[variant])
-    if arguments.get("quantize"):
-        arguments["q_group_size"] = group_size
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm prints its [INFO] lines; the asset logs its own
-            mlx_convert(str(merged_dir), str(folder), **arguments)
+            mlx_convert(str(merged_dir), str(folder), **convert_arguments(variant, group_size))
     except (ValueError, KeyError) as exc:
         shutil.rmtree(folder, ignore_errors=True)
         raise ExportRefused(f"mlx_lm.convert cannot take this model ({variant}): {one_line(exc)}") from exc
@@ -254,11 +270,12 @@ def choose_shipped(files: dict[str, dict], ship: str, max_rel_error: float) -> s
 
 
 def rows(files: dict[str, dict], shipped: str) -> list[dict]:
-    """mlx_model's metadata table: one row per folder."""
+    """mlx_model's metadata table: one row per folder (a VLM's: its logit error after pictures too)."""
     return [
         {"folder": name, "variant": e["variant"], "MB": e["bytes"] / 1e6, "shipped": name == shipped,
          "mlx_rel_logit_error": e["mlx"]["rel_error"], "mlx_top1": e["mlx"]["top1_agreement"], "mlx_kl": e["mlx"]["kl_divergence"],
-         "greedy_equal": f"{e['mlx']['greedy_match']}/{e['mlx']['greedy_prompts']}", "token_ids_equal": e["mlx"]["tokens_match"]}
+         "greedy_equal": f"{e['mlx']['greedy_match']}/{e['mlx']['greedy_prompts']}", "token_ids_equal": e["mlx"]["tokens_match"],
+         **({"picture_logit_error": e["mlx_vlm"]["rel_error"]} if "mlx_vlm" in e else {})}
         for name, e in files.items()
     ]  # fmt: skip
 
@@ -326,11 +343,47 @@ class MlxLm:
         return PairLogps(sums[..., 0], sums[..., 1], tokens[..., 0], tokens[..., 1])
 
 
+def runtime(folder: Path) -> MlxLm | mlx_vision.MlxVlm:
+    """The shipped folder's runtime: mlx-vlm for a vision-language model's (pictures and all), else mlx-lm."""
+    return mlx_vision.MlxVlm(folder) if model_has_vision(folder) else MlxLm(folder)
+
+
 MLX = Export(
     name="mlx", asset="mlx_model", title="MLX", runtime_name="mlx-lm", variant="variant",
     kinds=frozenset({"mlx"}),
     description="mlx-lm folders (Apple silicon: mlx_lm generate, mlx_lm.server, LM Studio) of the merged model, bf16 and "
     "4-bit, each checked in mlx-lm against the merged model; or none, with the reason in one line (variants: [], mlx not "
     "installed, a model mlx-lm refuses): the model still ships.",
-    settings=MlxSettings, off=off, check=check, make=make, runtime=MlxLm,
+    settings=MlxSettings, off=off, check=check, make=make, runtime=runtime, takes_vision=True,
 )  # fmt: skip
+
+
+def _main() -> None:
+    """Export a model directory (a text model or a VLM) to MLX folders and check each against transformers: one JSON line
+    per variant, or its refusal."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("model_dir", help="Hugging Face directory of the merged model (weights, tokenizer, processor)")
+    parser.add_argument("out_dir", help="where the MLX folders go")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = parser.parse_args()
+    model_dir, out = Path(args.model_dir), Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for variant in args.variants:  # one a run, so that one refused does not hide the others
+        try:
+            made = make(
+                model_dir, out, out / "work", model_dir.name, MlxSettings(variants=[variant]), logging.getLogger()
+            )
+        except ExportRefused as exc:
+            print(json.dumps({"model": model_dir.name, "variant": variant, "refused": str(exc)}))
+            continue
+        entry = made.files[made.shipped]
+        print(json.dumps({"model": model_dir.name, "folder": made.shipped, "bytes": entry["bytes"], "variant": variant,
+                          "text": entry["mlx"], **({"pictures": entry["mlx_vlm"]} if "mlx_vlm" in entry else {})}))  # fmt: skip
+    shutil.rmtree(out / "work", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    _main()
