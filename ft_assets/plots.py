@@ -11,12 +11,15 @@ axis, and drops the value labels, then the oldest groups, when there are too man
 bar is at least ``MIN_BAR_PX`` tall, so a bar of 0 is still seen; names sit under the bars or on the
 title line, never on them.
 
-Plain functions of numbers to strings: no plotting library, tested without Dagster.
+Plain functions of numbers to strings: no plotting library, tested without Dagster. Beside the charts, an eval
+picture with the models' answers under it (``picture_markdown``), within the same limit: the picture shrunk until
+it fits.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from urllib.parse import quote
 
 MAX_MARKDOWN = 999  # the longest markdown the asset page draws in place (1,000 and more: a "[Show Markdown]" link)
@@ -234,3 +237,34 @@ def bar_chart(groups: dict[str, dict[str, float]], title: str, digits: int = 4) 
         for k in range(len(order), 0, -1) for labels in (True, False)
     )  # fmt: skip
     return _fitted(candidates, title)
+
+
+PICTURE_SIDES = (128, 96, 64, 48, 32, 24)  # a picture's longest side in the page, tried largest first, until it fits
+PICTURE_COLORS = (64, 16, 8)  # its palette, tried at each side: an eval picture is shown to be recognized, not measured
+
+
+def picture_markdown(path: str | Path, caption: str) -> str:
+    """A picture file with a caption under it, as markdown the asset page draws in place: the picture shrunk (its
+    longest side at most one of ``PICTURE_SIDES``) to a PNG of one of ``PICTURE_COLORS`` colors in a data URI, the
+    largest and most colorful that fits with the caption in ``MAX_MARKDOWN``. A picture too detailed to fit even at
+    the smallest side is left out, and the caption says so; so is one that cannot be read."""
+    import base64
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as opened:
+            picture = opened.convert("RGB")
+    except (OSError, UnidentifiedImageError):
+        return f"(picture {Path(path).name} cannot be read) {caption}"[:MAX_MARKDOWN]
+    for side in PICTURE_SIDES:
+        small = picture.copy()
+        small.thumbnail((side, side))
+        for colors in PICTURE_COLORS:
+            png = io.BytesIO()
+            small.quantize(colors).save(png, "PNG", optimize=True)
+            markdown = f"![picture](data:image/png;base64,{base64.b64encode(png.getvalue()).decode()})\n\n{caption}"
+            if len(markdown) <= MAX_MARKDOWN:
+                return markdown
+    return f"(picture {Path(path).name} too detailed to show here) {caption}"[:MAX_MARKDOWN]

@@ -194,6 +194,25 @@ def test_eval_report_shows_the_metric_base_to_shipped_as_numbers_a_chart_with_ev
     assert metadata["answers_shown"].startswith("2 of 2, the wrong ones first")
 
 
+def test_a_vlms_eval_pictures_are_drawn_with_every_models_answer_at_most_half_of_them_wrong(tmp_path):
+    from pathlib import Path
+
+    from ft_assets.delivery.assets import picture_gallery
+
+    picture = Path(__file__).parents[1] / "samples" / "shapes" / "images" / "0001.png"
+    rows = [{**SFT_SAMPLES[i % 2], "prompt": f"<image>What color is shape {i}?"} for i in range(8)]
+    report = Report({}, [], rows, {}, "", [str(picture)] * 7 + [None])  # the last row has no picture
+    gallery = picture_gallery(report, ["GGUF f16 (llama.cpp)"])
+    assert list(gallery) == ["picture_1", "picture_2", "picture_3", "picture_4"]
+    captions = [md.value.split("\n\n", 1)[1] for md in gallery.values()]
+    assert (
+        captions[0]
+        == "**What color is shape 0?** · expected *ok* · base: hm · fine-tuned: ok · GGUF f16 (llama.cpp): ok ✓"
+    )
+    assert [c.endswith("✗") for c in captions] == [False, True, False, True]  # two right, two wrong, in row order
+    assert picture_gallery(Report({}, [], SFT_SAMPLES, {}, ""), []) == {}  # a text model: no pictures
+
+
 def test_without_a_gguf_the_eval_report_has_no_gguf_figures_and_two_bars():
     report = Report({"base_eval_loss": None, "finetuned_eval_loss": None}, [], [], {}, "")
     metadata = eval_metadata(gate(0.0, 0.5, None), report, 8, "eval prompts", "answers.jsonl")

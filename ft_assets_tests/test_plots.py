@@ -159,3 +159,34 @@ def test_number_label(value, digits, label):
 def test_a_title_too_long_for_any_form_of_the_chart_is_refused_with_what_to_do():
     with pytest.raises(ChartTooLarge, match="shorten its title"):
         bar_chart({"m": {"base": 1.0}}, "x" * 1000)
+
+
+def test_an_eval_picture_is_drawn_in_place_with_its_caption_shrunk_until_it_fits(tmp_path):
+    """A shipped sample picture as it is; a noisy photo shrunk (or left out, said so) to fit; an unreadable file said."""
+    import base64
+    import io
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from ft_assets.plots import picture_markdown
+
+    sample = Path(__file__).parents[1] / "samples" / "shapes" / "images" / "0001.png"
+    caption = "**What color is the shape?** · expected *red* · base: blue · fine-tuned: red ✓"
+    drawn = picture_markdown(sample, caption)
+    uri, text = re.fullmatch(r"!\[picture\]\(data:image/png;base64,([^)]+)\)\n\n(.*)", drawn, re.S).groups()
+    shown = Image.open(io.BytesIO(base64.b64decode(uri)))
+    original = Image.open(sample)
+    assert text == caption and len(drawn) <= MAX_MARKDOWN and max(shown.size) <= 128
+    assert shown.size[0] / shown.size[1] == pytest.approx(original.size[0] / original.size[1], rel=0.05)
+    noisy = tmp_path / "photo.png"
+    Image.fromarray(np.random.RandomState(0).randint(0, 255, (600, 800, 3), dtype=np.uint8)).save(noisy)
+    drawn = picture_markdown(noisy, caption)
+    assert len(drawn) <= MAX_MARKDOWN and drawn.endswith(caption)
+    if drawn.startswith("![picture]"):  # random pixels compress badly: shrunk to the smallest side, or left out
+        assert max(Image.open(io.BytesIO(base64.b64decode(drawn.split(",", 1)[1].split(")")[0]))).size) <= 48
+    else:
+        assert drawn.startswith("(picture photo.png too detailed to show here)")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n")
+    assert picture_markdown(tmp_path / "broken.png", caption) == f"(picture broken.png cannot be read) {caption}"

@@ -224,6 +224,14 @@ def test_the_shipped_vision_sample_trains_and_publishes_a_vlm_through_ft_assets_
     assert len(answers) == 20 and all(a["prompt"].startswith("<image>") for a in answers)
     assert summary["general_items"] == 72 and summary["general_reason"] is None  # 24 items on each model, the GGUF too
 
+    # eval_report's page draws a few of those pictures in place, each with the question and every model's answer
+    import dagster as dg
+
+    page = dg.DagsterInstance.get().get_latest_materialization_event(dg.AssetKey("eval_report"))
+    drawn = [v.value for k, v in page.asset_materialization.metadata.items() if k.startswith("picture_")]
+    assert 1 <= len(drawn) <= 4 and all(md.startswith("![picture](data:image/png;base64,") for md in drawn), drawn
+    assert all(len(md) < 1000 and "expected *" in md and "GGUF f16 (llama.cpp):" in md for md in drawn), drawn
+
     # the GGUF and its projector: answering the picture questions through libmtmd as the fine-tuned model does, shipped
     assert summary["gguf_file"] == "shapes-v1-f16.gguf" and summary["gguf_reason"] is None, summary
     gguf_answers = [a["GGUF f16 (llama.cpp)"] for a in answers]

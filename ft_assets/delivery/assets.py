@@ -53,7 +53,7 @@ from ft_assets.materialize import (
     table,
 )
 from ft_assets.partitions import DatasetVersion, dataset_version
-from ft_assets.plots import bar_chart
+from ft_assets.plots import bar_chart, picture_markdown
 from ft_assets.refs import (
     AdapterStats,
     ArtifactRef,
@@ -74,6 +74,7 @@ from ft_assets.training.tracking import record_run
 DELIVERY = dict(partitions_def=dataset_version, group_name="delivery", io_manager_key="refs", tags={"ft/pool": "cpu"})
 ANSWERS_FILE = "answers.jsonl"  # every eval answer, in eval_report's artifact; the page shows ANSWERS_SHOWN of them
 ANSWERS_SHOWN = 8  # the wrong ones first: what a user reads to see why the metric is what it is
+PICTURES_SHOWN = 4  # a vision-language model's eval pictures drawn on eval_report's page with the answers
 EXPORT_ASSETS = [export.asset for export in EXPORTS]
 
 
@@ -382,6 +383,7 @@ def eval_report(
             **verdict.as_dict(), **report.stats, "objective": objective.name, "examples": size,
             "export_figures": {column.name: column.scored.figures for column in columns},
         }  # fmt: skip
+        gallery = picture_gallery(report, [column.label for column in columns])  # while the eval pictures are here
         (m.out / "report.json").write_text(json.dumps({"stats": stats, "samples": report.samples}, indent=2))
         (m.out / ANSWERS_FILE).write_text("".join(json.dumps(row) + "\n" for row in report.samples))
         ref = m.publish(
@@ -401,9 +403,40 @@ def eval_report(
     for line in general.lines:
         context.log.warning(f"general-ability regression ({general.on_regression}): {line}")
     _track(context, lora_adapter, report.tracked | general_tracked(general))
-    return m.output(
-        ref, **eval_metadata(verdict, report, size, scorer.unit, m.store.uri(join_key(ref["prefix"], ANSWERS_FILE)))
-    )
+    answers_uri = m.store.uri(join_key(ref["prefix"], ANSWERS_FILE))
+    return m.output(ref, **eval_metadata(verdict, report, size, scorer.unit, answers_uri), **gallery)
+
+
+def picture_gallery(report, shipped: list[str]) -> dict:
+    """A vision-language model's eval pictures on eval_report's page (``picture_1``...), each drawn in place with its
+    question, the expected answer and what the base, the fine-tuned model and each shipped file (``shipped``: the
+    report's column labels) answered; up to ``PICTURES_SHOWN``, at most half of them ones the fine-tuned model got
+    wrong while it got others right. None for a text model."""
+    shown = [index for index, picture in enumerate(report.pictures) if picture]
+    right = [index for index in shown if report.samples[index].get("correct") is True]
+    wrong = [index for index in shown if index not in right]
+    chosen = sorted((wrong[: max(PICTURES_SHOWN // 2, PICTURES_SHOWN - len(right))] + right)[:PICTURES_SHOWN])
+    gallery = {}
+    for number, index in enumerate(chosen, 1):
+        row = report.samples[index]
+        answers = [
+            ("base", row["base"]),
+            ("fine-tuned", row["fine-tuned"]),
+            *((label, row[label]) for label in shipped),
+        ]
+        caption = " · ".join(
+            [f"**{_md(row['prompt'].replace('<image>', ' '))}**", f"expected *{_md(row['reference'])}*"]
+            + [f"{label}: {_md(answer)}" for label, answer in answers]
+        ) + (" ✓" if row.get("correct") is True else " ✗")  # fmt: skip
+        gallery[f"picture_{number}"] = dg.MetadataValue.md(picture_markdown(report.pictures[index], caption))
+    return gallery
+
+
+def _md(text: object, limit: int = 40) -> str:
+    """A question or an answer inside a caption: one line, cut at ``limit`` characters, markdown's marks escaped."""
+    line = " ".join(str(text).split())
+    line = line if len(line) <= limit else line[: limit - 1] + "…"
+    return "".join(f"\\{ch}" if ch in "\\`*_[]<>|#" else ch for ch in line)
 
 
 def score_exports(scorer, made: dict[str, dict], fetch, finetuned: float, size: int, log) -> tuple[list[Shipped], dict]:

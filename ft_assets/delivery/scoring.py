@@ -75,6 +75,7 @@ class Report:
     samples: list[dict]  # rows of the answers (or pairs) table
     tracked: dict[str, float]  # figures logged to the training run's MLflow run
     summary: str  # the log line's tail after the metric
+    pictures: list[str | None] = field(default_factory=list)  # each sample's first picture file (a VLM's), by index
 
 
 class Scorer(Protocol):
@@ -161,7 +162,9 @@ class ChatScorer:
         }  # fmt: skip
         stats.update(reward_functions=[self.scored_by] if rewarded else None, finetuned_reward_mean=tuned.metric if rewarded else None,
                      base_reward_mean=base.metric if rewarded else None)  # fmt: skip
-        return Report(stats, comparison, samples, tracked, f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}")
+        pictures = [next(iter(ev.image_files(e.prompt)), None) for e in self.examples]
+        summary = f"eval loss {b['eval_loss']:.4f} → {t['eval_loss']:.4f}"
+        return Report(stats, comparison, samples, tracked, summary, pictures if any(pictures) else [])
 
 
 class PairScorer:
