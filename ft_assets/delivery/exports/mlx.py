@@ -1,4 +1,5 @@
-"""The MLX export: mlx-lm folders of the merged model (bf16/fp16 and 4-bit), checked, scored and answered by mlx-lm.
+"""The MLX export: mlx-lm folders of the merged model (bf16/fp16 and 4-bit), checked, scored and answered by mlx-lm;
+a vision-language model's are mlx-vlm folders, checked on pictures too and answered by mlx-vlm (``mlx_vision``).
 
 What a Mac runs: ``mlx_lm generate --model <folder>`` / ``mlx_lm.server`` / LM Studio's MLX engine read these
 folders as they are.
@@ -15,6 +16,13 @@ folders as they are.
   mlx-lm's logits; for ``general_eval``, ``mlx_lm server`` as lm-eval's ``local-(chat-)completions`` model
   (generate_until only: the server gives no log-probabilities of the prompt).
 - **Gate**: the shipped folder may score at most ``max_drop`` (0.05) below the merged model.
+
+- **Vision-language models** (``takes_vision``): mlx-vlm folders instead, converted and checked by ``mlx_vision`` (in a
+  child process: mlx-vlm replaces transformers' ``AutoProcessor`` process-wide), on the text reference and on picture
+  prompts (token ids equal to the processor's, logits within ``mlx_vision.TOLERANCES``); the runtime (``runtime``) answers
+  picture questions through ``mlx_vlm.generate``. What a Mac runs: ``mlx_vlm.generate --model <folder> --image <picture>``.
+  mlx-vlm 0.7.10 takes Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Gemma 3 (image tokens attended causally) and
+  LLaVA-1.5 (picture prompts it cannot prepare under transformers 5) are refused in one line (``mlx_vision.REFUSED``).
 
 Off where mlx and mlx-lm are not installed (or ``FT_MLX=0``), with that reason. Refused (``ExportRefused``, one
 line; the run goes on without an MLX model unless ``required``): an architecture mlx-lm does not have, a folder it
@@ -352,8 +360,9 @@ MLX = Export(
     name="mlx", asset="mlx_model", title="MLX", runtime_name="mlx-lm", variant="variant",
     kinds=frozenset({"mlx"}),
     description="mlx-lm folders (Apple silicon: mlx_lm generate, mlx_lm.server, LM Studio) of the merged model, bf16 and "
-    "4-bit, each checked in mlx-lm against the merged model; or none, with the reason in one line (variants: [], mlx not "
-    "installed, a model mlx-lm refuses): the model still ships.",
+    "4-bit, each checked in mlx-lm against the merged model; a vision-language model's as mlx-vlm folders, checked on "
+    "pictures too; or none, with the reason in one line (variants: [], mlx not installed, a model or VLM family mlx-lm "
+    "or mlx-vlm refuses): the model still ships.",
     settings=MlxSettings, off=off, check=check, make=make, runtime=runtime, takes_vision=True,
 )  # fmt: skip
 

@@ -7,7 +7,8 @@ encoder; its text path is untouched.
 - **Families**: ``TAKEN`` (Qwen2.5-VL, Qwen3-VL, Idefics3, SmolVLM): mlx-vlm 0.7.10 builds them as transformers
   does, once ``config.json`` says what it reads (``vlm_config``: transformers 4's RoPE keys in ``text_config``, Qwen-VL's
   M-RoPE sections, and for Qwen2.5-VL the text keys at the top, where its 4.x configs kept them). ``REFUSED`` names the
-  others, with why, in one line (``ExportRefused``): Gemma 3, whose image tokens mlx-vlm attends over causally.
+  others, with why, in one line (``ExportRefused``): Gemma 3, whose image tokens mlx-vlm attends over causally, and
+  LLaVA-1.5, whose picture prompts mlx-vlm cannot prepare under transformers 5.
 - **Export**: ``mlx_vlm.convert`` per variant (``bf16``, ``fp16``: a cast; ``8bit``, ``4bit``: mlx's affine
   quantization of the language model, the vision tower kept in float), then each folder is loaded by mlx-vlm and held
   to the merged model in transformers: token ids of the hard strings and logits of the text prompts
@@ -51,6 +52,8 @@ REFUSED = {  # model type -> why mlx-vlm cannot take it (one line)
     "gemma3": f"mlx-vlm {MLX_VLM}'s gemma3 attends causally over an image's tokens, where Gemma 3 attends "
     "bidirectionally within each image, so its logits after a picture part from the merged model's by 8e-2 "
     "(relative) even in float32",
+    "llava": f"mlx-vlm {MLX_VLM} prepares its picture prompts through transformers' LlavaProcessor with arguments "
+    "transformers 5 no longer takes (ImagesKwargs: unexpected keyword argument 'padding'), so it answers no picture",
 }
 # Bound on rel_error of the next-token logits after a picture prompt, by variant. Measured on the tiny models: fp16
 # 1.6e-3 to 7.7e-3, bf16 1.8e-2 to 4.4e-2, 8bit 2.1e-2 to 5.9e-2 (Gemma 3's causal image attention: 8e-2 in every
