@@ -8,7 +8,8 @@ attempt resumes from it, the run's log shows the worker's progress, and the adap
 uninterrupted run of the same seed trains; (b) terminating the run cancels the worker; (c) a worker left running
 by an earlier execution of the run is cancelled before a new one starts, and a worker's secrets reach its
 environment only; (d) a target that cannot be used is refused in one line before anything runs; (e) ``gpus=2`` on the target: two
-ranks under torchrun on the worker (gloo), one Pipes reporter, the result published.
+ranks under torchrun on the worker (gloo), one Pipes reporter an attempt, the result published, and a ``kill -9`` of
+rank 1 after the first checkpoint ends the attempt as killed: the next one resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ SAMPLE_LINES = 200
 VERSION = "remote1"
 KEY = f"toolcalls@{VERSION}"
 WAIT_S = 240.0
+RANK_STEPS = 12  # the 2-rank run's steps: killed after its first checkpoint (step 4), resumed to the end
 
 
 def settings(**overrides) -> dict:
@@ -231,8 +233,37 @@ def test_a_killed_worker_is_started_again_and_resumes_to_the_uninterrupted_adapt
                         load_file(reference.output_dir / "adapter_model.safetensors"))  # fmt: skip
 
 
+def rank_pids(worker_host, rank: int) -> list[int]:
+    """The worker user's training processes of torchrun rank ``rank`` (``ft_assets.training.worker``, ``RANK`` set)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ours = proc.name.isdigit() and proc.stat().st_uid == worker_host.account.pw_uid
+            if ours and b"ft_assets.training.worker" in (proc / "cmdline").read_bytes():
+                if f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return pids
+
+
+class WhenRankCheckpointed(Watcher):
+    """``kill -9`` of rank 1 once the run has its first checkpoint: torchrun then fails the attempt."""
+
+    def __init__(self, worker_host, store):
+        super().__init__()
+        self.worker_host, self.store, self.before, self.killed = worker_host, store, checkpoints(store), None
+
+    def ready(self) -> bool:
+        pids = rank_pids(self.worker_host, 1) if checkpoints(self.store) - self.before else []
+        if pids:
+            os.kill(pids[0], 9)
+            self.killed = pids[0]
+        return bool(pids)
+
+
 @pytest.mark.integration
-def test_gpus_2_on_the_target_trains_two_ranks_on_the_worker_that_report_through_one_pipes_session(
+def test_gpus_2_on_the_target_trains_two_ranks_under_one_pipes_reporter_and_a_killed_rank_resumes_in_a_new_attempt(
     remote_home, worker_host, monkeypatch
 ):
     store = remote_home["store"]
@@ -240,27 +271,34 @@ def test_gpus_2_on_the_target_trains_two_ranks_on_the_worker_that_report_through
                         ("FT_STORE", store.root), ("OMP_NUM_THREADS", "1")):  # fmt: skip
         monkeypatch.setenv(name, str(value))
     target = f"{worker_host.target()}&gpus=2"
-    config = {"ops": {"lora_adapter": {"config": settings(max_steps=4, save_steps=2, seed=5)}}}
+    config = {"ops": {"lora_adapter": {"config": settings(max_steps=RANK_STEPS, save_steps=4, seed=5)}}}
     instance = dg.DagsterInstance.get()
     umask = os.umask(0)
     try:
-        with PlaneLauncher(instance, False, {"training": {TARGET_TAG: target}}) as planes:
-            planes.run(defs.resolve_job_def(TRAINING_PLANE), "training", KEY, config)
+        with WhenRankCheckpointed(worker_host, store) as killer:
+            with PlaneLauncher(instance, False, {"training": {TARGET_TAG: target}}) as planes:
+                planes.run(defs.resolve_job_def(TRAINING_PLANE), "training", KEY, config)
         [run] = instance.get_runs(dg.RunsFilter(job_name=TRAINING_PLANE, tags={TARGET_TAG: target}))
         said = [e.message or "" for e in instance.all_logs(run.run_id)]
     finally:
         os.umask(umask)
         instance.dispose()
+    assert killer.error is None and killer.killed, killer.error
     plan, stats = read_ref(store, KEY, "training_plan")["stats"], read_ref(store, KEY, "lora_adapter")["stats"]
     assert plan["gpus"] == 2 and plan["training_config"]["num_processes"] == 2  # planned and billed for 2 cards
-    assert [a["outcome"] for a in stats["attempts"]] == ["finished"] and stats["steps"] == 4
-    assert stats["resolved"]["rows_per_step"] == 4  # 2 rows on each of 2 ranks
+    # kill -9 of one rank: torchrun fails, the worker ends as killed, the next attempt resumes from the checkpoint
+    assert [a["outcome"] for a in stats["attempts"]] == ["killed", "finished"], stats["attempts"]
+    assert stats["attempts"][0]["exit_code"] == 137 and stats["resumed_from_step"] >= 4
+    assert stats["steps"] == RANK_STEPS and stats["resolved"]["rows_per_step"] == 4  # 2 rows on each of 2 ranks
     prefix = f"runs/toolcalls/{VERSION}/train/{stats['run_id']}"
-    assert json.loads(store.get_bytes(f"{layout.checkpoint(prefix, 4)}/trainer_state.json"))["world_size"] == 2
+    state = json.loads(store.get_bytes(f"{layout.checkpoint(prefix, RANK_STEPS)}/trainer_state.json"))
+    assert state["world_size"] == 2
     assert any("training on 2 processes on this machine" in m for m in said), said[-20:]
+    assert any("a training process was killed (exit code 137)" in m for m in said), said[-20:]
+    assert any("resuming" in m.lower() for m in said), said[-20:]  # rank 0's own line, through the worker's Pipes
     assert any("final weights published at" in m for m in said) and not [m for m in said if "[default1]" in m]
-    lives = {key.split("/")[-2] for key in store.list(f"{prefix}/pipes") if key.endswith("claim.json")}
-    assert lives == {"1"}  # one Pipes reporter: the worker process, not a rank
+    lives = [key for key in store.list(f"{prefix}/pipes") if key.endswith("claim.json")]
+    assert sorted(key.split("/")[-3:-1] for key in lives) == [["001", "1"], ["002", "1"]]  # one reporter an attempt
 
 
 class WhenSkyJobTrains(Watcher):
