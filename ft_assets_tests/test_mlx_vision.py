@@ -152,3 +152,17 @@ def test_vlm_config_gives_mlx_vlm_the_keys_it_reads():
     assert read["vision_config"]["model_type"] == "qwen2_5_vl" and read["text_config"]["tie_word_embeddings"]
     smol = {"model_type": "smolvlm", "text_config": {"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}}
     assert mlx_vision.vlm_config(smol)["text_config"]["rope_theta"] == 1e5
+
+
+def test_a_vlm_is_refused_in_one_line_where_mlx_vlm_is_not_installed(tmp_path, monkeypatch):
+    merged, out = build_vlm("smolvlm", tmp_path / "smolvlm"), tmp_path / "out"
+    out.mkdir()
+    installed = mlx_vision.importlib.util.find_spec
+    monkeypatch.setattr(
+        mlx_vision.importlib.util, "find_spec", lambda name: None if name == "mlx_vlm" else installed(name)
+    )
+    with pytest.raises(ExportRefused, match=r"^mlx-vlm is not installed here.*pip install 'ft-assets\[mlx\]'$"):
+        mlx.make(merged, out, tmp_path, "shapes-v1", mlx.MlxSettings(), logging.getLogger())
+    with pytest.raises(ExportRefused, match="^mlx-vlm is not installed here"):
+        mlx_vision.MlxVlm(out).chat_answers([[{"role": "user", "content": "hi"}]], 4, log=lambda line: None)
+    assert not list(out.iterdir())

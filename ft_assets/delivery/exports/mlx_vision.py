@@ -31,11 +31,13 @@ after a picture 1.6e-3 to 7.7e-3 for fp16, 1.8e-2 to 4.4e-2 for bf16, 2.1e-2 to 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,7 @@ from ft_assets.delivery import llamacpp, mtmd
 from ft_assets.delivery.exports.protocol import ExportRefused, one_line
 from ft_assets.delivery.gguf_export import logit_agreement
 from ft_assets.portable import legacy_rope
+from ft_assets.training.backends import INSTALL
 from ft_assets.vision import read_config
 
 MLX_VLM = "0.7.10"  # the version the families below were measured with (the mlx extra pins it)
@@ -63,7 +66,8 @@ WORKER_TIMEOUT_S = 1800.0  # a child process's convert and checks: ~6 s for the 
 
 
 def refuse_family(merged_dir: Path) -> None:
-    """Refuse, before any work, a VLM family mlx-vlm cannot take: one line naming it and why."""
+    """Refuse, before any work, a VLM family mlx-vlm cannot take, or a machine without mlx-vlm: one line naming why."""
+    _require_mlx_vlm()
     model_type = read_config(merged_dir).get("model_type")
     if model_type in TAKEN:
         return
@@ -71,6 +75,13 @@ def refuse_family(merged_dir: Path) -> None:
         model_type, f"its MLX export is checked for {', '.join(TAKEN)} only (mlx-vlm {MLX_VLM} against transformers)"
     )
     raise ExportRefused(f"MLX export of a {model_type} vision-language model is not supported: {why}")
+
+
+def _require_mlx_vlm() -> None:
+    if importlib.util.find_spec("mlx_vlm") is None:
+        raise ExportRefused(
+            f"mlx-vlm is not installed here, and a vision-language model's MLX export needs it: {INSTALL}"
+        )
 
 
 def vlm_config(config: dict) -> dict:
@@ -243,12 +254,10 @@ class MlxVlm:
     def chat_answers(self, conversations: list[list[dict]], max_new_tokens: int, log) -> list[str]:
         """Greedy chat answers by ``mlx_vlm.generate`` through the folder's chat template and processor; a turn's image
         parts name their files (``{"type": "image", "image": path}``)."""
+        _require_mlx_vlm()
         job = {"folder": str(self.folder), "conversations": conversations, "max_new_tokens": max_new_tokens}
-        work = self.folder.with_name(self.folder.name + "-answers")
-        try:
-            answers = run_worker("answer", job, work)["answers"]
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="mlx-vlm-answers-") as work:
+            answers = run_worker("answer", job, Path(work) / "job")["answers"]
         log(f"mlx-vlm answered {len(answers)}/{len(conversations)}")
         return answers
 
