@@ -290,6 +290,7 @@ def test_gpus_2_on_the_target_trains_two_ranks_under_one_pipes_reporter_and_a_ki
     assert [a["outcome"] for a in stats["attempts"]] == ["killed", "finished"], stats["attempts"]
     assert stats["attempts"][0]["exit_code"] == 137 and stats["resumed_from_step"] >= 4
     assert stats["steps"] == RANK_STEPS and stats["resolved"]["rows_per_step"] == 4  # 2 rows on each of 2 ranks
+    assert stats["device"] == "cpu x2"  # on CUDA, "cuda x2": training_cost bills 2 cards
     prefix = f"runs/toolcalls/{VERSION}/train/{stats['run_id']}"
     state = json.loads(store.get_bytes(f"{layout.checkpoint(prefix, RANK_STEPS)}/trainer_state.json"))
     assert state["world_size"] == 2

@@ -95,7 +95,8 @@ class Target(Protocol):
     """A place a training worker can run. ``launch`` returns a handle (plain JSON) that ``poll`` and ``cancel`` take,
     also in a later process: the handle is kept in the store, so a restarted control host finds the worker."""
 
-    scheme: str  # optional too: ``poll_s`` (how often ``poll`` may be called), ``pinned_gpu``, ``card()``, ``code``
+    scheme: str  # optional too: ``poll_s`` (how often ``poll`` may be called), ``pinned_gpu``, ``card()``, ``code``,
+    # ``gpus`` (the worker's GPUs, one training process each: ``processes_on``)
 
     def launch(self, launch: WorkerLaunch) -> dict: ...
 
