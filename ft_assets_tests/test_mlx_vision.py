@@ -85,7 +85,7 @@ def test_the_runtime_answers_picture_questions_as_the_merged_model(exported, tmp
         conversations.append([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / f"{number}.png")},
                                                            {"type": "text", "text": "What color is it?"}]}])  # fmt: skip
     runtime = mlx.MLX.runtime(model["out"] / model["made"].shipped)
-    assert isinstance(runtime, mlx_vision.MlxVlm)
+    assert isinstance(runtime.vision, mlx_vision.MlxVlm)
     answers = runtime.chat_answers(conversations, 6, log=lambda line: None)
     merged = AutoModelForImageTextToText.from_pretrained(model["merged"]).eval()
     expected = evaluate.generate_with_images(

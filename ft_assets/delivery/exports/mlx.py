@@ -19,7 +19,7 @@ folders as they are.
 
 - **Vision-language models** (``takes_vision``): mlx-vlm folders instead, converted and checked by ``mlx_vision`` (in a
   child process: mlx-vlm replaces transformers' ``AutoProcessor`` process-wide), on the text reference and on picture
-  prompts (token ids equal to the processor's, logits within ``mlx_vision.TOLERANCES``); the runtime (``runtime``) answers
+  prompts (token ids equal to the processor's, logits within ``mlx_vision.TOLERANCES``); the runtime (``MlxLm``) answers
   picture questions through ``mlx_vlm.generate``. What a Mac runs: ``mlx_vlm.generate --model <folder> --image <picture>``.
   mlx-vlm 0.7.10 takes Qwen2.5-VL, Qwen3-VL, Idefics3 and SmolVLM; Gemma 3 (image tokens attended causally) and
   LLaVA-1.5 (picture prompts it cannot prepare under transformers 5) are refused in one line (``mlx_vision.REFUSED``).
@@ -289,13 +289,18 @@ def rows(files: dict[str, dict], shipped: str) -> list[dict]:
 
 
 class MlxLm:
-    """An mlx-lm folder in mlx-lm (in process), answering the eval prompts."""
+    """An mlx-lm folder in mlx-lm (in process), answering the eval prompts; a VLM's mlx-vlm folder through mlx-vlm
+    (``mlx_vision.MlxVlm``), pictures and all."""
 
     def __init__(self, folder: Path):
         self.folder = folder
+        self.vision = mlx_vision.MlxVlm(folder) if model_has_vision(folder) else None
 
     def chat_answers(self, conversations: list[list[dict]], max_new_tokens: int, log) -> list[str]:
-        """Greedy chat completions by ``mlx_lm.generate`` through the folder's chat template, at mlx-lm's stop tokens."""
+        """Greedy chat completions by ``mlx_lm.generate`` through the folder's chat template, at mlx-lm's stop tokens (a
+        VLM's by ``mlx_vlm.generate``, pictures and all: ``MlxVlm.chat_answers``)."""
+        if self.vision:
+            return self.vision.chat_answers(conversations, max_new_tokens, log)
         from mlx_lm import generate
 
         if not backends.mlx_installed():
@@ -315,6 +320,8 @@ class MlxLm:
         port) as an lm-eval model, generate_until only. ``chat``: ``local-chat-completions``, the prompt rendered by
         the folder's chat template; else ``local-completions``, the prompt as text (lm-eval reads ``tokenizer_dir``,
         the merged model's tokenizer, whose ids the export checked equal, for lengths)."""
+        if self.vision:
+            self.vision.harness(tokenizer_dir, label, chat)
         if not backends.mlx_installed():
             raise ExportRefused(f"mlx and mlx-lm are not installed here: {backends.INSTALL}")
 
@@ -337,6 +344,8 @@ class MlxLm:
         from ft_assets.shards import IGNORE_INDEX
         from ft_assets.training.loss import PairLogps
 
+        if self.vision:
+            return self.vision.pair_logps(rows)
         model, _ = _load(self.folder)
         sums, tokens = torch.zeros(rows.pair_mask.shape + (2,)), torch.zeros(rows.pair_mask.shape + (2,))
         for row, k in zip(*rows.pair_mask.nonzero(as_tuple=True)):
@@ -351,11 +360,6 @@ class MlxLm:
         return PairLogps(sums[..., 0], sums[..., 1], tokens[..., 0], tokens[..., 1])
 
 
-def runtime(folder: Path) -> MlxLm | mlx_vision.MlxVlm:
-    """The shipped folder's runtime: mlx-vlm for a vision-language model's (pictures and all), else mlx-lm."""
-    return mlx_vision.MlxVlm(folder) if model_has_vision(folder) else MlxLm(folder)
-
-
 MLX = Export(
     name="mlx", asset="mlx_model", title="MLX", runtime_name="mlx-lm", variant="variant",
     kinds=frozenset({"mlx"}),
@@ -363,7 +367,7 @@ MLX = Export(
     "4-bit, each checked in mlx-lm against the merged model; a vision-language model's as mlx-vlm folders, checked on "
     "pictures too; or none, with the reason in one line (variants: [], mlx not installed, a model or VLM family mlx-lm "
     "or mlx-vlm refuses): the model still ships.",
-    settings=MlxSettings, off=off, check=check, make=make, runtime=runtime, takes_vision=True,
+    settings=MlxSettings, off=off, check=check, make=make, runtime=MlxLm, takes_vision=True,
 )  # fmt: skip
 
 
