@@ -28,6 +28,26 @@ transformers 5 writes files that older readers misread without an error. Measure
   ``do_sample: false`` with ``temperature: 0`` makes transformers 4.57 refuse ``save_pretrained`` of
   the loaded model. The base's own settings, when it has any, are kept as they are.
 
+A vision-language model's files (measured on the 6 tiny families of ``vlm_families.py``, one picture prompt):
+
+- transformers 5 writes ``extra_special_tokens`` as a list, which stops 4.57's tokenizer from loading (every family
+  but the two Qwen-VL ones, which 4.x loads through its own tokenizer class), and a model's named tokens
+  (``image_token``, Gemma 3's ``boi_token``) as ``model_specific_special_tokens``, which 4.x's processors do not
+  read. Both are written in the form the Hub's 4.x files have: ``extra_special_tokens`` as the named tokens'
+  dict, the list as ``additional_special_tokens``; transformers 5 reads that form to the same ids.
+- The text model's RoPE sits in ``text_config.rope_parameters``, where 4.x does not look: Idefics3's Llama runs
+  with theta 10,000 for 100,000 (silently), Qwen3-VL does not build without ``rope_scaling.mrope_section`` and
+  Qwen2.5-VL fails on its first forward. So ``text_config`` gets the 4.x keys too, M-RoPE's sections in
+  ``rope_scaling`` as the released configs have them.
+- ``tie_word_embeddings`` is written at the top level only; 4.x's Qwen-VL reads the text config's (False) and
+  leaves ``lm_head`` random. It is copied into ``text_config`` where that has none.
+
+With them 4.57's tokenizer, image processor, processor and model make the 5.x inputs and logits of a picture prompt
+(< 1e-5), except: 4.57's Qwen-VL and SmolVLM processors want torchvision for their video part (a 4.x user with
+torchvision has it; SmolVLM's parts are checked one by one), and 4.55-4.57 compute Idefics3's and SmolVLM's vision
+position ids one bucket off in float32 (transformers#41190, fixed in 5.x), so their answers after a picture differ
+from 5.x's in any case (relative logit error 0.37 on the tiny Idefics3); their text answers do not.
+
 Not fixable in the files: transformers 4.57 runs Gemma 2 with SDPA unless told otherwise, which drops
 its attention soft-capping (relative logit error 2.8e-3 on the tiny gemma2 against 5.x, 0 with
 ``attn_implementation="eager"``), and it ignores ``attn_implementation`` in ``config.json``.
@@ -74,7 +94,9 @@ def legacy_rope(config: dict) -> dict:
 
 def _scaling(rope: dict) -> dict:
     if rope.get("rope_type", "default") == "default":
-        return {}
+        # Qwen-VL's M-RoPE: 4.x reads its sections from rope_scaling, whatever the type (Qwen3-VL fails to build without)
+        mrope = {key: value for key, value in rope.items() if key.startswith("mrope")}
+        return {"rope_scaling": {"rope_type": "default"} | mrope} if mrope else {}
     return {"rope_scaling": {key: value for key, value in rope.items() if key != "rope_theta"}}
 
 
@@ -88,15 +110,43 @@ def legacy_experts(config: dict) -> dict:
 
 
 def portable_config(config: dict) -> dict:
-    """``config.json`` with the 4.x RoPE keys beside transformers 5's ``rope_parameters``, and the 4.x expert count."""
-    return config | legacy_rope(config) | legacy_experts(config)
+    """``config.json`` with the 4.x RoPE keys beside transformers 5's ``rope_parameters``, and the 4.x expert count; in a
+    vision-language model's ``text_config`` too, with the model's ``tie_word_embeddings`` (``portable_text_config``)."""
+    config = config | legacy_rope(config) | legacy_experts(config)
+    if isinstance(config.get("text_config"), dict):
+        config = config | {"text_config": portable_text_config(config["text_config"], config)}
+    return config
+
+
+def portable_text_config(text_config: dict, config: dict) -> dict:
+    """A VLM's ``text_config`` as transformers 4.x reads it: its RoPE and expert keys (4.x takes the text model's RoPE
+    from here only, else its class default: Idefics3's Llama gets 10,000 for 100,000), and the top level's
+    ``tie_word_embeddings`` where it has none (4.x's Qwen-VL reads the text config's, False, and leaves lm_head random)."""
+    tied = {"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {}
+    return tied | text_config | legacy_rope(text_config) | legacy_experts(text_config)
 
 
 def portable_tokenizer_config(tokenizer_config: dict) -> dict:
-    """``tokenizer_config.json`` naming a tokenizer class transformers 4.x and 5.x both have."""
+    """``tokenizer_config.json`` naming a tokenizer class transformers 4.x and 5.x both have, and its special tokens in
+    the form both read (``legacy_special_tokens``)."""
     if tokenizer_config.get("tokenizer_class") in FIVE_ONLY_TOKENIZER_CLASSES:
-        return tokenizer_config | {"tokenizer_class": PORTABLE_TOKENIZER_CLASS}
-    return tokenizer_config
+        tokenizer_config = tokenizer_config | {"tokenizer_class": PORTABLE_TOKENIZER_CLASS}
+    return tokenizer_config | legacy_special_tokens(tokenizer_config)
+
+
+def legacy_special_tokens(tokenizer_config: dict) -> dict:
+    """transformers 5 writes ``extra_special_tokens`` as a list and a model's named tokens (a VLM's ``image_token``,
+    ``boi_token``) as ``model_specific_special_tokens``; 4.x reads ``extra_special_tokens`` as a dict of named tokens
+    (a list stops its tokenizer from loading) and the list as ``additional_special_tokens``. Both read that form."""
+    extra = tokenizer_config.get("extra_special_tokens")
+    if not isinstance(extra, list):
+        return {}
+    named = dict(tokenizer_config.get("model_specific_special_tokens") or {})
+    legacy = {"extra_special_tokens": named}
+    additional = [token for token in extra if token not in named.values()]
+    if additional and "additional_special_tokens" not in tokenizer_config:
+        legacy["additional_special_tokens"] = additional
+    return legacy
 
 
 def portable_generation_config(generation_config: dict) -> dict:
