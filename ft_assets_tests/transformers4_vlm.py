@@ -39,7 +39,6 @@ def load_processor(model_dir: str):
 
 def probe(job: dict) -> dict:
     out = Path(job["out"])
-    seen = {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(job["dir"])
     except Exception as exc:  # the test reads the reason
@@ -75,7 +74,7 @@ def probe(job: dict) -> dict:
         for key, value in processor(text=[rendered], images=[[image]], return_tensors="np").items():
             arrays[f"processor_{key}"] = np.asarray(value)
     np.savez(out.with_suffix(".npz"), **arrays)
-    seen |= {
+    return {
         "tokenizer_class": type(tokenizer).__name__,
         "model_class": type(model).__name__,
         "processor": type(processor).__name__ if processor is not None else None,
@@ -84,7 +83,6 @@ def probe(job: dict) -> dict:
         "ignored_inputs": sorted(k for k in given if k not in takes),
         "model_inputs": sorted(takes),
     }
-    return seen
 
 
 if __name__ == "__main__":
