@@ -18,7 +18,7 @@ from ft_assets.cli.summaries import plan_before_training
 from ft_assets.control.assets import PlanConfig, plan_of_the_run, plan_run, planned_for
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpu_request_tags, gpus_per_node
-from ft_assets.pools import TARGETS, worker_has_cuda
+from ft_assets.pools import TARGETS, Target, worker_has_cuda
 from ft_assets.pools.ssh import first_card
 from ft_assets.refs import RefOutdated, write_ref
 from ft_assets.storage import LocalStore
@@ -239,16 +239,25 @@ def test_a_run_on_a_gpu_target_is_planned_for_the_workers_cuda_from_a_control_ho
     assert run.stats("r1")["accelerator"] == load_cost_model(None).offering(run.plan.tier).accelerator != ""
 
 
-class CardHost:
-    """A GPU target that says which card it has, as an ssh host's ``nvidia-smi`` does (``SshTarget.card``)."""
+class CardHost(Target):
+    """A GPU target that says which card it has, as an ssh host's ``nvidia-smi`` does (``SshTarget.card``); the plan
+    asks it nothing else (it starts no worker)."""
 
-    scheme, pinned_gpu = "cardhost", None
+    scheme = "cardhost"
 
     def __init__(self, answer: str):
         self.answer = answer
 
     def card(self):
         return first_card(self.answer)
+
+    def describe(self) -> str:
+        return f"cardhost:{self.answer}"
+
+    def launch(self, launch):
+        raise AssertionError("planning starts no worker")
+
+    poll = cancel = launch
 
 
 def card_host(text: str) -> CardHost:

@@ -126,8 +126,8 @@ def plan_run(
     work = objective.step.work(training, shards, resolved)
     request = PlanRequest(shape, training, resolved.method, work, images=ImageLoad.of_shards(shards))
     try:
-        pinned = getattr(where, "pinned_gpu", None)
-        if pinned is None and hasattr(where, "card"):  # a host that says which card it has (nvidia-smi over ssh)
+        pinned = where.pinned_gpu if where else None
+        if where and pinned is None:  # a host that says which card it has (nvidia-smi over ssh), at its on-demand price
             card = where.card()
             pinned = (cost_model.offering_for_card(*card).name, "on_demand") if card else None
         plan = plan_training(request, cost_model, config.purpose, region, pinned=pinned)

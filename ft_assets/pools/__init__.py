@@ -32,14 +32,16 @@ and the worker's store keys: ``credentials`` (which keys a worker gets) and ``re
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar
 from urllib.parse import parse_qs
 
 BOOTSTRAP_LINE = 'import os; exec(os.environ.pop("FT_BOOTSTRAP"))'  # ``python -c`` of a worker with code=wheel
 TARGET_TAG = "ft/gpu-target"  # the run tag that names a training run's target (``ft-assets run --gpu``, the pool)
 LOCAL = "local"
+WHEEL, INSTALLED = "wheel", "installed"  # a target's ``code`` setting (``ft_assets.pools.code``)
 
 
 class TargetError(ValueError):
@@ -90,20 +92,39 @@ class WorkerState:
         return not self.running and self.exit_code is None
 
 
-@runtime_checkable
-class Target(Protocol):
-    """A place a training worker can run. ``launch`` returns a handle (plain JSON) that ``poll`` and ``cancel`` take,
-    also in a later process: the handle is kept in the store, so a restarted control host finds the worker."""
+class Target(ABC):
+    """A place a training worker can run; each target subclasses this (a frozen dataclass of its URL's settings).
 
-    scheme: str  # optional too: ``poll_s`` (how often ``poll`` may be called), ``pinned_gpu``, ``card()``, ``code``,
-    # ``gpus`` (the worker's GPUs, one training process each: ``processes_on``)
+    ``launch`` returns a handle (plain JSON) that ``poll`` and ``cancel`` take, also in a later process: the handle is
+    kept in the store, so a restarted control host finds the worker. The other members have defaults a target
+    overrides where it knows better (a dataclass field of the same name does)."""
 
+    scheme: ClassVar[str]  # the registry's key: ``ssh``, ``slurm``, ``skypilot``
+    code: str = WHEEL  # wheel: the worker installs the control host's ft-assets first; installed: its python has it
+    gpus: int | None = None  # the worker's GPUs, one training process each (``processes_on``); None: the settings'
+    poll_s: float | None = None  # how often ``poll`` may be called; None: the session's own pace
+
+    @property
+    def pinned_gpu(self) -> tuple[str, str] | None:
+        """(offering, rental mode) the plan is made for, when the target names its card (``gpu=``); None: the plan
+        chooses, from ``card()`` where the target can say which card its machine has."""
+        return None
+
+    def card(self) -> tuple[str, int] | None:
+        """The machine's first GPU (its name as ``nvidia-smi`` gives it, its memory in MiB), asked before anything is
+        started; None where the target cannot know it before it rents (a cloud, a Slurm partition) or has none."""
+        return None
+
+    @abstractmethod
     def launch(self, launch: WorkerLaunch) -> dict: ...
 
+    @abstractmethod
     def poll(self, handle: Mapping) -> WorkerState: ...
 
+    @abstractmethod
     def cancel(self, handle: Mapping) -> None: ...
 
+    @abstractmethod
     def describe(self) -> str: ...
 
 
@@ -173,9 +194,9 @@ def processes_on(target: Target | None, training):
     """``training`` (a ``TrainingConfig``) as it runs on ``target``: ``num_processes`` is the target's ``gpus=N`` where
     the settings leave it at 1, so the plan (and with it the bill and the run's id) counts the N processes the worker
     runs. The settings and the target naming two different numbers, or more than one node, are refused in one line."""
-    gpus = getattr(target, "gpus", None)
     if target is None:
         return training
+    gpus = target.gpus
     if training.num_nodes > 1:
         raise TargetError(
             f"GPU target {target.describe()}: num_nodes {training.num_nodes}; a target's worker is one machine (up to "

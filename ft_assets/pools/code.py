@@ -29,10 +29,9 @@ from pathlib import Path
 
 import ft_assets
 from ft_assets import layout
-from ft_assets.pools import TargetError
+from ft_assets.pools import INSTALLED, WHEEL, TargetError
 from ft_assets.storage import ObjectStore, sha256_file
 
-WHEEL, INSTALLED = "wheel", "installed"  # a target's ``code`` setting
 CODE_MODES = (WHEEL, INSTALLED)
 DEFAULT_IMAGE = "docker.io/pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"
 URL_EXPIRES_S = 7 * 24 * 3600  # a presigned URL's longest life (SigV4): a worker started later gets a new one

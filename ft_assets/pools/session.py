@@ -190,7 +190,7 @@ def train_remote(
     env = worker_environment(environ)
     reads = [job.base_model_key, job.shards_key, *([job.images_key] if job.images_key else [])]
     code = None
-    if getattr(target, "code", WHEEL) == WHEEL:
+    if target.code == WHEEL:
         code = worker_code(store)
         log(f"the worker installs this ft-assets: {code.wheel} (sha256 {code.sha256[:12]}), {store.uri(code.key)}")
     first = 1 + len(store.list_dirs(pipes_prefix))  # a re-executed run's attempts go on from the earlier ones
@@ -226,7 +226,7 @@ def train_remote(
             try:
                 if interrupted:
                     raise DagsterExecutionInterruptedError()
-                state = wait(target, handle, getattr(target, "poll_s", poll_s), renewal and (lambda: renewal.tick(log)))
+                state = wait(target, handle, target.poll_s or poll_s, renewal and (lambda: renewal.tick(log)))
             except BaseException:  # the run was terminated (or this process interrupted): nothing left running
                 attempt.outcome = "cancelled"
                 with capture_interrupts():

@@ -35,8 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of, sdk_venv
-from ft_assets.pools.code import DEFAULT_IMAGE, WHEEL, code_setting
+from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of, sdk_venv
+from ft_assets.pools.code import DEFAULT_IMAGE, code_setting
 
 EXAMPLE = "skypilot:runpod,vast"
 DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}  # the execute_run pool's
@@ -112,7 +112,7 @@ def secret_values(names: Sequence[str], env: Mapping[str, str] = os.environ) -> 
 
 
 @dataclass(frozen=True)
-class SkyPilotTarget:
+class SkyPilotTarget(Target):
     infra: tuple[str, ...] = ()
     image: str = DEFAULT_IMAGE
     python: str = "python3"

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of
-from ft_assets.pools.code import WHEEL, code_setting
+from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
+from ft_assets.pools.code import code_setting
 from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
 from ft_assets.pools.ssh import SshClient as LoginNode
 
@@ -62,7 +62,7 @@ exit $code
 
 
 @dataclass(frozen=True)
-class SlurmTarget:
+class SlurmTarget(Target):
     partition: str
     login: LoginNode | None = None  # None: sbatch on this machine
     python: str = "python3"

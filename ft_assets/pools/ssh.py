@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import TargetError, WorkerLaunch, WorkerState, query_of
-from ft_assets.pools.code import WHEEL, code_setting
+from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
+from ft_assets.pools.code import code_setting
 
 EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # docs/deploy/ssh.md's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
@@ -83,7 +83,7 @@ class SshClient:
 
 
 @dataclass(frozen=True)
-class SshTarget:
+class SshTarget(Target):
     host: str
     user: str | None = None
     port: int | None = None
