@@ -60,7 +60,7 @@ $(SERVE_STAMP):
 
 # SkyPilot and the Vast.ai SDK in a venv of their own: skypilot 0.14 pins click<8.2 (huggingface_hub needs >=8.4.2),
 # vastai 1.9 pins cryptography==49.0.0 and pillow==12.2.0. The control plane calls them through
-# ft_assets/pools/sdk_venv.py with this venv's python (FT_SKYPILOT_PYTHON elsewhere). SkyPilot's extras are the
+# ft_assets/providers/sdk_venv.py with this venv's python (FT_SKYPILOT_PYTHON elsewhere). SkyPilot's extras are the
 # clouds the README documents; its runpod extra resolves to runpod 1.10.1 here (.venv has 1.12 for the idle sensor).
 skypilot: $(SKY_STAMP)  # what --gpu skypilot: needs beside .venv (make install builds it too)
 

@@ -15,7 +15,7 @@
 | `models/<model>/<sha256[:16]>/` | base models converted once, shared by every version | `base_model` |
 | `images/<name>/<sha256>.<format>` | a dataset's images, checked and stored once by content, shared by its versions | `raw_dataset` (``ft_assets.data.images``) |
 | `leases/<name>/<version>/<generation>/` | partition leases (one writer per version) | `ft_assets.locks` |
-| `code/<sha256>/<wheel>` | the ft-assets wheel a GPU target's worker installs (``code=wheel``) | ``ft_assets.pools.code`` |
+| `code/<sha256>/<wheel>` | the ft-assets wheel a GPU target's worker installs (``code=wheel``) | ``ft_assets.targets.code`` |
 
 Every prefix except `datasets/` and `images/` holds artifacts (``ft_assets.manifests``: files + a manifest written
 last); an image's key is the sha256 of its bytes, which its readers check. Dataset names and versions are validated (``ft_assets.partitions``) before they reach a key.

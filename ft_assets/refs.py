@@ -115,11 +115,11 @@ class AdapterStats(TypedDict):
     mlflow_run_id: str | None
     restarts: list[dict]
     worker_image: dict  # ft_assets.training.worker_image: the image's digest (None outside one, with the reason)
-    gpu_target: str  # where it trained: "local", or a GPU target (ft_assets.pools) such as ssh://host
+    gpu_target: str  # where it trained: "local", or a GPU target (ft_assets.targets) such as ssh://host
     attempts: list[dict]  # a GPU target's worker attempts: outcome, seconds, exit code, the machine ([] locally)
     worker_code: NotRequired[
         dict | None
-    ]  # the wheel a GPU target's worker installed (ft_assets.pools.code); None: none
+    ]  # the wheel a GPU target's worker installed (ft_assets.targets.code); None: none
 
 
 class CostStats(TypedDict):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_assets.pools import sdk_venv
+from ft_assets.providers import sdk_venv
 from ft_assets_tests import fake_skypilot
 
 

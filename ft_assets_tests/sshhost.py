@@ -61,7 +61,7 @@ class SshHost:
         }  # fmt: skip
 
     def target(self, python: str, workdir: str | None = None) -> str:
-        """The ``ssh://`` GPU target of this host (``ft_assets.pools.ssh``)."""
+        """The ``ssh://`` GPU target of this host (``ft_assets.targets.ssh``)."""
         query = [f"python={quote(python)}", f"identity={quote(str(self.identity_file))}",
                  f"option=UserKnownHostsFile={quote(str(self.known_hosts))}", "option=StrictHostKeyChecking=accept-new"]  # fmt: skip
         if workdir:

@@ -21,8 +21,8 @@ from ft_assets import layout
 from ft_assets.data.chat_encoding import ChatEncoder
 from ft_assets.data.tokenizing import tokenize_and_pack
 from ft_assets.manifests import read_manifest
-from ft_assets.pools import ec2_metadata
-from ft_assets.pools.ec2_metadata import WORKER_TAG, SpotNoticeWatcher, worker_instance_tag
+from ft_assets.providers import ec2_metadata
+from ft_assets.providers.ec2_metadata import WORKER_TAG, SpotNoticeWatcher, worker_instance_tag
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.preemption import Preempted, SigtermFlag

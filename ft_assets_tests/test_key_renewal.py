@@ -1,4 +1,4 @@
-"""A rented worker's store keys renewed while its attempt runs (``ft_assets.pools.renewal``), against SeaweedFS.
+"""A rented worker's store keys renewed while its attempt runs (``ft_assets.targets.renewal``), against SeaweedFS.
 
 SeaweedFS makes no temporary keys (no STS), so the keys "minted" here are two of its identities: read-only keys
 (what the store answers to keys it no longer allows: AccessDenied) and keys that may write. The worker's store
@@ -12,9 +12,9 @@ import time
 import pytest
 from dagster_pipes import DAGSTER_PIPES_MESSAGES_ENV_VAR, encode_env_var
 
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, Renewal, follower, new_seal, unsealed
-from ft_assets.pools.session import outcome_of
-from ft_assets.pools import WorkerState
+from ft_assets.targets.renewal import EXIT_KEYS_REFUSED, Renewal, follower, new_seal, unsealed
+from ft_assets.targets.session import outcome_of
+from ft_assets.targets import WorkerState
 from ft_assets.storage import KeysRefused, S3Store, StoreError
 from ft_assets.training import remote
 from ft_assets.training.config import TrainingConfig

@@ -12,7 +12,7 @@ The planes, and the one direction imports run (``ALLOWED``)::
 - core: the package's top-level modules (``layout``, ``storage``, ``manifests``, ``refs``, ``shards``,
   ``materialize``, ``rewards``, ``portable``, ``generation``, ...) and ``ft_assets.objectives``, which
   names its pieces in the planes as ``module:name`` and imports none of them. Core imports no plane.
-- ``ft_assets.pools`` (the GPU targets a training run's worker goes to) is part of the training plane.
+- ``ft_assets.targets`` (the GPU targets a training run's worker goes to) is part of the training plane.
 - data imports core; training imports data and core; delivery imports training, data and core; control
   (the planner, the cost model, the sensors) imports training, data and core, never delivery.
 
@@ -37,7 +37,7 @@ import ft_assets
 PACKAGE = Path(ft_assets.__file__).parent
 DATA_PLANE = "ft_assets.data"
 PLANES = ("data", "training", "delivery", "control", "cli")  # a subpackage each; every other module is core
-PART_OF = {"pools": "training"}  # subpackages of a plane that sit beside it: the GPU targets the training plane runs on
+PART_OF = {"targets": "training", "providers": "training"}  # beside the training plane: the GPU targets, the providers
 ALLOWED = {  # plane -> the planes its modules may import (its own included)
     "core": {"core"},
     "data": {"core", "data"},

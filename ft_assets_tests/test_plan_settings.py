@@ -18,8 +18,8 @@ from ft_assets.cli.summaries import plan_before_training
 from ft_assets.control.assets import PlanConfig, plan_of_the_run, plan_run, planned_for
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpu_request_tags, gpus_per_node
-from ft_assets.pools import TARGETS, Target, worker_has_cuda
-from ft_assets.pools.ssh import first_card
+from ft_assets.targets import TARGETS, Target, TargetKind, worker_has_cuda
+from ft_assets.targets.ssh import first_card
 from ft_assets.refs import RefOutdated, write_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.assets import plan_mismatch
@@ -264,6 +264,9 @@ def card_host(text: str) -> CardHost:
     return CardHost(text.split(":", 1)[1].replace(";", "\n"))
 
 
+CARD_HOST = TargetKind("cardhost", f"{__name__}:card_host", "cardhost:<nvidia-smi lines>", "a host of a given card")
+
+
 @pytest.mark.parametrize(
     "answer, tier",
     [
@@ -275,7 +278,7 @@ def card_host(text: str) -> CardHost:
     ],
 )
 def test_a_host_without_gpu_setting_is_planned_for_the_card_its_nvidia_smi_names(answer, tier, monkeypatch):
-    monkeypatch.setitem(TARGETS, "cardhost", f"{__name__}:card_host")
+    monkeypatch.setitem(TARGETS, "cardhost", CARD_HOST)
     shards, base = refs()
     settings = TrainingConfig(gradient_checkpointing=True)  # a 7B model that fits a 24 GB card too
     plan = plan_run(settings, PlanConfig(), shards, base, cuda=True, target=f"cardhost:{answer}").plan
@@ -291,7 +294,7 @@ def test_a_host_that_cannot_say_its_card_is_refused_in_one_line_that_says_how_to
 
 
 def test_a_host_card_the_cost_model_lacks_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setitem(TARGETS, "cardhost", f"{__name__}:card_host")
+    monkeypatch.setitem(TARGETS, "cardhost", CARD_HOST)
     shards, base = refs()
     with pytest.raises(ValueError, match=r"the host's card NVIDIA RTX A6000 \(48 GiB\) is no GPU offering .* gpu="):
         plan_run(TrainingConfig(), PlanConfig(), shards, base, cuda=True, target="cardhost:NVIDIA RTX A6000, 49140")

@@ -14,7 +14,9 @@ rank 1 after the first checkpoint ends the attempt as killed: the next one resum
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import sys
@@ -33,14 +35,15 @@ from safetensors.torch import load_file
 
 from ft_assets import layout
 from ft_assets.cli.launch import PlaneLauncher
+from ft_assets.cli.parser import build_parser
 from ft_assets.cli.output import PlaneFailed
 from ft_assets.control.jobs import TRAINING_PLANE
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact
-from ft_assets.pools import TARGET_TAG, TARGETS, GpuRequest, Target, TargetError, WorkerLaunch, parse_target
-from ft_assets.pools import ssh as ssh_target
-from ft_assets.pools.code import DEFAULT_IMAGE
-from ft_assets.pools.session import cancel_leftover
+from ft_assets.targets import TARGET_TAG, TARGETS, GpuRequest, Target, TargetError, WorkerLaunch, parse_target
+from ft_assets.targets import ssh as ssh_target
+from ft_assets.targets.code import DEFAULT_IMAGE
+from ft_assets.targets.session import cancel_leftover
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig
@@ -493,14 +496,19 @@ def test_ft_assets_run_on_a_store_without_sts_refuses_to_send_this_hosts_keys_be
     assert summary is not None and "partition" not in summary  # no dataset version was registered
 
 
-def test_every_registered_target_parses_its_example_into_the_target_protocol_and_its_docs_page_shows_it():
+def test_every_registered_target_parses_its_example_into_a_target_and_its_docs_page_and_gpu_help_show_it():
     assert TARGETS, "no GPU target is registered"
-    for scheme, spec in TARGETS.items():
-        module = importlib.import_module(spec.partition(":")[0])
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+        build_parser("ft-assets").parse_args(["run", "--help"])
+    helps = "".join(shown.getvalue().split())  # argparse's lines joined (it also breaks them at hyphens)
+    for scheme, kind in TARGETS.items():
+        module = importlib.import_module(kind.parser.partition(":")[0])
         target = parse_target(module.EXAMPLE)
         assert isinstance(target, Target) and target.scheme == scheme, (scheme, target)
         page = REPO / "docs" / "deploy" / f"{scheme}.md"
         assert page.exists() and module.EXAMPLE in page.read_text(), f"{page} shows no --gpu example of {scheme}"
+        assert "".join(f"{kind.usage} ({kind.summary})".split()) in helps, f"--gpu's help does not show {scheme}"
 
 
 class Recorder(RunLauncher, ConfigurableClass):
@@ -596,7 +604,7 @@ def test_the_workers_s3_policy_allows_what_a_worker_reads_and_writes_and_nothing
 def test_a_gpu_targets_attempts_are_billed_from_each_workers_first_start_and_every_start_counts_as_a_restart():
     """The bill counts every attempt, a killed one too, from its worker's first start (not the wait for a machine)."""
     from ft_assets.control.assets import measurements
-    from ft_assets.pools.session import paid_seconds
+    from ft_assets.targets.session import paid_seconds
 
     assert paid_seconds(100.0, [1_000.0, 1_030.0], now=1_060.0) == 60.0  # pending 40 s: not paid
     assert paid_seconds(100.0, [], now=1_060.0) == 100.0  # no worker message: launch to end
@@ -641,7 +649,7 @@ def test_with_worker_keys_sts_each_attempt_gets_keys_whose_policy_reaches_its_ru
     from moto import mock_aws
 
     from ft_assets import layout
-    from ft_assets.pools.credentials import worker_keys, worker_secrets
+    from ft_assets.targets.credentials import worker_keys, worker_secrets
     from ft_assets.storage import S3Store
 
     for name, value in (("AWS_ACCESS_KEY_ID", "AKIAHOSTKEY"), ("AWS_SECRET_ACCESS_KEY", "host-secret"),
@@ -687,8 +695,8 @@ def test_an_attempts_scoped_keys_are_renewed_through_the_store_at_half_their_lif
     import boto3
     from moto import mock_aws
 
-    from ft_assets.pools.renewal import follower, unsealed
-    from ft_assets.pools.session import attempt_keys
+    from ft_assets.targets.renewal import follower, unsealed
+    from ft_assets.targets.session import attempt_keys
     from ft_assets.storage import S3Store
 
     for name, value in (("AWS_ACCESS_KEY_ID", "AKIAHOSTKEY"), ("AWS_SECRET_ACCESS_KEY", "host-secret"),
@@ -755,7 +763,7 @@ def test_a_worker_gets_no_key_of_this_hosts_unless_told_and_a_store_without_sts_
 ):
     """``worker_keys``' table: least privilege by default. An S3-compatible store (an endpoint that is not AWS)
     without keys for workers is refused in one line that names both ways out; nothing is sent to a worker then."""
-    from ft_assets.pools.credentials import worker_secrets
+    from ft_assets.targets.credentials import worker_secrets
     from ft_assets.storage import S3Store
 
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")

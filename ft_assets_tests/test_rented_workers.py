@@ -21,8 +21,8 @@ from ft_assets.control import rented_workers, shutdown
 from ft_assets.control.idle_backends import Provider, RentedWorker
 from ft_assets.control.rented_workers import PROVIDERS, RentedWorkersResource, find_idle
 from ft_assets.control.shutdown import Ec2WorkersResource, WorkerRun, idle_gpu_worker_sensor
-from ft_assets.pools.ec2_metadata import WORKER_TAG
-from ft_assets.pools.worker_identity import worker_tag
+from ft_assets.providers.ec2_metadata import WORKER_TAG
+from ft_assets.providers.worker_identity import worker_tag
 from ft_assets_tests import fake_skypilot
 from ft_assets_tests.marketplaces import RUNPOD_KEY, VAST_KEY, Marketplaces
 

@@ -15,8 +15,8 @@ from ft_assets.control.cost_model import CostModel
 from ft_assets.control.idle_backends.ec2 import HEARTBEAT_TAG, ROLE_TAG_KEY, ROLE_TAG_VALUE, as_worker
 from ft_assets.control.rented_workers import RentedWorkersResource, find_idle
 from ft_assets.control.shutdown import Ec2WorkersResource, WorkerRun, find_idle_slurm_jobs, idle_gpu_worker_sensor
-from ft_assets.pools.ec2_metadata import WORKER_TAG
-from ft_assets.pools.slurm_cli import JobState
+from ft_assets.providers.ec2_metadata import WORKER_TAG
+from ft_assets.providers.slurm_cli import JobState
 
 S = dg.DagsterRunStatus
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)

@@ -20,9 +20,9 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 from ft_assets.control.eth import RunMeasurements, compute_eth
 from ft_assets.control.sky_bill import attempts_bill, update_attempts
-from ft_assets.pools import GpuRequest, WorkerLaunch, parse_target
-from ft_assets.pools.sky_attempt import attempt_command
-from ft_assets.pools.skypilot import ordered_infra, task_config
+from ft_assets.targets import GpuRequest, WorkerLaunch, parse_target
+from ft_assets.providers.sky_attempt import attempt_command
+from ft_assets.targets.skypilot import ordered_infra, task_config
 
 pytest_plugins = ["ft_assets_tests.skypilot_env"]
 
@@ -32,7 +32,7 @@ RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}
 
 def a_task(accelerator: str, infra: list[str], spot: bool, **changes) -> dict:
     fields = dict(
-        name="ft-1a2b3c4d", command="python -m ft_assets.pools.sky_attempt 'ARGS'", image="ghcr.io/example/ft-worker:1",
+        name="ft-1a2b3c4d", command="python -m ft_assets.providers.sky_attempt 'ARGS'", image="ghcr.io/example/ft-worker:1",
         accelerator=accelerator, gpus_per_node=1, nodes=1, spot=spot, infra=infra, disk_size=100, job_recovery=RECOVERY,
         autostop_minutes=30, envs={"FT_STORE": "s3://bucket/ft", "FT_GPU_TIER": "rtx4090-24gb", "FT_RENTAL_MODE": "spot"},
         secrets={"AWS_SECRET_ACCESS_KEY": "s3cr3t", "DAGSTER_PG_PASSWORD": "pw"},

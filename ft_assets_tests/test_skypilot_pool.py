@@ -35,7 +35,7 @@ from ft_assets.control.sky_bill import ATTEMPTS_TAG, JOB_TAG, adapter_bill
 from ft_assets.control.skypilot import CLOUD_TAG, INSTANCE_TAG, RECOVERIES_TAG, REGION_TAG
 from ft_assets.definitions import defs
 from ft_assets.manifests import MANIFEST
-from ft_assets.pools.ec2_metadata import WORKER_TAG
+from ft_assets.providers.ec2_metadata import WORKER_TAG
 from ft_assets.refs import read_ref
 from ft_assets.storage import open_store
 from ft_assets.training.checkpoints import checkpoint_steps

@@ -46,8 +46,9 @@ from ft_assets.control.launcher import POOL_TAG, PoolRunLauncher
 from ft_assets.control.slurm import Container, SlurmRunLauncher, batch_script, worker_health
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
-from ft_assets.pools import TARGET_TAG, slurm_job
-from ft_assets.pools.slurm_cli import (
+from ft_assets.providers import slurm_job
+from ft_assets.targets import TARGET_TAG
+from ft_assets.providers.slurm_cli import (
     JobRequest,
     JobState,
     SlurmError,
@@ -55,7 +56,7 @@ from ft_assets.pools.slurm_cli import (
     parse_sacct,
     parse_squeue,
 )
-from ft_assets.pools.ssh import SshClient
+from ft_assets.targets.ssh import SshClient
 from ft_assets.refs import read_ref
 from ft_assets.storage import LocalStore
 from ft_assets.training.config import TrainingConfig

@@ -476,8 +476,8 @@ def test_a_worker_without_the_stores_keys_installs_the_runs_wheel_from_its_presi
     import subprocess
     import sys
 
-    from ft_assets.pools import BOOTSTRAP_LINE
-    from ft_assets.pools.code import worker_code
+    from ft_assets.targets import BOOTSTRAP_LINE
+    from ft_assets.targets.code import worker_code
 
     store = open_store(s3_env)
     code = worker_code(store)

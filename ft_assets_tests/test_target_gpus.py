@@ -1,5 +1,5 @@
-"""``gpus=N`` on a GPU target: how it and the training settings' ``num_processes`` agree (``pools.processes_on``), what
-the plan and the rented job count, and how the worker reads the end of its N ranks (``pools.ranks.exit_code``,
+"""``gpus=N`` on a GPU target: how it and the training settings' ``num_processes`` agree (``targets.processes_on``), what
+the plan and the rented job count, and how the worker reads the end of its N ranks (``targets.ranks.exit_code``,
 ``remote.ranks_outcome``, a rank's refused keys). Function level, table-driven; the 2 ranks themselves train through
 the ssh target against the local sshd in test_remote_worker.py.
 """
@@ -11,9 +11,9 @@ import json
 import pytest
 
 from ft_assets.control.assets import PlanConfig, plan_run
-from ft_assets.pools import GpuRequest, TargetError, WorkerLaunch, parse_target, processes_on
-from ft_assets.pools.ranks import exit_code
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED
+from ft_assets.targets import GpuRequest, TargetError, WorkerLaunch, parse_target, processes_on
+from ft_assets.targets.ranks import exit_code
+from ft_assets.targets.renewal import EXIT_KEYS_REFUSED
 from ft_assets.storage import KeysRefused
 from ft_assets.training import worker
 from ft_assets.training.config import TrainingConfig

@@ -1,6 +1,6 @@
 """The command line's grammar: ``ft-assets run | lineage | plan`` and their options.
 
-Kept apart from the commands and light to import (argparse only): ``--help`` and a mistyped option
+Kept apart from the commands and light to import (argparse, and the GPU targets' registry for ``--gpu``'s help): ``--help`` and a mistyped option
 answer in well under a second, while a command imports what it needs once chosen.
 By ``python -X importtime -c "import ft_assets.cli.<command>"``: ``lineage`` costs
 about what ``import dagster`` does (2.7 s vs 2.6 s), ``plan`` (the planner, torch) 3.3 times that,
@@ -10,6 +10,8 @@ about what ``import dagster`` does (2.7 s vs 2.6 s), ``plan`` (the planner, torc
 from __future__ import annotations
 
 import argparse
+
+from ft_assets.targets import gpu_help
 
 PLANES = ("data", "training", "delivery")  # run order; ``--until`` names the last one
 
@@ -44,13 +46,7 @@ def add_run(sub) -> None:
         "--ray-address", metavar="ADDR|local",
         help="data plane on Ray: 'local' starts Ray on this machine; ray://head:10001 or head:6379 uses a running cluster",
     )  # fmt: skip
-    run.add_argument(
-        "--gpu", metavar="TARGET",
-        help="where the training plane's GPU work runs: local (default: this machine), or "
-        "ssh://[user@]host[:port]?python=PATH&workdir=DIR (a worker on a host you can ssh into), "
-        "skypilot:<infra>[,<infra>...] (a SkyPilot managed job, e.g. skypilot:runpod,vast), or "
-        "slurm://[user@]login-host/partition?python=PATH (an sbatch job per attempt); the run itself stays here",
-    )  # fmt: skip
+    run.add_argument("--gpu", metavar="TARGET", help=gpu_help())  # the registry's kinds: ft_assets.targets
     run.add_argument(
         "--force", action="store_true", help="rerun planes that are already materialized from the same inputs"
     )

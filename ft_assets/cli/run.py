@@ -40,8 +40,8 @@ from ft_assets.data.registration import RegistrationError, register_dataset
 from ft_assets.data.rows import DatasetFileError
 from ft_assets.definitions import defs
 from ft_assets.partitions import DatasetVersion
-from ft_assets.pools import TARGET_TAG, TargetError, is_local, parse_target
-from ft_assets.pools.credentials import worker_keys
+from ft_assets.targets import TARGET_TAG, TargetError, is_local, parse_target
+from ft_assets.targets.credentials import worker_keys
 from ft_assets.refs import read_ref
 from ft_assets.storage import open_store
 

@@ -20,7 +20,7 @@ from ft_assets.control.gpu_plan import NoGpuFits
 from ft_assets.delivery.assets import model_names
 from ft_assets.delivery.exports import EXPORTS
 from ft_assets.delivery.regression import GeneralVerdict
-from ft_assets.pools import worker_has_cuda
+from ft_assets.targets import worker_has_cuda
 from ft_assets.refs import AdapterStats, CostStats, EvalStats, PlanStats, ShardStats, read_ref, stats_of
 from ft_assets.storage import ObjectStore, join_key
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config

@@ -45,7 +45,7 @@ from ft_assets.manifests import read_manifest
 from ft_assets.materialize import STORE_KIND, Materialization, figures, rounded, settings_table, table
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import bar_chart
-from ft_assets.pools import TARGET_TAG, TargetError, parse_target, processes_on, worker_has_cuda
+from ft_assets.targets import TARGET_TAG, TargetError, parse_target, processes_on, worker_has_cuda
 from ft_assets.refs import BaseModelStats, ShardStats, has_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training.settings import TRAINING_ASSET, run_training_config
@@ -337,7 +337,7 @@ def measurements(
     cross_region = any("region" in w for w in plan["stats"]["warnings"])
     egress = adapter["upstream_bytes"] if cross_region else 0
     restarts = len(attempts)
-    on_target = stats.get("attempts") or []  # a GPU target's worker attempts (ft_assets.pools.session)
+    on_target = stats.get("attempts") or []  # a GPU target's worker attempts (ft_assets.targets.session)
     if on_target:
         wall = sum(a.get("paid_seconds", a["seconds"]) for a in on_target)
         restarts = sum(a.get("starts", 1) for a in on_target) - 1

@@ -167,7 +167,7 @@ def plan_training(
 ) -> TrainingPlan:
     """Cheapest fitting GPU offering for the run ``request`` describes, its rental mode, hours and cost.
 
-    ``pinned`` (offering name, rental mode): the card a GPU target has (``ft_assets.pools``: a Slurm partition's, an
+    ``pinned`` (offering name, rental mode): the card a GPU target has (``ft_assets.targets``: a Slurm partition's, an
     ssh host's), planned at that mode's price; a name the cost model lacks is a KeyError, a card that does not fit
     NoGpuFits, as for any other plan.
 

@@ -13,7 +13,7 @@ Two pieces, both configured in ``dagster.yaml``:
   ``nvidia.com/gpu`` limits or ``SlurmRunLauncher`` (``ft_assets.control.slurm``) for ``gpu``) and hands
   each run to the launcher of its pool, and run monitoring's health checks and resumes to it.
 
-The gpu pool may name a GPU target (``target``, ``ft_assets.pools``): its runs then stay with the pool's launcher
+The gpu pool may name a GPU target (``target``, ``ft_assets.targets``): its runs then stay with the pool's launcher
 (the control host's ``DefaultRunLauncher``) and ``lora_adapter`` sends only the training to the target; the
 launcher tags each gpu run ``ft/gpu-target`` with it unless the run names its own (``ft-assets run --gpu``).
 
@@ -54,7 +54,7 @@ from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordi
 from dagster._core.storage.dagster_run import DagsterRun
 from dagster._serdes import ConfigurableClass, ConfigurableClassData
 
-from ft_assets.pools import TARGET_TAG, TargetError, parse_target
+from ft_assets.targets import TARGET_TAG, TargetError, parse_target
 from ft_assets.training.settings import run_training_config
 
 POOL_TAG = "ft/pool"
@@ -193,7 +193,7 @@ class PoolRunLauncher(RunLauncher, ConfigurableClass):
                 "target": Field(
                     str,
                     is_required=False,
-                    description="gpu pool: where lora_adapter's GPU work runs (ft_assets.pools), e.g. "
+                    description="gpu pool: where lora_adapter's GPU work runs (ft_assets.targets), e.g. "
                     "ssh://me@gpu-box?python=/opt/venv/bin/python; the run itself stays with this pool's launcher",
                 ),
             }

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ft_assets.pools import sdk_venv
+from ft_assets.providers import sdk_venv
 
 # Dense bf16 tensor TFLOPS (sparsity halved away) of cards the shipped list does not carry, from NVIDIA's
 # datasheets; keyed by SkyPilot's accelerator names.

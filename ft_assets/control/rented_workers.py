@@ -12,7 +12,7 @@ region) and the providers listed in ``RentedWorkersResource.providers``; each pr
 | ``skypilot`` (``sky.status``) | the cluster's name starts with ``skypilot_prefix`` (``ft-``) | ``sky.stop`` (SkyPilot refuses it for spot clusters but GCP's, and on RunPod, Lambda, Kubernetes) | ``sky.down`` | a managed job's cluster is autodowned by its controller (5 idle min); tasks that ft-assets builds carry ``autostop`` for a ``sky launch`` of them |
 
 The rules (``find_idle``): idle since the latest of the machine's start, its heartbeat and the end of each run tied
-to it by the run tag ``ft/worker-instance-id`` (``ft_assets.pools.worker_identity``: ``i-...``, ``runpod:<pod>``,
+to it by the run tag ``ft/worker-instance-id`` (``ft_assets.providers.worker_identity``: ``i-...``, ``runpod:<pod>``,
 ``vast:<id>``, ``sky:<cluster>``); never a machine with an unfinished run tied to it, never one whose start time or
 heartbeat cannot be read, and nothing while a gpu-pool run is started without a worker tag (the sensor checks that
 before calling here). One threshold for all: ``ec2_workers.idle_minutes``. Only EC2 has a dry-run call; elsewhere a

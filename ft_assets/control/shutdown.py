@@ -9,7 +9,7 @@ the RunPod pods, Vast.ai instances and SkyPilot clusters that ``rented_workers.p
 one provider module under one set of rules (``ft_assets.control.rented_workers``). Nothing else is ever
 touched. A run is tied to its worker by the run tag ``ft/worker-instance-id``, which only the worker can
 set (the launcher cannot know where the gpu pool places a run): the training asset sets it when it starts
-(``ft_assets.pools.worker_identity.worker_tag``). So while a gpu-pool run (``ft/pool = gpu``) is starting
+(``ft_assets.providers.worker_identity.worker_tag``). So while a gpu-pool run (``ft/pool = gpu``) is starting
 or started without that tag, the sensor stops nothing: it runs on one of the workers and nobody can say
 which.
 
@@ -41,8 +41,8 @@ from ft_assets.control.idle_backends.ec2 import ROLE_TAG_KEY, ROLE_TAG_VALUE
 from ft_assets.control.launcher import GPU, POOL_TAG, PoolRunLauncher
 from ft_assets.control.rented_workers import RentedWorkersResource, rented_tick
 from ft_assets.control.slurm import SlurmRunLauncher
-from ft_assets.pools.ec2_metadata import WORKER_TAG
-from ft_assets.pools.slurm_cli import JobState, SlurmError
+from ft_assets.providers.ec2_metadata import WORKER_TAG
+from ft_assets.providers.slurm_cli import JobState, SlurmError
 
 DEFAULT_IDLE_MINUTES = 30.0  # covers a base-model download and the gap between two queued runs
 SENSOR_INTERVAL_S = 300  # one listing per provider every 5 min; adds at most 5 min to the idle time

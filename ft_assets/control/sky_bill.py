@@ -24,8 +24,8 @@ import dagster as dg
 from dagster._core.storage.dagster_run import DagsterRun
 
 from ft_assets.control.launcher import GPU, PoolRunLauncher
-from ft_assets.pools import sdk_venv
-from ft_assets.pools.skypilot import RUNNING
+from ft_assets.providers import sdk_venv
+from ft_assets.targets.skypilot import RUNNING
 
 JOB_TAG, ATTEMPTS_TAG, SPOT_TAG = "ft/sky-job-id", "ft/sky-attempts", "ft/sky-spot"
 

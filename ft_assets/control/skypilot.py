@@ -5,7 +5,7 @@ Nebius or Kubernetes, and relaunches a preempted spot job elsewhere (``job_recov
 wraps this launcher as its ``gpu`` pool (``deploy/launchers/skypilot-gpu.yaml``); each training run
 becomes one managed job (``task_config``):
 
-- **the command**: ``python -m ft_assets.pools.sky_attempt '<ExecuteRunArgs>'``, i.e. the same
+- **the command**: ``python -m ft_assets.providers.sky_attempt '<ExecuteRunArgs>'``, i.e. the same
   ``dagster api execute_run`` the other launchers run (a recovered attempt runs ``resume_run``:
   ``sky_attempt``), in the worker image (``image_id: docker:<image>``);
 - **the resources, from the plan**: made at launch with ``training_plan``'s own function
@@ -64,9 +64,9 @@ from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import ConfigurableClass, ConfigurableClassData, serialize_value
 
 from ft_assets.control.sky_bill import ATTEMPTS_TAG, JOB_TAG, SPOT_TAG, update_attempts
-from ft_assets.pools import sdk_venv
-from ft_assets.pools.ec2_metadata import WORKER_TAG
-from ft_assets.pools.skypilot import (
+from ft_assets.providers import sdk_venv
+from ft_assets.providers.ec2_metadata import WORKER_TAG
+from ft_assets.targets.skypilot import (
     DEFAULT_AUTOSTOP_MINUTES,
     DEFAULT_RECOVERY,
     RUNNING,
@@ -74,7 +74,7 @@ from ft_assets.pools.skypilot import (
     secret_values,
     task_config,
 )
-from ft_assets.pools.worker_identity import SKY
+from ft_assets.providers.worker_identity import SKY
 
 NAME_TAG = "ft/sky-job-name"
 CLOUD_TAG, REGION_TAG, INSTANCE_TAG = "ft/sky-cloud", "ft/sky-region", "ft/sky-instance"
@@ -209,7 +209,7 @@ class SkyPilotRunLauncher(RunLauncher, ConfigurableClass):
             )
         args = ExecuteRunArgs(run.job_code_origin, run.run_id, self._instance.get_ref(), set_exit_code_on_failure=True)
         command = (
-            f"{shlex.quote(self.worker_python)} -m ft_assets.pools.sky_attempt {shlex.quote(serialize_value(args))}"
+            f"{shlex.quote(self.worker_python)} -m ft_assets.providers.sky_attempt {shlex.quote(serialize_value(args))}"
         )
         envs = {**self.env, "FT_GPU_TIER": plan.tier, "FT_RENTAL_MODE": plan.mode}
         return task_config(

@@ -6,7 +6,7 @@ EcsRunLauncher and K8sRunLauncher run (``ExecuteRunArgs.get_command_args``), in 
 (``srun --container-image``) or Apptainer (``apptainer exec --nv``). ``sbatch`` runs on this host, or
 on a login node through ``ssh`` (key auth, ``BatchMode``), where most HPC users are allowed to submit.
 The job asks for the run's GPUs (``--gres=gpu:N`` per node, ``--nodes=M`` for ``num_nodes`` M, the
-other nodes started by the worker as an ``srun`` step: ``ft_assets.pools.slurm_job``), with the
+other nodes started by the worker as an ``srun`` step: ``ft_assets.providers.slurm_job``), with the
 partition, account, QOS and time limit of the config or of the run's tags ``ft/slurm-partition``,
 ``ft/slurm-account``, ``ft/slurm-qos``, ``ft/slurm-time``. Tags on the run: the job id, the output file
 (also an engine event whose metadata is its path); the worker adds the node list when it starts.
@@ -63,7 +63,7 @@ from dagster._serdes import ConfigurableClass, ConfigurableClassData
 
 from ft_assets.control.cost_model import load_cost_model
 from ft_assets.control.launcher import gpus_per_node
-from ft_assets.pools.slurm_cli import (
+from ft_assets.providers.slurm_cli import (
     COMMAND_TIMEOUT_S,
     DEFAULT_GRACE_S,
     JOB_NAME_PREFIX,
@@ -72,8 +72,8 @@ from ft_assets.pools.slurm_cli import (
     SlurmCli,
     SlurmError,
 )
-from ft_assets.pools.slurm_job import JOB_TAG, OUTPUT_TAG, SIGNAL_FILE_ENV, STARTED_ENV
-from ft_assets.pools.ssh import SshClient
+from ft_assets.providers.slurm_job import JOB_TAG, OUTPUT_TAG, SIGNAL_FILE_ENV, STARTED_ENV
+from ft_assets.targets.ssh import SshClient
 from ft_assets.training.settings import run_training_config
 
 PARTITION_TAG, ACCOUNT_TAG, QOS_TAG, TIME_TAG = (

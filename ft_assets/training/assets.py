@@ -28,7 +28,10 @@ from ft_assets.materialize import STORE_KIND, Materialization, figures, op_confi
 from ft_assets.objectives import Objective
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
-from ft_assets.pools import (
+from ft_assets.providers import slurm_job
+from ft_assets.providers.ec2_metadata import WORKER_TAG
+from ft_assets.providers.worker_identity import worker_tag
+from ft_assets.targets import (
     LOCAL,
     TARGET_TAG,
     GpuRequest,
@@ -36,12 +39,9 @@ from ft_assets.pools import (
     TargetError,
     parse_target,
     processes_on,
-    slurm_job,
     worker_has_cuda,
 )
-from ft_assets.pools.ec2_metadata import WORKER_TAG
-from ft_assets.pools.session import train_remote
-from ft_assets.pools.worker_identity import worker_tag
+from ft_assets.targets.session import train_remote
 from ft_assets.refs import PlanStats, RefOutdated, make_ref, read_ref, stats_of
 from ft_assets.resources import ObjectStoreResource
 from ft_assets.training import base_model as bm
@@ -294,7 +294,7 @@ def gpu_target(context) -> Target | None:
 def _train_on_target(
     context, target: Target, training, objective, m: Materialization, inputs, prefix: str, plan: dict | None
 ) -> dict:
-    """Train on ``target`` through a Pipes session (``ft_assets.pools.session``): the worker reads the base model and
+    """Train on ``target`` through a Pipes session (``ft_assets.targets.session``): the worker reads the base model and
     the shards from the store itself; its final weights come back here to be published as on a local run. With
     ``num_processes`` N (settled with the target's ``gpus=N``: ``processes_on``) the worker runs N ranks on its machine."""
     tokenized_shards, base_model = inputs

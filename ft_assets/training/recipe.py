@@ -56,7 +56,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 
 from ft_assets.objectives import Objective
-from ft_assets.pools.ec2_metadata import SpotNoticeWatcher
+from ft_assets.providers.ec2_metadata import SpotNoticeWatcher
 from ft_assets.storage import ObjectStore
 from ft_assets.training import loop
 from ft_assets.training.base_model import TOKENIZER_FILES

@@ -1,17 +1,17 @@
 """The training worker on a rented machine: ``python -m ft_assets.training.remote --store URL --job KEY``.
 
-Started by a GPU target (``ft_assets.pools``) for one attempt of one run. Everything it needs comes from the
+Started by a GPU target (``ft_assets.targets``) for one attempt of one run. Everything it needs comes from the
 object store: the attempt's job (``KEY``: the run's ``WorkerJob`` and its Pipes parameters, written by the
 control host), the base model and the shards (fetched into ``--work-dir``, kept there between attempts: a file
 already present with the right sha256 is not fetched again), the newest complete checkpoint of the run. It holds
 no key to the control plane: it reports to the run's Dagster process through Pipes messages that it writes to the
-store (``StoreMessageWriter``, read back by ``ft_assets.pools.session``), and the store credentials, if any, come
+store (``StoreMessageWriter``, read back by ``ft_assets.targets.session``), and the store credentials, if any, come
 from its environment.
 
-Where the control host renews its store keys (scoped keys, ``ft_assets.pools.renewal``) it follows the renewals.
+Where the control host renews its store keys (scoped keys, ``ft_assets.targets.renewal``) it follows the renewals.
 
 With ``num_processes`` N > 1 (the target's ``gpus=N``) it fetches the inputs once, then runs N ranks of
-``ft_assets.training.worker`` on this machine (torchrun, through ``ft_assets.pools.ranks``) and stays the attempt's one
+``ft_assets.training.worker`` on this machine (torchrun, through ``ft_assets.targets.ranks``) and stays the attempt's one
 Pipes reporter: rank 0's output lines become its log lines, rank 0 writes the result it publishes, a SIGTERM is passed
 on to the ranks (they checkpoint at the step boundary), each rank follows the key renewals itself, and a rank killed
 by a signal ends the attempt with 128 + that signal, as a killed worker does: the next attempt resumes from the newest
@@ -47,9 +47,9 @@ from dagster_pipes import (
 
 from ft_assets.manifests import fetch_artifact, publish_dir
 from ft_assets.objectives import named
-from ft_assets.pools.bootstrap import STARTED_ENV
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower, refused
-from ft_assets.pools.worker_identity import worker_tag
+from ft_assets.targets.bootstrap import STARTED_ENV
+from ft_assets.targets.renewal import EXIT_KEYS_REFUSED, follower, refused
+from ft_assets.providers.worker_identity import worker_tag
 from ft_assets.shards import fetch_images
 from ft_assets.storage import ObjectStore, open_store
 from ft_assets.training.gpu_monitor import GpuUtilization
@@ -127,7 +127,9 @@ def run_ranks(job: WorkerJob, base_dir: Path, shards_dir: Path, work_dir: Path, 
     for stale in [result, *refusal_files(result)]:  # an earlier attempt's, same folder
         stale.unlink(missing_ok=True)
     args = worker_args(job, base_dir, shards_dir, work_dir / "run", result=result)
-    command = torchrun_command(job.config, 0, f"127.0.0.1:{free_port()}", args, "ft_assets.pools.ranks", ("--tee", "3"))
+    command = torchrun_command(
+        job.config, 0, f"127.0.0.1:{free_port()}", args, "ft_assets.targets.ranks", ("--tee", "3")
+    )
     ranks = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: ranks.send_signal(signal.SIGTERM))
     try:

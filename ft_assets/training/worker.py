@@ -8,7 +8,7 @@ reports to Dagster through dagster-pipes when ``--pipes`` is given (the ``lora_a
 launch); the other ranks drop the Pipes channel they inherited.
 
 On a GPU target's machine (``ft_assets.training.remote`` runs the ranks) each rank follows the renewals of the
-worker's store keys itself (``ft_assets.pools.renewal``), and a rank whose keys the store refused writes
+worker's store keys itself (``ft_assets.targets.renewal``), and a rank whose keys the store refused writes
 ``launch.refusal_file`` beside ``--result`` and exits ``EXIT_KEYS_REFUSED`` (77).
 """
 
@@ -22,7 +22,7 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from ft_assets.objectives import OBJECTIVES, SFT, named
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, follower, refused
+from ft_assets.targets.renewal import EXIT_KEYS_REFUSED, follower, refused
 from ft_assets.storage import open_store
 from ft_assets.training.config import TrainingConfig
 from ft_assets.training.launch import refusal_file

@@ -17,7 +17,7 @@ import os
 from datetime import datetime, timedelta
 
 from ft_assets.control.idle_backends import ROLE_ENV, RentedWorker
-from ft_assets.pools.worker_identity import RUNPOD
+from ft_assets.providers.worker_identity import RUNPOD
 
 
 def list_workers(resource, now: datetime) -> list[RentedWorker]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from ft_assets.control.idle_backends import RentedWorker
-from ft_assets.pools import sdk_venv
-from ft_assets.pools.worker_identity import SKY
+from ft_assets.providers import sdk_venv
+from ft_assets.providers.worker_identity import SKY
 
 
 def list_workers(resource, now: datetime) -> list[RentedWorker]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from ft_assets.control.idle_backends import ROLE_ENV, RentedWorker
-from ft_assets.pools import sdk_venv
-from ft_assets.pools.worker_identity import VAST
+from ft_assets.providers import sdk_venv
+from ft_assets.providers.worker_identity import VAST
 
 
 def list_workers(resource, now: datetime) -> list[RentedWorker]:

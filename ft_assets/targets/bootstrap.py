@@ -4,7 +4,7 @@ A rented machine runs a stock CUDA PyTorch image (or any Python with torch) and 
 standard library only, is sent to it in the environment variable ``FT_BOOTSTRAP`` and started as
 ``python -c 'import os; exec(os.environ.pop("FT_BOOTSTRAP"))' MODULE ARGS...`` (``WorkerLaunch.argv``). It:
 
-1. takes the wheel the control host built and put in the store (``ft_assets.pools.code``): from
+1. takes the wheel the control host built and put in the store (``ft_assets.targets.code``): from
    ``FT_CODE_URL``, a presigned HTTPS URL of an S3 store or a path on a filesystem the machines share, and checks
    its sha256 against ``FT_CODE_SHA256`` (a wheel that differs is refused, not run);
 2. installs it in a virtual environment of its own, ``~/.cache/ft-assets/venvs/<sha256, 16 hex>-<base>``

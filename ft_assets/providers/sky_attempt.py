@@ -1,6 +1,6 @@
 """The run command of a SkyPilot managed job: ``dagster api execute_run`` on its first attempt, ``resume_run`` after.
 
-``SkyPilotRunLauncher`` submits ``python -m ft_assets.pools.sky_attempt '<ExecuteRunArgs>'``. SkyPilot
+``SkyPilotRunLauncher`` submits ``python -m ft_assets.providers.sky_attempt '<ExecuteRunArgs>'``. SkyPilot
 relaunches a preempted managed job (``job_recovery``) by running the task's command again, on a new
 cluster with none of the old one's disk, and tells the attempt nothing about being one. Dagster's
 ``execute_run`` refuses a run that is already started (with run monitoring on, it ignores it and exits

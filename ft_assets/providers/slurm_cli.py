@@ -1,7 +1,7 @@
 """Slurm's commands as ft-assets uses them: what a job asks for (``JobRequest``), ``sbatch``/``squeue``/``sacct``/``scancel``
 here or on a login node through ssh (``SlurmCli``), and what they answer (``JobState``).
 
-Shared by the two ways a training run meets Slurm: the ``slurm://`` GPU target (``ft_assets.pools.slurm``: one job
+Shared by the two ways a training run meets Slurm: the ``slurm://`` GPU target (``ft_assets.targets.slurm``: one job
 per attempt of a training worker) and the ``SlurmRunLauncher`` gpu pool (``ft_assets.control.slurm``: the whole
 Dagster run as a job).
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ft_assets.pools.ssh import SshClient
+from ft_assets.targets.ssh import SshClient
 
 JOB_NAME_PREFIX = "ft-assets-"  # + the run id: how the idle check finds this launcher's jobs
 DEFAULT_GRACE_S = 120  # SIGTERM this long before the time limit: a 7B LoRA checkpoint uploads in well under a minute

@@ -14,7 +14,7 @@ next to them (the ``WorkerJob`` and the Pipes parameters: nothing secret), and a
   cluster): each start writes its messages to a folder of its own under the attempt's (``<attempt>/<start>/``), the
   reader follows them in turn, and the attempt counts its ``starts``.
 - The worker's code: with the target's ``code=wheel`` (the default) this ft-assets as a wheel in the store, which the
-  worker installs before it starts (``ft_assets.pools.code``); the summary's ``code`` names it for the lineage.
+  worker installs before it starts (``ft_assets.targets.code``); the summary's ``code`` names it for the lineage.
 - A worker that fails (any other exit code) fails the step with the end of its output.
 - The worker's handle is kept at ``<run>/pipes/worker.json`` while it runs: a re-executed run (a control host
   that restarted mid-run) finds a worker still running there and cancels it before starting its own, so one run
@@ -37,10 +37,10 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, PipesEnvContextInjector
 from dagster._utils.interrupts import capture_interrupts, check_captured_interrupt
 
-from ft_assets.pools import GpuRequest, Target, WorkerLaunch, WorkerState
-from ft_assets.pools.code import WHEEL, worker_code
-from ft_assets.pools.credentials import STS, describe_keys, hours_of, scoped_keys, worker_keys, worker_secrets
-from ft_assets.pools.renewal import EXIT_KEYS_REFUSED, Renewal
+from ft_assets.targets import GpuRequest, Target, WorkerLaunch, WorkerState
+from ft_assets.targets.code import WHEEL, worker_code
+from ft_assets.targets.credentials import STS, describe_keys, hours_of, scoped_keys, worker_keys, worker_secrets
+from ft_assets.targets.renewal import EXIT_KEYS_REFUSED, Renewal
 from ft_assets.storage import ObjectNotFound, ObjectStore
 from ft_assets.training import remote
 from ft_assets.training.launch import WorkerJob

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from ft_assets.pools.ec2_metadata import WORKER_TAG, worker_instance_tag
+from ft_assets.providers.ec2_metadata import WORKER_TAG, worker_instance_tag
 
 SKY, RUNPOD, VAST = "sky:", "runpod:", "vast:"  # tag value prefixes, one per provider
 

@@ -1,6 +1,6 @@
 """The code a GPU target's worker runs: the control host's own ft-assets, as a wheel in the store (``code=wheel``).
 
-With ``code=wheel`` (every target's default) the session (``ft_assets.pools.session``) builds a wheel of the
+With ``code=wheel`` (every target's default) the session (``ft_assets.targets.session``) builds a wheel of the
 ft-assets that planned the run, from its source tree (``pip wheel --no-deps``, kept in
 ``~/.cache/ft-assets/worker-wheels/<source digest>/`` until the source changes), and puts it in the store once at
 ``code/<sha256>/<wheel>``. The worker's ``python`` needs torch and nothing of ft-assets: ``bootstrap.py`` fetches the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import ft_assets
 from ft_assets import layout
-from ft_assets.pools import INSTALLED, WHEEL, TargetError
+from ft_assets.targets import INSTALLED, WHEEL, TargetError
 from ft_assets.storage import ObjectStore, sha256_file
 
 CODE_MODES = (WHEEL, INSTALLED)

@@ -9,9 +9,9 @@ which SkyPilot keeps out of its logs, dashboard and job queue; its endpoint and 
 
 Settings (query): ``gpus`` (the cards the job rents, ``accelerators: NAME:N``, up to 8 on its one machine: the worker
 trains on all of them, one process each, torchrun on the machine; default the training settings' ``num_processes``,
-``ft_assets.pools.processes_on``), ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; default PyTorch's CUDA
+``ft_assets.targets.processes_on``), ``image`` (the worker image, SkyPilot's ``image_id: docker:<image>``; default PyTorch's CUDA
 runtime image, ``code.DEFAULT_IMAGE``), ``python`` (the image's Python, default ``python3``), ``code`` (``wheel``, the
-default: the worker installs the control host's ft-assets from the store first, ``ft_assets.pools.code``;
+default: the worker installs the control host's ft-assets from the store first, ``ft_assets.targets.code``;
 ``installed``: the image has ft-assets, e.g. one built from ``deploy/image``), ``disk`` (GB),
 ``recovery`` (SkyPilot's ``job_recovery`` strategy, default ``EAGER_NEXT_REGION``), ``restarts``
 (``max_restarts_on_errors``, default 0: a worker that fails is not run again by SkyPilot), ``poll`` (seconds between
@@ -35,8 +35,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of, sdk_venv
-from ft_assets.pools.code import DEFAULT_IMAGE, code_setting
+from ft_assets.providers import sdk_venv
+from ft_assets.targets import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
+from ft_assets.targets.code import DEFAULT_IMAGE, code_setting
 
 EXAMPLE = "skypilot:runpod,vast"
 DEFAULT_RECOVERY = {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 1}  # the execute_run pool's

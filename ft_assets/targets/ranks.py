@@ -1,5 +1,5 @@
 """torchrun of a GPU target's training processes, with how each rank ended in the exit code: ``python -m
-ft_assets.pools.ranks TORCHRUN-ARGS``.
+ft_assets.targets.ranks TORCHRUN-ARGS``.
 
 A worker with ``gpus=N`` (``ft_assets.training.remote``) runs its N ranks through this instead of ``torchrun``, whose
 exit code is 1 however a rank failed. Here torchrun's own ``run`` is called in this process and a rank that a signal

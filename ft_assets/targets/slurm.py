@@ -1,20 +1,20 @@
 """The ``slurm://[user@]login-host[:port]/partition`` target: each attempt of a training worker is one ``sbatch`` job.
 
-``sbatch``, ``squeue`` and ``scancel`` run on the login node through OpenSSH (``ft_assets.pools.slurm_cli.SlurmCli``),
+``sbatch``, ``squeue`` and ``scancel`` run on the login node through OpenSSH (``ft_assets.providers.slurm_cli.SlurmCli``),
 or on this machine when the host is ``localhost``. The job runs ``python -m ft_assets.training.remote`` (the same
 worker as every target: Pipes messages through the store), so the compute node needs the store, not the Dagster
 instance: no database reachable from the cluster, no ``DAGSTER_HOME`` there. It is submitted with ``--export=NONE``:
 nothing of the submitting shell's environment (the control host's database settings among it) reaches the job.
 
 Settings (query): ``code`` (``wheel``, the default: the job installs the control host's ft-assets from the store
-first, ``ft_assets.pools.code``; ``installed``: ``python`` has ft-assets), ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
+first, ``ft_assets.targets.code``; ``installed``: ``python`` has ft-assets), ``gpu`` (the partition's card as a cost-model offering, e.g. ``a100-80gb``: the plan is made for
 it and the run billed at its ``slurm_usd_per_h``), ``python`` (the cluster's Python with ft-assets, default ``python3``), ``workdir`` (on the shared
 filesystem, default ``~/ft-assets-worker``: the job's output file, its ``env`` and ``exit.code``), ``gpus`` (the job's
 GPUs, ``--gpus-per-node``: the worker trains on all of them, one process each, torchrun on the node; default the
-training settings' ``num_processes``, 1 unless set, ``ft_assets.pools.processes_on``), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
+training settings' ``num_processes``, 1 unless set, ``ft_assets.targets.processes_on``), ``time``, ``account``, ``qos`` (optional, as the cluster requires), ``sbatch`` (more options,
 repeatable: ``sbatch=--mem=64G``), and ``identity`` / ``option`` for ssh.
 
-Attempts are the session's (``ft_assets.pools.session``), not Slurm's: the job is ``--no-requeue``, and a job that
+Attempts are the session's (``ft_assets.targets.session``), not Slurm's: the job is ``--no-requeue``, and a job that
 Slurm preempts, that loses its node or that reaches its time limit (``--signal=B:TERM@120``: the worker checkpoints
 and exits 75) is followed by a new job that resumes from the newest checkpoint. ``scancel`` of the job by someone
 else fails the step (someone decided to stop it); a terminated run ``scancel``s its job.
@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
-from ft_assets.pools.code import code_setting
-from ft_assets.pools.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
-from ft_assets.pools.ssh import SshClient as LoginNode
+from ft_assets.targets import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
+from ft_assets.targets.code import code_setting
+from ft_assets.providers.slurm_cli import DEFAULT_GRACE_S, JobRequest, SlurmCli, SlurmError
+from ft_assets.targets.ssh import SshClient as LoginNode
 
 EXAMPLE = "slurm://me@login.hpc.example.edu/gpu?gpu=a100-80gb&python=/shared/venv/bin/python&time=08:00:00"
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the cluster account's home, on the shared filesystem

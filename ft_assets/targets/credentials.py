@@ -11,7 +11,7 @@ you say so. ``worker_keys`` decides, from the control host's environment and the
   and shards and read, write and delete under the run's own prefix, nothing else in the bucket. AWS grants the
   intersection of that policy and the policy of the IAM user whose keys this host holds (GetFederationToken needs an
   IAM user's long-term keys, not a role's session). Each lives ``FT_WORKER_KEYS_HOURS`` (default 12, at most 36) and is renewed
-  while the attempt runs (``ft_assets.pools.renewal``);
+  while the attempt runs (``ft_assets.targets.renewal``);
 - ``FT_WORKER_KEYS=host-keys``: this host's own ``AWS_*`` keys, said in so many words;
 - else (an S3-compatible store without STS and no keys for workers): refused in one line (``TargetError``).
 """
@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping
 from urllib.parse import urlparse
 
-from ft_assets.pools import TargetError
+from ft_assets.targets import TargetError
 from ft_assets.storage import ObjectStore, S3Store, env_credentials, join_key
 
 REMOTE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # the store's credentials

@@ -1,11 +1,14 @@
 """Where a training run's GPU work goes: the targets of ``--gpu TARGET`` and of the gpu pool's ``target`` setting.
 
+(A *pool* is something else: the gpu and cpu run launchers of ``ft_assets.control.launcher``; a pool's runs may go
+to a target.)
+
 A run's Dagster process always stays on the control host. With the target ``local`` (the default) it trains in
 that process, on this machine's GPU or CPU. Any other target starts the training worker on another machine and
-talks to it through Dagster Pipes, its messages carried by the object store (``ft_assets.pools.session``): the
+talks to it through Dagster Pipes, its messages carried by the object store (``ft_assets.targets.session``): the
 worker gets the code, the store and its run's settings, never the instance (no ``DAGSTER_HOME``, no database).
 
-Each target is one module here and one ``register`` line: it turns its URL into a ``Target``, which can start a
+Each target is one module here and one ``register`` line (its text's form and a few words for ``--gpu``'s help): it turns its URL into a ``Target``, which can start a
 worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``), and gives an ``EXAMPLE`` of
 its URL (the target's page under docs/deploy/ shows it; a checklist test parses it). ``parse_target`` is the one
 reader of a target's text; an unknown scheme is refused in one line that lists the known ones.
@@ -13,20 +16,19 @@ reader of a target's text; an unknown scheme is refused in one line that lists t
 | target | module | the worker runs |
 |---|---|---|
 | ``local`` | (none) | in the run's own process, as without a target |
-| ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.pools.ssh`` | on any host you can ssh into |
-| ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.pools.slurm`` | as an ``sbatch`` job per attempt |
-| ``skypilot:<infra>[,<infra>...]?image=IMAGE`` | ``ft_assets.pools.skypilot`` | as a SkyPilot managed job per attempt |
+| ``ssh://[user@]host[:port]?python=PATH&workdir=DIR`` | ``ft_assets.targets.ssh`` | on any host you can ssh into |
+| ``slurm://[user@]login-host/partition?python=PATH`` | ``ft_assets.targets.slurm`` | as an ``sbatch`` job per attempt |
+| ``skypilot:<infra>[,<infra>...]?image=IMAGE`` | ``ft_assets.targets.skypilot`` | as a SkyPilot managed job per attempt |
 
 Every target takes ``gpus=N``: the worker's machine has N GPUs, and the worker runs one training process on each
-(torchrun on that machine: ``ft_assets.pools.ranks``); it is the training settings' ``num_processes``, which may say it
+(torchrun on that machine: ``ft_assets.targets.ranks``); it is the training settings' ``num_processes``, which may say it
 instead (``processes_on``), so the plan and the bill count N cards either way.
 
-Beside them, what runs on the worker's side of each provider and the control host's helpers for it: ``code`` and
-``bootstrap`` (the worker's ft-assets, from a wheel), ``worker_identity`` and ``ec2_metadata`` (which rented machine
-this is), ``slurm_job`` (a Slurm job's signals and billing), ``sky_attempt`` (the command of the SkyPilot gpu pool's
-jobs), ``sdk_venv`` (SkyPilot's and Vast.ai's SDKs in a venv of their own), ``slurm_cli`` (sbatch, squeue, scancel),
-``ranks`` (torchrun of a worker's processes, each rank's end in its exit code);
-and the worker's store keys: ``credentials`` (which keys a worker gets) and ``renewal`` (renewed while it runs).
+Beside them, what a target's worker needs: ``session`` (the control host's side of its Pipes session: attempts,
+cancel, the bill), ``code`` and ``bootstrap`` (the worker's ft-assets, from a wheel), ``ranks`` (torchrun of a
+worker's processes, each rank's end in its exit code), and its store keys: ``credentials`` (which keys a worker gets)
+and ``renewal`` (renewed while it runs). What each provider's machines, SDKs and CLIs are (shared with the run
+launcher pools of ``ft_assets.control``) is in ``ft_assets.providers``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from urllib.parse import parse_qs
 BOOTSTRAP_LINE = 'import os; exec(os.environ.pop("FT_BOOTSTRAP"))'  # ``python -c`` of a worker with code=wheel
 TARGET_TAG = "ft/gpu-target"  # the run tag that names a training run's target (``ft-assets run --gpu``, the pool)
 LOCAL = "local"
-WHEEL, INSTALLED = "wheel", "installed"  # a target's ``code`` setting (``ft_assets.pools.code``)
+WHEEL, INSTALLED = "wheel", "installed"  # a target's ``code`` setting (``ft_assets.targets.code``)
 
 
 class TargetError(ValueError):
@@ -69,7 +71,7 @@ class WorkerLaunch:
     secrets: Mapping[str, str] = field(default_factory=dict)  # reach the worker as the target's secrets only
     gpu: GpuRequest | None = None  # the plan's card; None when the run was planned on no GPU (a CPU run)
     gpus: int = 1  # GPUs the worker's machine needs: one for each of its training processes (``num_processes``)
-    bootstrap: bool = False  # install the control host's wheel first (``code=wheel``: ``ft_assets.pools.code``)
+    bootstrap: bool = False  # install the control host's wheel first (``code=wheel``: ``ft_assets.targets.code``)
 
     def argv(self, python: str) -> list[str]:
         """The worker's command with ``python``: ``python -m MODULE ARGS``, or, with ``bootstrap``, the same through
@@ -128,19 +130,44 @@ class Target(ABC):
     def describe(self) -> str: ...
 
 
-TARGETS: dict[str, str] = {}  # scheme -> "module:function" that parses a target of that scheme
+@dataclass(frozen=True)
+class TargetKind:
+    """A registered kind of target: how its text is read, and how ``--gpu``'s help shows it."""
+
+    scheme: str
+    parser: str  # "package.module:function" that turns the target's text into its ``Target``
+    usage: str  # the text's form, e.g. ``ssh://[user@]host[:port]?python=PATH&workdir=DIR``
+    summary: str  # where the worker runs, in a few words
+
+    @property
+    def short(self) -> str:
+        """``ssh://...``, ``skypilot:...``: the kind in a one-line error."""
+        return f"{self.scheme}://..." if self.usage.startswith(f"{self.scheme}://") else f"{self.scheme}:..."
+
+
+TARGETS: dict[str, TargetKind] = {}  # scheme -> its kind, in the order registered (``--gpu``'s help shows that order)
 SKYPILOT_CLOUDS = ("runpod", "vast", "lambda", "aws", "gcp", "azure", "nebius", "kubernetes", "oci", "paperspace")
-SEPARATOR = {"skypilot": ":"}  # schemes written ``scheme:...`` (not a URL with a host)
 
 
-def register(scheme: str, parser: str) -> None:
-    """Make ``scheme://...`` (or ``scheme:...``) a target, parsed by ``parser`` ("package.module:function")."""
-    TARGETS[scheme] = parser
+def register(scheme: str, parser: str, usage: str, summary: str) -> None:
+    """Make ``scheme://...`` (or ``scheme:...``, as ``usage`` writes it) a target, parsed by ``parser``
+    ("package.module:function"); ``usage`` and ``summary`` are its entry in ``--gpu``'s help."""
+    TARGETS[scheme] = TargetKind(scheme, parser, usage, summary)
 
 
-register("ssh", "ft_assets.pools.ssh:parse")
-register("slurm", "ft_assets.pools.slurm:parse")
-register("skypilot", "ft_assets.pools.skypilot:parse")
+register("ssh", "ft_assets.targets.ssh:parse", "ssh://[user@]host[:port]?python=PATH&workdir=DIR",
+         "a worker on a host you can ssh into")  # fmt: skip
+register("skypilot", "ft_assets.targets.skypilot:parse", "skypilot:<infra>[,<infra>...]",
+         "a SkyPilot managed job, e.g. skypilot:runpod,vast")  # fmt: skip
+register("slurm", "ft_assets.targets.slurm:parse", "slurm://[user@]login-host/partition?python=PATH",
+         "an sbatch job per attempt")  # fmt: skip
+
+
+def gpu_help() -> str:
+    """``--gpu``'s help: ``local`` and every registered kind, from the registry."""
+    kinds = [f"{kind.usage} ({kind.summary})" for kind in TARGETS.values()]
+    listed = ", ".join(kinds[:-1]) + f", or {kinds[-1]}" if len(kinds) > 1 else "".join(kinds)
+    return f"where the training plane's GPU work runs: local (default: this machine), or {listed}; the run itself stays here"
 
 
 @dataclass(frozen=True)
@@ -223,9 +250,9 @@ def parse_target(text: str | None) -> Target | None:
     text = text.strip()
     scheme = scheme_of(text)
     if scheme not in TARGETS:
-        known = ", ".join([LOCAL, *(f"{name}{SEPARATOR.get(name, '://')}..." for name in sorted(TARGETS))])
+        known = ", ".join([LOCAL, *sorted(kind.short for kind in TARGETS.values())])
         hint = f"; for that cloud through SkyPilot write skypilot:{text}" if scheme in SKYPILOT_CLOUDS else ""
         raise TargetError(f"GPU target {text!r}: unknown kind {scheme!r}; use one of {known}{hint}")
-    module, _, function = TARGETS[scheme].partition(":")
+    module, _, function = TARGETS[scheme].parser.partition(":")
     parser: Callable[[str], Target] = getattr(importlib.import_module(module), function)
     return parser(text)

@@ -3,12 +3,12 @@
 A pod started by hand, a lab workstation, a Lambda instance: OpenSSH's own client runs every command, so the
 user's ``~/.ssh/config``, agent and ``known_hosts`` apply (``identity=PATH`` and ``option=Key=Value`` add to them).
 ``python`` needs torch; with ``code=wheel`` (the default) the worker first installs the control host's ft-assets from
-the store (``ft_assets.pools.code``), with ``code=installed`` it runs the ft-assets ``python`` has.
+the store (``ft_assets.targets.code``), with ``code=installed`` it runs the ft-assets ``python`` has.
 ``gpu=`` names the host's card as a cost-model offering: the plan is made, and the run billed, for that card at its
 on-demand price; without it the plan asks the host's ``nvidia-smi`` for its card (``card``) and takes that card's offering,
 and on a host without one the cheapest offering that fits, as for a cloud.
 ``gpus=N``: the host has N GPUs and the worker trains on all of them, one process each (torchrun on the host; the
-training settings' ``num_processes``, ``ft_assets.pools.processes_on``); the plan and the bill count N cards.
+training settings' ``num_processes``, ``ft_assets.targets.processes_on``); the plan and the bill count N cards.
 Each attempt gets its folder ``<workdir>/<attempt name>`` on the host:
 
 - ``env`` (mode 0600): the worker's secrets, written through ssh's stdin by ``umask 077; cat > env``; the wrapper
@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from ft_assets.pools import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
-from ft_assets.pools.code import code_setting
+from ft_assets.targets import WHEEL, Target, TargetError, WorkerLaunch, WorkerState, query_of
+from ft_assets.targets.code import code_setting
 
 EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # docs/deploy/ssh.md's and the registry checklist's
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home

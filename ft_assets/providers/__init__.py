@@ -1,0 +1,10 @@
+"""What each provider's machines, SDKs and command-line tools are, for the GPU targets (``ft_assets.targets``) and the
+run launcher pools (``ft_assets.control``) alike.
+
+- ``sdk_venv``: SkyPilot's and Vast.ai's SDKs, called in a venv of their own (their pins clash with Dagster's);
+- ``slurm_cli``: ``sbatch``, ``squeue``, ``scancel`` on this machine or a login node over ssh;
+- ``slurm_job``: a worker inside a Slurm job: its tags, its billing, why SIGTERM came, its other nodes;
+- ``sky_attempt``: the command of the SkyPilot pool's managed jobs (``execute_run``, ``resume_run`` when recovered);
+- ``ec2_metadata`` and ``worker_identity``: which rented machine this is (EC2, RunPod, Vast.ai, SkyPilot), for the
+  idle shutdown.
+"""
