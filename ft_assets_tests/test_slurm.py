@@ -46,7 +46,7 @@ from ft_assets.control.launcher import POOL_TAG, PoolRunLauncher
 from ft_assets.control.slurm import Container, SlurmRunLauncher, batch_script, worker_health
 from ft_assets.definitions import defs
 from ft_assets.manifests import fetch_artifact, read_manifest, verify_artifact
-from ft_assets.providers import slurm_job
+from ft_assets.providers import environment, slurm_job
 from ft_assets.targets import TARGET_TAG
 from ft_assets.providers.slurm_cli import (
     JobRequest,
@@ -199,10 +199,17 @@ def test_a_queued_job_costs_nothing_and_a_running_one_bills_from_its_start():
     env = {slurm_job.STARTED_ENV: "1000"}
     assert slurm_job.billed_since(500.0, env, wall_now=1090.0) == 410.0  # 90 s of the allocation before this process
     assert slurm_job.billed_since(500.0, {}) == 500.0
-    in_job = {"SLURM_JOB_ID": "42", "FT_GPU_TIER": "a100-80gb"}
-    assert slurm_job.billing(in_job) == {"FT_GPU_TIER": "a100-80gb", "FT_RENTAL_MODE": "slurm"}
-    assert slurm_job.billing({**in_job, "FT_RENTAL_MODE": "on_demand"})["FT_RENTAL_MODE"] == "on_demand"
-    assert slurm_job.billing({}) == {}
+    in_job = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu01", "FT_GPU_TIER": "a100-80gb"}
+    job, elsewhere = environment.current(in_job), environment.current({"FT_GPU_TIER": "a100-80gb"})
+    assert type(job) is environment.SlurmJob and type(elsewhere) is environment.Machine
+    assert job.billing() == {"FT_GPU_TIER": "a100-80gb", "FT_RENTAL_MODE": "slurm"}
+    assert environment.current({**in_job, "FT_RENTAL_MODE": "on_demand"}).billing()["FT_RENTAL_MODE"] == "on_demand"
+    assert elsewhere.billing() == {"FT_GPU_TIER": "a100-80gb"} and environment.current({}).billing() == {}
+    assert elsewhere.billed_since(500.0) == 500.0 and job.restarted() is None
+    assert job.tags()[slurm_job.JOB_TAG] == "42" and job.tags()[slurm_job.NODES_TAG] == "gpu01"
+    assert (
+        environment.current({**in_job, "SLURM_RESTART_COUNT": "2"}).restarted() == "Slurm requeued job 42 (restart 2)"
+    )
 
 
 # What `scontrol show job -o` printed in the trap, on Slurm 22.05 (trimmed), and what it means.

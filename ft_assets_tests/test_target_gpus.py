@@ -12,12 +12,13 @@ import pytest
 
 from ft_assets.control.assets import PlanConfig, plan_run
 from ft_assets.targets import GpuRequest, TargetError, WorkerLaunch, parse_target, processes_on
+from ft_assets.targets import ssh
 from ft_assets.targets.ranks import exit_code
 from ft_assets.targets.renewal import EXIT_KEYS_REFUSED
 from ft_assets.storage import KeysRefused
 from ft_assets.training import worker
 from ft_assets.training.config import TrainingConfig
-from ft_assets.training.launch import refusal_file
+from ft_assets.training.launch import SHUTDOWN_TIMEOUT_S, refusal_file
 from ft_assets.training.remote import ranks_outcome
 from ft_assets_tests.test_plan_settings import refs
 
@@ -59,6 +60,12 @@ def test_skypilot_rents_the_plans_count_of_cards():
     launch = WorkerLaunch("a-1", "ft_assets.training.remote", (), gpu=GpuRequest("a100-80gb", "A100-80GB", 4, "spot"),
                           gpus=4)  # fmt: skip
     assert parse_target("skypilot:runpod?gpus=4").task(launch)["resources"]["accelerators"] == {"A100-80GB": 4}
+
+
+def test_an_ssh_cancel_waits_for_torchrun_to_give_its_ranks_their_grace():
+    """A cancelled worker's ranks checkpoint at their step boundary; torchrun kills them SHUTDOWN_TIMEOUT_S after its
+    SIGTERM, and the ssh target must not kill the whole worker before that."""
+    assert ssh.CANCEL_GRACE_S > SHUTDOWN_TIMEOUT_S
 
 
 @pytest.mark.parametrize(

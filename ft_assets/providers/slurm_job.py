@@ -82,15 +82,6 @@ def job_tags(env: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {JOB_TAG: env["SLURM_JOB_ID"], NODES_TAG: env.get("SLURM_JOB_NODELIST", "")}
 
 
-def billing(env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """What this worker is billed as (``FT_GPU_TIER``, ``FT_RENTAL_MODE`` of its environment), recorded with the
-    adapter for ``training_cost``; in a Slurm job the rental mode defaults to ``slurm`` (the allocation's GPU-hour)."""
-    declared = {key: env[key] for key in ("FT_GPU_TIER", "FT_RENTAL_MODE") if env.get(key)}
-    if in_slurm_job(env):
-        declared.setdefault("FT_RENTAL_MODE", "slurm")
-    return declared
-
-
 def restart_count(env: Mapping[str, str] = os.environ) -> int:
     """How many times Slurm has requeued this job before this start (0 on its first start)."""
     return int(env.get("SLURM_RESTART_COUNT") or 0)
@@ -189,11 +180,11 @@ class SlurmPeerNodes:
                 self.process.wait()
 
 
-def act_on_signalled_stop(context, exc: Preempted, run_prefix: str) -> None:
+def act_on_signalled_stop(context, exc: Preempted, run_prefix: str, env: Mapping[str, str] = os.environ) -> None:
     """A SIGTERM that Slurm sent through the batch script (``signalled_stop``), in a Dagster step, checkpoint saved: a requeue
     leaves the run unfinished for the requeued job to resume; a cancel fails it for good. Returns for anything else
     (a time limit, a plain preemption): the caller fails the run as preempted and the run retry resumes it."""
-    stop = signalled_stop()
+    stop = signalled_stop(env)
     if stop is None or stop[0] == TIME_LIMIT:
         return
     reason, job = stop

@@ -38,7 +38,8 @@ EXAMPLE = "ssh://me@gpu-box:22?python=/opt/venv/bin/python"  # docs/deploy/ssh.m
 DEFAULT_WORKDIR = "ft-assets-worker"  # relative: under the login's home
 CONNECT_TIMEOUT_S = 15  # ssh's own: a host that does not answer is reported before SSH_TIMEOUT_S
 SSH_TIMEOUT_S = 60  # one ssh command (connect + run); a host that takes longer is reported unreachable
-CANCEL_GRACE_S = 30.0  # SIGTERM to SIGKILL: time for the worker's step-boundary checkpoint
+CANCEL_GRACE_S = 120.0  # SIGTERM to SIGKILL: the step-boundary checkpoint of every rank, after torchrun's own
+# grace for its ranks (training.launch.SHUTDOWN_TIMEOUT_S, 110 s); a worker that ends sooner is not waited for
 LOG_TAIL_LINES = 30  # of the worker's output, in the error of a worker that failed
 NVIDIA_SMI = "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits"  # the host's cards, one a line
 SETTINGS = ("python", "code", "workdir", "identity", "option", "gpu", "gpus")

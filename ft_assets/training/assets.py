@@ -28,9 +28,8 @@ from ft_assets.materialize import STORE_KIND, Materialization, figures, op_confi
 from ft_assets.objectives import Objective
 from ft_assets.partitions import dataset_version
 from ft_assets.plots import line_chart, number_label
-from ft_assets.providers import slurm_job
+from ft_assets.providers import environment
 from ft_assets.providers.ec2_metadata import WORKER_TAG
-from ft_assets.providers.worker_identity import worker_tag
 from ft_assets.targets import (
     LOCAL,
     TARGET_TAG,
@@ -51,7 +50,6 @@ from ft_assets.training.checkpoints import run_id
 from ft_assets.training.config import TrainingConfig, experts_of
 from ft_assets.training.gpu_monitor import GpuUtilization
 from ft_assets.training.launch import WorkerJob, free_port, torchrun_command, worker_args
-from ft_assets.training.nodes import PeerNodes, rendezvous_endpoint
 from ft_assets.training.preemption import Preempted
 from ft_assets.training.settings import TrainingSettings, training_config
 from ft_assets.training.tracking import LINEAGE_TAG, lineage_tags, record_run
@@ -162,22 +160,20 @@ def base_model(
 def _train_distributed(context, job: WorkerJob, base_dir: Path, shards_dir: Path, work: Path) -> dict:
     """torchrun of the training worker on this node (node 0), driven with dagster-pipes; rank 0 alone reports.
 
-    With ``num_nodes`` > 1 the other nodes start as an indexed Kubernetes Job (``ft_assets.training.nodes``) and
-    join this node's rendezvous; they are deleted when torchrun here ends, whatever the outcome.
+    With ``num_nodes`` > 1 the other nodes start where this step runs says (``ft_assets.providers.environment``): an
+    ``srun`` step of this Slurm job, else an indexed Kubernetes Job (``ft_assets.training.nodes``); they join this node's
+    rendezvous and are deleted when torchrun here ends, whatever the outcome.
     """
     result_path = work / "result.json"
     training = job.config
-    slurm = slurm_job.in_slurm_job()
-    if training.num_nodes == 1:
-        endpoint = f"127.0.0.1:{free_port()}"
-    else:
-        endpoint = slurm_job.rendezvous_endpoint() if slurm else rendezvous_endpoint()
+    here = environment.current()
+    endpoint = f"127.0.0.1:{free_port()}" if training.num_nodes == 1 else here.rendezvous()
     command = torchrun_command(
         training, 0, endpoint, worker_args(job, base_dir, shards_dir, work / "run", result=result_path, pipes=True)
     )
     peers = None
     if training.num_nodes > 1:  # the other nodes: a step of this Slurm job, else an indexed Kubernetes Job
-        peers = (slurm_job.SlurmPeerNodes if slurm else PeerNodes)(job, endpoint, context.log.info)
+        peers = here.peer_nodes(job, endpoint, context.log.info)
     try:
         dg.PipesSubprocessClient().run(
             command=command, context=context, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -266,7 +262,7 @@ def _train(
             objective=objective,
         ).to_json()  # fmt: skip
     except Preempted as exc:
-        slurm_job.act_on_signalled_stop(context, exc, m.store.uri(prefix))
+        environment.current().after_stop(context, exc, m.store.uri(prefix))  # a Slurm requeue or cancel ends here
         context.instance.add_run_tags(context.run.run_id, {PREEMPTED_TAG: "true"})
         raise dg.Failure(
             description=f"{PREEMPTED_TAG}: {exc}. The run retry resumes from the last checkpoint in {m.store.uri(prefix)}.",
@@ -344,11 +340,12 @@ def lora_adapter(
     """LoRA / QLoRA / full fine-tune on the packed shards, with the objective the data chose (SFT; DPO on preference
     pairs; GRPO on prompts), against the plan made for these settings; checkpoints to the store, resumes after
     preemption; logs to MLflow when ``mlflow_tracking_uri`` is set and to W&B with ``wandb.enabled``."""
-    started = slurm_job.billed_since(time.monotonic())  # a Slurm job bills from its allocation's start
+    here = environment.current()  # where this step runs: a Slurm job, or any other machine
+    started = here.billed_since(time.monotonic())  # a Slurm job bills from its allocation's start
     # where this runs, for idle auto-shutdown: a rented worker (EC2, RunPod, Vast.ai, SkyPilot), a Slurm job and nodes
-    worker = worker_tag() | slurm_job.job_tags()
-    if slurm_job.restart_count():
-        context.log.info(f"Slurm requeued job {os.environ['SLURM_JOB_ID']} (restart {slurm_job.restart_count()})")
+    worker = here.tags()
+    if here.restarted():
+        context.log.info(here.restarted())
     if worker:
         context.instance.add_run_tags(context.run.run_id, worker)
     try:
@@ -388,7 +385,7 @@ def lora_adapter(
             attempts=remote.get("attempts", []),
             worker_image=image,
             worker_code=remote.get("code"),  # the wheel a GPU target's worker installed: its sha256
-            billed_as=slurm_job.billing(),  # what the worker declared it is billed as; slurm in a Slurm job
+            billed_as=here.billing(),  # what the worker declared it is billed as; slurm in a Slurm job
         )
         stats["train_loss_window"] = training.logging_steps  # train_loss is the mean of the last this many steps
         portable.make_adapter_portable(result["output_dir"], base_model)  # names its base by Hub id or store key
