@@ -127,9 +127,9 @@ def plan_run(
     request = PlanRequest(shape, training, resolved.method, work, images=ImageLoad.of_shards(shards))
     try:
         pinned = where.pinned_gpu if where else None
-        if where and pinned is None:  # a host that says which card it has (nvidia-smi over ssh), at its on-demand price
+        if where and pinned is None:  # a host that says which card it has (nvidia-smi over ssh)
             card = where.card()
-            pinned = (cost_model.offering_for_card(*card).name, "on_demand") if card else None
+            pinned = (cost_model.offering_for_card(*card).name, where.rental) if card else None
         plan = plan_training(request, cost_model, config.purpose, region, pinned=pinned)
     except KeyError as exc:  # the target's gpu= names no offering, or its card is none
         raise ValueError(f"GPU target {target}: {exc.args[0]}") from None

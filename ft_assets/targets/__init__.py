@@ -8,8 +8,8 @@ that process, on this machine's GPU or CPU. Any other target starts the training
 talks to it through Dagster Pipes, its messages carried by the object store (``ft_assets.targets.session``): the
 worker gets the code, the store and its run's settings, never the instance (no ``DAGSTER_HOME``, no database).
 
-Each target is one module here and one ``register`` line (its text's form and a few words for ``--gpu``'s help): it turns its URL into a ``Target``, which can start a
-worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``), and gives an ``EXAMPLE`` of
+Each target is one module here and one ``register`` line (its text's form and a few words for ``--gpu``'s help):
+it turns its URL into a ``Target``, which can start a worker (``launch``), tell whether it still runs (``poll``) and stop it (``cancel``), and gives an ``EXAMPLE`` of
 its URL (the target's page under docs/deploy/ shows it; a checklist test parses it). ``parse_target`` is the one
 reader of a target's text; an unknown scheme is refused in one line that lists the known ones.
 
@@ -105,12 +105,14 @@ class Target(ABC):
     code: str = WHEEL  # wheel: the worker installs the control host's ft-assets first; installed: its python has it
     gpus: int | None = None  # the worker's GPUs, one training process each (``processes_on``); None: the settings'
     poll_s: float | None = None  # how often ``poll`` may be called; None: the session's own pace
+    gpu: str | None = None  # the machine's card as a cost-model offering (``gpu=``), where the target can name it
+    rental: ClassVar[str] = "on_demand"  # the rental mode its card is billed at (a Slurm partition's: slurm)
 
     @property
     def pinned_gpu(self) -> tuple[str, str] | None:
         """(offering, rental mode) the plan is made for, when the target names its card (``gpu=``); None: the plan
         chooses, from ``card()`` where the target can say which card its machine has."""
-        return None
+        return (self.gpu, self.rental) if self.gpu else None
 
     def card(self) -> tuple[str, int] | None:
         """The machine's first GPU (its name as ``nvidia-smi`` gives it, its memory in MiB), asked before anything is

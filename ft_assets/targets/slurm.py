@@ -76,11 +76,7 @@ class SlurmTarget(Target):
     code: str = WHEEL  # wheel: install the control host's ft-assets first; installed: ``python`` has it
 
     scheme = "slurm"
-
-    @property
-    def pinned_gpu(self) -> tuple[str, str] | None:
-        """(offering, rental mode) the plan is made for: the partition's card, at its price per allocated GPU-hour."""
-        return (self.gpu, "slurm") if self.gpu else None
+    rental = "slurm"  # its card planned and billed at its price per allocated GPU-hour
 
     def describe(self) -> str:
         where = (

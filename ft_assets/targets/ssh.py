@@ -98,11 +98,6 @@ class SshTarget(Target):
 
     scheme = "ssh"
 
-    @property
-    def pinned_gpu(self) -> tuple[str, str] | None:
-        """(offering, rental mode) the plan is made for: a host rented by the hour, at the card's on-demand price."""
-        return (self.gpu, "on_demand") if self.gpu else None
-
     def describe(self) -> str:
         where = f"{self.user}@{self.host}" if self.user else self.host
         return f"ssh://{where}{f':{self.port}' if self.port else ''}"

@@ -344,8 +344,8 @@ def lora_adapter(
     started = here.billed_since(time.monotonic())  # a Slurm job bills from its allocation's start
     # where this runs, for idle auto-shutdown: a rented worker (EC2, RunPod, Vast.ai, SkyPilot), a Slurm job and nodes
     worker = here.tags()
-    if here.restarted():
-        context.log.info(here.restarted())
+    if restarted := here.restarted():
+        context.log.info(restarted)
     if worker:
         context.instance.add_run_tags(context.run.run_id, worker)
     try:
